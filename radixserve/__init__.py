@@ -1,0 +1,2 @@
+"""Shared pieces of radixserve: generated protobuf code (`radixserve.v1`), flag handling,
+gRPC server plumbing and the `radixserve` launcher."""

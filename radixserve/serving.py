@@ -1,0 +1,84 @@
+"""gRPC server plumbing shared by the services: health, reflection and graceful stop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+# Messages up to 64 MiB: a long prompt's token ids or a large batch fit comfortably.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+class Health:
+    """The grpc.health.v1 servicer plus a one-call way to flip the whole server's status.
+
+    Status is reported both for the overall server ("") and for each named service.
+    """
+
+    def __init__(self, service_names: Iterable[str]) -> None:
+        self.servicer = health.aio.HealthServicer()
+        self._names = ["", *service_names]
+
+    async def set(self, serving: bool) -> None:
+        status = SERVING if serving else NOT_SERVING
+        for name in self._names:
+            await self.servicer.set(name, status)
+
+
+async def start_server(
+    host: str,
+    port: int,
+    register: Iterable,
+    service_names: Iterable[str],
+) -> tuple[grpc.aio.Server, Health, int]:
+    """Start a grpc.aio server with health (NOT_SERVING at first) and reflection.
+
+    `register` holds callables `f(server)` that add the service's servicers. Returns the
+    server, its health handle and the bound port (useful when `port` is 0).
+    """
+    names = list(service_names)
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    for add in register:
+        add(server)
+    health_handle = Health(names)
+    health_pb2_grpc.add_HealthServicer_to_server(health_handle.servicer, server)
+    await health_handle.set(False)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    await server.start()
+    return server, health_handle, bound
+
+
+def install_stop_handlers(stop: asyncio.Event) -> None:
+    """Set `stop` on SIGINT or SIGTERM, so the service can drain and exit cleanly."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+
+async def check_health(address: str, timeout_s: float) -> bool:
+    """True when the server at `address` answers SERVING for the overall server."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == SERVING

@@ -1,0 +1,120 @@
+"""Start real service processes for tests: bounded waits, and nothing left behind.
+
+Usage:
+    with ServiceProcesses() as procs:
+        procs.start("worker0", [sys.executable, "-m", "worker_service", ...], env={...})
+        procs.wait_healthy("127.0.0.1:50060", timeout_s=120)
+        ...
+Every process is started in its own process group and killed (SIGTERM, then SIGKILL) on exit,
+whether the test passed or failed. Each process's output goes to a log file whose tail is
+included in the error when a process dies or never becomes healthy.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def is_serving(address: str, timeout_s: float = 1.0) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+class ServiceProcesses:
+    def __init__(self) -> None:
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.logs: dict[str, Path] = {}
+        self._logdir = Path(tempfile.mkdtemp(prefix="radixserve-test-"))
+
+    def __enter__(self) -> "ServiceProcesses":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop_all()
+
+    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+        full_env.setdefault("OMP_NUM_THREADS", "1")
+        full_env.update(env or {})
+        log = self._logdir / f"{name}.log"
+        self.logs[name] = log
+        handle = open(log, "wb")
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=full_env, stdout=handle, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+        handle.close()
+        self.procs[name] = proc
+        return proc
+
+    def tail(self, name: str, num_chars: int = 4000) -> str:
+        path = self.logs.get(name)
+        if path is None or not path.exists():
+            return ""
+        return path.read_text(errors="replace")[-num_chars:]
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.tail(name)}")
+
+    def wait_healthy(self, address: str, timeout_s: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.check_alive()
+            if is_serving(address):
+                return
+            time.sleep(0.2)
+        logs = "\n".join(f"--- {n} ---\n{self.tail(n)}" for n in self.procs)
+        raise TimeoutError(f"{address} not SERVING after {timeout_s}s\n{logs}")
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs[name]
+        if proc.poll() is None:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=30)
+
+    def stop(self, name: str, timeout_s: float = 10.0) -> None:
+        proc = self.procs.get(name)
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=timeout_s)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=timeout_s)
+
+    def stop_all(self) -> None:
+        for name in list(self.procs):
+            self.stop(name)
+
+
+PYTHON = sys.executable
