@@ -1,0 +1,70 @@
+"""Container health check: exit 0 when a radixserve service answers SERVING, else 1.
+
+    python -m radixserve.health_probe [--address HOST:PORT] [--service NAME] [--timeout-s S]
+
+Used by docker-compose health checks (Kubernetes uses its built-in `grpc:` probes instead).
+Without `--address` it checks `127.0.0.1:$RADIXSERVE_PORT`, the port the service in the same
+container listens on, so one health check line fits every service. It imports grpc only (not
+torch), so a probe costs a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+DEFAULT_TIMEOUT_S = 3.0
+PORT_ENV = "RADIXSERVE_PORT"
+PROBE_HOST = "127.0.0.1"
+
+
+def probe(address: str, service: str = "", timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
+    """The health status name that `address` reports for `service` ("" is the whole server).
+
+    Returns "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN", ... or "UNREACHABLE" (with the gRPC
+    status code) when the call itself fails.
+    """
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        except grpc.RpcError as exc:
+            return f"UNREACHABLE ({exc.code().name})"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def default_address(environ: dict[str, str] | os._Environ) -> str | None:
+    port = environ.get(PORT_ENV, "").strip()
+    return f"{PROBE_HOST}:{port}" if port else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--address",
+        default=default_address(os.environ),
+        help=f"host:port to check (default: {PROBE_HOST}:${PORT_ENV})",
+    )
+    parser.add_argument(
+        "--service", default="", help="health service name to check (default: the whole server)"
+    )
+    parser.add_argument(
+        "--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
+        help="deadline of the check in seconds (default: %(default)s)",
+    )
+    args = parser.parse_args(argv)
+    if not args.address:
+        parser.error(f"give --address or set {PORT_ENV}")
+    if args.timeout_s <= 0:
+        parser.error("--timeout-s must be positive")
+    status = probe(args.address, args.service, args.timeout_s)
+    print(f"{args.address} {args.service or '(server)'}: {status}", file=sys.stderr)
+    return 0 if status == "SERVING" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
