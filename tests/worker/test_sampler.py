@@ -1,0 +1,182 @@
+"""The sampler: greedy, penalties, truncation, seeded reproducibility and logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from worker_service.sampler import SampleRow, Sampler, SamplingParams, apply_penalties, truncate
+
+# Probabilities of a crafted 6-token distribution; logits are their logs.
+PROBS = [0.40, 0.25, 0.15, 0.10, 0.06, 0.04]
+CRAFTED = torch.tensor([math.log(p) for p in PROBS])
+
+
+def row(params: SamplingParams, token_ids: list[int] | None = None, num_prompt: int = 0) -> SampleRow:
+    return SampleRow(params=params, token_ids=token_ids or [], num_prompt_tokens=num_prompt)
+
+
+def test_greedy_is_argmax() -> None:
+    logits = torch.randn(8, 500, generator=torch.Generator().manual_seed(0))
+    samples = Sampler(seed=1).sample(logits, [row(SamplingParams())] * 8)
+    assert [s.token_id for s in samples] == logits.argmax(dim=-1).tolist()
+    assert all(s.logprob is None and s.top_logprobs is None for s in samples)
+
+
+def test_penalties_change_logits_exactly() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0, -2.0]])
+    params = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
+    # Prompt tokens 0 and 1; output tokens 2, 2, 3.
+    out = apply_penalties(logits, [row(params, [0, 1, 2, 2, 3], num_prompt=2)])
+    expected = [
+        2.0 / 2,  # prompt token, positive: divided; presence/frequency ignore prompt tokens
+        -1.0 * 2,  # prompt token, negative: multiplied
+        0.5 / 2 - 0.5 - 0.25 * 2,  # output twice
+        3.0 / 2 - 0.5 - 0.25 * 1,  # output once
+        1.0,  # unseen
+        -2.0,  # unseen
+    ]
+    assert out[0].tolist() == pytest.approx(expected, abs=1e-6)
+    assert logits[0].tolist() == [2.0, -1.0, 0.5, 3.0, 1.0, -2.0], "input must not change"
+
+
+def test_penalties_apply_per_row_only() -> None:
+    logits = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])
+    rows = [row(SamplingParams(frequency_penalty=1.0), [0, 1, 1], num_prompt=1), row(SamplingParams(), [1, 1])]
+    out = apply_penalties(logits, rows)
+    assert out.tolist() == [[1.0, -1.0, 1.0], [1.0, 1.0, 1.0]]
+
+
+@pytest.mark.parametrize(
+    ("params", "allowed"),
+    [
+        (SamplingParams(temperature=1.0, top_k=2), {0, 1}),
+        (SamplingParams(temperature=1.0, top_p=0.7), {0, 1, 2}),  # 0.40 + 0.25 < 0.7: needs token 2
+        (SamplingParams(temperature=1.0, top_p=0.5), {0, 1}),
+        (SamplingParams(temperature=1.0, min_p=0.3), {0, 1, 2}),  # p >= 0.12
+        (SamplingParams(temperature=1.0, top_k=3, top_p=0.6), {0, 1}),  # top_p on the top-3 mass
+        # min_p acts after temperature: p^(1/0.7) of token 3 is below 0.2 * the top one.
+        (SamplingParams(temperature=0.7, top_k=5, min_p=0.2), {0, 1, 2}),
+    ],
+)
+def test_truncation_never_emits_excluded_tokens(params: SamplingParams, allowed: set[int]) -> None:
+    num_draws = 2000
+    logits = CRAFTED.repeat(num_draws, 1)
+    samples = Sampler(seed=7).sample(logits, [row(params)] * num_draws)
+    drawn = [s.token_id for s in samples]
+    assert set(drawn) == allowed  # every allowed token shows up, nothing else does
+    # The draw follows the renormalised distribution (5 sigma bounds for 2,000 draws).
+    scaled = [p ** (1 / params.temperature) for p in PROBS]
+    mass = sum(scaled[i] for i in allowed)
+    for token in allowed:
+        expected = scaled[token] / mass
+        sigma = math.sqrt(expected * (1 - expected) / num_draws)
+        assert abs(drawn.count(token) / num_draws - expected) < 5 * sigma + 1e-3
+
+
+def test_truncate_keeps_the_top_token_even_with_tiny_top_p() -> None:
+    probs = torch.softmax(CRAFTED, dim=-1).unsqueeze(0)
+    kept = truncate(probs, [row(SamplingParams(top_p=1e-6, min_p=1.0, top_k=1))])
+    assert kept[0].tolist() == [1.0, 0, 0, 0, 0, 0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**32),
+    top_k=st.integers(0, 12),
+    top_p=st.floats(0.05, 1.0),
+    min_p=st.floats(0.0, 1.0),
+    temperature=st.floats(0.1, 3.0),
+)
+def test_drawn_token_always_survives_truncation(
+    seed: int, top_k: int, top_p: float, min_p: float, temperature: float
+) -> None:
+    logits = torch.randn(4, 12, generator=torch.Generator().manual_seed(seed)) * 3
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+    rows = [row(params)] * 4
+    kept = truncate(torch.softmax(logits / temperature, dim=-1), rows)
+    for index, sample in enumerate(Sampler(seed=seed).sample(logits, rows)):
+        assert kept[index, sample.token_id] > 0
+        if top_k:
+            assert int((kept[index] > 0).sum()) <= top_k
+
+
+def test_seeded_rows_reproduce_alone_or_batched() -> None:
+    vocab = 1000
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(3))
+    seeded = SamplingParams(temperature=1.0, seed=1234)
+    history = [5, 6, 7, 8]  # 2 prompt + 2 output tokens
+    alone = Sampler().sample(logits[:1], [row(seeded, history, num_prompt=2)])[0].token_id
+    others = [row(SamplingParams(temperature=1.5)), row(SamplingParams(temperature=0.8, seed=99))]
+    for position in range(3):
+        batch_rows = list(others)
+        batch_rows.insert(position, row(seeded, history, num_prompt=2))
+        batch_logits = torch.cat([logits[1:3], logits[1:3]])[: len(batch_rows)].clone()
+        batch_logits[position] = logits[0]
+        samples = Sampler().sample(batch_logits, batch_rows)  # a fresh shared generator each time
+        assert samples[position].token_id == alone
+
+
+def test_seeded_draw_depends_on_seed_and_step() -> None:
+    logits = torch.zeros(1, 50_000)  # uniform: the token is the noise's choice alone
+    sampler = Sampler()
+
+    def draw(seed: int, num_outputs: int) -> int:
+        params = SamplingParams(temperature=1.0, seed=seed)
+        return sampler.sample(logits, [row(params, [1] * (3 + num_outputs), num_prompt=3)])[0].token_id
+
+    steps = [draw(42, n) for n in range(8)]
+    assert steps == [draw(42, n) for n in range(8)]
+    assert len(set(steps)) > 1, "each step must draw fresh noise"
+    assert [draw(43, n) for n in range(8)] != steps
+
+
+def test_unseeded_rows_vary_and_shared_seed_reproduces() -> None:
+    logits = torch.zeros(64, 50_000)
+    rows = [row(SamplingParams(temperature=1.0))] * 64
+    first = [s.token_id for s in Sampler(seed=5).sample(logits, rows)]
+    assert len(set(first)) > 32
+    assert first == [s.token_id for s in Sampler(seed=5).sample(logits, rows)]
+
+
+def test_logprobs_are_log_softmax_of_raw_logits() -> None:
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(11)) * 4
+    params = [
+        SamplingParams(temperature=0.5, top_k=3, repetition_penalty=1.3, logprobs=True, top_logprobs=5, seed=1),
+        SamplingParams(logprobs=True),
+        SamplingParams(temperature=2.0, top_logprobs=20, presence_penalty=1.0),
+    ]
+    rows = [row(params[0], [1, 2, 3], 1), row(params[1]), row(params[2], [4, 4], 1)]
+    samples = Sampler(seed=0).sample(logits, rows)
+    reference = torch.log_softmax(logits, dim=-1)
+    for index, sample in enumerate(samples):
+        assert sample.logprob == pytest.approx(reference[index, sample.token_id].item(), abs=1e-5)
+        wanted = params[index].top_logprobs
+        if wanted:
+            values, ids = reference[index].topk(wanted)
+            assert [t for t, _ in sample.top_logprobs] == ids.tolist()
+            assert [v for _, v in sample.top_logprobs] == pytest.approx(values.tolist(), abs=1e-5)
+        else:
+            assert sample.top_logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("params", "needle"),
+    [
+        (SamplingParams(temperature=-0.1), "temperature"),
+        (SamplingParams(top_k=-1), "top_k"),
+        (SamplingParams(top_p=0.0), "top_p"),
+        (SamplingParams(min_p=1.5), "min_p"),
+        (SamplingParams(repetition_penalty=0.0), "repetition_penalty"),
+        (SamplingParams(presence_penalty=float("nan")), "presence_penalty"),
+        (SamplingParams(top_logprobs=21), "top_logprobs"),
+    ],
+)
+def test_bad_sampling_values_are_named(params: SamplingParams, needle: str) -> None:
+    problems = params.problems()
+    assert len(problems) == 1 and needle in problems[0]
+    assert SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.05, seed=2**64 - 1).problems() == []

@@ -1,0 +1,76 @@
+"""Per-request bookkeeping on one rank.
+
+Every rank keeps the same states, because every rank applies the same tasks in the same order.
+Invariants a state keeps:
+  - `num_written == len(token_ids)`: every token in the history has its K/V in the pages;
+  - `len(page_table) * page_size >= num_written`;
+  - page ids are router-owned; the worker never allocates or frees them, it only remembers
+    which ones hold this request's sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from worker_service.sampler import SamplingParams
+
+
+@dataclass(slots=True)
+class RequestState:
+    """What one rank remembers about one request between steps.
+
+    `token_ids` is the request's sequence so far: the cached prefix it arrived with plus every
+    token computed since (prompt chunks, then the sampled tokens fed back as decode tokens).
+    Positions `[0, num_prompt_tokens)` are prompt; the rest are output, which the presence and
+    frequency penalties count and which step the seeded generator is on.
+    """
+
+    request_id: str
+    sampling: SamplingParams
+    num_prompt_tokens: int
+    page_table: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_written(self) -> int:
+        """Tokens whose K/V is in the pages; the next entry must start here."""
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens computed so far: the seeded generator's step number."""
+        return max(0, len(self.token_ids) - self.num_prompt_tokens)
+
+    def append(self, token_ids: list[int], page_ids: list[int]) -> None:
+        """Record tokens whose K/V was just written and the pages that were added for them."""
+        self.page_table.extend(page_ids)
+        self.token_ids.extend(token_ids)
+
+
+class RequestTable:
+    """The requests a rank knows, keyed by request id."""
+
+    def __init__(self) -> None:
+        self._states: dict[str, RequestState] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._states
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def get(self, request_id: str) -> RequestState | None:
+        return self._states.get(request_id)
+
+    def add(self, state: RequestState) -> None:
+        if state.request_id in self._states:
+            raise KeyError(f"request {state.request_id!r} is already known")
+        self._states[state.request_id] = state
+
+    def release(self, request_ids: list[str]) -> None:
+        """Forget these requests; unknown ids are ignored (a release may follow a reset)."""
+        for request_id in request_ids:
+            self._states.pop(request_id, None)
+
+    def clear(self) -> None:
+        self._states.clear()
