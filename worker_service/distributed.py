@@ -1,0 +1,84 @@
+"""The tensor-parallel group: process-group setup and the few collectives the model needs.
+
+Every rank of one model replica is in one group. With `world_size == 1` there is no process group
+at all and every collective is the identity, so single-rank code never touches torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_INIT_TIMEOUT_S = 300.0
+
+
+@dataclass(slots=True, frozen=True)
+class TPGroup:
+    """This process's place in the tensor-parallel group."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    device: str,
+    timeout_s: float = DEFAULT_INIT_TIMEOUT_S,
+) -> TPGroup:
+    """Join the TP group: NCCL when `device` is CUDA, gloo otherwise; nothing when alone.
+
+    Blocks until all `world_size` ranks have joined (or `timeout_s` passes).
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world size {world_size}")
+    if world_size == 1:
+        return TPGroup(0, 1)
+    is_cuda = torch.device(device).type == "cuda"
+    if is_cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if is_cuda else "gloo",
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    return TPGroup(rank, world_size)
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: TPGroup) -> torch.Tensor:
+    """Sum `tensor` over the group, in place; returns it."""
+    if group.world_size > 1:
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def gather_last_dim(tensor: torch.Tensor, sizes: list[int], group: TPGroup) -> torch.Tensor | None:
+    """Concatenate each rank's `[..., sizes[r]]` shard along the last dim, on rank 0 only.
+
+    Shards may differ in width (an uneven vocabulary split); they are padded to the widest for the
+    collective and trimmed after. Returns None on every rank but 0.
+    """
+    if group.world_size == 1:
+        return tensor
+    width = max(sizes)
+    padded = tensor
+    if tensor.shape[-1] < width:
+        padded = torch.nn.functional.pad(tensor, (0, width - tensor.shape[-1]))
+    padded = padded.contiguous()
+    buffers = [torch.empty_like(padded) for _ in range(group.world_size)] if group.is_first else None
+    dist.gather(padded, gather_list=buffers, dst=0)
+    if not group.is_first:
+        return None
+    return torch.cat([buf[..., :size] for buf, size in zip(buffers, sizes)], dim=-1)

@@ -1,0 +1,64 @@
+"""One rank's KV page pool: K and V for its own KV heads, every layer, every page.
+
+Page ids are the router's; they mean the same on every rank. Storage is one tensor
+`[2, num_layers, num_pages * page_size, local_kv_heads, head_dim]` so that a layer's K (or V) is a
+flat array of slots (`slot = page_id * page_size + offset`): new tokens are written with one
+`index_copy_`, and a sequence's context is gathered with one `index_select`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if num_pages < 1:
+            raise ValueError(f"the KV budget holds no page (num_pages={num_pages})")
+        self.num_layers = num_layers
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.buffer = torch.zeros(
+            (2, num_layers, num_pages * page_size, num_kv_heads, head_dim), dtype=dtype, device=device
+        )
+
+    @staticmethod
+    def bytes_per_page(
+        num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        """K and V of one page over all layers."""
+        element_size = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * page_size * num_kv_heads * head_dim * element_size
+
+    @classmethod
+    def pages_for_budget(
+        cls,
+        budget_bytes: int,
+        num_layers: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> int:
+        """How many whole pages fit in `budget_bytes`."""
+        return budget_bytes // cls.bytes_per_page(num_layers, page_size, num_kv_heads, head_dim, dtype)
+
+    def slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s K and V, each `[num_slots, num_kv_heads, head_dim]` (views)."""
+        return self.buffer[0, layer], self.buffer[1, layer]
+
+    def pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s K and V as `[num_pages, page_size, num_kv_heads, head_dim]` (views)."""
+        shape = (self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+        return self.buffer[0, layer].view(shape), self.buffer[1, layer].view(shape)

@@ -1,0 +1,71 @@
+"""Vocabulary-parallel embedding and LM head.
+
+Each rank holds a contiguous range of vocabulary rows. The embedding looks up the ids it owns,
+leaves zeros for the rest, and the group sums; the LM head computes logits for its own range and
+rank 0 gathers the full row. With tied embeddings both use one parameter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from worker_service.distributed import TPGroup, all_reduce_sum, gather_last_dim
+from worker_service.layers.sharding import balanced_range
+from worker_service.layers.weights import WeightSlice, make_param
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    def __init__(
+        self,
+        name: str,
+        vocab_size: int,
+        hidden_size: int,
+        group: TPGroup,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.group = group
+        self.vocab_range = balanced_range(vocab_size, group.world_size, group.rank)
+        self.weight = make_param(
+            (len(self.vocab_range), hidden_size), [WeightSlice(name, self.vocab_range)], dtype, device
+        )
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.group.world_size == 1:
+            return F.embedding(token_ids, self.weight)
+        local_ids = token_ids - self.vocab_range.start
+        outside = (local_ids < 0) | (local_ids >= len(self.vocab_range))
+        hidden = F.embedding(local_ids.masked_fill(outside, 0), self.weight)
+        hidden.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return all_reduce_sum(hidden, self.group)
+
+
+class ParallelLMHead(torch.nn.Module):
+    """Logits over the full vocabulary, assembled on rank 0 only (None elsewhere)."""
+
+    def __init__(
+        self,
+        name: str,
+        vocab_size: int,
+        hidden_size: int,
+        group: TPGroup,
+        dtype: torch.dtype,
+        device: torch.device,
+        tied_to: VocabParallelEmbedding | None = None,
+    ) -> None:
+        super().__init__()
+        self.group = group
+        self.shard_sizes = [len(balanced_range(vocab_size, group.world_size, r))
+                            for r in range(group.world_size)]
+        if tied_to is not None:
+            self.weight = tied_to.weight
+        else:
+            vocab_range = balanced_range(vocab_size, group.world_size, group.rank)
+            self.weight = make_param(
+                (len(vocab_range), hidden_size), [WeightSlice(name, vocab_range)], dtype, device
+            )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        return gather_last_dim(F.linear(hidden, self.weight), self.shard_sizes, self.group)

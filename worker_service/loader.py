@@ -1,0 +1,68 @@
+"""Fill a model's parameters from safetensors files, reading only this rank's slices.
+
+Every parameter carries `weight_slices` (see `layers/weights.py`). Each slice is read with
+`safe_open(...).get_slice(name)[rows, cols]`, which reads just those bytes from the file, so a
+rank never holds more than its own shard (plus one slice in flight).
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from worker_service.layers.weights import WeightSlice
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (single file or sharded with an index)."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / file for name, file in weight_map.items()}
+    single = model_dir / SINGLE_FILE
+    if not single.is_file():
+        raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
+    with safe_open(single, framework="pt") as handle:
+        return {name: single for name in handle.keys()}
+
+
+def _bounds(selection: range | None) -> slice:
+    return slice(None) if selection is None else slice(selection.start, selection.stop)
+
+
+def read_slice(handle, piece: WeightSlice) -> torch.Tensor:
+    tensor_slice = handle.get_slice(piece.name)
+    if len(tensor_slice.get_shape()) == 1:
+        return tensor_slice[_bounds(piece.rows)]
+    return tensor_slice[_bounds(piece.rows), _bounds(piece.cols)]
+
+
+@torch.inference_mode()
+def load_weights(model: torch.nn.Module, model_dir: Path) -> None:
+    """Copy every parameter's slices into it; KeyError names a tensor the checkpoint lacks."""
+    files = checkpoint_files(model_dir)
+    with ExitStack() as stack:
+        handles = {}
+        for param in model.parameters():  # tied parameters appear once
+            pieces = getattr(param, "weight_slices", None)
+            if pieces is None:
+                raise ValueError(f"parameter of shape {tuple(param.shape)} has no weight_slices")
+            parts = []
+            for piece in pieces:
+                if piece.name not in files:
+                    raise KeyError(f"{piece.name} is not in the checkpoint at {model_dir}")
+                path = files[piece.name]
+                if path not in handles:
+                    handles[path] = stack.enter_context(safe_open(path, framework="pt"))
+                parts.append(read_slice(handles[path], piece))
+            values = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+            if values.shape != param.shape:
+                raise ValueError(f"{pieces[0].name}: read {tuple(values.shape)}, expected {tuple(param.shape)}")
+            param.copy_(values)

@@ -1,0 +1,151 @@
+"""Llama (and, with q/k/v biases, Qwen2) as one tensor-parallel rank computes it.
+
+Per layer: RMSNorm -> merged q/k/v projection (column-parallel over this rank's heads) -> RoPE ->
+paged attention -> o_proj (row-parallel, all-reduce) -> residual -> RMSNorm -> merged gate/up
+(column-parallel) -> SwiGLU -> down_proj (row-parallel, all-reduce) -> residual. Tokens of all
+entries are one flat batch `[T, hidden]`; only attention knows where sequences begin and end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from worker_service.attention import AttentionBatch, paged_attention
+from worker_service.distributed import TPGroup
+from worker_service.kv_pool import KVPool
+from worker_service.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from worker_service.layers.linear import ColumnParallelLinear, RowParallelLinear
+from worker_service.layers.norm import RMSNorm
+from worker_service.layers.rotary import RotaryEmbedding
+from worker_service.layers.sharding import balanced_range, shard_heads
+
+
+@dataclass(slots=True)
+class StepContext:
+    """What every layer needs for one forward pass besides the hidden states."""
+
+    positions: torch.Tensor  # [T]
+    attention: AttentionBatch
+    pool: KVPool
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(torch.nn.Module):
+    def __init__(
+        self, config: Any, layer: int, group: TPGroup, rotary: RotaryEmbedding, qkv_bias: bool,
+        dtype: torch.dtype, device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.layer = layer
+        self.rotary = rotary
+        self.head_dim = head_dim_of(config)
+        heads = shard_heads(config.num_attention_heads, config.num_key_value_heads,
+                            group.world_size, group.rank)
+        self.num_q_heads, self.num_kv_heads = heads.num_q_heads, heads.num_kv_heads
+        prefix = f"model.layers.{layer}.self_attn"
+        d = self.head_dim
+        q_rows = range(heads.q_heads.start * d, heads.q_heads.stop * d)
+        kv_rows = range(heads.kv_heads.start * d, heads.kv_heads.stop * d)
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size,
+            [(f"{prefix}.q_proj", q_rows), (f"{prefix}.k_proj", kv_rows), (f"{prefix}.v_proj", kv_rows)],
+            qkv_bias, dtype, device,
+        )
+        self.o_proj = RowParallelLinear(f"{prefix}.o_proj", q_rows, config.hidden_size, group, dtype, device)
+
+    def forward(self, hidden: torch.Tensor, step: StepContext) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.output_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_q_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(step.positions, q, k)
+        k_slots, v_slots = step.pool.slots(self.layer)
+        attended = paged_attention(q, k, v, k_slots, v_slots, step.attention)
+        return self.o_proj(attended.view(num_tokens, -1))
+
+
+class LlamaMLP(torch.nn.Module):
+    def __init__(self, config: Any, layer: int, group: TPGroup, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"unsupported activation {config.hidden_act!r} (only silu)")
+        prefix = f"model.layers.{layer}.mlp"
+        features = balanced_range(config.intermediate_size, group.world_size, group.rank)
+        self.gate_up_proj = ColumnParallelLinear(
+            config.hidden_size, [(f"{prefix}.gate_proj", features), (f"{prefix}.up_proj", features)],
+            False, dtype, device,
+        )
+        self.down_proj = RowParallelLinear(f"{prefix}.down_proj", features, config.hidden_size, group,
+                                           dtype, device)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(torch.nn.Module):
+    def __init__(
+        self, config: Any, layer: int, group: TPGroup, rotary: RotaryEmbedding, qkv_bias: bool,
+        dtype: torch.dtype, device: torch.device,
+    ) -> None:
+        super().__init__()
+        prefix = f"model.layers.{layer}"
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(f"{prefix}.input_layernorm.weight", config.hidden_size, eps, dtype, device)
+        self.self_attn = LlamaAttention(config, layer, group, rotary, qkv_bias, dtype, device)
+        self.post_attention_layernorm = RMSNorm(
+            f"{prefix}.post_attention_layernorm.weight", config.hidden_size, eps, dtype, device
+        )
+        self.mlp = LlamaMLP(config, layer, group, dtype, device)
+
+    def forward(self, hidden: torch.Tensor, step: StepContext) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), step)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(torch.nn.Module):
+    """Checkpoint names follow Hugging Face's `LlamaForCausalLM`."""
+
+    qkv_bias = False
+
+    def __init__(self, config: Any, group: TPGroup, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        if getattr(config, "attention_bias", False) and not self.qkv_bias:
+            raise ValueError("Llama checkpoints with attention_bias=True are not supported")
+        if getattr(config, "mlp_bias", False):
+            raise ValueError("Llama checkpoints with mlp_bias=True are not supported")
+        self.config = config
+        self.group = group
+        self.num_kv_heads = shard_heads(config.num_attention_heads, config.num_key_value_heads,
+                                        group.world_size, group.rank).num_kv_heads
+        self.embed_tokens = VocabParallelEmbedding(
+            "model.embed_tokens.weight", config.vocab_size, config.hidden_size, group, dtype, device
+        )
+        rotary = RotaryEmbedding(config, head_dim_of(config), config.max_position_embeddings, dtype, device)
+        self.layers = torch.nn.ModuleList(
+            LlamaDecoderLayer(config, i, group, rotary, self.qkv_bias, dtype, device)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm("model.norm.weight", config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.lm_head = ParallelLMHead(
+            "lm_head.weight", config.vocab_size, config.hidden_size, group, dtype, device,
+            tied_to=self.embed_tokens if config.tie_word_embeddings else None,
+        )
+
+    def forward(
+        self, token_ids: torch.Tensor, step: StepContext, sample_indices: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Logits `[len(sample_indices), vocab]` of the chosen tokens, on rank 0 (None elsewhere)."""
+        hidden = self.embed_tokens(token_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, step)
+        # Only the sampled positions need the final norm and the (large) LM head.
+        return self.lm_head(self.norm(hidden[sample_indices]))

@@ -1,0 +1,19 @@
+"""Qwen2: the Llama computation with biases on the q/k/v projections."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from worker_service.distributed import TPGroup
+from worker_service.models.llama import LlamaForCausalLM
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True
+
+    def __init__(self, config: Any, group: TPGroup, dtype: torch.dtype, device: torch.device) -> None:
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("Qwen2 sliding-window attention is not supported")
+        super().__init__(config, group, dtype, device)
