@@ -9,6 +9,7 @@ MODEL_DIR := models/smollm2-135m-instruct
 PORT ?= 50051
 TP ?= 1
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
 
 .PHONY: run test setup protos model bench clean help
 
@@ -41,7 +42,8 @@ run: model
 	$(VENV)/bin/radixserve up --model $(MODEL_DIR) --tp $(TP) --port $(PORT)
 
 bench: model
-	$(PY) -m bench.run_all
+	$(PY) -m pip install --quiet -e ".[bench]"
+	$(PY) -m bench.run_all $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) models .pytest_cache .hypothesis radixserve/v1

@@ -1,0 +1,88 @@
+"""Closed-loop load generator over the public gRPC API.
+
+`concurrency` tasks each take the next conversation from a shared queue and run its turns one
+after another (a turn is sent when the previous turn's reply is complete, and carries it). The
+run stops taking new conversations when `time_limit_s` has passed; requests in flight finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from bench.records import RequestRecord
+from bench.workloads import Workload, build_messages
+from radixserve.serving import CHANNEL_OPTIONS
+from radixserve.v1 import generation_pb2, generation_pb2_grpc
+
+
+async def _one_request(
+    stub: generation_pb2_grpc.GenerationServiceStub,
+    messages: list[dict[str, str]],
+    max_tokens: int,
+    record: RequestRecord,
+    timeout_s: float,
+) -> str:
+    request = generation_pb2.GenerateRequest(
+        messages=[generation_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
+        max_tokens=max_tokens,
+        ignore_eos=True,
+        sampling=generation_pb2.SamplingParams(temperature=0.0),
+    )
+    pieces: list[str] = []
+    try:
+        async for chunk in stub.Generate(request, timeout=timeout_s):
+            now = time.monotonic()
+            if chunk.token_ids and record.first_token_s is None:
+                record.first_token_s = now
+            record.token_times_s.extend([now] * len(chunk.token_ids))
+            pieces.append(chunk.text)
+            if chunk.HasField("usage"):
+                record.prompt_tokens = chunk.usage.prompt_tokens
+                record.completion_tokens = chunk.usage.completion_tokens
+                record.cached_tokens = chunk.usage.cached_tokens
+    except grpc.aio.AioRpcError as exc:
+        record.error = f"{exc.code().name}: {exc.details()}"
+    record.end_s = time.monotonic()
+    return "".join(pieces)
+
+
+async def run_workload(
+    address: str,
+    workload: Workload,
+    concurrency: int,
+    time_limit_s: float,
+    request_timeout_s: float = 600.0,
+) -> tuple[list[RequestRecord], float]:
+    """Run `workload` at `concurrency`; returns the records and the wall time in seconds."""
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for index in range(len(workload.conversations)):
+        queue.put_nowait(index)
+    records: list[RequestRecord] = []
+    started = time.monotonic()
+    deadline = started + time_limit_s
+
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        stub = generation_pb2_grpc.GenerationServiceStub(channel)
+
+        async def client_loop() -> None:
+            while time.monotonic() < deadline:
+                try:
+                    conversation = queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    return
+                history: list[tuple[str, str]] = []
+                for turn, user in enumerate(workload.conversations[conversation]):
+                    messages = build_messages(workload.system_prompt, history, user)
+                    record = RequestRecord(conversation, turn, start_s=time.monotonic())
+                    records.append(record)
+                    reply = await _one_request(stub, messages, workload.max_tokens, record,
+                                               request_timeout_s)
+                    if record.error:
+                        break
+                    history.append((user, reply))
+
+        await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+    return records, time.monotonic() - started

@@ -1,0 +1,100 @@
+"""Turn a benchmark run into `latest.json`, a Markdown table (`latest.md`) and PNG plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Goals from the benchmark issue: (workload, figure, ratio wanted).
+GOALS = {
+    "shared_prefix": "output ≥ 8x, TTFT p50 ≥ 10x lower",
+    "distinct": "output ≥ 1.8x",
+    "single_stream": "output ≥ 2.2x",
+    "multi_turn": "(no goal)",
+}
+
+
+def _index(results: list[dict]) -> dict[tuple[str, int], dict]:
+    return {(r["workload"], r["concurrency"]): r for r in results}
+
+
+def _ratio(ours: float | None, theirs: float | None) -> str:
+    if not ours or not theirs:
+        return "n/a"
+    return f"{ours / theirs:.2f}x"
+
+
+def markdown(report: dict) -> str:
+    ours = _index(report["radixserve"]["results"])
+    peer = _index(report["transformers"]["results"])
+    lines = [
+        f"Measured {report['date']} on {report['machine']}; model `{report['model']}`, "
+        f"{report['dtype']}, TP={report['tp']}.",
+        "",
+        "| workload | conc. | engine | out tok/s | total tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms "
+        "| cache hit | out ratio | TTFT p50 ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key, row in ours.items():
+        other = peer.get(key)
+        for engine, r in (("radixserve", row), ("transformers", other)):
+            if r is None:
+                continue
+            is_ours = engine == "radixserve"
+            out_ratio = _ratio(row["output_tokens_per_s"], other and other["output_tokens_per_s"]) if is_ours else ""
+            ttft_ratio = _ratio(other and other["ttft_p50_ms"], row["ttft_p50_ms"]) if is_ours else ""
+            hit = "" if r["cache_hit_rate"] is None else f"{100 * r['cache_hit_rate']:.0f}%"
+            lines.append(
+                f"| {key[0]} | {key[1]} | {engine} | {r['output_tokens_per_s']} | {r['total_tokens_per_s']} "
+                f"| {r['ttft_p50_ms']} / {r['ttft_p99_ms']} | {r['itl_p50_ms']} / {r['itl_p99_ms']} "
+                f"| {hit} | {out_ratio} | {ttft_ratio} |"
+            )
+    peaks = report["radixserve"].get("worker_peak_rss_mb") or []
+    lines += [
+        "",
+        f"Peak memory (VmHWM): radixserve workers {', '.join(f'{p} MiB' for p in peaks) or 'n/a'}; "
+        f"transformers process {report['transformers'].get('peak_rss_mb')} MiB.",
+        "Ratios: output tokens/s of radixserve over transformers; TTFT p50 of transformers over radixserve.",
+        "Goals: " + "; ".join(f"{k}: {v}" for k, v in GOALS.items()) + ".",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for figure, label, name in (("output_tokens_per_s", "output tokens/s", "throughput.png"),
+                                ("ttft_p50_ms", "TTFT p50 (ms)", "ttft.png")):
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        for ax, workload in zip(axes, ("shared_prefix", "distinct")):
+            for engine, style in (("radixserve", "o-"), ("transformers", "s--")):
+                points = sorted((r["concurrency"], r[figure]) for r in report[engine]["results"]
+                                if r["workload"] == workload and r[figure] is not None)
+                if points:
+                    ax.plot(*zip(*points), style, label=engine)
+            ax.set_title(workload)
+            ax.set_xlabel("concurrency")
+            ax.set_ylabel(label)
+            ax.set_xscale("log", base=2)
+            if figure.startswith("ttft"):
+                ax.set_yscale("log")
+            ax.grid(True, alpha=0.3)
+            ax.legend()
+        fig.suptitle(f"{label} vs concurrency — {report['date']}")
+        fig.tight_layout()
+        path = out_dir / name
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write_report(report: dict, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "latest.json").write_text(json.dumps(report, indent=2))
+    (out_dir / "latest.md").write_text(markdown(report))
+    plot(report, out_dir)

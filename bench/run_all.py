@@ -1,0 +1,160 @@
+"""`make bench`: every workload through radixserve and through transformers, side by side.
+
+1. Starts the stack (`radixserve up`) and runs each workload at each concurrency through the
+   public gRPC API; records the workers' peak memory.
+2. Stops the stack and runs the same jobs through transformers' `generate` in a separate process.
+3. Writes `bench/results/latest.json`, `latest.md` and PNG plots (`bench.report`).
+
+Both engines run on the same machine in the same run, one after the other, never at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from bench import workloads as wl
+from bench.loadgen import run_workload
+from bench.records import summarize
+from bench.report import write_report
+from radixserve.serving import check_health
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def build_jobs(args: argparse.Namespace) -> list[tuple[wl.Workload, int]]:
+    scale = 1 if args.quick else 2
+    jobs: list[tuple[wl.Workload, int]] = []
+    for concurrency in args.concurrency:
+        jobs.append((wl.shared_system_prompt(max(8, 2 * concurrency) * scale, args.max_tokens), concurrency))
+        jobs.append((wl.distinct_prompts(max(4, 2 * concurrency) * scale, args.max_tokens), concurrency))
+    jobs.append((wl.single_stream(args.single_stream_tokens), 1))
+    jobs.append((wl.multi_turn(4 * scale, 4, args.max_tokens), 4))
+    return jobs
+
+
+def worker_pids(launcher_pid: int) -> list[int]:
+    """Pids of the launcher's descendants that run `worker_service`."""
+    parents: dict[int, int] = {}
+    cmdlines: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+            cmdlines[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, ValueError, IndexError):
+            continue
+
+    def descends(pid: int) -> bool:
+        seen = 0
+        while pid in parents and seen < 64:
+            if parents[pid] == launcher_pid:
+                return True
+            pid, seen = parents[pid], seen + 1
+        return False
+
+    return [pid for pid, cmd in cmdlines.items() if "worker_service" in cmd and descends(pid)]
+
+
+def peak_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def wait_serving(address: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"[bench] the stack exited with {proc.returncode} before it was ready")
+        if await check_health(address, timeout_s=1.0):
+            return
+        await asyncio.sleep(0.5)
+    raise SystemExit(f"[bench] {address} not serving after {timeout_s}s")
+
+
+def run_server_side(args: argparse.Namespace, jobs: list[tuple[wl.Workload, int]]) -> dict:
+    cmd = [str(ROOT / ".venv" / "bin" / "radixserve"), "up", "--model", args.model,
+           "--tp", str(args.tp), "--port", str(args.port)]
+    print(f"[bench] starting: {' '.join(cmd)}", flush=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True,
+                            stdout=subprocess.DEVNULL if not args.verbose else None)
+    address = f"127.0.0.1:{args.port}"
+    results = []
+    try:
+        asyncio.run(wait_serving(address, proc, args.startup_timeout_s))
+        for workload, concurrency in jobs:
+            records, wall_s = asyncio.run(run_workload(address, workload, concurrency, args.time_limit_s))
+            summary = summarize(records, wall_s)
+            results.append({"workload": workload.name, "concurrency": concurrency, **summary})
+            print(f"[radixserve] {workload.name} c={concurrency}: {summary['output_tokens_per_s']} out tok/s, "
+                  f"ttft p50 {summary['ttft_p50_ms']} ms, hit rate {summary['cache_hit_rate']}", flush=True)
+        peaks = {pid: round(peak_rss_mb(pid), 1) for pid in worker_pids(proc.pid)}
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return {"results": results, "worker_peak_rss_mb": list(peaks.values())}
+
+
+def run_peer_side(args: argparse.Namespace, jobs: list[tuple[wl.Workload, int]]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        job_file, out_file = Path(tmp) / "jobs.json", Path(tmp) / "out.json"
+        job_file.write_text(json.dumps([
+            {"workload": asdict(w), "concurrency": c, "model_dir": args.model, "time_limit_s": args.time_limit_s}
+            for w, c in jobs
+        ]))
+        subprocess.run([sys.executable, "-m", "bench.peer_transformers", "--job", str(job_file),
+                        "--out", str(out_file)], cwd=ROOT, check=True)
+        return json.loads(out_file.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="models/smollm2-135m-instruct", help="model folder")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the stack")
+    parser.add_argument("--port", type=int, default=50151, help="gateway port of the benchmarked stack")
+    parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16],
+                        help="comma-separated concurrency levels for the shared-prefix and distinct workloads")
+    parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
+    parser.add_argument("--single-stream-tokens", type=int, default=256, help="output tokens of the single stream")
+    parser.add_argument("--time-limit-s", type=float, default=180.0, help="per run: no new conversations after this")
+    parser.add_argument("--startup-timeout-s", type=float, default=300.0, help="wait this long for the stack")
+    parser.add_argument("--quick", action="store_true", help="half the requests per run")
+    parser.add_argument("--skip-peer", action="store_true", help="do not run transformers")
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results", help="where results go")
+    parser.add_argument("--verbose", action="store_true", help="show the stack's logs")
+    args = parser.parse_args()
+
+    jobs = build_jobs(args)
+    server = run_server_side(args, jobs)
+    peer = {"results": [], "peak_rss_mb": None} if args.skip_peer else run_peer_side(args, jobs)
+    report = {
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.python_implementation()} "
+                   f"{platform.python_version()}",
+        "model": args.model, "tp": args.tp, "dtype": "float32",
+        "radixserve": server, "transformers": peer,
+    }
+    write_report(report, args.out_dir)
+    print(f"[bench] wrote {args.out_dir}/latest.json, latest.md and plots", flush=True)
+
+
+if __name__ == "__main__":
+    main()

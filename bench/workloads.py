@@ -1,0 +1,85 @@
+"""The benchmark workloads, as chat conversations both engines run identically.
+
+Every request is greedy with `ignore_eos`, so radixserve and transformers produce exactly
+`max_tokens` tokens each and the token counts of both sides are the same.
+
+A workload is a list of conversations. A conversation is a list of turns; turn t's messages are
+the conversation so far (earlier turns' user messages and the assistant replies the engine gave)
+plus the new user message, so a multi-turn conversation extends its own prefix every turn.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+WORDS = (
+    "the model serves requests over a stream of tokens while the cache keeps pages of keys and "
+    "values for every prefix it has seen so that later requests reuse them instead of computing "
+    "again each step batches decodes with prefill chunks under a token budget and the router "
+    "decides which pages hold which positions across ranks that share one group"
+).split()
+
+
+def synthetic_text(num_words: int, seed: int) -> str:
+    """Deterministic filler text: different seeds give different text of the same shape."""
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(num_words)).capitalize() + "."
+
+
+@dataclass(frozen=True)
+class Workload:
+    """`conversations[c][t]` is the user message of turn t of conversation c."""
+
+    name: str
+    description: str
+    system_prompt: str | None
+    conversations: list[list[str]]
+    max_tokens: int
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(turns) for turns in self.conversations)
+
+
+def shared_system_prompt(num_requests: int, max_tokens: int, prompt_words: int = 450) -> Workload:
+    """(a) Many requests behind one long system prompt: the prefix cache's best case."""
+    system = "You are a support assistant. Follow this policy. " + synthetic_text(prompt_words, 7)
+    questions = [[f"Question {i}: {synthetic_text(12, 1000 + i)}"] for i in range(num_requests)]
+    return Workload("shared_prefix", "long shared system prompt, short distinct questions",
+                    system, questions, max_tokens)
+
+
+def distinct_prompts(num_requests: int, max_tokens: int, prompt_words: int = 150) -> Workload:
+    """(b) Distinct prompts: nothing to reuse, compute-bound."""
+    prompts = [[synthetic_text(prompt_words, 2000 + i)] for i in range(num_requests)]
+    return Workload("distinct", "distinct prompts, no shared prefix", None, prompts, max_tokens)
+
+
+def single_stream(max_tokens: int) -> Workload:
+    """(c) One long stream: decode latency of a single sequence."""
+    return Workload("single_stream", "one request, long output", None,
+                    [["Write a long story about a lighthouse keeper."]], max_tokens)
+
+
+def multi_turn(num_conversations: int, num_turns: int, max_tokens: int) -> Workload:
+    """(d) Multi-turn chat: each turn resends the conversation so far plus a new message."""
+    conversations = [
+        [f"Turn {t}: {synthetic_text(25, 3000 + 100 * c + t)}" for t in range(num_turns)]
+        for c in range(num_conversations)
+    ]
+    return Workload("multi_turn", f"{num_turns}-turn chats, each turn extends the last",
+                    "You are a helpful assistant.", conversations, max_tokens)
+
+
+def build_messages(system_prompt: str | None, history: list[tuple[str, str]], user: str
+                   ) -> list[dict[str, str]]:
+    """Chat messages for a turn: system, earlier (user, assistant) pairs, the new user message."""
+    messages: list[dict[str, str]] = []
+    if system_prompt:
+        messages.append({"role": "system", "content": system_prompt})
+    for asked, answered in history:
+        messages.append({"role": "user", "content": asked})
+        messages.append({"role": "assistant", "content": answered})
+    messages.append({"role": "user", "content": user})
+    return messages
