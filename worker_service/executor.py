@@ -1,0 +1,238 @@
+"""Applies DecodeTasks on one rank: validate, update request state, run the model, sample.
+
+Every rank runs the same executor over the same tasks. Validation reads only the task and the
+rank's request table, which are identical on every rank, so all ranks reach the same verdict
+without entering a collective: a malformed task is rejected whole on every rank, nothing of it
+is applied, and no rank is left waiting in an all-reduce for the others.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from worker_service.forward_batch import ForwardEntry, ModelInfo
+from worker_service.request_state import RequestState, RequestTable
+from worker_service.sampler import SampleRow, Sampler, SamplingParams
+
+log = logging.getLogger(__name__)
+
+# gRPC status code numbers carried in TaskError.code.
+INVALID_ARGUMENT = 3
+INTERNAL = 13
+
+
+@dataclass(slots=True, frozen=True)
+class NewRequest:
+    """Sent with a request's first entry: its sampling settings and cached prefix."""
+
+    sampling: SamplingParams
+    cached_token_ids: list[int]
+    num_prompt_tokens: int
+
+
+@dataclass(slots=True, frozen=True)
+class TaskEntry:
+    """One request's work in a step (see worker.proto TaskEntry)."""
+
+    request_id: str
+    token_ids: list[int]
+    start_position: int
+    page_ids: list[int]
+    sample: bool
+    new_request: NewRequest | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class Task:
+    """One step, the same on every rank: reset and releases first, then the entries."""
+
+    task_id: int
+    entries: list[TaskEntry]
+    reset: bool = False
+    release_request_ids: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True, frozen=True)
+class SampledToken:
+    request_id: str
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class TaskError:
+    code: int
+    message: str
+
+
+@dataclass(slots=True, frozen=True)
+class TaskResult:
+    """Rank 0: one token per `sample=True` entry, in entry order. Other ranks: none."""
+
+    task_id: int
+    rank: int
+    tokens: list[SampledToken] = field(default_factory=list)
+    error: TaskError | None = None
+
+
+class Runner(Protocol):
+    """What the executor needs of a model runner (see forward_batch.py)."""
+
+    info: ModelInfo
+
+    def forward(self, entries: list[ForwardEntry]) -> torch.Tensor | None: ...
+
+
+class InvalidTask(ValueError):
+    """A task that breaks the protocol; its message says which entry and why."""
+
+
+class Executor:
+    """Owns one rank's request table and applies tasks to it, strictly one at a time."""
+
+    def __init__(self, runner: Runner, sampler: Sampler | None = None) -> None:
+        self.runner = runner
+        self.info = runner.info
+        self.requests = RequestTable()
+        # Only rank 0 samples; the other ranks never see logits.
+        self.sampler: Sampler | None = None
+        if self.info.rank == 0:
+            self.sampler = sampler if sampler is not None else Sampler(self.info.device)
+
+    def execute(self, task: Task) -> TaskResult:
+        """Apply `task`; a malformed one comes back with an INVALID_ARGUMENT error, unapplied."""
+        try:
+            states = self._validate(task)
+        except InvalidTask as exc:
+            log.warning("task %d rejected: %s", task.task_id, exc)
+            return TaskResult(task.task_id, self.info.rank, error=TaskError(INVALID_ARGUMENT, str(exc)))
+        try:
+            tokens = self._run(task, states)
+        except Exception as exc:  # a broken runner, not a bad task: report it, apply nothing
+            log.exception("task %d failed", task.task_id)
+            return TaskResult(task.task_id, self.info.rank, error=TaskError(INTERNAL, f"forward failed: {exc}"))
+        self._commit(task, states)
+        return TaskResult(task.task_id, self.info.rank, tokens=tokens)
+
+    def _run(self, task: Task, states: list[RequestState]) -> list[SampledToken]:
+        """Forward the entries and, on rank 0, sample; reads the states but changes nothing."""
+        forward_entries = [
+            ForwardEntry(
+                token_ids=list(entry.token_ids),
+                start_position=entry.start_position,
+                page_table=state.page_table + list(entry.page_ids),
+                sample=entry.sample,
+            )
+            for entry, state in zip(task.entries, states)
+        ]
+        logits = self.runner.forward(forward_entries) if forward_entries else None
+        sampled = [(entry, state) for entry, state in zip(task.entries, states) if entry.sample]
+        if self.sampler is None or not sampled:
+            return []
+        if logits is None or logits.dim() != 2 or logits.shape[0] != len(sampled):
+            shape = None if logits is None else tuple(logits.shape)
+            raise RuntimeError(f"runner returned logits {shape} for {len(sampled)} sampled entries")
+        # The sampler sees the sequence including this step's tokens, before it is committed.
+        rows = [
+            SampleRow(state.sampling, state.token_ids + list(entry.token_ids), state.num_prompt_tokens)
+            for entry, state in sampled
+        ]
+        samples = self.sampler.sample(logits, rows)
+        return [
+            SampledToken(entry.request_id, sample.token_id, sample.logprob, sample.top_logprobs)
+            for (entry, _), sample in zip(sampled, samples)
+        ]
+
+    def _validate(self, task: Task) -> list[RequestState]:
+        """Check every entry against the table as it will be after reset and releases.
+
+        Returns, per entry, the state the entry extends: the existing one, or a fresh (not
+        yet registered) one for a new request. Nothing is mutated.
+        """
+        released = set(task.release_request_ids)
+        seen: set[str] = set()
+        states = []
+        for index, entry in enumerate(task.entries):
+            where = f"entry {index} (request {entry.request_id!r})"
+            if not entry.request_id:
+                raise InvalidTask(f"entry {index}: request_id is empty")
+            if entry.request_id in seen:
+                raise InvalidTask(f"{where}: request appears more than once in the task")
+            seen.add(entry.request_id)
+            known = None if task.reset or entry.request_id in released else self.requests.get(entry.request_id)
+            if entry.new_request is not None:
+                if known is not None:
+                    raise InvalidTask(f"{where}: new_request for a request this rank already knows")
+                state = self._new_state(entry.request_id, entry.new_request, where)
+            elif known is None:
+                raise InvalidTask(f"{where}: unknown request id (no new_request and not known to this rank)")
+            else:
+                state = known
+            self._check_entry(entry, state, where)
+            states.append(state)
+        return states
+
+    def _new_state(self, request_id: str, new: NewRequest, where: str) -> RequestState:
+        problems = new.sampling.problems()
+        if problems:
+            raise InvalidTask(f"{where}: bad sampling: {'; '.join(problems)}")
+        if not 0 <= new.num_prompt_tokens <= self.info.context_len:
+            raise InvalidTask(
+                f"{where}: num_prompt_tokens {new.num_prompt_tokens} is outside "
+                f"[0, context length {self.info.context_len}]"
+            )
+        self._check_token_ids(new.cached_token_ids, f"{where}: cached_token_ids")
+        return RequestState(
+            request_id=request_id,
+            sampling=new.sampling,
+            num_prompt_tokens=new.num_prompt_tokens,
+            token_ids=list(new.cached_token_ids),
+        )
+
+    def _check_entry(self, entry: TaskEntry, state: RequestState, where: str) -> None:
+        info = self.info
+        if not entry.token_ids:
+            raise InvalidTask(f"{where}: token_ids is empty")
+        self._check_token_ids(entry.token_ids, f"{where}: token_ids")
+        if entry.start_position != state.num_written:
+            written = "cached_token_ids holds" if entry.new_request is not None else "K/V is written for"
+            raise InvalidTask(
+                f"{where}: start_position {entry.start_position} does not follow the KV written: "
+                f"{written} {state.num_written} tokens"
+            )
+        end = entry.start_position + len(entry.token_ids)
+        if end > info.context_len:
+            raise InvalidTask(
+                f"{where}: positions up to {end - 1} exceed the context length {info.context_len}"
+            )
+        for page_id in entry.page_ids:
+            if not 0 <= page_id < info.num_pages:
+                raise InvalidTask(f"{where}: page id {page_id} is outside [0, {info.num_pages})")
+        table = state.page_table + list(entry.page_ids)
+        if len(set(table)) != len(table):
+            duplicated = sorted({page for page in table if table.count(page) > 1})
+            raise InvalidTask(f"{where}: page table repeats page ids {duplicated}")
+        if len(table) * info.page_size < end:
+            raise InvalidTask(
+                f"{where}: {len(table)} pages of {info.page_size} tokens do not cover {end} tokens"
+            )
+
+    def _check_token_ids(self, token_ids: list[int], what: str) -> None:
+        vocab = self.info.vocab_size
+        for token_id in token_ids:
+            if not 0 <= token_id < vocab:
+                raise InvalidTask(f"{what}: token id {token_id} is outside the vocab [0, {vocab})")
+
+    def _commit(self, task: Task, states: list[RequestState]) -> None:
+        if task.reset:
+            self.requests.clear()
+        self.requests.release(task.release_request_ids)
+        for entry, state in zip(task.entries, states):
+            if entry.new_request is not None:
+                self.requests.add(state)
+            state.append(list(entry.token_ids), list(entry.page_ids))
