@@ -1,0 +1,249 @@
+"""The prefix cache: a page-aligned radix tree from token ids to the KV pages that hold them.
+
+Every node's key is a whole number of pages (`len(key) % page_size == 0`), with one page id per
+`page_size` tokens, so only whole pages are ever shared. A node's children are keyed by their
+first page of tokens; two children never share a first page.
+
+Contract for users:
+- `match_prefix` returns pages that are owned by the tree. Call `inc_lock_ref(last_node)` before
+  using them (before anything can evict) and `dec_lock_ref(last_node)` exactly once when done.
+  A lock on a node protects it and all its ancestors from eviction.
+- `insert(token_ids, page_ids)` hands the pages after the already-cached prefix to the tree. The
+  pages covering that already-cached prefix stay with the caller: the ones that are not the
+  tree's own (duplicates computed twice) must be freed by the caller.
+- `evict(num_pages)` removes least recently used unlocked leaf pages and returns their ids;
+  the caller gives them back to the page allocator.
+Matching never changes which pages a key maps to (it only refreshes access times); inserting
+may split a node in two, which keeps every lock valid.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import NamedTuple
+
+
+class RadixNode:
+    """One edge of the tree: `key` tokens held by `page_ids` (one page per `page_size` tokens).
+
+    `lock_ref` counts the holders whose locked node is this node or one of its descendants.
+    """
+
+    __slots__ = ("key", "page_ids", "children", "parent", "lock_ref", "last_access")
+
+    def __init__(self, key: list[int], page_ids: list[int], parent: RadixNode | None) -> None:
+        self.key = key
+        self.page_ids = page_ids
+        self.children: dict[tuple[int, ...], RadixNode] = {}
+        self.parent = parent
+        self.lock_ref = 0
+        self.last_access = 0
+
+
+class MatchResult(NamedTuple):
+    """The cached prefix of a token sequence.
+
+    `page_ids` hold the first `matched_len` tokens (`matched_len == len(page_ids) * page_size`).
+    `last_node` is the node to lock while the pages are in use (the root when nothing matched;
+    locking the root is a no-op).
+    """
+
+    page_ids: list[int]
+    matched_len: int
+    last_node: RadixNode
+
+
+class RadixCache:
+    def __init__(self, page_size: int) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self.root = RadixNode([], [], None)
+        self.root.lock_ref = 1  # the root is never evicted
+        self._clock = itertools.count(1)
+        self._num_evictable = 0
+        self._num_protected = 0
+
+    @property
+    def evictable_size(self) -> int:
+        """Pages held only by the tree (no lock on them): reclaimable by `evict`."""
+        return self._num_evictable
+
+    @property
+    def protected_size(self) -> int:
+        """Pages of the tree that some lock holder is using."""
+        return self._num_protected
+
+    @property
+    def total_size(self) -> int:
+        return self._num_evictable + self._num_protected
+
+    def _page_key(self, token_ids: list[int], start: int) -> tuple[int, ...]:
+        return tuple(token_ids[start : start + self.page_size])
+
+    def _common_pages(self, node: RadixNode, token_ids: list[int], start: int) -> int:
+        """How many whole pages of `node.key` equal `token_ids[start:]` (the first one does)."""
+        size = self.page_size
+        num_pages = min(len(node.page_ids), (len(token_ids) - start) // size)
+        count = 1
+        while count < num_pages:
+            offset = count * size
+            if node.key[offset : offset + size] != token_ids[start + offset : start + offset + size]:
+                break
+            count += 1
+        return count
+
+    def match_prefix(self, token_ids: list[int]) -> MatchResult:
+        """The longest cached whole-page prefix of `token_ids`.
+
+        The last node may be matched only partly (its first pages): locking it protects more
+        pages than were matched, never fewer.
+        """
+        node = self.root
+        page_ids: list[int] = []
+        start = 0
+        now = next(self._clock)
+        size = self.page_size
+        while len(token_ids) - start >= size:
+            child = node.children.get(self._page_key(token_ids, start))
+            if child is None:
+                break
+            child.last_access = now
+            count = self._common_pages(child, token_ids, start)
+            page_ids.extend(child.page_ids[:count])
+            start += count * size
+            node = child
+            if count < len(child.page_ids):
+                break
+        return MatchResult(page_ids, start, node)
+
+    def insert(self, token_ids: list[int], page_ids: list[int]) -> int:
+        """Cache `token_ids` (a whole number of pages) held by `page_ids`; returns how many of
+        its leading tokens were already cached (their pages stay with the caller)."""
+        size = self.page_size
+        if len(token_ids) != len(page_ids) * size:
+            raise ValueError(
+                f"{len(token_ids)} tokens do not fill {len(page_ids)} pages of {size}"
+            )
+        node = self.root
+        start = 0
+        now = next(self._clock)
+        while start < len(token_ids):
+            key = self._page_key(token_ids, start)
+            child = node.children.get(key)
+            if child is None:
+                leaf = RadixNode(token_ids[start:], page_ids[start // size :], node)
+                leaf.last_access = now
+                node.children[key] = leaf
+                # No holder sits below a new leaf, so its pages start out evictable.
+                self._num_evictable += len(leaf.page_ids)
+                return start
+            child.last_access = now
+            count = self._common_pages(child, token_ids, start)
+            if count < len(child.page_ids):
+                child = self._split(child, count)
+            start += count * size
+            node = child
+        return start
+
+    def _split(self, node: RadixNode, num_pages: int) -> RadixNode:
+        """Cut `node` after `num_pages` pages; returns the new upper half.
+
+        The `node` object keeps the lower half, so holders of a lock on it stay valid, and the
+        upper half inherits its lock count (every holder below `node` is below the new parent).
+        """
+        cut = num_pages * self.page_size
+        parent = node.parent
+        assert parent is not None
+        upper = RadixNode(node.key[:cut], node.page_ids[:num_pages], parent)
+        upper.lock_ref = node.lock_ref
+        upper.last_access = node.last_access
+        parent.children[self._page_key(node.key, 0)] = upper
+        node.key = node.key[cut:]
+        node.page_ids = node.page_ids[num_pages:]
+        node.parent = upper
+        upper.children[self._page_key(node.key, 0)] = node
+        return upper
+
+    def inc_lock_ref(self, node: RadixNode) -> None:
+        """Protect `node` and its ancestors from eviction (one more holder)."""
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self._num_evictable -= len(node.page_ids)
+                self._num_protected += len(node.page_ids)
+            node.lock_ref += 1
+            assert node.parent is not None
+            node = node.parent
+
+    def dec_lock_ref(self, node: RadixNode) -> None:
+        """Undo one `inc_lock_ref(node)`."""
+        while node is not self.root:
+            if node.lock_ref <= 0:
+                raise ValueError("dec_lock_ref without a matching inc_lock_ref")
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._num_protected -= len(node.page_ids)
+                self._num_evictable += len(node.page_ids)
+            assert node.parent is not None
+            node = node.parent
+
+    def evict(self, num_pages: int) -> list[int]:
+        """Remove up to `num_pages` pages from least recently used unlocked leaves.
+
+        A leaf loses pages from its tail first; a leaf left empty is removed, and its parent may
+        become an evictable leaf in turn. Returns the freed page ids (fewer than asked when
+        nothing else is evictable).
+        """
+        heap = [
+            (leaf.last_access, id(leaf), leaf) for leaf in self._leaves() if leaf.lock_ref == 0
+        ]
+        heapq.heapify(heap)
+        freed: list[int] = []
+        while heap and len(freed) < num_pages:
+            _, _, leaf = heapq.heappop(heap)
+            take = min(num_pages - len(freed), len(leaf.page_ids))
+            if take < len(leaf.page_ids):
+                freed.extend(leaf.page_ids[-take:])
+                del leaf.page_ids[-take:]
+                del leaf.key[-take * self.page_size :]
+                self._num_evictable -= take
+                break
+            freed.extend(leaf.page_ids)
+            self._num_evictable -= len(leaf.page_ids)
+            parent = leaf.parent
+            assert parent is not None
+            del parent.children[self._page_key(leaf.key, 0)]
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        return freed
+
+    def _leaves(self) -> list[RadixNode]:
+        leaves: list[RadixNode] = []
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            if node.children:
+                stack.extend(node.children.values())
+            else:
+                leaves.append(node)
+        return leaves
+
+    def all_page_ids(self) -> list[int]:
+        """Every page the tree holds (for checks and tests; walks the whole tree)."""
+        page_ids: list[int] = []
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            page_ids.extend(node.page_ids)
+            stack.extend(node.children.values())
+        return page_ids
+
+    def reset(self) -> list[int]:
+        """Drop everything (no lock may be held); returns the pages the tree held."""
+        if self._num_protected:
+            raise ValueError("cannot reset a radix cache while locks are held")
+        page_ids = self.all_page_ids()
+        self.root.children.clear()
+        self._num_evictable = 0
+        return page_ids

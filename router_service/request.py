@@ -1,0 +1,86 @@
+"""One generation request as the scheduler sees it: token ids, pages and progress."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from router_service.radix_cache import RadixNode
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # an end-of-sequence or stop token id (it is part of the output)
+    LENGTH = "length"  # max_tokens, the context length, or a request larger than the KV pool
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingParams:
+    """Resolved sampling values; the router only passes them to the workers."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """A request's state. `token_ids` is prompt + output so far and only ever grows.
+
+    Invariants while running:
+    - `num_computed` tokens have their K/V written on the workers (positions `[0, num_computed)`);
+      the last sampled token is never among them until it is fed back.
+    - `page_table` covers at least `num_computed` tokens; its first `num_tree_pages` pages are
+      the radix cache's (locked through `last_node`), the rest belong to this request.
+    - `num_pages_sent` pages of `page_table` are known to the workers (0 until the request's
+      first entry after admission, which carries `new_request`).
+    """
+
+    request_id: str  # unique per router: it names the request on the workers
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    arrival: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    num_output: int = 0
+    page_table: list[int] = field(default_factory=list)
+    num_tree_pages: int = 0
+    last_node: RadixNode | None = None
+    num_computed: int = 0
+    num_pages_sent: int = 0
+    on_workers: bool = False
+    admitted_at: int = -1  # admission order while running; -1 while waiting
+    num_cached_tokens: int = -1  # prompt tokens served from the cache, set at first admission
+    finish_reason: FinishReason | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens known but not yet computed (1 while decoding)."""
+        return len(self.token_ids) - self.num_computed
+
+    def append_token(self, token_id: int, eos_token_ids: frozenset[int], context_len: int) -> None:
+        """Add a sampled token and decide whether the request is done."""
+        self.token_ids.append(token_id)
+        self.num_output += 1
+        if token_id in self.stop_token_ids or (not self.ignore_eos and token_id in eos_token_ids):
+            self.finish_reason = FinishReason.STOP
+        elif self.num_output >= self.max_tokens or len(self.token_ids) >= context_len:
+            self.finish_reason = FinishReason.LENGTH

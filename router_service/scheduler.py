@@ -1,0 +1,353 @@
+"""The continuous-batching scheduler: which tokens of which requests run in the next step.
+
+Plain Python over ints and lists. Each `schedule()` builds one step within `max_batch_tokens`:
+1. running requests that decode (one pending token) first, in admission order; a decode that
+   needs a page it cannot get even after eviction retracts the most recently admitted request
+   (the one that loses the least work) back to the queue;
+2. running requests still in the middle of a chunked prefill, as far as budget and pages allow;
+3. waiting requests, in policy order (`lpm`: longest cached prefix first; `fcfs`: arrival),
+   admitted while running slots, budget and pages (after eviction) last. A prefill longer than
+   the remaining budget is cut into chunks computed over several steps.
+`complete(plan, token_ids)` applies the sampled tokens; a request that ends (or is retracted)
+gives its written whole pages to the radix cache, releases its lock and frees the rest.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from router_service.errors import InvalidRequest
+from router_service.page_allocator import PageAllocator
+from router_service.radix_cache import RadixCache
+from router_service.request import FinishReason, Request
+
+# Above this many waiting requests, `lpm` stops matching every one of them each step.
+LPM_MAX_WAITING = 128
+
+
+class Policy(enum.Enum):
+    FCFS = "fcfs"
+    LPM = "lpm"
+
+
+@dataclass(slots=True)
+class ScheduledEntry:
+    """One request's work in a step. `cached_token_ids` is set only with `new_request`."""
+
+    request: Request
+    token_ids: list[int]
+    start_position: int
+    new_page_ids: list[int]
+    sample: bool
+    new_request: bool
+    cached_token_ids: list[int]
+
+
+@dataclass(slots=True)
+class StepPlan:
+    entries: list[ScheduledEntry] = field(default_factory=list)
+    # Requests the workers should forget (ended or retracted since the last step).
+    release_request_ids: list[str] = field(default_factory=list)
+    # Requests that ended while planning (one that cannot fit in the pool even alone).
+    ended: list[Request] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.entries and not self.release_request_ids and not self.ended
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_steps: int = 0
+    num_retractions: int = 0
+    cache_hit_tokens: int = 0
+    prompt_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        num_pages: int,
+        page_size: int,
+        max_batch_tokens: int,
+        max_running_requests: int,
+        policy: Policy,
+        context_len: int,
+        eos_token_ids: frozenset[int],
+    ) -> None:
+        if max_running_requests > max_batch_tokens:
+            raise ValueError("max_running_requests must not exceed max_batch_tokens")
+        self.page_size = page_size
+        self.max_batch_tokens = max_batch_tokens
+        self.max_running_requests = max_running_requests
+        self.policy = policy
+        self.context_len = context_len
+        self.eos_token_ids = eos_token_ids
+        self.allocator = PageAllocator(num_pages)
+        self.cache = RadixCache(page_size)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []  # in admission order
+        self.stats = SchedulerStats()
+        self._releases: list[str] = []
+        self._arrivals = itertools.count()
+        self._admissions = itertools.count()
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        """Queue a request; raises `InvalidRequest` when it could never fit in the KV pool."""
+        need = self._num_pages_for(request.num_prompt + 1)
+        if need > self.allocator.num_pages:
+            raise InvalidRequest(
+                f"prompt of {request.num_prompt} tokens needs {need} KV pages; "
+                f"the pool holds {self.allocator.num_pages}"
+            )
+        request.arrival = next(self._arrivals)
+        self.stats.prompt_tokens += request.num_prompt
+        self.waiting.append(request)
+
+    def cancel(self, request: Request) -> bool:
+        """End a waiting or running request now; False when it had already ended."""
+        if request.finish_reason is not None:
+            return False
+        if request.admitted_at < 0:
+            self.waiting.remove(request)
+            request.finish_reason = FinishReason.CANCELLED
+        else:
+            request.finish_reason = FinishReason.CANCELLED
+            self._end(request)
+        return True
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ---- planning a step -----------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.max_batch_tokens
+        scheduled: set[int] = set()
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request.admitted_at < 0 or request.num_pending != 1:
+                continue  # retracted just now, or still prefilling
+            if not self._grow_for_decode(request, plan):
+                continue
+            plan.entries.append(self._entry(request, 1, new_request=False))
+            scheduled.add(id(request))
+            budget -= 1
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if id(request) in scheduled or request.num_pending == 0:
+                continue
+            num_tokens = self._fit_chunk(request, min(request.num_pending, budget))
+            if num_tokens == 0:
+                continue
+            plan.entries.append(self._entry(request, num_tokens, new_request=False))
+            scheduled.add(id(request))
+            budget -= num_tokens
+        if budget > 0 and self.waiting and len(self.running) < self.max_running_requests:
+            for request in self._waiting_in_policy_order():
+                if budget == 0 or len(self.running) >= self.max_running_requests:
+                    break
+                entry = self._admit(request, budget, plan)
+                if entry is None:
+                    break  # keep the order: nothing behind it jumps ahead for pages
+                plan.entries.append(entry)
+                budget -= len(entry.token_ids)
+        if not plan.entries and self.running:
+            # Every running request is stuck in a prefill with no page to grow into:
+            # give one request's pages back so that the others can go on next step.
+            self._retract(self.running[-1])
+        plan.release_request_ids = self._releases
+        self._releases = []
+        return plan
+
+    def _num_pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def _reserve(self, num_pages: int) -> bool:
+        """Make `num_pages` pages free, evicting cached pages if needed."""
+        short = num_pages - self.allocator.num_free
+        if short > 0:
+            self.allocator.free(self.cache.evict(short))
+        return self.allocator.num_free >= num_pages
+
+    def _grow_for_decode(self, request: Request, plan: StepPlan) -> bool:
+        """Give `request` a page for its next token, retracting others if need be.
+
+        False when `request` itself was retracted (or ended because it cannot fit alone).
+        """
+        need = self._num_pages_for(request.num_computed + 1) - len(request.page_table)
+        if need <= 0:
+            return True
+        while not self._reserve(need):
+            victim = self.running[-1]
+            if victim is request and len(self.running) == 1:
+                # Alone and still no page: the sequence outgrew the pool.
+                request.finish_reason = FinishReason.LENGTH
+                self._end(request)
+                plan.ended.append(request)
+                return False
+            self._retract(victim)
+            if victim is request:
+                return False
+        request.page_table.extend(self.allocator.alloc(need))
+        return True
+
+    def _fit_chunk(self, request: Request, num_tokens: int) -> int:
+        """Shrink a prefill chunk to the pages that can be had; allocates them."""
+        available = self.allocator.num_free + self.cache.evictable_size
+        room = (len(request.page_table) + available) * self.page_size - request.num_computed
+        num_tokens = min(num_tokens, room)
+        if num_tokens <= 0:
+            return 0
+        need = self._num_pages_for(request.num_computed + num_tokens) - len(request.page_table)
+        if need > 0:
+            self._reserve(need)
+            request.page_table.extend(self.allocator.alloc(need))
+        return num_tokens
+
+    def _waiting_in_policy_order(self) -> list[Request]:
+        if self.policy is Policy.LPM and len(self.waiting) <= LPM_MAX_WAITING:
+            def key(request: Request) -> tuple[int, int]:
+                tokens = request.token_ids
+                matched = self.cache.match_prefix(tokens[: len(tokens) - 1]).matched_len
+                return (-matched, request.arrival)
+            return sorted(self.waiting, key=key)
+        return sorted(self.waiting, key=lambda request: request.arrival)
+
+    def _admit(self, request: Request, budget: int, plan: StepPlan) -> ScheduledEntry | None:
+        """Start (or resume) `request` with its first chunk, or None when pages are short."""
+        tokens = request.token_ids
+        if self._num_pages_for(len(tokens)) > self.allocator.num_pages:
+            # A resumed request whose output outgrew the whole pool: end it instead of waiting.
+            self.waiting.remove(request)
+            request.finish_reason = FinishReason.LENGTH
+            plan.ended.append(request)
+            return None
+        # Leave at least the last token to compute: its logits give the next token.
+        match = self.cache.match_prefix(tokens[: len(tokens) - 1])
+        self.cache.inc_lock_ref(match.last_node)
+        num_matched_pages = len(match.page_ids)
+        num_pages_total = min(self._num_pages_for(len(tokens) + 1), self.allocator.num_pages)
+        need_total = num_pages_total - num_matched_pages
+        # Keep a page of headroom per running request, so that admitting does not make the
+        # running ones retract at their next page boundary.
+        headroom = len(self.running)
+        if self.allocator.num_free + self.cache.evictable_size < need_total + headroom:
+            self.cache.dec_lock_ref(match.last_node)
+            return None
+        num_tokens = min(len(tokens) - match.matched_len, budget)
+        need_now = self._num_pages_for(match.matched_len + num_tokens) - num_matched_pages
+        self._reserve(need_now)
+        request.page_table = match.page_ids + self.allocator.alloc(need_now)
+        request.num_tree_pages = num_matched_pages
+        request.last_node = match.last_node
+        request.num_computed = match.matched_len
+        request.num_pages_sent = 0
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = match.matched_len
+            self.stats.cache_hit_tokens += match.matched_len
+        request.admitted_at = next(self._admissions)
+        self.waiting.remove(request)
+        self.running.append(request)
+        return self._entry(request, num_tokens, new_request=True)
+
+    def _entry(self, request: Request, num_tokens: int, *, new_request: bool) -> ScheduledEntry:
+        start = request.num_computed
+        entry = ScheduledEntry(
+            request=request,
+            token_ids=request.token_ids[start : start + num_tokens],
+            start_position=start,
+            new_page_ids=request.page_table[request.num_pages_sent :],
+            sample=start + num_tokens == len(request.token_ids),
+            new_request=new_request,
+            cached_token_ids=request.token_ids[:start] if new_request else [],
+        )
+        request.num_pages_sent = len(request.page_table)
+        request.num_computed = start + num_tokens
+        request.on_workers = True
+        return entry
+
+    # ---- applying a step -----------------------------------------------------------------
+
+    def complete(self, plan: StepPlan, token_ids: list[int]) -> list[Request]:
+        """Apply the sampled tokens (one per sampling entry, in entry order).
+
+        Returns the requests that got a token, in entry order; ended ones have their
+        `finish_reason` set and their pages already given back.
+        """
+        sampling = [entry for entry in plan.entries if entry.sample]
+        if len(sampling) != len(token_ids):
+            raise ValueError(f"{len(token_ids)} tokens for {len(sampling)} sampling entries")
+        self.stats.num_steps += 1
+        updated: list[Request] = []
+        for entry, token_id in zip(sampling, token_ids):
+            request = entry.request
+            if request.finish_reason is not None:
+                continue
+            request.append_token(token_id, self.eos_token_ids, self.context_len)
+            updated.append(request)
+            if request.finish_reason is not None:
+                self._end(request)
+        return updated
+
+    # ---- giving pages back ---------------------------------------------------------------
+
+    def _end(self, request: Request) -> None:
+        """A running request is done (finish_reason set): cache, unlock and free its pages."""
+        self.running.remove(request)
+        self._give_back_pages(request)
+
+    def _retract(self, request: Request) -> None:
+        """Send a running request back to the queue; its written pages stay in the cache."""
+        self.running.remove(request)
+        self._give_back_pages(request)
+        request.admitted_at = -1
+        request.num_computed = 0
+        self.waiting.append(request)
+        self.stats.num_retractions += 1
+
+    def _give_back_pages(self, request: Request) -> None:
+        # Only positions whose K/V was written count; the last sampled token's was not.
+        num_full = request.num_computed // self.page_size
+        table = request.page_table
+        free_ids = table[num_full:]
+        if num_full > request.num_tree_pages:
+            tokens = request.token_ids[: num_full * self.page_size]
+            num_cached = self.cache.insert(tokens, table[:num_full]) // self.page_size
+            # Pages the tree already had from someone else: ours are duplicates.
+            free_ids += table[request.num_tree_pages : num_cached]
+        self.allocator.free(free_ids)
+        if request.last_node is not None:
+            self.cache.dec_lock_ref(request.last_node)
+        request.page_table = []
+        request.num_tree_pages = 0
+        request.last_node = None
+        request.num_pages_sent = 0
+        if request.on_workers:
+            self._releases.append(request.request_id)
+            request.on_workers = False
+
+    def fail_all(self) -> list[Request]:
+        """End every request (the workers failed): returns them, with FAILED set.
+
+        Nothing goes into the cache: the workers' K/V can no longer be trusted.
+        """
+        ended = [*self.running, *self.waiting]
+        for request in ended:
+            request.finish_reason = FinishReason.FAILED
+        self.running.clear()
+        self.waiting.clear()
+        return ended

@@ -1,0 +1,140 @@
+"""Radix cache + page allocator against a naive reference, over random operation sequences."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router_service.page_allocator import PageAllocator
+from router_service.radix_cache import RadixCache
+
+PAGE_SIZE = 2
+NUM_PAGES = 24
+
+# A tiny alphabet makes sequences share prefixes (and diverge mid-node) all the time.
+sequences = st.lists(st.integers(0, 2), min_size=0, max_size=14)
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("insert"), sequences),
+        st.tuples(st.just("match"), sequences),
+        st.tuples(st.just("lock"), sequences),
+        st.tuples(st.just("unlock"), st.integers(0, 100)),
+        st.tuples(st.just("evict"), st.integers(1, 8)),
+    ),
+    max_size=60,
+)
+
+
+class Reference:
+    """Every cached whole-page prefix, mapped to the page that holds its last page."""
+
+    def __init__(self) -> None:
+        self.pages: dict[tuple[int, ...], int] = {}
+
+    def match_len(self, tokens: list[int]) -> int:
+        num = 0
+        while (num + 1) * PAGE_SIZE <= len(tokens) and tuple(tokens[: (num + 1) * PAGE_SIZE]) in self.pages:
+            num += 1
+        return num * PAGE_SIZE
+
+    def page_ids(self, tokens: list[int], length: int) -> list[int]:
+        return [self.pages[tuple(tokens[: (k + 1) * PAGE_SIZE])] for k in range(length // PAGE_SIZE)]
+
+
+def whole_pages(tokens: list[int]) -> list[int]:
+    return tokens[: len(tokens) // PAGE_SIZE * PAGE_SIZE]
+
+
+def check_invariants(cache: RadixCache, allocator: PageAllocator, ref: Reference) -> None:
+    tree_pages = cache.all_page_ids()
+    free = [page for page in range(NUM_PAGES) if allocator.is_free(page)]
+    assert len(tree_pages) == len(set(tree_pages)), "a page is in the tree twice"
+    assert not set(tree_pages) & set(free), "a page is both free and cached"
+    assert len(free) == allocator.num_free
+    assert allocator.num_free + allocator.num_used == NUM_PAGES
+    # Every page is either free or held by the tree (no request holds pages here).
+    assert allocator.num_used == len(tree_pages)
+    assert cache.evictable_size + cache.protected_size == len(tree_pages)
+    assert set(tree_pages) == set(ref.pages.values())
+    for prefix in ref.pages:  # the cache is closed under taking whole-page prefixes
+        assert len(prefix) == PAGE_SIZE or prefix[:-PAGE_SIZE] in ref.pages
+
+
+@settings(max_examples=300, deadline=None)
+@given(operations)
+def test_radix_cache_matches_reference(ops: list[tuple]) -> None:
+    cache = RadixCache(PAGE_SIZE)
+    allocator = PageAllocator(NUM_PAGES)
+    ref = Reference()
+    held: list[tuple[object, set[int]]] = []
+    for op, arg in ops:
+        if op in ("match", "lock"):
+            match = cache.match_prefix(arg)
+            assert match.matched_len == ref.match_len(arg)
+            assert match.page_ids == ref.page_ids(arg, match.matched_len)
+            if op == "lock":
+                cache.inc_lock_ref(match.last_node)
+                held.append((match.last_node, set(match.page_ids)))
+        elif op == "unlock" and held:
+            node, _ = held.pop(arg % len(held))
+            cache.dec_lock_ref(node)
+        elif op == "insert":
+            tokens = whole_pages(arg)
+            match = cache.match_prefix(tokens)
+            cache.inc_lock_ref(match.last_node)
+            need = len(tokens) // PAGE_SIZE - len(match.page_ids)
+            if allocator.num_free < need:
+                allocator.free(cache.evict(need - allocator.num_free))
+            if allocator.num_free >= need:
+                table = match.page_ids + allocator.alloc(need)
+                expected_cached = ref.match_len(tokens)
+                num_cached = cache.insert(tokens, table)
+                assert num_cached == expected_cached
+                allocator.free(table[len(match.page_ids) : num_cached // PAGE_SIZE])
+                for k in range(num_cached // PAGE_SIZE, len(table)):
+                    ref.pages[tuple(tokens[: (k + 1) * PAGE_SIZE])] = table[k]
+            cache.dec_lock_ref(match.last_node)
+        elif op == "evict":
+            evictable_before = cache.evictable_size
+            freed = cache.evict(arg)
+            assert len(freed) == min(arg, evictable_before)
+            locked = set().union(*(pages for _, pages in held))
+            assert not set(freed) & locked, "evicted a locked page"
+            allocator.free(freed)
+            gone = set(freed)
+            ref.pages = {key: page for key, page in ref.pages.items() if page not in gone}
+        check_invariants(cache, allocator, ref)
+    for node, _ in held:
+        cache.dec_lock_ref(node)
+    assert cache.protected_size == 0
+    allocator.free(cache.evict(NUM_PAGES))
+    assert allocator.num_free == NUM_PAGES
+
+
+def test_allocator_rejects_double_and_foreign_free() -> None:
+    allocator = PageAllocator(4)
+    pages = allocator.alloc(2)
+    allocator.free(pages[:1])
+    with pytest.raises(ValueError, match="twice"):
+        allocator.free(pages[:1])
+    with pytest.raises(ValueError, match="twice"):
+        allocator.free([pages[1], pages[1]])
+    with pytest.raises(ValueError, match="not in"):
+        allocator.free([4])
+    assert allocator.num_free == 3  # failed calls freed nothing
+
+
+def test_split_keeps_locks_and_lru_evicts_oldest() -> None:
+    cache = RadixCache(2)
+    assert cache.insert([1, 2, 3, 4, 5, 6], [10, 11, 12]) == 0
+    locked = cache.match_prefix([1, 2, 3, 4, 5, 6])
+    cache.inc_lock_ref(locked.last_node)
+    # Diverging after one page splits the locked node; the lock must still cover all 3 pages.
+    assert cache.insert([1, 2, 9, 9], [10, 20]) == 2
+    assert cache.protected_size == 3 and cache.evictable_size == 1
+    assert cache.evict(5) == [20]
+    cache.dec_lock_ref(locked.last_node)
+    assert cache.insert([7, 7], [30]) == 0
+    cache.match_prefix([7, 7])  # refresh: [7, 7] is now the most recently used
+    assert cache.evict(1) == [12]  # the tail page of the least recently used leaf
