@@ -74,3 +74,29 @@ def make_tiny_qwen2(out_dir: Path, seed: int = 0, **overrides) -> Path:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 proj.bias.normal_(0.0, 0.5)
     return _save(model, out_dir)
+
+
+def greedy_tokens(runner, prompt_ids: list[int], num_tokens: int, page_table: list[int]) -> list[int]:
+    """Greedy continuation with a `ModelRunner` (rank 0 / TP=1): one prefill, then decode steps.
+
+    Never stops at EOS, so that it can be compared with a `generate` that does not stop either.
+    """
+    from worker_service.forward_batch import ForwardEntry
+
+    logits = runner.forward([ForwardEntry(list(prompt_ids), 0, page_table, True)])
+    tokens = [int(logits[0].argmax())]
+    while len(tokens) < num_tokens:
+        position = len(prompt_ids) + len(tokens) - 1
+        logits = runner.forward([ForwardEntry([tokens[-1]], position, page_table, True)])
+        tokens.append(int(logits[0].argmax()))
+    return tokens
+
+
+def reference_greedy(model, prompt_ids: list[int], num_tokens: int) -> list[int]:
+    """transformers' `generate(do_sample=False)` continuation of exactly `num_tokens` tokens."""
+    model.generation_config.eos_token_id = None
+    output = model.generate(
+        torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        max_new_tokens=num_tokens, do_sample=False, pad_token_id=0,
+    )
+    return output[0, len(prompt_ids):].tolist()
