@@ -1,0 +1,20 @@
+"""Python client of radixserve's public GenerationService (blocking and asyncio)."""
+
+from client.async_client import AsyncClient
+from client.errors import (
+    CancelledError,
+    DeadlineExceededError,
+    InternalError,
+    InvalidArgumentError,
+    RadixServeError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
+from client.results import Chunk, GenerateResult, ModelInfo, TokenLogprob, TopLogprob, Usage
+from client.sync_client import Client
+
+__all__ = [
+    "AsyncClient", "CancelledError", "Chunk", "Client", "DeadlineExceededError",
+    "GenerateResult", "InternalError", "InvalidArgumentError", "ModelInfo", "RadixServeError",
+    "ResourceExhaustedError", "TokenLogprob", "TopLogprob", "UnavailableError", "Usage",
+]

@@ -1,0 +1,94 @@
+"""The asyncio client of the gateway's GenerationService (same API as `Client`, awaited)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import grpc
+
+from client.errors import from_rpc_error
+from client.request import Message, chat_messages, generate_request
+from client.results import (
+    Chunk,
+    GenerateResult,
+    ModelInfo,
+    ResultBuilder,
+    chunk_from_proto,
+    model_info_from_proto,
+)
+from client.sync_client import DEFAULT_ADDRESS
+from radixserve.v1 import generation_pb2, generation_pb2_grpc
+
+
+class AsyncClient:
+    """`async with AsyncClient(address) as c: result = await c.generate(prompt="Hi")`.
+
+    Cancelling the awaiting task, or leaving an `async for` over `stream` early, cancels
+    the request on the server.
+    """
+
+    def __init__(self, address: str = DEFAULT_ADDRESS) -> None:
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def stream(
+        self,
+        prompt: str | None = None,
+        messages: Iterable[Message] | None = None,
+        *,
+        timeout: float | None = None,
+        **options: Any,
+    ) -> AsyncIterator[Chunk]:
+        request = generate_request(prompt, messages, **options)
+        call = self._stub.Generate(request, timeout=timeout)
+        try:
+            async for response in call:
+                yield chunk_from_proto(response)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+        finally:
+            call.cancel()
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        messages: Iterable[Message] | None = None,
+        *,
+        timeout: float | None = None,
+        **options: Any,
+    ) -> GenerateResult:
+        builder = ResultBuilder()
+        async for chunk in self.stream(prompt, messages, timeout=timeout, **options):
+            builder.add(chunk)
+        return builder.result()
+
+    async def tokenize(
+        self, prompt: str | None = None, messages: Iterable[Message] | None = None,
+        *, timeout: float | None = None,
+    ) -> list[int]:
+        request = generation_pb2.TokenizeRequest(
+            prompt=prompt or "", messages=chat_messages(messages or ())
+        )
+        try:
+            reply = await self._stub.Tokenize(request, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+        return list(reply.token_ids)
+
+    async def model_info(self, *, timeout: float | None = None) -> ModelInfo:
+        try:
+            reply = await self._stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+        return model_info_from_proto(reply)

@@ -1,0 +1,97 @@
+"""The blocking client of the gateway's GenerationService."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import grpc
+
+from client.errors import from_rpc_error
+from client.request import Message, chat_messages, generate_request
+from client.results import (
+    Chunk,
+    GenerateResult,
+    ModelInfo,
+    ResultBuilder,
+    chunk_from_proto,
+    model_info_from_proto,
+)
+from radixserve.v1 import generation_pb2, generation_pb2_grpc
+
+DEFAULT_ADDRESS = "localhost:50051"
+
+
+class Client:
+    """`Client("localhost:50051").generate(prompt="Hello", max_tokens=16).text`.
+
+    Options of `generate` / `stream` are those of `client.request.generate_request`
+    (max_tokens, stop, temperature, top_p, ..., logprobs); `timeout` is in seconds.
+    Failures raise `RadixServeError` subclasses (`InvalidArgumentError`, `UnavailableError`, ...).
+    """
+
+    def __init__(self, address: str = DEFAULT_ADDRESS) -> None:
+        self.address = address
+        self._channel = grpc.insecure_channel(address)
+        self._stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def stream(
+        self,
+        prompt: str | None = None,
+        messages: Iterable[Message] | None = None,
+        *,
+        timeout: float | None = None,
+        **options: Any,
+    ) -> Iterator[Chunk]:
+        """Yield chunks as they are generated. Closing the iterator early cancels the request."""
+        request = generate_request(prompt, messages, **options)
+        call = self._stub.Generate(request, timeout=timeout)
+        try:
+            for response in call:
+                yield chunk_from_proto(response)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        finally:
+            call.cancel()  # no-op when the stream already ended
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        messages: Iterable[Message] | None = None,
+        *,
+        timeout: float | None = None,
+        **options: Any,
+    ) -> GenerateResult:
+        """The whole completion at once."""
+        builder = ResultBuilder()
+        for chunk in self.stream(prompt, messages, timeout=timeout, **options):
+            builder.add(chunk)
+        return builder.result()
+
+    def tokenize(
+        self, prompt: str | None = None, messages: Iterable[Message] | None = None,
+        *, timeout: float | None = None,
+    ) -> list[int]:
+        request = generation_pb2.TokenizeRequest(
+            prompt=prompt or "", messages=chat_messages(messages or ())
+        )
+        try:
+            return list(self._stub.Tokenize(request, timeout=timeout).token_ids)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+
+    def model_info(self, *, timeout: float | None = None) -> ModelInfo:
+        try:
+            reply = self._stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        return model_info_from_proto(reply)

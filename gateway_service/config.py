@@ -1,0 +1,78 @@
+"""The gateway's frozen configuration, built once from flags and `RADIXSERVE_*` variables."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from radixserve.flags import add_flag
+
+DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    model: str = DEFAULT_MODEL_DIR
+    # Router addresses (one per model replica).
+    routers: tuple[str, ...] = ("127.0.0.1:50052",)
+    # max_tokens when a request leaves it unset (then capped by what the context leaves).
+    default_max_tokens: int = 256
+    # How many leading prompt token ids decide which router a request goes to.
+    affinity_tokens: int = 64
+    # How often routers are asked for GetServerInfo (health and failover order).
+    probe_interval_s: float = 2.0
+    # Timeout of one GetServerInfo probe.
+    probe_timeout_s: float = 2.0
+    # Grace period for open streams when the gateway is asked to stop.
+    shutdown_grace_s: float = 5.0
+    log_level: str = "INFO"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m gateway_service", description="radixserve gateway (GenerationService)"
+    )
+    d = GatewayConfig()
+    add_flag(parser, "host", default=d.host, help="address to listen on")
+    add_flag(parser, "port", type=int, default=d.port, help="port to listen on")
+    add_flag(parser, "model", default=d.model, help="model folder (tokenizer and chat template)")
+    add_flag(parser, "routers", type=list, default=list(d.routers),
+             help="comma-separated router addresses, one per model replica")
+    add_flag(parser, "default-max-tokens", type=int, default=d.default_max_tokens,
+             help="max_tokens when a request leaves it unset (capped by the context)")
+    add_flag(parser, "affinity-tokens", type=int, default=d.affinity_tokens,
+             help="leading prompt tokens hashed to pick a router")
+    add_flag(parser, "probe-interval-s", type=float, default=d.probe_interval_s,
+             help="seconds between GetServerInfo probes of the routers")
+    add_flag(parser, "probe-timeout-s", type=float, default=d.probe_timeout_s,
+             help="timeout of one router probe")
+    add_flag(parser, "shutdown-grace-s", type=float, default=d.shutdown_grace_s,
+             help="seconds open streams get to finish on shutdown")
+    add_flag(parser, "log-level", default=d.log_level, help="logging level")
+    return parser
+
+
+def config_from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.routers:
+        parser.error("--routers needs at least one address")
+    if args.default_max_tokens < 1:
+        parser.error("--default-max-tokens must be >= 1")
+    if args.affinity_tokens < 0:
+        parser.error("--affinity-tokens must be >= 0")
+    return GatewayConfig(
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        routers=tuple(args.routers),
+        default_max_tokens=args.default_max_tokens,
+        affinity_tokens=args.affinity_tokens,
+        probe_interval_s=args.probe_interval_s,
+        probe_timeout_s=args.probe_timeout_s,
+        shutdown_grace_s=args.shutdown_grace_s,
+        log_level=args.log_level,
+    )

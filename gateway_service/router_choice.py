@@ -1,0 +1,117 @@
+"""Choosing a router replica: prefix-affine rendezvous hashing, failover order, probing.
+
+Requests whose prompts share their first `affinity_tokens` token ids hash to the same router,
+so each replica's prefix cache stays warm without any shared state between gateways. The
+rendezvous (highest random weight) order also gives the failover order: when the first choice
+is down, its requests spread over the others the same way on every gateway, and adding or
+removing one replica only moves the prompts that hashed to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Sequence
+
+import grpc
+
+from gateway_service import convert
+from gateway_service.values import ServerInfo
+from radixserve.serving import CHANNEL_OPTIONS
+from radixserve.v1 import router_pb2, router_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# Reconnect quickly after a router restarts: gRPC's default backoff grows to two minutes.
+ROUTER_CHANNEL_OPTIONS = [
+    *CHANNEL_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+
+def affinity_key(prompt_token_ids: Sequence[int], affinity_tokens: int) -> bytes:
+    head = prompt_token_ids[:affinity_tokens]
+    return b",".join(str(t).encode() for t in head)
+
+
+def rendezvous_order(addresses: Sequence[str], key: bytes) -> list[str]:
+    """Addresses from most to least preferred for `key` (stable for a given set)."""
+
+    def weight(address: str) -> tuple[int, str]:
+        digest = hashlib.blake2b(address.encode() + b"\x00" + key, digest_size=8).digest()
+        return int.from_bytes(digest, "big"), address
+
+    return sorted(addresses, key=weight, reverse=True)
+
+
+class RouterPool:
+    """One channel per router, which routers answered lately, and what they serve.
+
+    A router counts as up after it answers GetServerInfo and as down after a probe or a
+    Generate call finds it UNAVAILABLE. Down routers stay in the failover order, last.
+    """
+
+    def __init__(self, addresses: Sequence[str], affinity_tokens: int, probe_timeout_s: float) -> None:
+        if not addresses:
+            raise ValueError("at least one router address is needed")
+        self.addresses = tuple(addresses)
+        self._affinity_tokens = affinity_tokens
+        self._probe_timeout_s = probe_timeout_s
+        self._channels = {
+            a: grpc.aio.insecure_channel(a, options=ROUTER_CHANNEL_OPTIONS) for a in self.addresses
+        }
+        self._stubs = {a: router_pb2_grpc.RouterServiceStub(c) for a, c in self._channels.items()}
+        self._up = dict.fromkeys(self.addresses, False)
+        self._info: dict[str, ServerInfo] = {}
+
+    @property
+    def any_up(self) -> bool:
+        return any(self._up.values())
+
+    @property
+    def info(self) -> ServerInfo | None:
+        """The model as the first reachable router describes it (replicas serve one model)."""
+        for address in self.addresses:
+            if self._up[address] and address in self._info:
+                return self._info[address]
+        return next(iter(self._info.values()), None)
+
+    def stub(self, address: str) -> router_pb2_grpc.RouterServiceStub:
+        return self._stubs[address]
+
+    def order(self, prompt_token_ids: Sequence[int]) -> list[str]:
+        """Failover order for a prompt: rendezvous order, routers known to be down last."""
+        ranked = rendezvous_order(self.addresses, affinity_key(prompt_token_ids, self._affinity_tokens))
+        return [a for a in ranked if self._up[a]] + [a for a in ranked if not self._up[a]]
+
+    def mark_down(self, address: str) -> None:
+        if self._up[address]:
+            log.warning("router %s is unavailable", address)
+        self._up[address] = False
+
+    async def probe(self, address: str) -> bool:
+        try:
+            reply = await self._stubs[address].GetServerInfo(
+                router_pb2.GetServerInfoRequest(), timeout=self._probe_timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            if self._up[address]:
+                log.warning("router %s stopped answering: %s", address, exc.code().name)
+            self._up[address] = False
+            return False
+        if not self._up[address]:
+            log.info("router %s is up (%s)", address, reply.model_name)
+        self._info[address] = convert.server_info(reply)
+        self._up[address] = True
+        return True
+
+    async def probe_all(self) -> bool:
+        """Ask every router for its info; True when at least one answered."""
+        results = await asyncio.gather(*(self.probe(a) for a in self.addresses))
+        return any(results)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self._channels.values()))

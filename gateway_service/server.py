@@ -1,0 +1,84 @@
+"""A running gateway: the gRPC server, its router pool, and the probe loop that drives health.
+
+Health is NOT_SERVING until the tokenizer is loaded and at least one router answers
+GetServerInfo; it goes back to NOT_SERVING while no router answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+
+from gateway_service.config import GatewayConfig
+from gateway_service.router_choice import RouterPool
+from gateway_service.service import GenerationServicer
+from gateway_service.tokenizer import Tokenizer
+from radixserve.serving import Health, start_server
+from radixserve.v1 import generation_pb2, generation_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+
+
+class Gateway:
+    def __init__(
+        self, config: GatewayConfig, server: grpc.aio.Server, health: Health, port: int,
+        pool: RouterPool, servicer: GenerationServicer,
+    ) -> None:
+        self.config = config
+        self.port = port
+        self.pool = pool
+        self.servicer = servicer
+        self._server = server
+        self._health = health
+        self._serving: bool | None = None
+        self._probing: asyncio.Task | None = None
+
+    @classmethod
+    async def start(cls, config: GatewayConfig, tokenizer: Tokenizer | None = None) -> "Gateway":
+        """Listen at once; load the tokenizer (unless given) off the event loop; then probe."""
+        pool = RouterPool(config.routers, config.affinity_tokens, config.probe_timeout_s)
+        servicer = GenerationServicer(config, pool)
+        server, health, port = await start_server(
+            config.host,
+            config.port,
+            [lambda s: generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, s)],
+            [SERVICE_NAME],
+        )
+        gateway = cls(config, server, health, port, pool, servicer)
+        log.info("gateway listening on %s:%d (NOT_SERVING until ready)", config.host, port)
+        if tokenizer is None:
+            tokenizer = await asyncio.to_thread(Tokenizer.load, config.model)
+            log.info("tokenizer loaded from %s", config.model)
+        servicer.tokenizer = tokenizer
+        await gateway.probe_once()
+        gateway._probing = asyncio.create_task(gateway._probe_loop())
+        return gateway
+
+    async def probe_once(self) -> bool:
+        """Probe every router and update health; True when serving."""
+        up = await self.pool.probe_all()
+        serving = up and self.servicer.tokenizer is not None
+        if serving != self._serving:
+            self._serving = serving
+            await self._health.set(serving)
+            log.info("health: %s", "SERVING" if serving else "NOT_SERVING (no router answers)")
+        return serving
+
+    async def _probe_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.probe_interval_s)
+            await self.probe_once()
+
+    async def stop(self) -> None:
+        await self._health.set(False)
+        if self._probing is not None:
+            self._probing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probing
+        await self._server.stop(self.config.shutdown_grace_s)
+        await self.pool.close()

@@ -1,0 +1,159 @@
+"""The GenerationService servicer: validate, tokenize, stream from a router, assemble text.
+
+Protobuf is converted at the edges (`convert`); every failure becomes a status in
+`errors.to_status`. A request's router call lives exactly as long as the client's stream:
+it is cancelled when the client cancels, when a stop string ends the output, or on error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from gateway_service import convert
+from gateway_service.config import GatewayConfig
+from gateway_service.errors import GatewayError, NoRouterAvailable, to_status
+from gateway_service.output import OutputAssembler
+from gateway_service.router_choice import RouterPool
+from gateway_service.tokenizer import Tokenizer
+from gateway_service.validation import (
+    check_input,
+    check_text_input,
+    resolve_max_tokens,
+    resolve_sampling,
+)
+from gateway_service.values import GenerateInput, OutputChunk, RouterRequest, ServerInfo
+from radixserve.v1 import generation_pb2, generation_pb2_grpc, router_pb2
+
+log = logging.getLogger(__name__)
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
+    def __init__(self, config: GatewayConfig, pool: RouterPool) -> None:
+        self._config = config
+        self._pool = pool
+        # Set once the tokenizer is loaded (the server answers NOT_SERVING until then).
+        self.tokenizer: Tokenizer | None = None
+
+    # --- RPCs -----------------------------------------------------------------------------
+
+    async def Generate(self, request, context) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        try:
+            async for chunk in self._generate(convert.generate_input(request), context):
+                yield convert.generate_response(chunk)
+        except (GatewayError, grpc.aio.AioRpcError) as exc:
+            await context.abort(*to_status(exc))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug: still one status, with the cause logged
+            await context.abort(*to_status(exc))
+
+    async def Tokenize(self, request, context) -> generation_pb2.TokenizeResponse:
+        try:
+            request_input = convert.tokenize_input(request)
+            check_text_input(request_input)
+            return generation_pb2.TokenizeResponse(token_ids=self._encode(request_input))
+        except Exception as exc:
+            await context.abort(*to_status(exc))
+
+    async def GetModelInfo(self, request, context) -> generation_pb2.GetModelInfoResponse:
+        try:
+            return convert.model_info_reply(await self._server_info())
+        except Exception as exc:
+            await context.abort(*to_status(exc))
+
+    # --- Generate ---------------------------------------------------------------------------
+
+    async def _generate(self, request: GenerateInput, context) -> AsyncIterator[OutputChunk]:
+        info = await self._server_info()
+        tokenizer = self._require_tokenizer()
+        vocab_size = info.vocab_size or tokenizer.vocab_size
+        check_input(request, vocab_size)
+        sampling = resolve_sampling(request.sampling, vocab_size)
+        prompt_ids = self._encode(request)
+        max_tokens = resolve_max_tokens(
+            request.max_tokens, len(prompt_ids), info.context_len, self._config.default_max_tokens
+        )
+        # The router sees a unique id even when callers reuse theirs; logs keep the caller's.
+        suffix = uuid.uuid4().hex[:12]
+        request_id = f"{request.request_id}-{suffix}" if request.request_id else suffix
+        routed = RouterRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            max_tokens=max_tokens,
+            sampling=sampling,
+            stop_token_ids=request.stop_token_ids,
+            ignore_eos=request.ignore_eos,
+            logprobs=request.logprobs,
+            top_logprobs=request.top_logprobs,
+        )
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        assembler = OutputAssembler(tokenizer, request.stop, len(prompt_ids))
+        log.debug("request %s: %d prompt tokens, max_tokens %d", request_id, len(prompt_ids), max_tokens)
+        async with contextlib.aclosing(self._router_stream(routed, deadline)) as stream:
+            async for response in stream:
+                chunk = assembler.add(
+                    response.token_ids,
+                    convert.raw_logprobs(response.logprobs),
+                    convert.finish_reason(response.finish_reason),
+                    response.usage.cached_tokens,
+                )
+                if chunk is not None:
+                    yield chunk
+                if assembler.finished:
+                    return  # leaving `aclosing` cancels the router call (stop strings)
+        raise GatewayError("the router's stream ended without a finish reason")
+
+    async def _router_stream(
+        self, request: RouterRequest, deadline: float | None
+    ) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
+        """The router's responses, failing over to the next router in rendezvous order when
+        one is UNAVAILABLE before it streamed anything."""
+        message = convert.router_request(request)
+        failures: list[str] = []
+        for address in self._pool.order(request.prompt_token_ids):
+            timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            call = self._pool.stub(address).Generate(message, timeout=timeout)
+            streamed = False
+            try:
+                async for response in call:
+                    streamed = streamed or bool(response.token_ids) or response.finish_reason != 0
+                    yield response
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or streamed:
+                    raise
+                self._pool.mark_down(address)
+                failures.append(f"{address}: {exc.details() or exc.code().name}")
+            finally:
+                call.cancel()  # no-op once finished; frees the router's pages otherwise
+        raise NoRouterAvailable("no router could take the request (" + "; ".join(failures) + ")")
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    def _require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise GatewayError("the gateway is still loading its tokenizer", grpc.StatusCode.UNAVAILABLE)
+        return self.tokenizer
+
+    def _encode(self, request: GenerateInput) -> list[int]:
+        tokenizer = self._require_tokenizer()
+        if request.messages:
+            return tokenizer.encode_chat(request.messages)
+        return tokenizer.encode_prompt(request.prompt or "")
+
+    async def _server_info(self) -> ServerInfo:
+        info = self._pool.info
+        if info is None:
+            await self._pool.probe_all()
+            info = self._pool.info
+        if info is None:
+            raise NoRouterAvailable("no router has answered GetServerInfo yet")
+        return info

@@ -1,0 +1,134 @@
+"""Request validation: every mistake a caller can make becomes an `InvalidRequest` that names
+the field, before anything reaches a router. Ranges follow the comments in generation.proto.
+
+Validation runs in two steps because some limits need the tokenized prompt: `check_input`
+before tokenization, `resolve_max_tokens` after it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from gateway_service.errors import InvalidRequest
+from gateway_service.values import GenerateInput, ResolvedSampling, SamplingInput
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+# Roles whose message is pointless without content; an assistant turn may be empty.
+CONTENT_REQUIRED_ROLES = ("system", "user", "tool")
+MAX_TOP_LOGPROBS = 20
+
+
+def check_text_input(request: GenerateInput) -> None:
+    """Exactly one of prompt and messages; a well-formed chat."""
+    if request.prompt is not None and request.messages:
+        raise InvalidRequest("give either prompt or messages, not both")
+    if request.prompt is None and not request.messages:
+        raise InvalidRequest("prompt or messages is required (both are empty)")
+    for index, turn in enumerate(request.messages):
+        if turn.role not in CHAT_ROLES:
+            raise InvalidRequest(
+                f"messages[{index}].role: unknown role {turn.role!r} (use one of {', '.join(CHAT_ROLES)})"
+            )
+        if turn.role in CONTENT_REQUIRED_ROLES and not turn.content:
+            raise InvalidRequest(f"messages[{index}].content: empty content in a {turn.role} message")
+
+
+def check_input(request: GenerateInput, vocab_size: int) -> None:
+    """Everything that can be checked before tokenizing."""
+    check_text_input(request)
+    if request.max_tokens is not None and request.max_tokens < 1:
+        raise InvalidRequest(f"max_tokens must be >= 1, got {request.max_tokens}")
+    if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(
+            f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}"
+        )
+    if request.top_logprobs > 0 and not request.logprobs:
+        raise InvalidRequest("top_logprobs needs logprobs: true")
+    for index, stop in enumerate(request.stop):
+        if not stop:
+            raise InvalidRequest(f"stop[{index}] is empty")
+    for index, token_id in enumerate(request.stop_token_ids):
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequest(
+                f"stop_token_ids[{index}] = {token_id} is outside the vocabulary [0, {vocab_size})"
+            )
+
+
+def _check_range(
+    name: str, value: float, low: float, high: float, *, low_open: bool = False
+) -> None:
+    if not math.isfinite(value):
+        raise InvalidRequest(f"sampling.{name} must be a finite number, got {value}")
+    below = value <= low if low_open else value < low
+    if below or value > high:
+        bracket = "(" if low_open else "["
+        high_text = "inf" if math.isinf(high) else f"{high:g}"
+        raise InvalidRequest(f"sampling.{name} must be in {bracket}{low:g}, {high_text}], got {value:g}")
+
+
+def resolve_sampling(sampling: SamplingInput, vocab_size: int) -> ResolvedSampling:
+    """Check every set field against its range and fill in the defaults.
+
+    top_k larger than the vocabulary means "keep everything", so it is clamped.
+    """
+    defaults = ResolvedSampling()
+    temperature = defaults.temperature if sampling.temperature is None else sampling.temperature
+    top_p = defaults.top_p if sampling.top_p is None else sampling.top_p
+    top_k = defaults.top_k if sampling.top_k is None else sampling.top_k
+    min_p = defaults.min_p if sampling.min_p is None else sampling.min_p
+    repetition = (
+        defaults.repetition_penalty if sampling.repetition_penalty is None
+        else sampling.repetition_penalty
+    )
+    presence = (
+        defaults.presence_penalty if sampling.presence_penalty is None
+        else sampling.presence_penalty
+    )
+    frequency = (
+        defaults.frequency_penalty if sampling.frequency_penalty is None
+        else sampling.frequency_penalty
+    )
+    _check_range("temperature", temperature, 0.0, 2.0)
+    _check_range("top_p", top_p, 0.0, 1.0, low_open=True)
+    if top_k < 0:
+        raise InvalidRequest(f"sampling.top_k must be >= 0, got {top_k}")
+    _check_range("min_p", min_p, 0.0, 1.0)
+    _check_range("repetition_penalty", repetition, 0.0, 2.0, low_open=True)
+    _check_range("presence_penalty", presence, -2.0, 2.0)
+    _check_range("frequency_penalty", frequency, -2.0, 2.0)
+    return ResolvedSampling(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=min(top_k, vocab_size),
+        min_p=min_p,
+        repetition_penalty=repetition,
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        seed=sampling.seed,
+    )
+
+
+def resolve_max_tokens(
+    requested: int | None, prompt_len: int, context_len: int, default_max_tokens: int
+) -> int:
+    """The number of tokens to ask the router for.
+
+    An explicit max_tokens must fit in the context with the prompt; an unset one is the
+    gateway's default, capped to what the context leaves.
+    """
+    if prompt_len < 1:
+        raise InvalidRequest("the prompt encodes to no tokens")
+    room = context_len - prompt_len
+    if room < 1:
+        raise InvalidRequest(
+            f"the prompt has {prompt_len} tokens, which leaves no room in the model's "
+            f"context of {context_len} tokens"
+        )
+    if requested is None:
+        return min(default_max_tokens, room)
+    if requested > room:
+        raise InvalidRequest(
+            f"prompt ({prompt_len} tokens) + max_tokens ({requested}) exceeds the model's "
+            f"context of {context_len} tokens"
+        )
+    return requested

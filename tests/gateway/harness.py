@@ -1,0 +1,74 @@
+"""An in-process gateway in front of fake routers, on 127.0.0.1, for gateway and client tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from gateway.background import BackgroundLoop
+from gateway.fake_router import FakeRouter
+from gateway_service.config import GatewayConfig
+from gateway_service.server import Gateway
+from gateway_service.tokenizer import Tokenizer
+from radixserve.v1 import generation_pb2_grpc, router_pb2
+
+CONTEXT_LEN = 512
+VOCAB_SIZE = 49152
+EOS_TOKEN_ID = 2
+
+
+def server_info() -> router_pb2.GetServerInfoResponse:
+    return router_pb2.GetServerInfoResponse(
+        model_name="fake-smollm2", context_len=CONTEXT_LEN, tp_size=1, page_size=16,
+        dtype="float32", num_pages=128, eos_token_ids=[EOS_TOKEN_ID], vocab_size=VOCAB_SIZE,
+    )
+
+
+@dataclass
+class GatewayHarness:
+    loop: BackgroundLoop
+    routers: list[FakeRouter]
+    gateway: Gateway
+    channel: grpc.Channel
+    stub: generation_pb2_grpc.GenerationServiceStub
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.gateway.port}"
+
+    def script_all(self, token_ids: list[int], **settings) -> None:
+        for router in self.routers:
+            router.script(token_ids, **settings)
+
+    def all_requests(self) -> list[router_pb2.RouterGenerateRequest]:
+        return [r for router in self.routers for r in router.state.requests]
+
+    def all_cancelled(self) -> list[str]:
+        return [r for router in self.routers for r in router.state.cancelled]
+
+    def reprobe(self) -> None:
+        self.loop.run(self.gateway.probe_once())
+
+
+def start_harness(tokenizer: Tokenizer, num_routers: int = 2) -> GatewayHarness:
+    loop = BackgroundLoop()
+    routers = [FakeRouter(server_info()) for _ in range(num_routers)]
+    for router in routers:
+        loop.run(router.start())
+    config = GatewayConfig(
+        host="127.0.0.1", port=0, routers=tuple(r.address for r in routers),
+        default_max_tokens=64, affinity_tokens=16, probe_interval_s=0.5,
+    )
+    gateway = loop.run(Gateway.start(config, tokenizer=tokenizer))
+    channel = grpc.insecure_channel(f"127.0.0.1:{gateway.port}")
+    stub = generation_pb2_grpc.GenerationServiceStub(channel)
+    return GatewayHarness(loop, routers, gateway, channel, stub)
+
+
+def stop_harness(harness: GatewayHarness) -> None:
+    harness.channel.close()
+    harness.loop.run(harness.gateway.stop())
+    for router in harness.routers:
+        harness.loop.run(router.stop())
+    harness.loop.close()
