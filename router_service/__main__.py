@@ -1,0 +1,61 @@
+"""`python -m router_service`: serve the router until SIGINT or SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+from radixserve.serving import install_stop_handlers, start_server
+from radixserve.v1 import router_pb2, router_pb2_grpc
+from router_service.config import RouterConfig, config_from_args
+from router_service.engine import Engine
+from router_service.service import RouterService
+
+log = logging.getLogger("router_service")
+
+SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
+# Seconds in-flight calls get to finish when the router stops.
+SHUTDOWN_GRACE_S = 5.0
+
+
+async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
+    """Run the router until `stop` is set. Health is NOT_SERVING until every rank answered."""
+    health_handle = None
+
+    async def on_health(serving: bool) -> None:
+        if health_handle is not None:
+            await health_handle.set(serving)
+
+    engine = Engine(config, on_health)
+    servicer = RouterService(engine)
+    server, health_handle, port = await start_server(
+        config.host,
+        config.port,
+        [lambda server: router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, server)],
+        [SERVICE_NAME],
+    )
+    log.info("router listening on %s:%d, workers %s", config.host, port, ",".join(config.workers))
+    engine_task = asyncio.create_task(engine.run(stop))
+    await stop.wait()
+    await server.stop(SHUTDOWN_GRACE_S)
+    await engine_task
+
+
+async def _main(config: RouterConfig) -> None:
+    stop = asyncio.Event()
+    install_stop_handlers(stop)
+    await serve(config, stop)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    config = config_from_args(argv)
+    logging.basicConfig(
+        level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    asyncio.run(_main(config))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,127 @@
+"""Protobuf <-> router values, both ways, and every error's gRPC status: the only place where
+the router's core meets the wire format."""
+
+from __future__ import annotations
+
+import grpc
+
+from radixserve.v1 import generation_pb2, router_pb2, worker_pb2
+from router_service.errors import InvalidRequest, QueueFull, RouterError, WorkersUnavailable
+from router_service.request import FinishReason, Request, SamplingParams
+from router_service.scheduler import StepPlan
+
+_STATUS: dict[type[RouterError], grpc.StatusCode] = {
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    WorkersUnavailable: grpc.StatusCode.UNAVAILABLE,
+}
+
+_FINISH = {
+    FinishReason.STOP: generation_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: generation_pb2.FINISH_REASON_LENGTH,
+    FinishReason.CANCELLED: generation_pb2.FINISH_REASON_CANCELLED,
+}
+
+
+def status_of(error: RouterError) -> tuple[grpc.StatusCode, str]:
+    for kind in type(error).__mro__:
+        if kind in _STATUS:
+            return _STATUS[kind], str(error)
+    return grpc.StatusCode.INTERNAL, str(error)
+
+
+def sampling_from_proto(msg: worker_pb2.ResolvedSamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_k=msg.top_k,
+        top_p=msg.top_p,
+        min_p=msg.min_p,
+        repetition_penalty=msg.repetition_penalty,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        seed=msg.seed if msg.has_seed else None,
+        logprobs=msg.logprobs,
+        top_logprobs=msg.top_logprobs,
+    )
+
+
+def sampling_to_proto(params: SamplingParams) -> worker_pb2.ResolvedSamplingParams:
+    return worker_pb2.ResolvedSamplingParams(
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        has_seed=params.seed is not None,
+        seed=params.seed or 0,
+        logprobs=params.logprobs,
+        top_logprobs=params.top_logprobs,
+    )
+
+
+def request_from_proto(msg: router_pb2.RouterGenerateRequest) -> Request:
+    """A `Request` from the wire; raises `InvalidRequest` for what can never be served.
+
+    Limits that depend on the workers (context length, vocabulary) are checked by the engine.
+    """
+    if not msg.prompt_token_ids:
+        raise InvalidRequest("the prompt is empty")
+    if msg.max_tokens < 1:
+        raise InvalidRequest(f"max_tokens must be >= 1, got {msg.max_tokens}")
+    if msg.sampling.top_logprobs < 0:
+        raise InvalidRequest("top_logprobs must be >= 0")
+    # An unset sampling message means greedy with everything off, not all-zero penalties.
+    sampling = sampling_from_proto(msg.sampling) if msg.HasField("sampling") else SamplingParams()
+    return Request(
+        request_id=msg.request_id,
+        prompt_ids=list(msg.prompt_token_ids),
+        max_tokens=msg.max_tokens,
+        sampling=sampling,
+        stop_token_ids=frozenset(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+    )
+
+
+def task_to_proto(plan: StepPlan, task_id: int) -> worker_pb2.DecodeTask:
+    task = worker_pb2.DecodeTask(task_id=task_id, release_request_ids=plan.release_request_ids)
+    for entry in plan.entries:
+        request = entry.request
+        task_entry = task.entries.add(
+            request_id=request.request_id,
+            token_ids=entry.token_ids,
+            start_position=entry.start_position,
+            page_ids=entry.new_page_ids,
+            sample=entry.sample,
+        )
+        if entry.new_request:
+            task_entry.new_request.CopyFrom(worker_pb2.NewRequest(
+                sampling=sampling_to_proto(request.sampling),
+                cached_token_ids=entry.cached_token_ids,
+                num_prompt_tokens=request.num_prompt,
+            ))
+    return task
+
+
+def token_logprob(sampled: worker_pb2.SampledToken) -> generation_pb2.TokenLogprob:
+    return generation_pb2.TokenLogprob(
+        token_id=sampled.token_id, logprob=sampled.logprob, top_logprobs=sampled.top_logprobs
+    )
+
+
+def response_to_proto(
+    token_ids: list[int],
+    logprobs: list[generation_pb2.TokenLogprob],
+    request: Request,
+    finished: bool,
+) -> router_pb2.RouterGenerateResponse:
+    response = router_pb2.RouterGenerateResponse(token_ids=token_ids, logprobs=logprobs)
+    if finished and request.finish_reason in _FINISH:
+        response.finish_reason = _FINISH[request.finish_reason]
+        response.usage.CopyFrom(generation_pb2.Usage(
+            prompt_tokens=request.num_prompt,
+            completion_tokens=request.num_output,
+            cached_tokens=max(request.num_cached_tokens, 0),
+        ))
+    return response

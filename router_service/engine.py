@@ -1,0 +1,246 @@
+"""The engine: connects to the worker group and runs the scheduler, one step at a time.
+
+Each step the scheduler plans a batch; the engine turns it into one `DecodeTask` that carries
+only what changed (new tokens, new pages, `new_request` on a request's first entry, releases),
+sends it to every rank, applies rank 0's sampled tokens and streams them to the requests'
+callers. When any rank fails, every request ends with UNAVAILABLE, health goes NOT_SERVING and
+the engine reconnects every `reconnect_interval_s`; a new connection starts with `reset=True`
+and an empty cache (the workers' K/V can no longer be trusted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from radixserve.v1 import generation_pb2, worker_pb2
+from router_service import convert
+from router_service.config import RouterConfig
+from router_service.errors import InvalidRequest, QueueFull, RouterError, WorkersUnavailable
+from router_service.request import Request
+from router_service.scheduler import Scheduler, SchedulerStats
+from router_service.worker_group import WorkerFault, WorkerGroup, WorkerInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class StreamEvent:
+    """New tokens for one request; `finished` on its last event; `error` when it failed."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)
+    finished: bool = False
+    error: RouterError | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSummary:
+    """What the router serves, as learned from the workers at connection time."""
+
+    model_name: str
+    dtype: str
+    context_len: int
+    vocab_size: int
+    page_size: int
+    num_pages: int
+    tp_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+class Engine:
+    def __init__(
+        self,
+        config: RouterConfig,
+        on_health: Callable[[bool], Awaitable[None]] | None = None,
+    ) -> None:
+        self.config = config
+        self.group = WorkerGroup(config.workers, config.connect_timeout_s)
+        self.summary: GroupSummary | None = None
+        self.scheduler: Scheduler | None = None
+        self._on_health = on_health
+        self._streams: dict[str, asyncio.Queue[StreamEvent]] = {}
+        self._cancelled: list[Request] = []
+        self._in_step = False
+        self._wakeup = asyncio.Event()
+        self._request_ids = itertools.count()
+        self._task_ids = itertools.count(1)
+        # Counters of schedulers dropped at reconnects, so that GetStats never goes backwards.
+        self._past = SchedulerStats()
+
+    # ---- called by the service -----------------------------------------------------------
+
+    def submit(self, request: Request) -> asyncio.Queue[StreamEvent]:
+        """Queue a request; returns the queue its events arrive on. Raises `RouterError`."""
+        scheduler, summary = self.scheduler, self.summary
+        if scheduler is None or summary is None:
+            raise WorkersUnavailable("the workers are not connected")
+        if request.num_prompt >= summary.context_len:
+            raise InvalidRequest(
+                f"prompt of {request.num_prompt} tokens leaves no room in the context of "
+                f"{summary.context_len}"
+            )
+        if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= summary.vocab_size:
+            raise InvalidRequest(f"token ids must be in [0, {summary.vocab_size})")
+        if scheduler.num_waiting >= self.config.max_queue:
+            raise QueueFull(f"{scheduler.num_waiting} requests are already waiting")
+        # Worker-side ids must be unique; the caller's id stays readable in the workers' logs.
+        request.request_id = f"{request.request_id or 'req'}#{next(self._request_ids)}"
+        scheduler.add(request)
+        queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        self._streams[request.request_id] = queue
+        self._wakeup.set()
+        return queue
+
+    def cancel(self, request: Request) -> None:
+        """The caller went away: take the request out within one step."""
+        if self._streams.pop(request.request_id, None) is None:
+            return  # already ended
+        if self._in_step:
+            self._cancelled.append(request)  # a task that names it is in flight
+        elif self.scheduler is not None:
+            self.scheduler.cancel(request)
+        self._wakeup.set()
+
+    def stats(self) -> SchedulerStats:
+        now = self.scheduler.stats if self.scheduler else SchedulerStats()
+        past = self._past
+        return SchedulerStats(
+            num_steps=past.num_steps + now.num_steps,
+            num_retractions=past.num_retractions + now.num_retractions,
+            cache_hit_tokens=past.cache_hit_tokens + now.cache_hit_tokens,
+            prompt_tokens=past.prompt_tokens + now.prompt_tokens,
+        )
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            if self.scheduler is None:
+                if not await self._connect():
+                    await _wait_any(stop.wait(), timeout_s=self.config.reconnect_interval_s)
+                continue
+            try:
+                await self._step(stop)
+            except WorkerFault as exc:
+                await self._fail(WorkersUnavailable(f"a worker failed: {exc}"))
+            except Exception:  # a router bug: fail what is in flight, start over, keep serving
+                log.exception("engine step failed")
+                await self._fail(RouterError("internal error in the router"))
+        await self.group.close()
+
+    async def _connect(self) -> bool:
+        try:
+            infos = await self.group.connect()
+            # The first task on a new connection makes every rank forget old requests.
+            await self.group.execute(worker_pb2.DecodeTask(task_id=next(self._task_ids), reset=True))
+        except WorkerFault as exc:
+            log.warning("workers not ready: %s", exc)
+            await self.group.close()
+            return False
+        self.summary = _summarize(infos, self.config.max_pages)
+        self.scheduler = Scheduler(
+            num_pages=self.summary.num_pages,
+            page_size=self.summary.page_size,
+            max_batch_tokens=self.config.max_batch_tokens,
+            max_running_requests=self.config.max_running_requests,
+            policy=self.config.policy,
+            context_len=self.summary.context_len,
+            eos_token_ids=frozenset(self.summary.eos_token_ids),
+        )
+        log.info("serving %s over %d rank(s), %d pages of %d tokens", self.summary.model_name,
+                 len(infos), self.summary.num_pages, self.summary.page_size)
+        await self._set_health(True)
+        return True
+
+    async def _step(self, stop: asyncio.Event) -> None:
+        scheduler = self.scheduler
+        assert scheduler is not None
+        if self.group.broken.is_set():
+            raise WorkerFault("a worker stream ended")
+        for request in self._cancelled:
+            scheduler.cancel(request)
+        self._cancelled.clear()
+        plan = scheduler.schedule()
+        for request in plan.ended:
+            self._send(request, StreamEvent(finished=True))
+        if not plan.entries and not plan.release_request_ids:
+            if not plan.ended:  # nothing to do until a request arrives or leaves
+                self._wakeup.clear()
+                await _wait_any(self._wakeup.wait(), self.group.broken.wait(), stop.wait())
+            return
+        task = convert.task_to_proto(plan, next(self._task_ids))
+        self._in_step = True
+        try:
+            result = await self.group.execute(task)
+        finally:
+            self._in_step = False
+        sampling_ids = [entry.request.request_id for entry in plan.entries if entry.sample]
+        if sampling_ids != [token.request_id for token in result.tokens]:
+            raise WorkerFault(f"rank 0 sampled for other requests than task {task.task_id} asked")
+        sampled = {token.request_id: token for token in result.tokens}
+        for request in scheduler.complete(plan, [token.token_id for token in result.tokens]):
+            token = sampled[request.request_id]
+            logprobs = [convert.token_logprob(token)] if request.sampling.logprobs else []
+            self._send(request, StreamEvent(
+                [token.token_id], logprobs, finished=request.finish_reason is not None
+            ))
+
+    def _send(self, request: Request, event: StreamEvent) -> None:
+        queue = self._streams.get(request.request_id)
+        if queue is None:
+            return  # cancelled while its step was in flight
+        queue.put_nowait(event)
+        if event.finished or event.error:
+            del self._streams[request.request_id]
+
+    async def _fail(self, error: RouterError) -> None:
+        """End every request with `error` and drop the connection (it reconnects and resets)."""
+        log.error("failing all requests: %s", error)
+        await self._set_health(False)
+        scheduler = self.scheduler
+        self.scheduler = None
+        if scheduler is not None:
+            stats = scheduler.stats
+            self._past.num_steps += stats.num_steps
+            self._past.num_retractions += stats.num_retractions
+            self._past.cache_hit_tokens += stats.cache_hit_tokens
+            self._past.prompt_tokens += stats.prompt_tokens
+            for request in scheduler.fail_all():
+                self._send(request, StreamEvent(error=error))
+        self._cancelled.clear()
+        await self.group.close()
+
+    async def _set_health(self, serving: bool) -> None:
+        if self._on_health is not None:
+            await self._on_health(serving)
+
+
+def _summarize(infos: list[WorkerInfo], max_pages: int) -> GroupSummary:
+    first = infos[0]
+    num_pages = min(info.num_pages for info in infos)
+    if max_pages:
+        num_pages = min(num_pages, max_pages)
+    return GroupSummary(
+        model_name=first.model_name,
+        dtype=first.dtype,
+        context_len=min(info.context_len for info in infos),
+        vocab_size=first.vocab_size,
+        page_size=first.page_size,
+        num_pages=num_pages,
+        tp_size=len(infos),
+        eos_token_ids=first.eos_token_ids,
+    )
+
+
+async def _wait_any(*waits: Awaitable[object], timeout_s: float | None = None) -> None:
+    """Return when the first of `waits` finishes (or after `timeout_s`); cancel the rest."""
+    tasks = [asyncio.ensure_future(wait) for wait in waits]
+    try:
+        await asyncio.wait(tasks, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -1,0 +1,87 @@
+"""`RouterService` on grpc.aio: Generate, GetStats and GetServerInfo over the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from radixserve.v1 import router_pb2, router_pb2_grpc
+from router_service import convert
+from router_service.engine import Engine, StreamEvent
+from router_service.errors import RouterError, WorkersUnavailable
+
+log = logging.getLogger(__name__)
+
+
+class RouterService(router_pb2_grpc.RouterServiceServicer):
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    async def Generate(
+        self, request: router_pb2.RouterGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
+        try:
+            generate = convert.request_from_proto(request)
+            queue = self.engine.submit(generate)
+        except RouterError as exc:
+            await context.abort(*convert.status_of(exc))
+        ended = False
+        try:
+            while not ended:
+                events = [await queue.get()]
+                while not queue.empty():  # a slow reader gets what piled up in one message
+                    events.append(queue.get_nowait())
+                token_ids: list[int] = []
+                logprobs = []
+                for event in events:
+                    if event.error is not None:
+                        ended = True
+                        await context.abort(*convert.status_of(event.error))
+                    token_ids.extend(event.token_ids)
+                    logprobs.extend(event.logprobs)
+                    ended = ended or event.finished
+                yield convert.response_to_proto(token_ids, logprobs, generate, ended)
+        finally:
+            if not ended:  # the caller cancelled or went away
+                self.engine.cancel(generate)
+
+    async def GetStats(
+        self, request: router_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.GetStatsResponse:
+        stats = self.engine.stats()
+        response = router_pb2.GetStatsResponse(
+            cache_hit_tokens=stats.cache_hit_tokens,
+            prompt_tokens=stats.prompt_tokens,
+            num_steps=stats.num_steps,
+            num_retractions=stats.num_retractions,
+        )
+        scheduler = self.engine.scheduler
+        if scheduler is not None:
+            allocator = scheduler.allocator
+            response.num_running = scheduler.num_running
+            response.num_waiting = scheduler.num_waiting
+            response.num_pages_total = allocator.num_pages
+            response.num_pages_free = allocator.num_free
+            response.num_pages_used = allocator.num_used
+            response.num_pages_evictable = scheduler.cache.evictable_size
+        return response
+
+    async def GetServerInfo(
+        self, request: router_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.GetServerInfoResponse:
+        summary = self.engine.summary
+        if summary is None or self.engine.scheduler is None:
+            await context.abort(*convert.status_of(WorkersUnavailable("the workers are not connected")))
+        return router_pb2.GetServerInfoResponse(
+            model_name=summary.model_name,
+            context_len=summary.context_len,
+            tp_size=summary.tp_size,
+            page_size=summary.page_size,
+            dtype=summary.dtype,
+            num_pages=summary.num_pages,
+            eos_token_ids=summary.eos_token_ids,
+            vocab_size=summary.vocab_size,
+        )

@@ -1,0 +1,143 @@
+"""The connection to the worker ranks: one channel and one `Execute` stream per rank.
+
+Every task goes to every rank, in the same order; a step completes when every rank answered.
+Anything that goes wrong on any rank (a broken stream, a rank that is gone, a rejected task)
+raises `WorkerFault`: the ranks may disagree about requests afterwards, so the only safe way on
+is to reconnect and reset them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from radixserve.serving import CHANNEL_OPTIONS
+from radixserve.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class WorkerFault(Exception):
+    """A rank failed or disagreed; the group must be reconnected."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    address: str
+    rank: int
+    world_size: int
+    model_name: str
+    dtype: str
+    device: str
+    page_size: int
+    num_pages: int
+    context_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+def _info_from_proto(address: str, reply: worker_pb2.GetWorkerInfoResponse) -> WorkerInfo:
+    return WorkerInfo(
+        address=address,
+        rank=reply.rank,
+        world_size=reply.world_size,
+        model_name=reply.model_name,
+        dtype=reply.dtype,
+        device=reply.device,
+        page_size=reply.page_size,
+        num_pages=reply.num_pages,
+        context_len=reply.context_len,
+        vocab_size=reply.vocab_size,
+        eos_token_ids=tuple(reply.eos_token_ids),
+    )
+
+
+class WorkerGroup:
+    def __init__(self, addresses: tuple[str, ...], connect_timeout_s: float) -> None:
+        self.addresses = addresses
+        self.connect_timeout_s = connect_timeout_s
+        self.infos: list[WorkerInfo] = []
+        # Set when any rank's stream ends while connected (e.g. the process died while idle).
+        self.broken = asyncio.Event()
+        self._channels: list[grpc.aio.Channel] = []
+        self._calls: list[grpc.aio.StreamStreamCall] = []
+
+    @property
+    def connected(self) -> bool:
+        return bool(self._calls)
+
+    async def connect(self) -> list[WorkerInfo]:
+        """Ask every rank for its info, check they form one group, open their streams."""
+        await self.close()
+        self.broken.clear()
+        self._channels = [
+            grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) for address in self.addresses
+        ]
+        try:
+            replies = await asyncio.gather(*(
+                worker_pb2_grpc.WorkerServiceStub(channel).GetWorkerInfo(
+                    worker_pb2.GetWorkerInfoRequest(), timeout=self.connect_timeout_s
+                )
+                for channel in self._channels
+            ))
+        except grpc.aio.AioRpcError as exc:
+            await self.close()
+            raise WorkerFault(f"a worker did not answer: {exc.code().name} {exc.details()}") from exc
+        infos = [_info_from_proto(a, r) for a, r in zip(self.addresses, replies)]
+        problem = self._check_group(infos)
+        if problem:
+            await self.close()
+            raise WorkerFault(problem)
+        self.infos = infos
+        for channel in self._channels:
+            call = worker_pb2_grpc.WorkerServiceStub(channel).Execute()
+            call.add_done_callback(lambda _call: self.broken.set())
+            self._calls.append(call)
+        return infos
+
+    @staticmethod
+    def _check_group(infos: list[WorkerInfo]) -> str | None:
+        """Why these ranks do not form one TP group, or None when they do."""
+        for rank, info in enumerate(infos):
+            if info.rank != rank or info.world_size != len(infos):
+                return (
+                    f"worker {info.address} reports rank {info.rank} of {info.world_size}, "
+                    f"expected {rank} of {len(infos)}"
+                )
+            if info.page_size != infos[0].page_size:
+                return f"worker {info.address} has page size {info.page_size}, rank 0 {infos[0].page_size}"
+            if info.num_pages < 1:
+                return f"worker {info.address} has no KV pages"
+        return None
+
+    async def execute(self, task: worker_pb2.DecodeTask) -> worker_pb2.TaskResult:
+        """Send `task` to every rank and wait for all answers; returns rank 0's."""
+        if not self._calls:
+            raise WorkerFault("not connected")
+        try:
+            await asyncio.gather(*(call.write(task) for call in self._calls))
+            results = await asyncio.gather(*(call.read() for call in self._calls))
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, ConnectionError) as exc:
+            raise WorkerFault(f"worker stream failed: {exc}") from exc
+        for address, result in zip(self.addresses, results):
+            if result is grpc.aio.EOF:
+                raise WorkerFault(f"worker {address} closed its stream")
+            if result.task_id != task.task_id:
+                raise WorkerFault(f"worker {address} answered task {result.task_id}, not {task.task_id}")
+            if result.HasField("error"):
+                raise WorkerFault(
+                    f"worker {address} rejected task {task.task_id}: "
+                    f"code {result.error.code} {result.error.message}"
+                )
+        return results[0]
+
+    async def close(self) -> None:
+        calls, channels = self._calls, self._channels
+        self._calls, self._channels = [], []
+        for call in calls:
+            call.cancel()
+        for channel in channels:
+            await channel.close()

@@ -1,0 +1,150 @@
+"""A fake worker rank: a real grpc.aio `WorkerService` over `FakeModel`.
+
+In-process: `await start_fake_worker(...)`. As a process (for fault tests):
+`python tests/router/fake_worker.py --port P [--rank R --world-size N --num-pages K ...]`.
+Every rank validates and applies every task on its own fake KV pool (so ranks that were sent
+different tasks would diverge); rank 0 returns the sampled tokens, the others acknowledge.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+
+if __package__ in (None, ""):  # run as a script: make `router.*` and the project importable
+    sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[2])]
+
+from radixserve.serving import start_server  # noqa: E402
+from radixserve.v1 import worker_pb2, worker_pb2_grpc  # noqa: E402
+from router.fake_model import EOS_TOKEN_ID, VOCAB_SIZE, FakeEntry, FakeModel, FakeTaskError  # noqa: E402
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
+
+
+def fake_logprob(token_id: int) -> float:
+    """The log probability the fake reports for a token (tests check it passes through)."""
+    return -token_id / 100.0
+
+
+class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
+    def __init__(
+        self,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        num_pages: int = 64,
+        page_size: int = 4,
+        eos_every: int = 0,
+        context_len: int = 4096,
+        step_delay_s: float = 0.0,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.context_len = context_len
+        self.step_delay_s = step_delay_s
+        self.model = FakeModel(num_pages, page_size, eos_every)
+        self.wants_logprobs: dict[str, bool] = {}
+        self.errors: list[str] = []  # every rejected task, for tests to assert on
+
+    async def GetWorkerInfo(self, request, context) -> worker_pb2.GetWorkerInfoResponse:
+        return worker_pb2.GetWorkerInfoResponse(
+            rank=self.rank,
+            world_size=self.world_size,
+            model_name="fake",
+            dtype="float32",
+            page_size=self.model.page_size,
+            num_pages=self.model.num_pages,
+            context_len=self.context_len,
+            vocab_size=VOCAB_SIZE,
+            eos_token_ids=[EOS_TOKEN_ID],
+            device="cpu",
+        )
+
+    async def Execute(
+        self, request_iterator: AsyncIterator[worker_pb2.DecodeTask], context
+    ) -> AsyncIterator[worker_pb2.TaskResult]:
+        async for task in request_iterator:
+            if self.step_delay_s:
+                await asyncio.sleep(self.step_delay_s)
+            yield self.run_task(task)
+
+    def run_task(self, task: worker_pb2.DecodeTask) -> worker_pb2.TaskResult:
+        entries = [
+            FakeEntry(
+                request_id=entry.request_id,
+                token_ids=list(entry.token_ids),
+                start_position=entry.start_position,
+                page_ids=list(entry.page_ids),
+                sample=entry.sample,
+                new_request=entry.HasField("new_request"),
+                cached_token_ids=list(entry.new_request.cached_token_ids),
+            )
+            for entry in task.entries
+        ]
+        result = worker_pb2.TaskResult(task_id=task.task_id, rank=self.rank)
+        try:
+            tokens = self.model.execute(task.reset, list(task.release_request_ids), entries)
+        except FakeTaskError as exc:
+            self.errors.append(str(exc))
+            result.error.code = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            result.error.message = str(exc)
+            return result
+        if task.reset:
+            self.wants_logprobs.clear()
+        for request_id in task.release_request_ids:
+            self.wants_logprobs.pop(request_id, None)
+        for entry in task.entries:
+            if entry.HasField("new_request"):
+                self.wants_logprobs[entry.request_id] = entry.new_request.sampling.logprobs
+        if self.rank == 0:
+            sampling = [entry for entry in task.entries if entry.sample]
+            for entry, token_id in zip(sampling, tokens):
+                logprob = fake_logprob(token_id) if self.wants_logprobs[entry.request_id] else 0.0
+                result.tokens.add(request_id=entry.request_id, token_id=token_id, logprob=logprob)
+        return result
+
+
+async def start_fake_worker(host: str = "127.0.0.1", port: int = 0, **kwargs) -> tuple[grpc.aio.Server, int, FakeWorker]:
+    """Serve a `FakeWorker` (health SERVING) in this event loop; returns server, port, servicer."""
+    worker = FakeWorker(**kwargs)
+    server, health, bound = await start_server(
+        host, port, [lambda s: worker_pb2_grpc.add_WorkerServiceServicer_to_server(worker, s)],
+        [SERVICE_NAME],
+    )
+    await health.set(True)
+    return server, bound, worker
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    server, _, _ = await start_fake_worker(
+        port=args.port, rank=args.rank, world_size=args.world_size, num_pages=args.num_pages,
+        page_size=args.page_size, eos_every=args.eos_every, step_delay_s=args.step_delay_s,
+    )
+    await stop.wait()
+    await server.stop(0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="fake radixserve worker rank for router tests")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--world-size", type=int, default=1)
+    parser.add_argument("--num-pages", type=int, default=64)
+    parser.add_argument("--page-size", type=int, default=4)
+    parser.add_argument("--eos-every", type=int, default=0)
+    parser.add_argument("--step-delay-s", type=float, default=0.0)
+    asyncio.run(_serve(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""An in-process router in front of in-process fake workers, for gRPC-level router tests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from radixserve.serving import CHANNEL_OPTIONS, check_health
+from radixserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
+from router.fake_worker import FakeWorker, start_fake_worker
+from router_service.__main__ import serve
+from router_service.config import RouterConfig
+
+HEALTH_TIMEOUT_S = 20.0
+
+
+@dataclass
+class Harness:
+    stub: router_pb2_grpc.RouterServiceStub
+    address: str
+    workers: list[FakeWorker]
+
+
+async def wait_serving(address: str, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not await check_health(address, timeout_s=1.0):
+        if loop.time() > deadline:
+            raise TimeoutError(f"{address} not SERVING after {timeout_s}s")
+        await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def running_router(
+    num_pages: list[int], config: RouterConfig | None = None, **fake_kwargs
+) -> AsyncIterator[Harness]:
+    """Fake worker ranks (one per entry of `num_pages`) and a router on free loopback ports."""
+    servers = []
+    workers = []
+    stop = asyncio.Event()
+    engine_task = None
+    try:
+        for rank, pages in enumerate(num_pages):
+            server, port, worker = await start_fake_worker(
+                rank=rank, world_size=len(num_pages), num_pages=pages, **fake_kwargs
+            )
+            servers.append((server, port))
+            workers.append(worker)
+        base = config or RouterConfig()
+        from procs import free_port
+
+        router_port = free_port()
+        config = dataclasses.replace(
+            base,
+            port=router_port,
+            workers=tuple(f"127.0.0.1:{port}" for _, port in servers),
+            reconnect_interval_s=0.2,
+        )
+        engine_task = asyncio.create_task(serve(config, stop))
+        address = f"127.0.0.1:{router_port}"
+        await wait_serving(address)
+        async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+            yield Harness(router_pb2_grpc.RouterServiceStub(channel), address, workers)
+    finally:
+        stop.set()
+        if engine_task is not None:
+            await asyncio.wait_for(engine_task, timeout=15)
+        for server, _ in servers:
+            await server.stop(0)
+
+
+def generate_request(
+    prompt: list[int], max_tokens: int, *, stop_token_ids: list[int] | None = None,
+    logprobs: bool = False, request_id: str = "",
+) -> router_pb2.RouterGenerateRequest:
+    return router_pb2.RouterGenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling=worker_pb2.ResolvedSamplingParams(top_p=1.0, repetition_penalty=1.0, logprobs=logprobs),
+        max_tokens=max_tokens,
+        stop_token_ids=stop_token_ids or [],
+    )
+
+
+async def collect(stub: router_pb2_grpc.RouterServiceStub, request, timeout_s: float = 30.0):
+    """All token ids, logprobs and the last response of one Generate call."""
+    token_ids: list[int] = []
+    logprobs: list[float] = []
+    last = None
+    async for response in stub.Generate(request, timeout=timeout_s):
+        token_ids.extend(response.token_ids)
+        logprobs.extend(item.logprob for item in response.logprobs)
+        last = response
+    return token_ids, logprobs, last
