@@ -1,0 +1,71 @@
+"""A worker process killed mid-stream: requests fail fast with UNAVAILABLE, the router recovers."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import pytest
+
+from procs import PYTHON, ROOT, ServiceProcesses, free_port, is_serving
+from radixserve.serving import CHANNEL_OPTIONS
+from radixserve.v1 import router_pb2_grpc
+from router.fake_model import expected_tokens
+from router.harness import collect, generate_request
+
+FAKE_WORKER = Path(__file__).resolve().parent / "fake_worker.py"
+# Generous bound for "within seconds": a hang shows up as DEADLINE_EXCEEDED instead.
+FAIL_DEADLINE_S = 20.0
+
+
+@pytest.mark.timeout(120)
+def test_worker_killed_mid_stream_then_restarted() -> None:
+    worker_port, router_port = free_port(), free_port()
+    worker_address, router_address = f"127.0.0.1:{worker_port}", f"127.0.0.1:{router_port}"
+    worker_cmd = [PYTHON, str(FAKE_WORKER), "--port", str(worker_port), "--step-delay-s", "0.02"]
+    # The first worker lives in its own group: once killed, it must not count as a crash.
+    with ServiceProcesses() as procs, ServiceProcesses() as doomed:
+        doomed.start("worker", worker_cmd)
+        doomed.wait_healthy(worker_address, timeout_s=60)
+        procs.start("router", [
+            PYTHON, "-m", "router_service", "--port", str(router_port), "--workers", worker_address,
+            "--reconnect-interval-s", "0.2", "--log-level", "WARNING",
+        ])
+        procs.wait_healthy(router_address, timeout_s=60)
+
+        async def fail_in_flight() -> list[grpc.StatusCode]:
+            async with grpc.aio.insecure_channel(router_address, options=CHANNEL_OPTIONS) as channel:
+                stub = router_pb2_grpc.RouterServiceStub(channel)
+                calls = [
+                    stub.Generate(generate_request([3, 4, 5 + i], 5000), timeout=FAIL_DEADLINE_S)
+                    for i in range(4)
+                ]
+                for call in calls:  # every stream is running
+                    await call.read()
+                doomed.kill("worker")
+                codes = []
+                for call in calls:
+                    try:
+                        while await call.read() is not grpc.aio.EOF:
+                            pass
+                        codes.append(grpc.StatusCode.OK)
+                    except grpc.aio.AioRpcError as exc:
+                        codes.append(exc.code())
+                return codes
+
+        assert asyncio.run(fail_in_flight()) == [grpc.StatusCode.UNAVAILABLE] * 4
+        assert not is_serving(router_address)
+
+        procs.start("worker-restarted", worker_cmd)
+        procs.wait_healthy(worker_address, timeout_s=60)
+        procs.wait_healthy(router_address, timeout_s=60)
+
+        async def generate_again() -> list[int]:
+            async with grpc.aio.insecure_channel(router_address, options=CHANNEL_OPTIONS) as channel:
+                stub = router_pb2_grpc.RouterServiceStub(channel)
+                tokens, _, _ = await collect(stub, generate_request([3, 4, 5], 8))
+                return tokens
+
+        assert asyncio.run(generate_again()) == expected_tokens([3, 4, 5], 8, eos_every=0)
+        assert procs.procs["router"].poll() is None
