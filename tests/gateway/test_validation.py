@@ -1,0 +1,131 @@
+"""Bad requests are INVALID_ARGUMENT with a message naming the problem; never INTERNAL/UNKNOWN."""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gateway.harness import CONTEXT_LEN, EOS_TOKEN_ID, VOCAB_SIZE
+from radixserve.v1 import generation_pb2 as pb
+
+pytestmark = pytest.mark.timeout(120)
+
+user = pb.ChatMessage(role="user", content="hi")
+
+BAD_REQUESTS = [
+    (pb.GenerateRequest(), "prompt or messages is required"),
+    (pb.GenerateRequest(prompt="a", messages=[user]), "not both"),
+    (pb.GenerateRequest(messages=[pb.ChatMessage(role="robot", content="x")]), "messages[0].role"),
+    (pb.GenerateRequest(messages=[user, pb.ChatMessage(role="user", content="")]), "messages[1].content"),
+    (pb.GenerateRequest(prompt="a", max_tokens=0), "max_tokens must be >= 1"),
+    (pb.GenerateRequest(prompt="a", max_tokens=-5), "max_tokens must be >= 1"),
+    (pb.GenerateRequest(prompt="a", max_tokens=CONTEXT_LEN), "exceeds the model's context"),
+    (pb.GenerateRequest(prompt="word " * (CONTEXT_LEN + 10)), "leaves no room"),
+    (pb.GenerateRequest(prompt="a", logprobs=True, top_logprobs=21), "top_logprobs must be in [0, 20]"),
+    (pb.GenerateRequest(prompt="a", logprobs=True, top_logprobs=-1), "top_logprobs must be in [0, 20]"),
+    (pb.GenerateRequest(prompt="a", top_logprobs=3), "top_logprobs needs logprobs"),
+    (pb.GenerateRequest(prompt="a", stop=["ok", ""]), "stop[1] is empty"),
+    (pb.GenerateRequest(prompt="a", stop_token_ids=[VOCAB_SIZE]), "stop_token_ids[0]"),
+    (pb.GenerateRequest(prompt="a", stop_token_ids=[-1]), "outside the vocabulary"),
+    (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(temperature=2.5)), "sampling.temperature"),
+    (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(temperature=-0.1)), "sampling.temperature"),
+    (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(temperature=math.nan)), "finite"),
+    (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(top_p=0)), "sampling.top_p must be in (0, 1]"),
+    (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(top_p=math.inf)), "sampling.top_p"),
+    (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(top_k=-1)), "sampling.top_k"),
+    (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(min_p=1.5)), "sampling.min_p"),
+    (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(repetition_penalty=0)), "sampling.repetition_penalty"),
+    (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(presence_penalty=-2.5)), "sampling.presence_penalty"),
+    (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(frequency_penalty=-math.inf)), "sampling.frequency_penalty"),
+]
+
+
+@pytest.mark.parametrize(("request_", "message"), BAD_REQUESTS, ids=[m for _, m in BAD_REQUESTS])
+def test_bad_request_is_invalid_argument(harness, request_, message):
+    with pytest.raises(grpc.RpcError) as err:
+        list(harness.stub.Generate(request_, timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in err.value.details()
+    assert not harness.all_requests()  # nothing reached a router
+
+
+def test_tokenize_validates_too(harness):
+    with pytest.raises(grpc.RpcError) as err:
+        harness.stub.Tokenize(pb.TokenizeRequest(), timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# --- generated requests ------------------------------------------------------------------
+
+floats = st.one_of(
+    st.none(),
+    st.floats(allow_nan=True, allow_infinity=True, width=32),
+    st.sampled_from([0.0, 1.0, 2.0, -2.0, 0.5]),
+)
+
+
+@st.composite
+def sampling_params(draw) -> pb.SamplingParams:
+    params = pb.SamplingParams()
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        value = draw(floats)
+        if value is not None:
+            setattr(params, name, value)
+    top_k = draw(st.one_of(st.none(), st.integers(-(2**31), 2**31 - 1)))
+    if top_k is not None:
+        params.top_k = top_k
+    seed = draw(st.one_of(st.none(), st.integers(0, 2**64 - 1)))
+    if seed is not None:
+        params.seed = seed
+    return params
+
+
+texts = st.text(max_size=30)
+
+
+@st.composite
+def generate_requests(draw) -> pb.GenerateRequest:
+    request = pb.GenerateRequest(
+        prompt=draw(texts),
+        messages=[
+            pb.ChatMessage(role=role, content=content)
+            for role, content in draw(st.lists(
+                st.tuples(st.sampled_from(["system", "user", "assistant", "tool", "", "User", "x"]), texts),
+                max_size=3,
+            ))
+        ],
+        stop=draw(st.lists(st.text(max_size=4), max_size=3)),
+        stop_token_ids=draw(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=3)),
+        ignore_eos=draw(st.booleans()),
+        sampling=draw(sampling_params()),
+        logprobs=draw(st.booleans()),
+        top_logprobs=draw(st.integers(-(2**31), 2**31 - 1) | st.integers(0, 21)),
+        request_id=draw(st.text(max_size=10)),
+    )
+    max_tokens = draw(st.one_of(st.none(), st.integers(-(2**31), 2**31 - 1), st.integers(1, 600)))
+    if max_tokens is not None:
+        request.max_tokens = max_tokens
+    return request
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(request_=generate_requests())
+def test_generated_requests_are_ok_or_invalid_argument(harness, request_):
+    harness.script_all([11, 12, EOS_TOKEN_ID])
+    try:
+        responses = list(harness.stub.Generate(request_, timeout=10))
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, (exc.code(), exc.details())
+        assert exc.details()
+    else:
+        assert responses[-1].finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+
+
+def test_still_serving_after_bad_requests(harness):
+    harness.script_all([11, EOS_TOKEN_ID])
+    responses = list(harness.stub.Generate(pb.GenerateRequest(prompt="fine"), timeout=10))
+    assert responses[-1].finish_reason == pb.FINISH_REASON_STOP
