@@ -1,0 +1,92 @@
+"""The Dockerfile and its build context, checked without a container engine."""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from deploy_checks import ROOT
+from image_checks import (
+    context_files,
+    dockerfile_errors,
+    dockerignore_patterns,
+    parse_dockerfile,
+)
+
+DOCKERFILE = ROOT / "Dockerfile"
+PYPROJECT = ROOT / "pyproject.toml"
+
+
+def test_dockerfile_passes() -> None:
+    assert dockerfile_errors(DOCKERFILE.read_text(), PYPROJECT) == []
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "message"),
+    [
+        ("USER ${APP_UID}", "USER root", "non-root"),
+        ("ARG APP_UID=10001", "ARG APP_UID=0", "non-root"),
+        ("ARG TORCH_VERSION=2.13.0", "ARG TORCH_VERSION=2.12.0", "torch pin"),
+        ("ARG PYTHON_IMAGE=python:3.11-slim", "ARG PYTHON_IMAGE=python:3.11", "base image"),
+        ("RUN python -m radixserve.gen_protos \\\n    && pip install --no-deps . \\",
+         "RUN pip install --no-deps . \\\n    && python -m radixserve.gen_protos \\", "protos"),
+        ('CMD ["radixserve", "up"', 'CMD ["python", "-m", "http.server"', "no radixserve service"),
+    ],
+    ids=["root-user", "root-uid", "torch-pin", "base-image", "protos-order", "command"],
+)
+def test_dockerfile_check_rejects_broken_copies(old: str, new: str, message: str) -> None:
+    text = DOCKERFILE.read_text()
+    assert old in text, f"the Dockerfile no longer contains {old!r}: update this test"
+    errors = dockerfile_errors(text.replace(old, new, 1), PYPROJECT)
+    assert any(message in error for error in errors), errors
+
+
+def test_requirements_step_reads_pyproject() -> None:
+    """Run the Dockerfile's own requirements one-liner against pyproject.toml."""
+    run = next(i.text for i in parse_dockerfile(DOCKERFILE.read_text())
+               if i.keyword == "RUN" and "tomllib" in i.text)
+    words = shlex.split(run)
+    code = words[words.index("-c") + 1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=30, check=True).stdout.split()
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    assert out == project["dependencies"] + project["optional-dependencies"]["model"]
+    assert "torch==2.13.0" in out and any(line.startswith("gguf") for line in out)
+
+
+def _context(ignore_text: str) -> set[str]:
+    return context_files(ROOT, dockerignore_patterns(ignore_text))
+
+
+def test_build_context_has_the_sources_and_nothing_heavy() -> None:
+    files = _context((ROOT / ".dockerignore").read_text())
+    assert "pyproject.toml" in files
+    for proto in ("generation", "router", "worker"):
+        assert f"protos/radixserve/v1/{proto}.proto" in files
+    for package in ("radixserve", "worker_service", "router_service", "gateway_service"):
+        assert f"{package}/__init__.py" in files
+    assert "radixserve/gen_protos.py" in files and "radixserve/health_probe.py" in files
+    for left_out in (".venv/", "models/", ".git/", ".cache/", "radixserve/v1/", "tests/"):
+        assert not any(f.startswith(left_out) for f in files), left_out
+    assert not any("__pycache__" in f or f.endswith(".pyc") for f in files)
+
+
+def test_build_context_check_sees_a_broken_dockerignore(tmp_path: Path) -> None:
+    for name in (".venv/bin/python", "protos/radixserve/v1/worker.proto",
+                 "radixserve/__pycache__/flags.cpython-311.pyc", "models/m/model.safetensors",
+                 "radixserve/flags.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    ignore = dockerignore_patterns((ROOT / ".dockerignore").read_text())
+    assert context_files(tmp_path, ignore) == {"protos/radixserve/v1/worker.proto",
+                                               "radixserve/flags.py"}
+    assert "protos/radixserve/v1/worker.proto" not in context_files(tmp_path, ignore + ["protos"])
+    without_venv = [p for p in ignore if p != ".venv"]
+    assert ".venv/bin/python" in context_files(tmp_path, without_venv)
+    without_pyc = [p for p in ignore if "pyc" not in p and "pycache" not in p]
+    assert "radixserve/__pycache__/flags.cpython-311.pyc" in context_files(tmp_path, without_pyc)
