@@ -1,0 +1,94 @@
+"""Prefix reuse with the real worker and the default model: cached tokens are not recomputed."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import grpc
+import pytest
+import torch
+
+from procs import PYTHON, ServiceProcesses, free_port
+from radixserve.serving import CHANNEL_OPTIONS
+from radixserve.v1 import router_pb2_grpc
+from router.harness import generate_request
+
+PREFIX_LEN = 500
+# Enough KV for a few 500-token requests without loading the machine with the 1 GiB default.
+KV_CACHE_MB = 96
+MAX_TOKENS = 4
+# A generated token counts as greedy when its reference logit is this close to the maximum.
+LOGIT_TOLERANCE = 1e-3
+
+
+async def time_to_first_token(stub, prompt: list[int]) -> tuple[float, list[int], object]:
+    start = time.perf_counter()
+    first = None
+    tokens: list[int] = []
+    last = None
+    async for response in stub.Generate(generate_request(prompt, MAX_TOKENS), timeout=300):
+        if first is None:
+            first = time.perf_counter() - start
+        tokens.extend(response.token_ids)
+        last = response
+    return first, tokens, last
+
+
+@pytest.mark.timeout(300)
+def test_shared_500_token_prefix_is_served_from_cache(smollm2_dir) -> None:
+    worker_port, router_port = free_port(), free_port()
+    worker_address, router_address = f"127.0.0.1:{worker_port}", f"127.0.0.1:{router_port}"
+    rng = random.Random(5)
+
+    def fresh(num_tokens: int) -> list[int]:
+        return [rng.randrange(100, 40000) for _ in range(num_tokens)]
+
+    # Two cold prefixes and several warm requests: the best of each is compared, so that a
+    # moment of load from other processes on the machine does not decide the ratio.
+    cold_prompts = [fresh(PREFIX_LEN) + fresh(12) for _ in range(2)]
+    prefix = cold_prompts[-1][:PREFIX_LEN]
+    warm_prompts = [prefix + fresh(12) for _ in range(3)]
+    with ServiceProcesses() as procs:
+        procs.start("worker", [
+            PYTHON, "-m", "worker_service", "--model", str(smollm2_dir), "--port", str(worker_port),
+            "--device", "cpu", "--kv-cache-mb", str(KV_CACHE_MB), "--log-level", "WARNING",
+        ])
+        procs.wait_healthy(worker_address, timeout_s=180)
+        procs.start("router", [
+            PYTHON, "-m", "router_service", "--port", str(router_port), "--workers", worker_address,
+            "--log-level", "WARNING",
+        ])
+        procs.wait_healthy(router_address, timeout_s=60)
+
+        async def scenario():
+            async with grpc.aio.insecure_channel(router_address, options=CHANNEL_OPTIONS) as channel:
+                stub = router_pb2_grpc.RouterServiceStub(channel)
+                await time_to_first_token(stub, [1, 2, 3])  # one-time warm-up costs out of the way
+                cold = [await time_to_first_token(stub, prompt) for prompt in cold_prompts]
+                warm = [await time_to_first_token(stub, prompt) for prompt in warm_prompts]
+                return cold, warm
+
+        cold, warm = asyncio.run(scenario())
+
+    for _, _, last in cold:
+        assert last.usage.cached_tokens < 16
+    for prompt, (_, _, last) in zip(warm_prompts, warm):
+        assert last.usage.cached_tokens >= 480
+        assert last.usage.prompt_tokens == len(prompt)
+    cold_ttft = min(ttft for ttft, _, _ in cold)
+    warm_ttft = min(ttft for ttft, _, _ in warm)
+    assert cold_ttft >= 5 * warm_ttft, ([c[0] for c in cold], [w[0] for w in warm])
+    second_prompt, (_, second_tokens, _) = warm_prompts[0], warm[0]
+    assert len(second_tokens) == MAX_TOKENS
+
+    # The tokens computed on top of cached pages are greedy under transformers' own logits.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    sequence = torch.tensor([second_prompt + second_tokens])
+    with torch.no_grad():
+        logits = model(sequence).logits[0, len(second_prompt) - 1 : -1]
+    for step, token in enumerate(second_tokens):
+        assert logits[step, token] >= logits[step].max() - LOGIT_TOLERANCE, step
