@@ -1,0 +1,278 @@
+"""`radixserve up`: the whole stack as local processes — worker rank(s), router, gateway.
+
+Ports follow one convention: the gateway on P, the router on P+1, worker rank r on P+9+r;
+the ranks rendezvous on a free MASTER_PORT. Each service is started once the ones it depends
+on report SERVING (bounded waits). Children's output is prefixed with their name. Ctrl-C or
+SIGTERM stops the stack (SIGTERM to every child, a bounded wait, SIGKILL to stragglers); when a
+child dies on its own, the launcher says which and stops the rest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from radixserve.flags import add_flag
+
+DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
+ROUTER_PORT_OFFSET = 1
+WORKER_PORT_OFFSET = 9
+# Internal services listen on loopback only: only the gateway is public.
+INTERNAL_HOST = "127.0.0.1"
+# Environment that would override the rank settings the launcher hands each worker.
+_RANK_ENV = ("RADIXSERVE_RANK", "RADIXSERVE_WORLD_SIZE", "RADIXSERVE_MASTER_ADDR", "RADIXSERVE_MASTER_PORT")
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ChildSpec:
+    name: str
+    cmd: list[str]
+    health_address: str
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class StackPlan:
+    """Children in start order, grouped: a group starts once the previous one is SERVING."""
+
+    groups: list[list[ChildSpec]]
+    gateway_address: str
+
+
+class StackFailed(Exception):
+    """A child died or never became healthy; the message names it."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="radixserve", description="radixserve launcher")
+    commands = parser.add_subparsers(dest="command", required=True)
+    up = commands.add_parser("up", help="serve a model locally: worker rank(s), router, gateway")
+    add_flag(up, "model", default=DEFAULT_MODEL_DIR, help="model folder")
+    add_flag(up, "tp", type=int, default=1, help="tensor-parallel size (worker processes)")
+    add_flag(up, "port", type=int, default=50051, help="gateway port; router P+1, worker rank r P+9+r")
+    add_flag(up, "host", default="127.0.0.1", help="address the gateway listens on")
+    add_flag(up, "device", choices=["cpu", "cuda"], help="worker device (worker default when unset)")
+    add_flag(up, "dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+             help="weight and KV dtype")
+    add_flag(up, "kv-cache-mb", type=int, default=1024, help="KV page pool budget per rank, MiB")
+    add_flag(up, "startup-timeout-s", type=float, default=300.0,
+             help="how long each stage may take to report SERVING")
+    add_flag(up, "shutdown-timeout-s", type=float, default=15.0,
+             help="how long children get to exit after SIGTERM before SIGKILL")
+    add_flag(up, "log-level", default="INFO", help="log level of every service")
+    return parser
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((INTERNAL_HOST, 0))
+        return sock.getsockname()[1]
+
+
+def plan_stack(args: argparse.Namespace, python: str = sys.executable) -> StackPlan:
+    router_port = args.port + ROUTER_PORT_OFFSET
+    worker_ports = [args.port + WORKER_PORT_OFFSET + rank for rank in range(args.tp)]
+    master_port = free_port()
+    workers = []
+    for rank, port in enumerate(worker_ports):
+        cmd = [python, "-m", "worker_service", "--model", args.model, "--host", INTERNAL_HOST,
+               "--port", str(port), "--dtype", args.dtype, "--kv-cache-mb", str(args.kv_cache_mb),
+               "--log-level", args.log_level]
+        if args.device:
+            cmd += ["--device", args.device]
+        env = {"RANK": str(rank), "WORLD_SIZE": str(args.tp), "MASTER_ADDR": INTERNAL_HOST,
+               "MASTER_PORT": str(master_port)}
+        workers.append(ChildSpec(f"worker{rank}", cmd, f"{INTERNAL_HOST}:{port}", env))
+    router = ChildSpec(
+        "router",
+        [python, "-m", "router_service", "--host", INTERNAL_HOST, "--port", str(router_port),
+         "--workers", ",".join(f"{INTERNAL_HOST}:{p}" for p in worker_ports),
+         "--log-level", args.log_level],
+        f"{INTERNAL_HOST}:{router_port}",
+    )
+    gateway = ChildSpec(
+        "gateway",
+        [python, "-m", "gateway_service", "--host", args.host, "--port", str(args.port),
+         "--model", args.model, "--routers", f"{INTERNAL_HOST}:{router_port}",
+         "--log-level", args.log_level],
+        f"{_reachable(args.host)}:{args.port}",
+    )
+    return StackPlan([workers, [router], [gateway]], gateway.health_address)
+
+
+def _reachable(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM if the launcher dies without cleaning up."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass  # not Linux: the launcher's own shutdown path still applies
+
+
+class Stack:
+    """The running children, their prefixed output, and shutdown."""
+
+    def __init__(self, shutdown_timeout_s: float, out=sys.stdout) -> None:
+        self.children: dict[str, subprocess.Popen] = {}
+        self._shutdown_timeout_s = shutdown_timeout_s
+        self._out = out
+        self._out_lock = threading.Lock()
+        self._readers: list[threading.Thread] = []
+
+    def say(self, text: str) -> None:
+        with self._out_lock:
+            self._out.write(f"[radixserve] {text}\n")
+            self._out.flush()
+
+    def start(self, spec: ChildSpec) -> None:
+        env = {k: v for k, v in os.environ.items() if k not in _RANK_ENV}
+        env.update({"PYTHONUNBUFFERED": "1", **spec.env})
+        proc = subprocess.Popen(
+            spec.cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,
+        )
+        self.children[spec.name] = proc
+        reader = threading.Thread(target=self._relay, args=(spec.name, proc), daemon=True)
+        reader.start()
+        self._readers.append(reader)
+
+    def _relay(self, name: str, proc: subprocess.Popen) -> None:
+        assert proc.stdout is not None
+        for raw in iter(proc.stdout.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            with self._out_lock:
+                self._out.write(f"[{name}] {line}\n")
+                self._out.flush()
+
+    def dead_child(self) -> tuple[str, int] | None:
+        for name, proc in self.children.items():
+            code = proc.poll()
+            if code is not None:
+                return name, code
+        return None
+
+    def stop(self) -> None:
+        """SIGTERM everyone (gateway first), wait, SIGKILL what is left."""
+        for proc in reversed(list(self.children.values())):
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + self._shutdown_timeout_s
+        for name, proc in self.children.items():
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+            except subprocess.TimeoutExpired:
+                self.say(f"{name} did not exit after SIGTERM; killing it")
+        for proc in self.children.values():
+            if proc.poll() is None:
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
+        for reader in self._readers:
+            reader.join(timeout=2)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def is_serving(address: str, timeout_s: float = 1.0) -> bool:
+    with grpc.insecure_channel(address) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+            )
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _wait_healthy(stack: Stack, specs: list[ChildSpec], timeout_s: float, stop: threading.Event) -> None:
+    pending = {spec.name: spec.health_address for spec in specs}
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        _check_children(stack)
+        if stop.is_set():
+            return
+        for name, address in list(pending.items()):
+            if is_serving(address):
+                stack.say(f"{name} is serving on {address}")
+                del pending[name]
+        if pending and time.monotonic() > deadline:
+            raise StackFailed(f"{', '.join(pending)} not SERVING after {timeout_s:g}s")
+        if pending:
+            stop.wait(0.25)
+
+
+def _check_children(stack: Stack) -> None:
+    dead = stack.dead_child()
+    if dead is not None:
+        name, code = dead
+        raise StackFailed(f"{name} exited with code {code}")
+
+
+def run_up(args: argparse.Namespace) -> int:
+    if args.tp < 1:
+        raise SystemExit("radixserve up: --tp must be >= 1")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: stop.set())
+    plan = plan_stack(args)
+    stack = Stack(args.shutdown_timeout_s)
+    try:
+        for group in plan.groups:
+            for spec in group:
+                stack.start(spec)
+                stack.say(f"started {spec.name} (pid {stack.children[spec.name].pid}): {' '.join(spec.cmd)}")
+            _wait_healthy(stack, group, args.startup_timeout_s, stop)
+            if stop.is_set():
+                break
+        else:
+            _print_usage(stack, plan.gateway_address)
+            while not stop.wait(0.25):
+                _check_children(stack)
+    except StackFailed as exc:
+        stack.say(f"{exc}; stopping the stack")
+        stack.stop()
+        return 1
+    stack.say("stopping the stack")
+    stack.stop()
+    stack.say("stopped")
+    return 0
+
+
+def _print_usage(stack: Stack, address: str) -> None:
+    stack.say(f"ready: GenerationService on {address}")
+    stack.say("try:")
+    stack.say(f"  grpcurl -plaintext -d '{{\"prompt\": \"Hello\", \"max_tokens\": 16}}' {address} "
+              "radixserve.v1.GenerationService/Generate")
+    stack.say(f"  python -m client generate \"Hello\" --max-tokens 16 --address {address}")
+    stack.say(f"  python -m client chat \"What is a radix tree?\" --address {address}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "up":
+        return run_up(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
