@@ -9,7 +9,7 @@ is applied, and no rank is left waiting in an all-reduce for the others.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -95,9 +95,14 @@ class InvalidTask(ValueError):
 class Executor:
     """Owns one rank's request table and applies tasks to it, strictly one at a time."""
 
-    def __init__(self, runner: Runner, sampler: Sampler | None = None) -> None:
+    def __init__(self, runner: Runner, sampler: Sampler | None = None, num_pages: int | None = None) -> None:
+        """`num_pages`: the page count the whole TP group holds (the smallest over its ranks).
+
+        Ranks with fewer KV heads fit more pages in the same budget; validating page ids against
+        the group's count, not the rank's own, keeps every rank's verdict the same.
+        """
         self.runner = runner
-        self.info = runner.info
+        self.info = runner.info if num_pages is None else replace(runner.info, num_pages=num_pages)
         self.requests = RequestTable()
         # Only rank 0 samples; the other ranks never see logits.
         self.sampler: Sampler | None = None

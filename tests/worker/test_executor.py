@@ -287,3 +287,12 @@ def test_seeded_request_survives_retraction() -> None:
     while len(tokens) < 6:
         tokens += driver.ok(step("s", [tokens[-1]], len(prompt) + len(tokens) - 1))
     assert tokens == straight
+
+
+def test_group_page_count_bounds_page_ids() -> None:
+    runner = FakeRunner()
+    executor = Executor(runner, Sampler(seed=0), num_pages=8)
+    assert executor.info.num_pages == 8 and runner.info.num_pages == NUM_PAGES
+    result = executor.execute(Task(1, [first("a", [1], [8])]))
+    assert result.error.code == INVALID_ARGUMENT and "page id 8 is outside [0, 8)" in result.error.message
+    assert executor.execute(Task(2, [first("a", [1], [7])])).error is None

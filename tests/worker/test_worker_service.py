@@ -1,0 +1,193 @@
+"""Real `python -m worker_service` processes with SmolLM2: TP=1 against transformers, TP=2 against TP=1.
+
+Each test starts its workers through `tests/procs.py`, so they are killed whatever happens.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from procs import PYTHON, ServiceProcesses, free_port
+from radixserve.serving import CHANNEL_OPTIONS
+from radixserve.v1 import worker_pb2, worker_pb2_grpc
+from worker_service.config import parse_config
+
+PROMPT = "The capital of France is"
+NUM_NEW_TOKENS = 6
+PAGE_SIZE = 4
+# Pages handed out in a scrambled order: results must not depend on which pages a request gets.
+PAGES = [11, 3, 27, 8, 19, 1, 14]
+KV_CACHE_MB = 16
+RPC_TIMEOUT_S = 120.0
+READY_TIMEOUT_S = 180.0
+
+
+@pytest.fixture(scope="module")
+def prompt_and_reference(smollm2_dir: Path) -> tuple[list[int], list[int], list[float]]:
+    """The prompt's token ids, transformers' greedy continuation and each token's logprob."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompt = AutoTokenizer.from_pretrained(smollm2_dir)(PROMPT)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    ids, tokens, logprobs = list(prompt), [], []
+    with torch.inference_mode():
+        for _ in range(NUM_NEW_TOKENS):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            token = int(logits.argmax())
+            tokens.append(token)
+            logprobs.append(float(torch.log_softmax(logits, dim=-1)[token]))
+            ids.append(token)
+    return prompt, tokens, logprobs
+
+
+class TaskStream:
+    """One Execute stream driven one task at a time (the next task depends on the last token)."""
+
+    def __init__(self, address: str) -> None:
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = worker_pb2_grpc.WorkerServiceStub(self.channel)
+        self._outbox: queue.Queue[worker_pb2.DecodeTask | None] = queue.Queue()
+        self._results: Iterator[worker_pb2.TaskResult] = self.stub.Execute(
+            iter(self._outbox.get, None), timeout=RPC_TIMEOUT_S * 2
+        )
+
+    def info(self) -> worker_pb2.GetWorkerInfoResponse:
+        return self.stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=RPC_TIMEOUT_S)
+
+    def send(self, task: worker_pb2.DecodeTask) -> None:
+        self._outbox.put(task)
+
+    def receive(self) -> worker_pb2.TaskResult:
+        return next(self._results)
+
+    def close(self) -> None:
+        self._outbox.put(None)
+        self.channel.close()
+
+
+def start_worker(
+    procs: ServiceProcesses, model: Path, rank: int = 0, world_size: int = 1, master_port: int = 0
+) -> str:
+    port = free_port()
+    procs.start(
+        f"worker{rank}",
+        [PYTHON, "-m", "worker_service", "--model", str(model), "--port", str(port),
+         "--page-size", str(PAGE_SIZE), "--kv-cache-mb", str(KV_CACHE_MB), "--num-threads", "1",
+         "--device", "cpu"],
+        env={"RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(master_port or free_port())},
+    )
+    return f"127.0.0.1:{port}"
+
+
+def prefill(task_id: int, prompt: list[int]) -> worker_pb2.DecodeTask:
+    num_pages = -(-(len(prompt) + NUM_NEW_TOKENS) // PAGE_SIZE)
+    sampling = worker_pb2.ResolvedSamplingParams(temperature=0.0, top_p=1.0, repetition_penalty=1.0, logprobs=True)
+    entry = worker_pb2.TaskEntry(
+        request_id="r", token_ids=prompt, start_position=0, page_ids=PAGES[:num_pages], sample=True,
+        new_request=worker_pb2.NewRequest(sampling=sampling, num_prompt_tokens=len(prompt)),
+    )
+    return worker_pb2.DecodeTask(task_id=task_id, reset=True, entries=[entry])
+
+
+def decode(task_id: int, token: int, position: int, request_id: str = "r") -> worker_pb2.DecodeTask:
+    entry = worker_pb2.TaskEntry(request_id=request_id, token_ids=[token], start_position=position, sample=True)
+    return worker_pb2.DecodeTask(task_id=task_id, entries=[entry])
+
+
+def generate(streams: list[TaskStream], prompt: list[int], num_pages: int) -> list[list[worker_pb2.TaskResult]]:
+    """Prefill and decode on every rank, with malformed tasks in between; results per rank."""
+    results: list[list[worker_pb2.TaskResult]] = [[] for _ in streams]
+    bad_tasks = {
+        1: (decode(0, 5, 0, request_id="ghost"), "unknown request id"),
+        3: (worker_pb2.DecodeTask(entries=[worker_pb2.TaskEntry(
+            request_id="r", token_ids=[5], start_position=len(prompt) + 3, page_ids=[num_pages], sample=True)]),
+            f"page id {num_pages} is outside [0, {num_pages})"),
+        4: (decode(0, 5, len(prompt) + 1), "does not follow the KV written"),
+    }
+    task_id, token, position = 1, None, 0
+    for step in range(NUM_NEW_TOKENS):
+        task = prefill(task_id, prompt) if step == 0 else decode(task_id, token, position)
+        for stream in streams:
+            stream.send(task)
+        for rank, stream in enumerate(streams):
+            results[rank].append(stream.receive())
+        assert all(r[-1].task_id == task_id and not r[-1].HasField("error") for r in results), results
+        token = results[0][-1].tokens[0].token_id
+        position = len(prompt) + step
+        task_id += 1
+        if step in bad_tasks:
+            bad, needle = bad_tasks[step]
+            bad.task_id = task_id
+            for stream in streams:
+                stream.send(bad)
+            for rank, stream in enumerate(streams):
+                rejected = stream.receive()
+                assert rejected.task_id == task_id and rejected.rank == rank
+                assert rejected.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+                assert needle in rejected.error.message, rejected.error.message
+                assert not rejected.tokens
+            task_id += 1
+    return results
+
+
+@pytest.mark.timeout(300)
+def test_tp1_worker_matches_transformers_and_survives_bad_tasks(smollm2_dir: Path, prompt_and_reference) -> None:
+    prompt, reference, reference_logprobs = prompt_and_reference
+    with ServiceProcesses() as procs:
+        address = start_worker(procs, smollm2_dir)
+        procs.wait_healthy(address, timeout_s=READY_TIMEOUT_S)
+        stream = TaskStream(address)
+        try:
+            info = stream.info()
+            assert (info.rank, info.world_size, info.page_size, info.dtype) == (0, 1, PAGE_SIZE, "float32")
+            assert (info.vocab_size, info.context_len, list(info.eos_token_ids)) == (49152, 8192, [2])
+            assert info.model_name == smollm2_dir.name and info.device == "cpu"
+            assert info.num_pages > max(PAGES)
+            (results,) = generate([stream], prompt, info.num_pages)
+        finally:
+            stream.close()
+        tokens = [result.tokens[0] for result in results]
+        assert [t.token_id for t in tokens] == reference
+        assert [t.request_id for t in tokens] == ["r"] * NUM_NEW_TOKENS
+        assert [t.logprob for t in tokens] == pytest.approx(reference_logprobs, abs=2e-3)
+        procs.stop("worker0")
+        assert procs.procs["worker0"].returncode == 0, procs.tail("worker0")
+        assert "worker ready" in procs.tail("worker0")
+
+
+@pytest.mark.timeout(300)
+def test_tp2_workers_rank0_samples_rank1_acknowledges(smollm2_dir: Path, prompt_and_reference) -> None:
+    prompt, reference, _ = prompt_and_reference
+    master_port = free_port()
+    with ServiceProcesses() as procs:
+        addresses = [start_worker(procs, smollm2_dir, rank, 2, master_port) for rank in range(2)]
+        for address in addresses:
+            procs.wait_healthy(address, timeout_s=READY_TIMEOUT_S)
+        streams = [TaskStream(address) for address in addresses]
+        try:
+            infos = [stream.info() for stream in streams]
+            assert [(i.rank, i.world_size) for i in infos] == [(0, 2), (1, 2)]
+            num_pages = min(i.num_pages for i in infos)
+            rank0, rank1 = generate(streams, prompt, num_pages)
+        finally:
+            for stream in streams:
+                stream.close()
+        assert [result.tokens[0].token_id for result in rank0] == reference
+        assert all(result.rank == 1 and not result.tokens for result in rank1)
+
+
+def test_config_reads_flags_environment_and_torch_variables() -> None:
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_PORT": "29999", "RADIXSERVE_PAGE_SIZE": "8"}
+    config = parse_config(["--port", "50061", "--log-level", "debug"], env=env)
+    assert (config.rank, config.world_size, config.master_port, config.master_addr) == (1, 2, 29999, "127.0.0.1")
+    assert (config.page_size, config.port, config.log_level) == (8, 50061, "DEBUG")
+    assert parse_config(["--rank", "0"], env={**env, "RADIXSERVE_RANK": "1"}).rank == 0
+    with pytest.raises(SystemExit):
+        parse_config([], env={"RANK": "2", "WORLD_SIZE": "2"})

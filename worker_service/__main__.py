@@ -1,0 +1,136 @@
+"""`python -m worker_service`: serve one tensor-parallel rank.
+
+Start-up order matters for orchestration: the gRPC server comes up first and reports NOT_SERVING
+(so probes see a live process), then the rank joins the TP group and loads its weight shard, and
+only then does health flip to SERVING. SIGTERM / SIGINT stop it with a grace period for in-flight
+calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from radixserve.serving import install_stop_handlers, start_server
+from radixserve.v1 import worker_pb2_grpc
+from worker_service.config import WorkerConfig, parse_config
+from worker_service.distributed import init_distributed
+from worker_service.executor import Executor
+from worker_service.model_runner import ModelRunner, RunnerConfig
+from worker_service.service import SERVICE_NAME, WorkerService
+
+log = logging.getLogger("worker_service")
+
+BYTES_PER_MIB = 1 << 20
+
+
+def load_executor(config: WorkerConfig) -> Executor:
+    """Join the TP group and load this rank's shard; blocks (rendezvous, disk reads)."""
+    if config.num_threads > 0:
+        torch.set_num_threads(config.num_threads)
+    init_distributed(config.rank, config.world_size, config.master_addr, config.master_port, config.device)
+    runner = ModelRunner(
+        RunnerConfig(
+            model_dir=Path(config.model),
+            device=config.device,
+            dtype=config.dtype,
+            page_size=config.page_size,
+            kv_cache_bytes=config.kv_cache_mb * BYTES_PER_MIB,
+            rank=config.rank,
+            world_size=config.world_size,
+        )
+    )
+    num_pages = group_num_pages(runner.info.num_pages, config)
+    log.info(
+        "rank %d loaded %.1f MiB of weights; KV pool holds %d pages, the group %d",
+        config.rank, runner.weight_bytes() / BYTES_PER_MIB, runner.info.num_pages, num_pages,
+    )
+    return Executor(runner, num_pages=num_pages)
+
+
+def group_num_pages(own: int, config: WorkerConfig) -> int:
+    """The smallest page count over the TP group, so that every rank accepts the same page ids."""
+    if config.world_size == 1:
+        return own
+    count = torch.tensor([own], dtype=torch.int64, device=config.device)
+    dist.all_reduce(count, op=dist.ReduceOp.MIN)
+    return int(count.item())
+
+
+def _load_in_background(config: WorkerConfig) -> asyncio.Future[Executor]:
+    """Load on a daemon thread, so a stop signal during a long rendezvous can still exit."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Executor] = loop.create_future()
+
+    def settle(result: Executor | None, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+    def load() -> None:
+        try:
+            executor = load_executor(config)
+        except BaseException as exc:  # handed to the event loop, which logs it and exits
+            loop.call_soon_threadsafe(settle, None, exc)
+        else:
+            loop.call_soon_threadsafe(settle, executor, None)
+
+    threading.Thread(target=load, name="load-model", daemon=True).start()
+    return future
+
+
+async def serve(config: WorkerConfig) -> int:
+    service = WorkerService()
+    server, health, port = await start_server(
+        config.host, config.port,
+        [lambda server: worker_pb2_grpc.add_WorkerServiceServicer_to_server(service, server)],
+        [SERVICE_NAME],
+    )
+    log.info("rank %d/%d listening on %s:%d, loading %s", config.rank, config.world_size, config.host, port, config.model)
+    stop = asyncio.Event()
+    install_stop_handlers(stop)
+    loading = _load_in_background(config)
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
+    status = 0
+    if loading.done() and loading.exception() is None:
+        executor = loading.result()
+        service.attach(executor)
+        await health.set(True)
+        info = executor.info
+        log.info(
+            "worker ready: rank %d/%d serving %s on %s:%d (device %s, dtype %s, %d pages of %d tokens, context %d)",
+            info.rank, info.world_size, info.model_name, config.host, port, info.device, info.dtype,
+            info.num_pages, info.page_size, info.context_len,
+        )
+        await stopping
+    elif loading.done():
+        log.error("rank %d failed to start", config.rank, exc_info=loading.exception())
+        status = 1
+    else:
+        log.info("stopped while loading")
+    await health.set(False)
+    await server.stop(config.shutdown_grace_s)
+    service.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    log.info("rank %d stopped", config.rank)
+    return status
+
+
+def main() -> None:
+    config = parse_config()
+    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    raise SystemExit(asyncio.run(serve(config)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""The worker's configuration: one frozen value built once from flags and `RADIXSERVE_*` variables.
+
+Rank, world size and the rendezvous address default from the standard `RANK`, `WORLD_SIZE`,
+`MASTER_ADDR` and `MASTER_PORT` variables (what torchrun, LeaderWorkerSet and compose set), so a
+deployment can use either spelling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.flags import add_flag
+
+DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
+DTYPES = ["float32", "bfloat16", "float16"]
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerConfig:
+    model: str
+    host: str
+    port: int
+    device: str
+    dtype: str
+    page_size: int
+    kv_cache_mb: int
+    num_threads: int
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    shutdown_grace_s: float
+    log_level: str
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    environ = os.environ if env is None else env
+    parser = argparse.ArgumentParser(
+        prog="python -m worker_service",
+        description="One tensor-parallel worker rank: a weight shard, its KV pages, and the "
+        "WorkerService gRPC API that executes the router's DecodeTasks.",
+    )
+
+    def flag(name: str, **kwargs) -> None:
+        add_flag(parser, name, env=environ, **kwargs)
+
+    flag("model", default=DEFAULT_MODEL_DIR, help="Hugging Face model folder (config.json + safetensors)")
+    flag("host", default="127.0.0.1", help="address to listen on")
+    flag("port", type=int, default=50060, help="port to listen on")
+    flag("device", default=default_device(), choices=["cpu", "cuda"], help="where weights and KV pages live")
+    flag("dtype", default="float32", choices=DTYPES, help="weight and KV dtype")
+    flag("page-size", type=int, default=16, help="tokens per KV page (must match the router's view)")
+    flag("kv-cache-mb", type=int, default=1024, help="KV page pool memory budget of this rank, in MiB")
+    flag("num-threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
+    flag("rank", type=int, default=int(environ.get("RANK", "0")), help="this rank (else $RANK, else 0)")
+    flag(
+        "world-size", type=int, default=int(environ.get("WORLD_SIZE", "1")),
+        help="tensor-parallel size (else $WORLD_SIZE, else 1)",
+    )
+    flag(
+        "master-addr", default=environ.get("MASTER_ADDR", "127.0.0.1"),
+        help="rank 0's address for the process-group rendezvous (else $MASTER_ADDR)",
+    )
+    flag(
+        "master-port", type=int, default=int(environ.get("MASTER_PORT", "29500")),
+        help="rendezvous port (else $MASTER_PORT)",
+    )
+    flag("shutdown-grace-s", type=float, default=5.0, help="seconds in-flight calls get on SIGTERM")
+    flag("log-level", type=str.upper, default="INFO", choices=LOG_LEVELS, help="logging level")
+    return parser
+
+
+def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> WorkerConfig:
+    """Build the config from `argv` (default: sys.argv) over the environment; exits on bad flags."""
+    parser = build_parser(env)
+    args = parser.parse_args(argv)
+    if args.page_size < 1:
+        parser.error(f"--page-size must be >= 1, got {args.page_size}")
+    if args.kv_cache_mb < 1:
+        parser.error(f"--kv-cache-mb must be >= 1, got {args.kv_cache_mb}")
+    if args.num_threads < 0:
+        parser.error(f"--num-threads must be >= 0, got {args.num_threads}")
+    if not 0 <= args.rank < args.world_size:
+        parser.error(f"--rank {args.rank} is outside --world-size {args.world_size}")
+    return WorkerConfig(**vars(args))

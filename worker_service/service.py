@@ -1,0 +1,63 @@
+"""The WorkerService gRPC servicer: GetWorkerInfo and the ordered Execute stream.
+
+Tasks run on one dedicated thread, strictly in arrival order (also across streams), so that the
+event loop stays free to answer health checks and GetWorkerInfo during a forward pass, and so that
+every rank applies the same tasks in the same order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+
+from radixserve.v1 import worker_pb2, worker_pb2_grpc
+from worker_service import convert
+from worker_service.executor import Executor
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
+
+
+class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
+    """Serves one rank. Registered before the model loads; answers UNAVAILABLE until `attach`."""
+
+    def __init__(self) -> None:
+        self._executor: Executor | None = None
+        # One thread: tasks must never overlap, and their order is the protocol.
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="execute")
+
+    def attach(self, executor: Executor) -> None:
+        """Start serving with a loaded model (weights in place, TP group formed)."""
+        self._executor = executor
+
+    def close(self) -> None:
+        """Let the task thread go; a task already running finishes first."""
+        self._thread.shutdown(wait=True)
+
+    async def _ready(self, context: grpc.aio.ServicerContext) -> Executor:
+        if self._executor is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "worker is still loading its model")
+        return self._executor
+
+    async def GetWorkerInfo(
+        self, request: worker_pb2.GetWorkerInfoRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.GetWorkerInfoResponse:
+        executor = await self._ready(context)
+        return convert.info_to_proto(executor.info)
+
+    async def Execute(
+        self, request_iterator: AsyncIterator[worker_pb2.DecodeTask], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.TaskResult]:
+        executor = await self._ready(context)
+        loop = asyncio.get_running_loop()
+        async for message in request_iterator:
+            task = convert.task_from_proto(message)
+            # If the caller goes away mid-task the task still completes on its thread: a task is
+            # applied whole or not at all, never half.
+            result = await loop.run_in_executor(self._thread, executor.execute, task)
+            yield convert.result_to_proto(result)
