@@ -37,9 +37,12 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
         [SERVICE_NAME],
     )
     log.info("router listening on %s:%d, workers %s", config.host, port, ",".join(config.workers))
-    engine_task = asyncio.create_task(engine.run(stop))
+    # The engine keeps stepping through the grace period, so in-flight streams can finish.
+    engine_stop = asyncio.Event()
+    engine_task = asyncio.create_task(engine.run(engine_stop))
     await stop.wait()
     await server.stop(SHUTDOWN_GRACE_S)
+    engine_stop.set()
     await engine_task
 
 

@@ -34,8 +34,8 @@ class RouterConfig:
             raise ValueError("at least one worker address is needed")
         if self.max_pages < 0:
             raise ValueError("max_pages must be >= 0")
-        if self.max_running_requests < 1 or self.max_batch_tokens < self.max_running_requests:
-            raise ValueError("need 1 <= max_running_requests <= max_batch_tokens")
+        if self.max_running_requests < 1 or self.max_batch_tokens < 1:
+            raise ValueError("max_running_requests and max_batch_tokens must be >= 1")
         if self.max_queue < 1:
             raise ValueError("max_queue must be >= 1")
         if self.reconnect_interval_s <= 0:
@@ -88,7 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _config(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+
+
+def _config(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         host=args.host,
         port=args.port,

@@ -70,6 +70,7 @@ class Engine:
         self._task_ids = itertools.count(1)
         # Counters of schedulers dropped at reconnects, so that GetStats never goes backwards.
         self._past = SchedulerStats()
+        self._last_connect_error = ""
 
     # ---- called by the service -----------------------------------------------------------
 
@@ -138,9 +139,14 @@ class Engine:
             # The first task on a new connection makes every rank forget old requests.
             await self.group.execute(worker_pb2.DecodeTask(task_id=next(self._task_ids), reset=True))
         except WorkerFault as exc:
-            log.warning("workers not ready: %s", exc)
+            # Once per distinct reason: the attempt repeats every reconnect interval.
+            if str(exc) != self._last_connect_error:
+                log.warning("workers not ready (retrying every %.1fs): %s",
+                            self.config.reconnect_interval_s, exc)
+                self._last_connect_error = str(exc)
             await self.group.close()
             return False
+        self._last_connect_error = ""
         self.summary = _summarize(infos, self.config.max_pages)
         self.scheduler = Scheduler(
             num_pages=self.summary.num_pages,

@@ -1,7 +1,8 @@
 """The continuous-batching scheduler: which tokens of which requests run in the next step.
 
 Plain Python over ints and lists. Each `schedule()` builds one step within `max_batch_tokens`:
-1. running requests that decode (one pending token) first, in admission order; a decode that
+1. running requests that decode (one pending token) first, in admission order (when there are
+   more than the budget, the oldest go first; the others wait for them to end); a decode that
    needs a page it cannot get even after eviction retracts the most recently admitted request
    (the one that loses the least work) back to the queue;
 2. running requests still in the middle of a chunked prefill, as far as budget and pages allow;
@@ -78,8 +79,6 @@ class Scheduler:
         context_len: int,
         eos_token_ids: frozenset[int],
     ) -> None:
-        if max_running_requests > max_batch_tokens:
-            raise ValueError("max_running_requests must not exceed max_batch_tokens")
         self.page_size = page_size
         self.max_batch_tokens = max_batch_tokens
         self.max_running_requests = max_running_requests

@@ -149,3 +149,18 @@ def test_whole_prompt_cached_still_computes_last_token() -> None:
         assert request.token_ids[8:] == expected_tokens(prompt, 2, eos_every=0)
     assert request.num_cached_tokens == 4  # capped below the full prompt
     check_no_leak(scheduler, num_pages)
+
+
+def test_budget_smaller_than_the_running_batch_still_finishes_everything() -> None:
+    rng = random.Random(99)
+    num_pages = 64
+    scheduler = make_scheduler(num_pages, Policy.FCFS, max_batch_tokens=3)  # 8 may run at once
+    model = FakeModel(num_pages, PAGE_SIZE)
+    requests = [request for request, _ in random_requests(rng, 30)]
+    run_to_end(scheduler, model, list(requests), rng)
+    for request in requests:
+        assert request.token_ids[request.num_prompt :] == expected_tokens(
+            request.prompt_ids, request.max_tokens, eos_every=0,
+            stop_token_ids=request.stop_token_ids, context_len=CONTEXT_LEN,
+        )
+    check_no_leak(scheduler, num_pages)

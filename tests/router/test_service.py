@@ -140,3 +140,22 @@ def test_cancelled_streams_leave_and_pages_come_back() -> None:
             assert not h.workers[0].errors
 
     asyncio.run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_tiny_pool_retracts_and_still_gives_exact_tokens() -> None:
+    async def scenario() -> None:
+        config = RouterConfig(max_batch_tokens=12, max_running_requests=6)
+        async with running_router([20], config, page_size=PAGE_SIZE) as h:
+            rng = random.Random(11)
+            prompts = [[rng.randrange(3, 64) for _ in range(rng.randrange(4, 16))] for _ in range(8)]
+            results = await asyncio.gather(*(collect(h.stub, generate_request(p, 40)) for p in prompts))
+            for prompt, (tokens, _, last) in zip(prompts, results):
+                assert tokens == expected_tokens(prompt, 40, eos_every=0)
+                assert last.usage.completion_tokens == 40
+            stats = await h.stub.GetStats(router_pb2.GetStatsRequest())
+            assert stats.num_retractions > 0
+            assert stats.num_pages_free + stats.num_pages_evictable == stats.num_pages_total == 20
+            assert not h.workers[0].errors
+
+    asyncio.run(scenario())
