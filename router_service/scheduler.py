@@ -218,6 +218,8 @@ class Scheduler:
         return num_tokens
 
     def _waiting_in_policy_order(self) -> list[Request]:
+        if len(self.waiting) == 1:
+            return list(self.waiting)
         if self.policy is Policy.LPM and len(self.waiting) <= LPM_MAX_WAITING:
             def key(request: Request) -> tuple[int, int]:
                 tokens = request.token_ids

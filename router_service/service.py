@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 
@@ -10,7 +9,7 @@ import grpc
 
 from radixserve.v1 import router_pb2, router_pb2_grpc
 from router_service import convert
-from router_service.engine import Engine, StreamEvent
+from router_service.engine import Engine
 from router_service.errors import RouterError, WorkersUnavailable
 
 log = logging.getLogger(__name__)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from procs import free_port
 from radixserve.serving import CHANNEL_OPTIONS, check_health
 from radixserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
 from router.fake_worker import FakeWorker, start_fake_worker
@@ -52,8 +53,6 @@ async def running_router(
             servers.append((server, port))
             workers.append(worker)
         base = config or RouterConfig()
-        from procs import free_port
-
         router_port = free_port()
         config = dataclasses.replace(
             base,

@@ -8,7 +8,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from procs import PYTHON, ROOT, ServiceProcesses, free_port, is_serving
+from procs import PYTHON, ServiceProcesses, free_port, is_serving
 from radixserve.serving import CHANNEL_OPTIONS
 from radixserve.v1 import router_pb2_grpc
 from router.fake_model import expected_tokens
