@@ -25,6 +25,8 @@ class Harness:
     stub: router_pb2_grpc.RouterServiceStub
     address: str
     workers: list[FakeWorker]
+    # (server, port) per rank; a test that restarts a worker replaces its entry.
+    servers: list[tuple[grpc.aio.Server, int]]
 
 
 async def wait_serving(address: str, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
@@ -64,7 +66,7 @@ async def running_router(
         address = f"127.0.0.1:{router_port}"
         await wait_serving(address)
         async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-            yield Harness(router_pb2_grpc.RouterServiceStub(channel), address, workers)
+            yield Harness(router_pb2_grpc.RouterServiceStub(channel), address, workers, servers)
     finally:
         stop.set()
         if engine_task is not None:

@@ -9,10 +9,11 @@ import grpc
 import pytest
 
 from procs import PYTHON, ServiceProcesses, free_port, is_serving
-from radixserve.serving import CHANNEL_OPTIONS
+from radixserve.serving import CHANNEL_OPTIONS, check_health
 from radixserve.v1 import router_pb2_grpc
 from router.fake_model import expected_tokens
-from router.harness import collect, generate_request
+from router.fake_worker import start_fake_worker
+from router.harness import collect, generate_request, running_router, wait_serving
 
 FAKE_WORKER = Path(__file__).resolve().parent / "fake_worker.py"
 # Generous bound for "within seconds": a hang shows up as DEADLINE_EXCEEDED instead.
@@ -69,3 +70,26 @@ def test_worker_killed_mid_stream_then_restarted() -> None:
 
         assert asyncio.run(generate_again()) == expected_tokens([3, 4, 5], 8, eos_every=0)
         assert procs.procs["router"].poll() is None
+
+
+@pytest.mark.timeout(60)
+def test_worker_gone_while_idle_turns_health_off_until_it_is_back() -> None:
+    async def scenario() -> None:
+        async with running_router([32]) as h:
+            server, port = h.servers[0]
+            await server.stop(0)
+            for _ in range(200):  # no request in flight: the broken stream alone must be noticed
+                if not await check_health(h.address, timeout_s=1.0):
+                    break
+                await asyncio.sleep(0.05)
+            assert not await check_health(h.address, timeout_s=1.0)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await collect(h.stub, generate_request([3, 4, 5], 3))
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            restarted, _, _ = await start_fake_worker(port=port, num_pages=32)
+            h.servers[0] = (restarted, port)
+            await wait_serving(h.address)
+            tokens, _, _ = await collect(h.stub, generate_request([3, 4, 5], 3))
+            assert tokens == expected_tokens([3, 4, 5], 3, eos_every=0)
+
+    asyncio.run(scenario())
