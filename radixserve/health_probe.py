@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Mapping
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -37,7 +38,8 @@ def probe(address: str, service: str = "", timeout_s: float = DEFAULT_TIMEOUT_S)
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
-def default_address(environ: dict[str, str] | os._Environ) -> str | None:
+def default_address(environ: Mapping[str, str]) -> str | None:
+    """`127.0.0.1:$RADIXSERVE_PORT`, or None when the variable is unset or empty."""
     port = environ.get(PORT_ENV, "").strip()
     return f"{PROBE_HOST}:{port}" if port else None
 
