@@ -26,6 +26,9 @@ from router_service.request import FinishReason, Request
 
 # Above this many waiting requests, `lpm` stops matching every one of them each step.
 LPM_MAX_WAITING = 128
+# Eviction walks the tree's leaves; freeing this share of the pool at once (rather than the one
+# page a decode needs) keeps that walk off most steps once the cache has filled the pool.
+EVICT_BATCH_FRACTION = 1 / 256
 
 
 class Policy(enum.Enum):
@@ -86,6 +89,7 @@ class Scheduler:
         self.context_len = context_len
         self.eos_token_ids = eos_token_ids
         self.allocator = PageAllocator(num_pages)
+        self._evict_batch = max(1, int(num_pages * EVICT_BATCH_FRACTION))
         self.cache = RadixCache(page_size)
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # in admission order
@@ -179,7 +183,7 @@ class Scheduler:
         """Make `num_pages` pages free, evicting cached pages if needed."""
         short = num_pages - self.allocator.num_free
         if short > 0:
-            self.allocator.free(self.cache.evict(short))
+            self.allocator.free(self.cache.evict(max(short, self._evict_batch)))
         return self.allocator.num_free >= num_pages
 
     def _grow_for_decode(self, request: Request, plan: StepPlan) -> bool:
