@@ -7,9 +7,9 @@ import math
 import grpc
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from gateway.harness import CONTEXT_LEN, EOS_TOKEN_ID, VOCAB_SIZE
+from gateway.strategies import generate_requests
 from radixserve.v1 import generation_pb2 as pb
 
 pytestmark = pytest.mark.timeout(120)
@@ -60,56 +60,6 @@ def test_tokenize_validates_too(harness):
 
 
 # --- generated requests ------------------------------------------------------------------
-
-floats = st.one_of(
-    st.none(),
-    st.floats(allow_nan=True, allow_infinity=True, width=32),
-    st.sampled_from([0.0, 1.0, 2.0, -2.0, 0.5]),
-)
-
-
-@st.composite
-def sampling_params(draw) -> pb.SamplingParams:
-    params = pb.SamplingParams()
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
-        value = draw(floats)
-        if value is not None:
-            setattr(params, name, value)
-    top_k = draw(st.one_of(st.none(), st.integers(-(2**31), 2**31 - 1)))
-    if top_k is not None:
-        params.top_k = top_k
-    seed = draw(st.one_of(st.none(), st.integers(0, 2**64 - 1)))
-    if seed is not None:
-        params.seed = seed
-    return params
-
-
-texts = st.text(max_size=30)
-
-
-@st.composite
-def generate_requests(draw) -> pb.GenerateRequest:
-    request = pb.GenerateRequest(
-        prompt=draw(texts),
-        messages=[
-            pb.ChatMessage(role=role, content=content)
-            for role, content in draw(st.lists(
-                st.tuples(st.sampled_from(["system", "user", "assistant", "tool", "", "User", "x"]), texts),
-                max_size=3,
-            ))
-        ],
-        stop=draw(st.lists(st.text(max_size=4), max_size=3)),
-        stop_token_ids=draw(st.lists(st.integers(-(2**31), 2**31 - 1), max_size=3)),
-        ignore_eos=draw(st.booleans()),
-        sampling=draw(sampling_params()),
-        logprobs=draw(st.booleans()),
-        top_logprobs=draw(st.integers(-(2**31), 2**31 - 1) | st.integers(0, 21)),
-        request_id=draw(st.text(max_size=10)),
-    )
-    max_tokens = draw(st.one_of(st.none(), st.integers(-(2**31), 2**31 - 1), st.integers(1, 600)))
-    if max_tokens is not None:
-        request.max_tokens = max_tokens
-    return request
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

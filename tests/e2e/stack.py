@@ -1,0 +1,96 @@
+"""Start the whole stack with `radixserve up` (as `python -m radixserve.launcher up`) for tests."""
+
+from __future__ import annotations
+
+import random
+import re
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from procs import ServiceProcesses
+from radixserve.launcher import ROUTER_PORT_OFFSET, WORKER_PORT_OFFSET
+
+STARTUP_TIMEOUT_S = 240.0
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port_block(tp: int) -> int:
+    """A gateway port P whose whole block (P, P+1, P+9 ... P+9+tp-1) is free right now."""
+    for _ in range(200):
+        port = random.randint(20000, 45000)
+        needed = [port, port + ROUTER_PORT_OFFSET,
+                  *(port + WORKER_PORT_OFFSET + r for r in range(tp))]
+        if all(_is_free(p) for p in needed):
+            return port
+    raise RuntimeError("no free port block found")
+
+
+@dataclass
+class LaunchedStack:
+    procs: ServiceProcesses
+    port: int
+    tp: int
+
+    @property
+    def gateway(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def router(self) -> str:
+        return f"127.0.0.1:{self.port + ROUTER_PORT_OFFSET}"
+
+    @property
+    def launcher(self):
+        return self.procs.procs["stack"]
+
+    def output(self) -> str:
+        return self.procs.tail("stack", 200_000)
+
+    def child_pids(self) -> dict[str, int]:
+        """From the launcher's "started NAME (pid N)" lines."""
+        return {m[0]: int(m[1]) for m in re.findall(r"started (\w+) \(pid (\d+)\)", self.output())}
+
+
+def launch(procs: ServiceProcesses, model_dir: Path, tp: int, default_max_tokens: int = 16) -> LaunchedStack:
+    port = free_port_block(tp)
+    procs.start(
+        "stack",
+        [sys.executable, "-m", "radixserve.launcher", "up", "--model", str(model_dir),
+         "--tp", str(tp), "--port", str(port), "--device", "cpu", "--kv-cache-mb", "64",
+         "--shutdown-timeout-s", "20"],
+        # The launcher passes its environment on: the gateway reads this one.
+        env={"RADIXSERVE_DEFAULT_MAX_TOKENS": str(default_max_tokens)},
+    )
+    stack = LaunchedStack(procs, port, tp)
+    procs.wait_healthy(stack.gateway, timeout_s=STARTUP_TIMEOUT_S)
+    return stack
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ")[-1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout_s: float = 30.0) -> list[int]:
+    """The pids still alive after waiting up to `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if pid_alive(p)]
+        if not alive:
+            return []
+        time.sleep(0.1)
+    return [p for p in pids if pid_alive(p)]

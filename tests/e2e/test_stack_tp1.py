@@ -1,0 +1,169 @@
+"""The whole system at TP=1, started with `radixserve up`: greedy parity with transformers,
+grpcurl, stop strings, max_tokens, cancellation freeing pages, bad requests, and the launcher
+stopping everything when a child dies (last: it ends the shared stack)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from client import Client
+from e2e.parity import check_greedy_parity
+from e2e.reference import CHATS
+from e2e.stack import LaunchedStack, launch, wait_gone
+from gateway.strategies import generate_requests
+from procs import ServiceProcesses
+from radixserve.v1 import generation_pb2 as pb
+from radixserve.v1 import generation_pb2_grpc, router_pb2, router_pb2_grpc
+
+GRPCURL = str(Path(sys.executable).parent / "grpcurl")
+
+
+@pytest.fixture(scope="module")
+def stack(smollm2_dir):
+    with ServiceProcesses() as procs:
+        yield launch(procs, smollm2_dir, tp=1)
+
+
+def router_stats(stack: LaunchedStack) -> router_pb2.GetStatsResponse:
+    with grpc.insecure_channel(stack.router) as channel:
+        return router_pb2_grpc.RouterServiceStub(channel).GetStats(router_pb2.GetStatsRequest(), timeout=5)
+
+
+def nothing_locked(stats: router_pb2.GetStatsResponse) -> bool:
+    """No request runs or waits and every page is free or merely cached (evictable)."""
+    return (
+        stats.num_running == 0 and stats.num_waiting == 0
+        and stats.num_pages_free + stats.num_pages_evictable == stats.num_pages_total
+    )
+
+
+def wait_for(predicate, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("index", range(len(CHATS)))
+def test_greedy_chat_matches_transformers(stack, references, index):
+    check_greedy_parity(stack.gateway, index, references[index])
+
+
+@pytest.mark.timeout(120)
+def test_repeated_chat_hits_the_prefix_cache(stack, references):
+    with Client(stack.gateway) as client:
+        result = client.generate(messages=CHATS[0], max_tokens=24, temperature=0, timeout=60)
+    assert result.token_ids == references[0].output_ids
+    assert 0 < result.usage.cached_tokens < result.usage.prompt_tokens
+
+
+@pytest.mark.timeout(120)
+def test_grpcurl_lists_the_service_and_streams_the_readme_call(stack):
+    listed = subprocess.run([GRPCURL, "-plaintext", stack.gateway, "list"],
+                            capture_output=True, text=True, timeout=30)
+    assert "radixserve.v1.GenerationService" in listed.stdout.split(), listed.stderr
+    done = subprocess.run(
+        [GRPCURL, "-plaintext", "-d", '{"prompt": "Hello", "max_tokens": 16}', stack.gateway,
+         "radixserve.v1.GenerationService/Generate"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    decoder, text, chunks = json.JSONDecoder(), done.stdout.strip(), []
+    while text:
+        chunk, end = decoder.raw_decode(text)
+        chunks.append(chunk)
+        text = text[end:].lstrip()
+    assert len(chunks) > 1 and "finish_reason" in chunks[-1]
+    assert chunks[-1]["usage"]["completion_tokens"] == sum(len(c.get("token_ids", [])) for c in chunks)
+
+
+@pytest.mark.timeout(120)
+def test_stop_string_and_max_tokens(stack, references):
+    reference = references[1]  # "The sky blue is a result of the Earth's atmosphere ..."
+    cut = reference.text.index(" the Earth")
+    with Client(stack.gateway) as client:
+        stopped = client.generate(messages=CHATS[1], max_tokens=24, temperature=0,
+                                  stop=["Earth's", "zebra"], timeout=60)
+        limited = client.generate(messages=CHATS[1], max_tokens=5, temperature=0, timeout=60)
+    assert stopped.text == reference.text[:cut] + " the "
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == reference.output_ids[: len(stopped.token_ids)]
+    assert len(stopped.token_ids) < len(reference.output_ids)
+    assert limited.finish_reason == "length"
+    assert limited.token_ids == reference.output_ids[:5]
+    assert limited.usage.completion_tokens == 5
+    assert wait_for(lambda: nothing_locked(router_stats(stack)))
+
+
+@pytest.mark.timeout(120)
+def test_cancellation_through_the_gateway_frees_the_routers_pages(stack):
+    assert wait_for(lambda: nothing_locked(router_stats(stack)))
+    baseline = router_stats(stack)
+    with grpc.insecure_channel(stack.gateway) as channel:
+        call = generation_pb2_grpc.GenerationServiceStub(channel).Generate(
+            pb.GenerateRequest(prompt="Count from one to one thousand: one, two,", max_tokens=1000,
+                               ignore_eos=True, sampling=pb.SamplingParams(temperature=0)),
+            timeout=120,
+        )
+        received = 0
+        for response in call:
+            received += len(response.token_ids)
+            if received >= 20:
+                break
+        during = router_stats(stack)
+        assert during.num_running == 1
+        assert during.num_pages_free + during.num_pages_evictable < during.num_pages_total
+        call.cancel()
+    assert wait_for(lambda: nothing_locked(router_stats(stack)))
+    after = router_stats(stack)
+    assert after.num_pages_total == baseline.num_pages_total
+
+
+@pytest.mark.timeout(240)
+def test_generated_bad_requests_on_the_real_stack(stack):
+    channel = grpc.insecure_channel(stack.gateway)
+    stub = generation_pb2_grpc.GenerationServiceStub(channel)
+    small = st.one_of(st.none(), st.integers(-3, 4), st.integers(8000, 2**31 - 1))
+
+    @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(request_=generate_requests(max_tokens=small))
+    def answer_is_ok_or_invalid_argument(request_):
+        try:
+            responses = list(stub.Generate(request_, timeout=60))
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, (exc.code(), exc.details())
+        else:
+            assert responses[-1].finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+
+    try:
+        answer_is_ok_or_invalid_argument()
+        responses = list(stub.Generate(pb.GenerateRequest(prompt="Still there?", max_tokens=3), timeout=60))
+        assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    finally:
+        channel.close()
+    assert wait_for(lambda: nothing_locked(router_stats(stack)))
+
+
+@pytest.mark.timeout(120)
+def test_launcher_stops_the_stack_when_a_child_dies(stack):
+    """Runs last in this module: it takes the shared stack down."""
+    pids = stack.child_pids()
+    assert set(pids) == {"worker0", "router", "gateway"}
+    os.kill(pids["worker0"], signal.SIGKILL)
+    assert stack.launcher.wait(timeout=60) == 1
+    assert "worker0 exited with code -9; stopping the stack" in stack.output()
+    assert wait_gone(list(pids.values())) == []
