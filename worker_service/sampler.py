@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 
 MAX_TOP_LOGPROBS = 20
+# How many of a row's most likely tokens to rank before trying more, then all (see _keep_top).
+CANDIDATE_WIDTHS = (256, 4096)
 _MASK64 = (1 << 64) - 1
 
 
@@ -142,30 +144,37 @@ class Sampler:
         return _with_logprobs(raw, token_ids, rows)
 
     def _draw(self, probs: torch.Tensor, rows: list[SampleRow], is_random: torch.Tensor) -> torch.Tensor:
-        """Exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. draws index i with prob p_i.
+        """Inverse-CDF draw: one uniform number per row, located in the row's cumulative probs.
 
-        Each seeded row fills its own noise from its own generator, so its draw does not
-        depend on the other rows; unseeded rows share one generator.
+        Each seeded row takes its number from its own generator, so its draw does not depend
+        on the other rows; unseeded rows share one generator. One number per row (rather than
+        noise over the whole vocabulary) keeps the draw cheap.
         """
-        noise = torch.empty_like(probs)
+        device = probs.device
+        uniform = torch.zeros(len(rows), dtype=torch.float64, device=device)
         unseeded = []
         for index, row in enumerate(rows):
             if not bool(is_random[index]):
-                noise[index] = 1.0
-            elif row.params.seed is None:
+                continue
+            if row.params.seed is None:
                 unseeded.append(index)
             else:
-                generator = torch.Generator(device=probs.device)
+                generator = torch.Generator(device=device)
                 generator.manual_seed(seed_for_step(row.params.seed, len(row.output_ids)))
-                noise[index].exponential_(generator=generator)
+                uniform[index] = torch.rand(1, dtype=torch.float64, generator=generator, device=device)
         if unseeded:
-            picked = torch.tensor(unseeded, device=probs.device)
-            noise[picked] = torch.empty(
-                (len(unseeded), probs.shape[1]), device=probs.device
-            ).exponential_(generator=self._shared)
-        # exponential_ can return exactly 0; a zero-probability token must still lose (0/0 = nan).
-        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-        return (probs / noise).argmax(dim=-1)
+            uniform[torch.tensor(unseeded, device=device)] = torch.rand(
+                len(unseeded), dtype=torch.float64, generator=self._shared, device=device
+            )
+        cumulative = probs.double().cumsum(dim=-1)
+        targets = (uniform * cumulative[:, -1]).unsqueeze(1)
+        # right=True: the first token whose cumulative mass passes the target, so a zero-probability
+        # token (a flat step) is never chosen, even for a target of exactly 0.
+        drawn = torch.searchsorted(cumulative, targets, right=True).squeeze(1)
+        # Rounding can put the target at the very top; fall back to the last token still allowed.
+        positions = torch.arange(probs.shape[1], device=device)
+        last_allowed = torch.where(probs > 0, positions, 0).max(dim=-1).values
+        return torch.minimum(drawn, last_allowed)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -173,65 +182,115 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
 
     Repetition: a seen token's positive logit is divided by the penalty, a negative one
     multiplied. Presence / frequency: logit -= presence * [count > 0] + frequency * count.
-    Returns a new tensor; rows without penalties are unchanged.
+    Returns a new tensor; rows without penalties are unchanged. Only the (row, token) pairs a
+    penalty touches are read and written, never the whole [batch, vocab] tensor.
     """
     out = logits.clone()
-    batch, vocab = logits.shape
-    device = logits.device
-    repetition = [row.params.repetition_penalty != 1.0 for row in rows]
-    if any(repetition):
-        seen = torch.zeros((batch, vocab), dtype=torch.bool, device=device)
-        for index, row in enumerate(rows):
-            if repetition[index] and row.token_ids:
-                seen[index, torch.tensor(row.token_ids, device=device)] = True
-        penalty = torch.tensor(
-            [row.params.repetition_penalty for row in rows], dtype=out.dtype, device=device
-        ).unsqueeze(1)
-        penalised = torch.where(out > 0, out / penalty, out * penalty)
-        out = torch.where(seen, penalised, out)
-    additive = [row.params.presence_penalty != 0 or row.params.frequency_penalty != 0 for row in rows]
-    if any(additive):
-        counts = torch.zeros((batch, vocab), dtype=out.dtype, device=device)
-        for index, row in enumerate(rows):
-            outputs = row.output_ids
-            if additive[index] and outputs:
-                ids = torch.tensor(outputs, device=device)
-                counts[index].index_add_(0, ids, torch.ones(len(outputs), dtype=out.dtype, device=device))
-        presence = torch.tensor([row.params.presence_penalty for row in rows], dtype=out.dtype, device=device)
-        frequency = torch.tensor([row.params.frequency_penalty for row in rows], dtype=out.dtype, device=device)
-        out = out - presence.unsqueeze(1) * (counts > 0).to(out.dtype) - frequency.unsqueeze(1) * counts
+    vocab = logits.shape[1]
+    repeated = [(i, row.token_ids) for i, row in enumerate(rows) if row.params.repetition_penalty != 1.0]
+    if repeated:
+        row_ids, token_ids, _ = _pair_counts(repeated, vocab, out.device)
+        penalty = torch.tensor([row.params.repetition_penalty for row in rows], dtype=out.dtype, device=out.device)
+        values, factor = out[row_ids, token_ids], penalty[row_ids]
+        out[row_ids, token_ids] = torch.where(values > 0, values / factor, values * factor)
+    additive = [
+        (i, row.output_ids) for i, row in enumerate(rows)
+        if row.params.presence_penalty != 0 or row.params.frequency_penalty != 0
+    ]
+    if additive:
+        row_ids, token_ids, counts = _pair_counts(additive, vocab, out.device)
+        presence = torch.tensor([row.params.presence_penalty for row in rows], dtype=out.dtype, device=out.device)
+        frequency = torch.tensor([row.params.frequency_penalty for row in rows], dtype=out.dtype, device=out.device)
+        out[row_ids, token_ids] -= presence[row_ids] + frequency[row_ids] * counts.to(out.dtype)
     return out
+
+
+def _pair_counts(
+    row_tokens: list[tuple[int, list[int]]], vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The distinct (row, token) pairs as `(row_ids, token_ids, counts)`."""
+    keys = torch.tensor(
+        [row * vocab + token for row, tokens in row_tokens for token in tokens], dtype=torch.int64, device=device
+    )
+    distinct, counts = torch.unique(keys, return_counts=True)
+    return distinct // vocab, distinct % vocab, counts
 
 
 def truncate(probs: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     """Zero the tokens that top_k, then top_p, then min_p exclude; renormalise.
 
     top_k keeps the k most likely tokens; top_p keeps the smallest most-likely set whose mass
-    reaches p (the most likely token always stays); min_p keeps tokens with
-    p >= min_p * max p. The most likely token survives all three, so no row is ever empty.
+    (renormalised after top_k) reaches p; min_p keeps tokens with p >= min_p * max p. The most
+    likely token survives all three, so no row is ever empty.
     """
-    batch, vocab = probs.shape
     device = probs.device
     top_k = torch.tensor([row.params.top_k for row in rows], device=device)
     top_p = torch.tensor([row.params.top_p for row in rows], dtype=probs.dtype, device=device)
     min_p = torch.tensor([row.params.min_p for row in rows], dtype=probs.dtype, device=device)
-    keep = torch.ones_like(probs, dtype=torch.bool)
-    if bool(((top_k > 0) & (top_k < vocab)).any()) or bool((top_p < 1).any()):
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        rank = torch.arange(vocab, device=device).unsqueeze(0)
-        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).unsqueeze(1)
-        keep_sorted = rank < k
-        kept_probs = sorted_probs * keep_sorted
-        kept_probs = kept_probs / kept_probs.sum(dim=-1, keepdim=True)
-        # Mass of the strictly more likely tokens: keep a token while that is still below p.
-        mass_before = kept_probs.cumsum(dim=-1) - kept_probs
-        keep_sorted &= (mass_before < top_p.unsqueeze(1)) | (rank == 0)
-        keep = torch.zeros_like(keep).scatter(1, order, keep_sorted)
+    keep = _keep_top(probs, top_k, top_p)
     if bool((min_p > 0).any()):
         best = probs.max(dim=-1, keepdim=True).values
         keep &= probs >= min_p.unsqueeze(1) * best
     kept = probs * keep
     return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def _keep_top(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The top_k-then-top_p mask, sorting as little as possible.
+
+    A full sort of a [batch, vocab] tensor dominates sampling time, so rows are first ranked
+    over their few most likely tokens only (`topk`), then over more, then over all. A ranking
+    of width w decides a row exactly when the row's top_k fits in w, or when its w most likely
+    tokens already hold top_p of its mass; each wider pass handles only the undecided rows.
+    """
+    batch, vocab = probs.shape
+    k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    active = ((k < vocab) | (top_p < 1)).nonzero().squeeze(1)
+    if active.numel() == 0:
+        return keep
+    probs, k, top_p = probs[active], k[active], top_p[active]
+    # Rows without top_k renormalise over the whole vocabulary, not just the ranked tokens.
+    totals = torch.where(k < vocab, 0.0, probs.sum(dim=-1))
+    limited = k[k < vocab]
+    narrowest = max(CANDIDATE_WIDTHS[0], int(limited.max()) if limited.numel() else 0)
+    widths = sorted({min(vocab, w) for w in (narrowest, *CANDIDATE_WIDTHS[1:], vocab) if w >= narrowest})
+    rows_keep = torch.zeros_like(probs, dtype=torch.bool)
+    pending = torch.arange(len(active), device=probs.device)
+    for width in widths:
+        sub = probs[pending]
+        values, order = sub.topk(width, dim=-1) if width < vocab else sub.sort(dim=-1, descending=True)
+        keep_sorted, mass = _keep_sorted(values, k[pending], top_p[pending], totals[pending])
+        # At full width every row is decided: k <= vocab always.
+        decided = (k[pending] <= width) | (mass >= top_p[pending])
+        rows = pending[decided]
+        rows_keep[rows] = torch.zeros_like(sub[decided], dtype=torch.bool).scatter(
+            1, order[decided], keep_sorted[decided]
+        )
+        pending = pending[~decided]
+        if pending.numel() == 0:
+            break
+    keep[active] = rows_keep
+    return keep
+
+
+def _keep_sorted(
+    values: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, totals: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep mask over probabilities sorted descending, and the renormalised mass they hold.
+
+    `totals` is each row's normaliser when it is not simply the mass of its top k (rows with
+    top_k pass 0 and are normalised over their kept values).
+    """
+    rank = torch.arange(values.shape[1], device=values.device).unsqueeze(0)
+    keep = rank < k.unsqueeze(1)
+    kept = values * keep
+    total = torch.where(totals > 0, totals, kept.sum(dim=-1))
+    kept = kept / total.unsqueeze(1)
+    cumulative = kept.cumsum(dim=-1)
+    # Keep a token while the mass of the strictly more likely tokens is still below p.
+    keep &= (cumulative - kept < top_p.unsqueeze(1)) | (rank == 0)
+    return keep, cumulative[:, -1]
 
 
 def _with_logprobs(raw: torch.Tensor, token_ids: torch.Tensor, rows: list[SampleRow]) -> list[Sample]:

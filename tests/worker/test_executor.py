@@ -21,7 +21,9 @@ from worker_service.executor import (
     TaskEntry,
     TaskResult,
 )
+from worker.tiny_models import make_tiny_llama
 from worker_service.forward_batch import ForwardEntry, ModelInfo
+from worker_service.model_runner import ModelRunner, RunnerConfig
 from worker_service.sampler import Sampler, SamplingParams
 
 VOCAB = 64
@@ -296,3 +298,32 @@ def test_group_page_count_bounds_page_ids() -> None:
     result = executor.execute(Task(1, [first("a", [1], [8])]))
     assert result.error.code == INVALID_ARGUMENT and "page id 8 is outside [0, 8)" in result.error.message
     assert executor.execute(Task(2, [first("a", [1], [7])])).error is None
+
+
+def test_seeded_tokens_with_a_real_model_do_not_depend_on_the_batch(tmp_path) -> None:
+    runner = ModelRunner(RunnerConfig(make_tiny_llama(tmp_path / "llama"), page_size=4, kv_cache_bytes=1 << 20))
+    params = SamplingParams(temperature=1.0, top_p=0.95, seed=77)
+    prompt = [5, 17, 33, 2, 8, 60, 11]
+
+    def generate(companions: bool, chunk: int) -> list[int]:
+        executor = Executor(runner, Sampler())
+        extras = [first(f"x{i}", [9 + i] * (3 + i), [20 + 3 * i, 21 + 3 * i, 22 + 3 * i], params=SamplingParams(temperature=0.9))
+                  for i in range(2)] if companions else []
+        head = first("s", prompt[:chunk], [0], params=params, num_prompt=len(prompt), sample=False)
+        assert executor.execute(Task(1, [*extras, head], reset=True)).error is None
+        result = executor.execute(Task(2, [step("s", prompt[chunk:], chunk, [1, 2])]))
+        tokens = [result.tokens[0].token_id]
+        extra_positions = {f"x{i}": 3 + i for i in range(2)} if companions else {}
+        for task_id in range(3, 8):
+            entries = [step("s", [tokens[-1]], len(prompt) + len(tokens) - 1)]
+            for request_id, position in extra_positions.items():
+                entries.insert(0, step(request_id, [1], position))
+                extra_positions[request_id] += 1
+            result = executor.execute(Task(task_id, entries))
+            assert result.error is None, result.error
+            tokens.append(result.tokens[-1].token_id)
+        return tokens
+
+    alone = generate(companions=False, chunk=4)
+    assert generate(companions=True, chunk=2) == alone
+    assert len(set(alone)) > 1

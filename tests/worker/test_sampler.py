@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import worker_service.sampler as sampler_module
 from worker_service.sampler import SampleRow, Sampler, SamplingParams, apply_penalties, truncate
 
 # Probabilities of a crafted 6-token distribution; logits are their logs.
@@ -78,6 +79,56 @@ def test_truncation_never_emits_excluded_tokens(params: SamplingParams, allowed:
         assert abs(drawn.count(token) / num_draws - expected) < 5 * sigma + 1e-3
 
 
+def reference_keep(probs: list[float], params: SamplingParams) -> set[int]:
+    """top_k, then top_p on the renormalised rest, then min_p: one row, the slow obvious way."""
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    if params.top_k:
+        order = order[: params.top_k]
+    total = sum(probs[i] for i in order)
+    kept, mass = [], 0.0
+    for i in order:
+        if kept and mass >= params.top_p:
+            break
+        kept.append(i)
+        mass += probs[i] / total
+    best = max(probs)
+    return {i for i in kept if probs[i] >= params.min_p * best}
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    seed=st.integers(0, 2**32),
+    vocab=st.integers(2, 40),
+    top_k=st.integers(0, 40),
+    top_p=st.floats(0.05, 1.0),
+    min_p=st.sampled_from([0.0, 0.05, 0.3]),
+)
+def test_truncate_matches_a_plain_reference(seed: int, vocab: int, top_k: int, top_p: float, min_p: float) -> None:
+    # Distinct, well-separated probabilities so that float rounding cannot decide a boundary.
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randperm(vocab, generator=generator).double() * 0.37
+    probs = torch.softmax(logits, dim=-1).unsqueeze(0)
+    params = SamplingParams(top_k=top_k, top_p=top_p, min_p=min_p)
+    ranked = sorted(probs[0].tolist(), reverse=True)[: top_k or vocab]
+    boundaries = [sum(ranked[: i + 1]) / sum(ranked) for i in range(len(ranked) - 1)]
+    if any(abs(b - top_p) < 1e-9 for b in boundaries):
+        return  # top_p sits on a boundary: rounding, not the code, would decide
+    # Narrow ranking widths so that the topk -> wider -> full-sort passes all get exercised.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sampler_module, "CANDIDATE_WIDTHS", (2, 5))
+        kept = truncate(probs, [row(params)])
+    assert {i for i, p in enumerate(kept[0].tolist()) if p > 0} == reference_keep(probs[0].tolist(), params)
+    assert float(kept.sum()) == pytest.approx(1.0)
+
+
+def test_top_p_over_a_flat_distribution_needs_the_full_ranking() -> None:
+    probs = torch.softmax(torch.linspace(0, 1, 5000), dim=-1).unsqueeze(0)
+    kept = truncate(probs, [row(SamplingParams(top_p=0.9))])
+    expected = reference_keep(probs[0].tolist(), SamplingParams(top_p=0.9))
+    assert len(expected) > 4096
+    assert {i for i, p in enumerate(kept[0].tolist()) if p > 0} == expected
+
+
 def test_truncate_keeps_the_top_token_even_with_tiny_top_p() -> None:
     probs = torch.softmax(CRAFTED, dim=-1).unsqueeze(0)
     kept = truncate(probs, [row(SamplingParams(top_p=1e-6, min_p=1.0, top_k=1))])
@@ -122,7 +173,7 @@ def test_seeded_rows_reproduce_alone_or_batched() -> None:
 
 
 def test_seeded_draw_depends_on_seed_and_step() -> None:
-    logits = torch.zeros(1, 50_000)  # uniform: the token is the noise's choice alone
+    logits = torch.zeros(1, 5000)  # uniform: the token is the noise's choice alone
     sampler = Sampler()
 
     def draw(seed: int, num_outputs: int) -> int:
@@ -136,7 +187,7 @@ def test_seeded_draw_depends_on_seed_and_step() -> None:
 
 
 def test_unseeded_rows_vary_and_shared_seed_reproduces() -> None:
-    logits = torch.zeros(64, 50_000)
+    logits = torch.zeros(64, 5000)
     rows = [row(SamplingParams(temperature=1.0))] * 64
     first = [s.token_id for s in Sampler(seed=5).sample(logits, rows)]
     assert len(set(first)) > 32

@@ -6,12 +6,14 @@ Each test starts its workers through `tests/procs.py`, so they are killed whatev
 from __future__ import annotations
 
 import queue
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from procs import PYTHON, ServiceProcesses, free_port
 from radixserve.serving import CHANNEL_OPTIONS
@@ -181,6 +183,37 @@ def test_tp2_workers_rank0_samples_rank1_acknowledges(smollm2_dir: Path, prompt_
                 stream.close()
         assert [result.tokens[0].token_id for result in rank0] == reference
         assert all(result.rank == 1 and not result.tokens for result in rank1)
+
+
+@pytest.mark.timeout(120)
+def test_not_serving_until_the_group_forms_and_stops_while_waiting(smollm2_dir: Path) -> None:
+    with ServiceProcesses() as procs:
+        # Rank 0 of two, alone: it listens at once but waits for rank 1 at the rendezvous.
+        address = start_worker(procs, smollm2_dir, rank=0, world_size=2)
+        status = wait_for_health_answer(procs, address)
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        with grpc.insecure_channel(address) as channel:
+            stub = worker_pb2_grpc.WorkerServiceStub(channel)
+            with pytest.raises(grpc.RpcError) as raised:
+                stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=RPC_TIMEOUT_S)
+            assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "loading" in raised.value.details()
+        procs.stop("worker0")
+        assert procs.procs["worker0"].returncode == 0, procs.tail("worker0")
+
+
+def wait_for_health_answer(procs: ServiceProcesses, address: str) -> int:
+    """The first health status the server answers (a refused connection is not an answer)."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            procs.check_alive()
+            try:
+                return stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0).status
+            except grpc.RpcError:
+                time.sleep(0.2)
+    raise TimeoutError(f"{address} never answered a health check")
 
 
 def test_config_reads_flags_environment_and_torch_variables() -> None:
