@@ -131,19 +131,20 @@ class Sampler:
         raw = logits.float()
         logits = apply_penalties(raw, rows)
         greedy_ids = logits.argmax(dim=-1)
-        temperatures = torch.tensor(
-            [row.params.temperature for row in rows], dtype=torch.float32, device=logits.device
-        )
-        is_random = temperatures > 0
+        is_random = [row.params.temperature > 0 for row in rows]
         token_ids = greedy_ids
-        if bool(is_random.any()):
-            scaled = logits / torch.where(is_random, temperatures, 1.0).unsqueeze(1)
-            probs = truncate(torch.softmax(scaled, dim=-1), rows)
+        if any(is_random):
+            # Greedy rows are divided by 1 and drawn from, then replaced by their argmax.
+            temperatures = torch.tensor(
+                [row.params.temperature if random else 1.0 for row, random in zip(rows, is_random)],
+                dtype=logits.dtype, device=logits.device,
+            )
+            probs = truncate(torch.softmax(logits / temperatures.unsqueeze(1), dim=-1), rows)
             drawn = self._draw(probs, rows, is_random)
-            token_ids = torch.where(is_random, drawn, greedy_ids)
+            token_ids = torch.where(torch.tensor(is_random, device=logits.device), drawn, greedy_ids)
         return _with_logprobs(raw, token_ids, rows)
 
-    def _draw(self, probs: torch.Tensor, rows: list[SampleRow], is_random: torch.Tensor) -> torch.Tensor:
+    def _draw(self, probs: torch.Tensor, rows: list[SampleRow], is_random: list[bool]) -> torch.Tensor:
         """Inverse-CDF draw: one uniform number per row, located in the row's cumulative probs.
 
         Each seeded row takes its number from its own generator, so its draw does not depend
@@ -154,7 +155,7 @@ class Sampler:
         uniform = torch.zeros(len(rows), dtype=torch.float64, device=device)
         unseeded = []
         for index, row in enumerate(rows):
-            if not bool(is_random[index]):
+            if not is_random[index]:
                 continue
             if row.params.seed is None:
                 unseeded.append(index)

@@ -140,10 +140,11 @@ def generate(streams: list[TaskStream], prompt: list[int], num_pages: int) -> li
 
 
 @pytest.mark.timeout(300)
-def test_tp1_worker_matches_transformers_and_survives_bad_tasks(smollm2_dir: Path, prompt_and_reference) -> None:
-    prompt, reference, reference_logprobs = prompt_and_reference
+def test_tp1_worker_matches_transformers_and_survives_bad_tasks(smollm2_dir: Path, request) -> None:
     with ServiceProcesses() as procs:
         address = start_worker(procs, smollm2_dir)
+        # The reference runs while the worker loads.
+        prompt, reference, reference_logprobs = request.getfixturevalue("prompt_and_reference")
         procs.wait_healthy(address, timeout_s=READY_TIMEOUT_S)
         stream = TaskStream(address)
         try:
@@ -165,11 +166,11 @@ def test_tp1_worker_matches_transformers_and_survives_bad_tasks(smollm2_dir: Pat
 
 
 @pytest.mark.timeout(300)
-def test_tp2_workers_rank0_samples_rank1_acknowledges(smollm2_dir: Path, prompt_and_reference) -> None:
-    prompt, reference, _ = prompt_and_reference
+def test_tp2_workers_rank0_samples_rank1_acknowledges(smollm2_dir: Path, request) -> None:
     master_port = free_port()
     with ServiceProcesses() as procs:
         addresses = [start_worker(procs, smollm2_dir, rank, 2, master_port) for rank in range(2)]
+        prompt, reference, _ = request.getfixturevalue("prompt_and_reference")
         for address in addresses:
             procs.wait_healthy(address, timeout_s=READY_TIMEOUT_S)
         streams = [TaskStream(address) for address in addresses]
