@@ -52,6 +52,13 @@ class GroupSummary:
 
 
 class Engine:
+    """Owns the scheduler and the worker connection; everything runs on one asyncio loop.
+
+    The service calls `submit` / `cancel` / `stats` (never blocking); `run` is the step loop.
+    A request's events arrive on the queue `submit` returns; its last event is `finished` or
+    carries an `error`. The scheduler exists only while the workers are connected.
+    """
+
     def __init__(
         self,
         config: RouterConfig,

@@ -16,12 +16,16 @@ log = logging.getLogger(__name__)
 
 
 class RouterService(router_pb2_grpc.RouterServiceServicer):
+    """The gRPC face of the engine. Every `RouterError` becomes its status via `convert`."""
+
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
     async def Generate(
         self, request: router_pb2.RouterGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
+        """Stream token ids as steps produce them; the last response carries finish reason and
+        usage. A caller that cancels or disconnects takes its request out of the batch."""
         try:
             generate = convert.request_from_proto(request)
             queue = self.engine.submit(generate)
