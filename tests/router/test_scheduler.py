@@ -164,3 +164,20 @@ def test_budget_smaller_than_the_running_batch_still_finishes_everything() -> No
             stop_token_ids=request.stop_token_ids, context_len=CONTEXT_LEN,
         )
     check_no_leak(scheduler, num_pages)
+
+
+def test_lpm_admits_the_longest_cached_prefix_first_and_fcfs_by_arrival() -> None:
+    cached_prefix = list(range(3, 19))  # four pages
+    for policy, first in ((Policy.LPM, "hit"), (Policy.FCFS, "miss")):
+        scheduler = Scheduler(
+            num_pages=32, page_size=PAGE_SIZE, max_batch_tokens=64, max_running_requests=1,
+            policy=policy, context_len=CONTEXT_LEN, eos_token_ids=frozenset(),
+        )
+        model = FakeModel(32, PAGE_SIZE)
+        warmup = Request(request_id="warm", prompt_ids=cached_prefix + [30], max_tokens=1)
+        scheduler.add(warmup)
+        run_to_end(scheduler, model, [], random.Random(0))
+        scheduler.add(Request(request_id="miss", prompt_ids=[40, 41, 42, 43, 44], max_tokens=1))
+        scheduler.add(Request(request_id="hit", prompt_ids=cached_prefix + [50], max_tokens=1))
+        plan = scheduler.schedule()
+        assert [entry.request.request_id for entry in plan.entries] == [first]
