@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from worker_service.attention import AttentionBatch, PrefillSpan, context_slots
+from worker_service.attention import AttentionBatch, PrefillSpan, additive_mask, context_slots
 from worker_service.distributed import TPGroup
 from worker_service.forward_batch import ForwardEntry, ModelInfo
 from worker_service.kv_pool import KVPool
@@ -97,82 +97,69 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, entries: list[ForwardEntry]) -> torch.Tensor | None:
         """One step over `entries`; float32 logits `[num_sampled, vocab]` on rank 0, else None."""
-        token_ids, positions, slots, attention, sample_indices = self._layout(entries)
+        token_ids, positions, attention, sample_indices = self._layout(entries)
         step = StepContext(positions=positions, attention=attention, pool=self.pool)
         logits = self.model(token_ids, step, sample_indices)
         return None if logits is None else logits.float()
 
-    def _layout(self, entries: list[ForwardEntry]):
-        """Flat token layout (decode tokens first, then each prefill chunk) and its metadata."""
-        page_size = self.page_size
+    def _layout(
+        self, entries: list[ForwardEntry]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, torch.Tensor]:
+        """Flat token layout (decode tokens first, then each prefill chunk) and its metadata.
+
+        Returns token ids [T], positions [T], the attention metadata, and the flat index of the
+        last token of each sampled entry (entry order). Python work is per entry, not per token.
+        """
+        page_size, device = self.page_size, self.device
         decode = [i for i, entry in enumerate(entries) if len(entry.token_ids) == 1]
         prefill = [i for i, entry in enumerate(entries) if len(entry.token_ids) > 1]
-        token_ids: list[int] = []
-        positions: list[int] = []
-        write_slots: list[torch.Tensor | list[int]] = []
-        last_token_index: dict[int, int] = {}
-
-        decode_slots: list[int] = []
-        context_lens: list[int] = []
-        decode_tables: list[list[int]] = []
-        for flat_index, i in enumerate(decode):
-            entry = entries[i]
-            position = entry.start_position
-            token_ids.append(entry.token_ids[0])
-            positions.append(position)
-            decode_slots.append(entry.page_table[position // page_size] * page_size + position % page_size)
-            context_lens.append(position + 1)
-            decode_tables.append(entry.page_table[: position // page_size + 1])
-            last_token_index[i] = flat_index
-        write_slots.append(decode_slots)
+        token_ids: list[int] = [entries[i].token_ids[0] for i in decode]
+        positions: list[int] = [entries[i].start_position for i in decode]
+        last_token_index = {i: flat_index for flat_index, i in enumerate(decode)}
+        write_slots: list[torch.Tensor] = [torch.tensor(
+            [entries[i].page_table[p // page_size] * page_size + p % page_size
+             for i, p in zip(decode, positions)], dtype=torch.int64)]
 
         decode_context_slots = decode_mask = None
         if decode:
-            max_len = max(context_lens)
-            num_table_pages = max(len(table) for table in decode_tables)
-            tables = torch.tensor([t + [0] * (num_table_pages - len(t)) for t in decode_tables])
-            decode_context_slots = context_slots(tables, max_len, page_size)
-            lens = torch.tensor(context_lens)
-            decode_mask = (torch.arange(max_len) < lens.unsqueeze(1)).view(len(decode), 1, 1, max_len)
+            context_lens = torch.tensor(positions) + 1
+            max_len = int(context_lens.max())
+            num_table_pages = (max_len + page_size - 1) // page_size
+            tables = torch.tensor([
+                (entries[i].page_table + [0] * num_table_pages)[:num_table_pages] for i in decode
+            ])  # padding pages point at page 0: read, then masked out
+            decode_context_slots = context_slots(tables, max_len, page_size).to(device)
+            allowed = torch.arange(max_len) < context_lens.unsqueeze(1)
+            decode_mask = additive_mask(allowed.view(len(decode), 1, 1, max_len).to(device), self.dtype)
 
         spans: list[PrefillSpan] = []
         for i in prefill:
             entry = entries[i]
-            start, num_new = entry.start_position, len(entry.token_ids)
-            end = start + num_new
+            start, end = entry.start_position, entry.start_position + len(entry.token_ids)
             table = torch.tensor(entry.page_table[: (end - 1) // page_size + 1])
-            token_start = len(token_ids)
-            token_ids.extend(entry.token_ids)
-            positions.extend(range(start, end))
             all_slots = context_slots(table, end, page_size)
             write_slots.append(all_slots[start:])
             span_slots = span_mask = None
             if start > 0:
-                span_slots = all_slots
-                query_positions = torch.arange(start, end).unsqueeze(1)
-                span_mask = torch.arange(end).unsqueeze(0) <= query_positions
-            spans.append(PrefillSpan(token_start, len(token_ids), span_slots, span_mask))
+                span_slots = all_slots.to(device)
+                allowed = torch.arange(end).unsqueeze(0) <= torch.arange(start, end).unsqueeze(1)
+                span_mask = additive_mask(allowed.to(device), self.dtype)
+            spans.append(PrefillSpan(len(token_ids), len(token_ids) + end - start, span_slots, span_mask))
+            token_ids.extend(entry.token_ids)
+            positions.extend(range(start, end))
             last_token_index[i] = len(token_ids) - 1
 
-        device = self.device
-        flat_slots = torch.cat([torch.as_tensor(s, dtype=torch.int64) for s in write_slots])
-        sample_indices = [last_token_index[i] for i, entry in enumerate(entries) if entry.sample]
         attention = AttentionBatch(
-            write_slots=flat_slots.to(device),
+            write_slots=torch.cat(write_slots).to(device),
             num_decode=len(decode),
-            decode_context_slots=None if decode_context_slots is None else decode_context_slots.to(device),
-            decode_mask=None if decode_mask is None else decode_mask.to(device),
-            prefills=[
-                PrefillSpan(s.token_start, s.token_stop,
-                            None if s.context_slots is None else s.context_slots.to(device),
-                            None if s.mask is None else s.mask.to(device))
-                for s in spans
-            ],
+            decode_context_slots=decode_context_slots,
+            decode_mask=decode_mask,
+            prefills=spans,
         )
+        sample_indices = [last_token_index[i] for i, entry in enumerate(entries) if entry.sample]
         return (
             torch.tensor(token_ids, dtype=torch.int64, device=device),
             torch.tensor(positions, dtype=torch.int64, device=device),
-            flat_slots,
             attention,
             torch.tensor(sample_indices, dtype=torch.int64, device=device),
         )

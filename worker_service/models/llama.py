@@ -20,7 +20,7 @@ from worker_service.kv_pool import KVPool
 from worker_service.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker_service.layers.linear import ColumnParallelLinear, RowParallelLinear
 from worker_service.layers.norm import RMSNorm
-from worker_service.layers.rotary import RotaryEmbedding
+from worker_service.layers.rotary import RotaryEmbedding, apply_rotary
 from worker_service.layers.sharding import balanced_range, shard_heads
 
 
@@ -33,18 +33,20 @@ class StepContext:
     pool: KVPool
 
 
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, head_dim] of the step's positions
+
+
 def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class LlamaAttention(torch.nn.Module):
     def __init__(
-        self, config: Any, layer: int, group: TPGroup, rotary: RotaryEmbedding, qkv_bias: bool,
+        self, config: Any, layer: int, group: TPGroup, qkv_bias: bool,
         dtype: torch.dtype, device: torch.device,
     ) -> None:
         super().__init__()
         self.layer = layer
-        self.rotary = rotary
         self.head_dim = head_dim_of(config)
         heads = shard_heads(config.num_attention_heads, config.num_key_value_heads,
                             group.world_size, group.rank)
@@ -60,13 +62,13 @@ class LlamaAttention(torch.nn.Module):
         )
         self.o_proj = RowParallelLinear(f"{prefix}.o_proj", q_rows, config.hidden_size, group, dtype, device)
 
-    def forward(self, hidden: torch.Tensor, step: StepContext) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, step: StepContext, rope: Rope) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.qkv_proj.output_sizes, dim=-1)
-        q = q.view(num_tokens, self.num_q_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(step.positions, q, k)
+        qkv = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)
+        # q and k sit side by side in the merged output: rotate both with one call.
+        qk = apply_rotary(qkv[:, : self.num_q_heads + self.num_kv_heads], *rope)
+        q, k = qk.split([self.num_q_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.num_q_heads + self.num_kv_heads:]
         k_slots, v_slots = step.pool.slots(self.layer)
         attended = paged_attention(q, k, v, k_slots, v_slots, step.attention)
         return self.o_proj(attended.view(num_tokens, -1))
@@ -93,21 +95,21 @@ class LlamaMLP(torch.nn.Module):
 
 class LlamaDecoderLayer(torch.nn.Module):
     def __init__(
-        self, config: Any, layer: int, group: TPGroup, rotary: RotaryEmbedding, qkv_bias: bool,
+        self, config: Any, layer: int, group: TPGroup, qkv_bias: bool,
         dtype: torch.dtype, device: torch.device,
     ) -> None:
         super().__init__()
         prefix = f"model.layers.{layer}"
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(f"{prefix}.input_layernorm.weight", config.hidden_size, eps, dtype, device)
-        self.self_attn = LlamaAttention(config, layer, group, rotary, qkv_bias, dtype, device)
+        self.self_attn = LlamaAttention(config, layer, group, qkv_bias, dtype, device)
         self.post_attention_layernorm = RMSNorm(
             f"{prefix}.post_attention_layernorm.weight", config.hidden_size, eps, dtype, device
         )
         self.mlp = LlamaMLP(config, layer, group, dtype, device)
 
-    def forward(self, hidden: torch.Tensor, step: StepContext) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), step)
+    def forward(self, hidden: torch.Tensor, step: StepContext, rope: Rope) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), step, rope)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -129,9 +131,9 @@ class LlamaForCausalLM(torch.nn.Module):
         self.embed_tokens = VocabParallelEmbedding(
             "model.embed_tokens.weight", config.vocab_size, config.hidden_size, group, dtype, device
         )
-        rotary = RotaryEmbedding(config, head_dim_of(config), config.max_position_embeddings, dtype, device)
+        self.rotary = RotaryEmbedding(config, head_dim_of(config), config.max_position_embeddings, dtype, device)
         self.layers = torch.nn.ModuleList(
-            LlamaDecoderLayer(config, i, group, rotary, self.qkv_bias, dtype, device)
+            LlamaDecoderLayer(config, i, group, self.qkv_bias, dtype, device)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm("model.norm.weight", config.hidden_size, config.rms_norm_eps, dtype, device)
@@ -145,7 +147,8 @@ class LlamaForCausalLM(torch.nn.Module):
     ) -> torch.Tensor | None:
         """Logits `[len(sample_indices), vocab]` of the chosen tokens, on rank 0 (None elsewhere)."""
         hidden = self.embed_tokens(token_ids)
+        rope = self.rotary.lookup(step.positions)
         for layer in self.layers:
-            hidden = layer(hidden, step)
+            hidden = layer(hidden, step, rope)
         # Only the sampled positions need the final norm and the (large) LM head.
-        return self.lm_head(self.norm(hidden[sample_indices]))
+        return self.lm_head(self.norm(hidden.index_select(0, sample_indices)))
