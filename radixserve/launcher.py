@@ -95,6 +95,9 @@ def plan_stack(args: argparse.Namespace, python: str = sys.executable) -> StackP
             cmd += ["--device", args.device]
         env = {"RANK": str(rank), "WORLD_SIZE": str(args.tp), "MASTER_ADDR": INTERNAL_HOST,
                "MASTER_PORT": str(master_port)}
+        if "OMP_NUM_THREADS" not in os.environ:
+            # Ranks share the machine's cores: more threads than cores makes them spin.
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.tp))
         workers.append(ChildSpec(f"worker{rank}", cmd, f"{INTERNAL_HOST}:{port}", env))
     router = ChildSpec(
         "router",

@@ -12,7 +12,7 @@ CHATS: list[list[dict[str, str]]] = [
      {"role": "user", "content": "Why is the sky blue?"}],
     [{"role": "user", "content": "Write a haiku about servers."}],
 ]
-MAX_NEW_TOKENS = 24
+MAX_NEW_TOKENS = 16
 
 
 @dataclass(frozen=True)

@@ -69,8 +69,10 @@ def launch(procs: ServiceProcesses, model_dir: Path, tp: int, default_max_tokens
         [sys.executable, "-m", "radixserve.launcher", "up", "--model", str(model_dir),
          "--tp", str(tp), "--port", str(port), "--device", "cpu", "--kv-cache-mb", "64",
          "--shutdown-timeout-s", "20"],
-        # The launcher passes its environment on: the gateway reads this one.
-        env={"RADIXSERVE_DEFAULT_MAX_TOKENS": str(default_max_tokens)},
+        # The launcher passes its environment on: the gateway reads the first; one torch
+        # thread per worker, since the test session sets OMP_NUM_THREADS=2 for itself and
+        # ranks spinning against each other on two busy cores are many times slower.
+        env={"RADIXSERVE_DEFAULT_MAX_TOKENS": str(default_max_tokens), "OMP_NUM_THREADS": "1"},
     )
     stack = LaunchedStack(procs, port, tp)
     procs.wait_healthy(stack.gateway, timeout_s=STARTUP_TIMEOUT_S)

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from client import Client
 from e2e.parity import check_greedy_parity
-from e2e.reference import CHATS
+from e2e.reference import CHATS, MAX_NEW_TOKENS
 from e2e.stack import LaunchedStack, launch, wait_gone
 from gateway.strategies import generate_requests
 from procs import ServiceProcesses
@@ -66,7 +66,7 @@ def test_greedy_chat_matches_transformers(stack, references, index):
 @pytest.mark.timeout(120)
 def test_repeated_chat_hits_the_prefix_cache(stack, references):
     with Client(stack.gateway) as client:
-        result = client.generate(messages=CHATS[0], max_tokens=24, temperature=0, timeout=60)
+        result = client.generate(messages=CHATS[0], max_tokens=MAX_NEW_TOKENS, temperature=0, timeout=60)
     assert result.token_ids == references[0].output_ids
     assert 0 < result.usage.cached_tokens < result.usage.prompt_tokens
 
@@ -96,7 +96,7 @@ def test_stop_string_and_max_tokens(stack, references):
     reference = references[1]  # "The sky blue is a result of the Earth's atmosphere ..."
     cut = reference.text.index(" the Earth")
     with Client(stack.gateway) as client:
-        stopped = client.generate(messages=CHATS[1], max_tokens=24, temperature=0,
+        stopped = client.generate(messages=CHATS[1], max_tokens=MAX_NEW_TOKENS, temperature=0,
                                   stop=["Earth's", "zebra"], timeout=60)
         limited = client.generate(messages=CHATS[1], max_tokens=5, temperature=0, timeout=60)
     assert stopped.text == reference.text[:cut] + " the "
