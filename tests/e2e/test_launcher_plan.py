@@ -1,0 +1,31 @@
+"""`radixserve up`'s plan: ports, rank environment and start order (no processes started)."""
+
+from __future__ import annotations
+
+from radixserve.launcher import build_parser, plan_stack
+
+
+def test_ports_ranks_and_order_follow_the_convention():
+    args = build_parser().parse_args(["up", "--tp", "2", "--port", "6000", "--host", "0.0.0.0",
+                                      "--model", "m", "--kv-cache-mb", "32", "--device", "cpu"])
+    plan = plan_stack(args, python="py")
+    workers, (router,), (gateway,) = plan.groups
+    assert [w.name for w in workers] == ["worker0", "worker1"]
+    assert [w.health_address for w in workers] == ["127.0.0.1:6009", "127.0.0.1:6010"]
+    assert [w.env["RANK"] for w in workers] == ["0", "1"]
+    assert {w.env["WORLD_SIZE"] for w in workers} == {"2"}
+    assert len({w.env["MASTER_PORT"] for w in workers}) == 1
+    assert workers[0].cmd[:3] == ["py", "-m", "worker_service"]
+    assert "--kv-cache-mb" in workers[0].cmd and "32" in workers[0].cmd
+    assert router.cmd[router.cmd.index("--port") + 1] == "6001"
+    assert router.cmd[router.cmd.index("--workers") + 1] == "127.0.0.1:6009,127.0.0.1:6010"
+    assert gateway.cmd[gateway.cmd.index("--host") + 1] == "0.0.0.0"
+    assert gateway.cmd[gateway.cmd.index("--routers") + 1] == "127.0.0.1:6001"
+    # The gateway listens on every address; it is checked (and shown) on loopback.
+    assert plan.gateway_address == "127.0.0.1:6000"
+
+
+def test_flags_come_from_the_environment_too(monkeypatch):
+    monkeypatch.setenv("RADIXSERVE_TP", "3")
+    args = build_parser().parse_args(["up"])
+    assert args.tp == 3 and args.port == 50051
