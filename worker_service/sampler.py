@@ -4,7 +4,7 @@ Order of operations, per row:
     penalties (repetition, presence, frequency) -> temperature -> top_k / top_p / min_p -> draw.
 Greedy rows (temperature 0) take the argmax of the penalised logits.
 
-Reproducibility: a seeded row draws its noise from a generator seeded from
+Reproducibility: a seeded row draws its random number from a generator seeded from
 (seed, number of output tokens so far) and used for that row alone, so the token depends only on
 the row's own logits, its seed and its step, never on what else shares the batch or on how the
 request's steps were batched (or retracted and resumed). Unseeded rows share one generator.

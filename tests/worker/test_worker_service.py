@@ -5,7 +5,9 @@ Each test starts its workers through `tests/procs.py`, so they are killed whatev
 
 from __future__ import annotations
 
+import asyncio
 import queue
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,9 +18,12 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from procs import PYTHON, ServiceProcesses, free_port
-from radixserve.serving import CHANNEL_OPTIONS
+from radixserve.serving import CHANNEL_OPTIONS, start_server
 from radixserve.v1 import worker_pb2, worker_pb2_grpc
+from worker.test_executor import FakeRunner
 from worker_service.config import parse_config
+from worker_service.executor import Executor
+from worker_service.service import SERVICE_NAME, WorkerService
 
 PROMPT = "The capital of France is"
 NUM_NEW_TOKENS = 6
@@ -215,6 +220,63 @@ def wait_for_health_answer(procs: ServiceProcesses, address: str) -> int:
             except grpc.RpcError:
                 time.sleep(0.2)
     raise TimeoutError(f"{address} never answered a health check")
+
+
+class BlockingRunner(FakeRunner):
+    """A fake runner whose forward pass waits until the test lets it finish."""
+
+    def __init__(self) -> None:
+        super().__init__(rank=0)
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def forward(self, entries):
+        self.entered.set()
+        if not self.release.wait(RPC_TIMEOUT_S):
+            raise TimeoutError("the test never released the forward pass")
+        return super().forward(entries)
+
+
+@pytest.mark.timeout(60)
+def test_health_and_info_answer_during_a_forward_pass() -> None:
+    asyncio.run(_answer_during_forward())
+
+
+async def _answer_during_forward() -> None:
+    service = WorkerService()
+    server, health, port = await start_server(
+        "127.0.0.1", 0, [lambda s: worker_pb2_grpc.add_WorkerServiceServicer_to_server(service, s)], [SERVICE_NAME]
+    )
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = worker_pb2_grpc.WorkerServiceStub(channel)
+            health_stub = health_pb2_grpc.HealthStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=RPC_TIMEOUT_S)
+            assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+            runner = BlockingRunner()
+            service.attach(Executor(runner))
+            await health.set(True)
+            call = stub.Execute(timeout=RPC_TIMEOUT_S)
+            sampling = worker_pb2.ResolvedSamplingParams(top_p=1.0, repetition_penalty=1.0)
+            await call.write(worker_pb2.DecodeTask(task_id=7, entries=[worker_pb2.TaskEntry(
+                request_id="r", token_ids=[1, 2, 3], page_ids=[0], sample=True,
+                new_request=worker_pb2.NewRequest(sampling=sampling, num_prompt_tokens=3))]))
+            assert await asyncio.to_thread(runner.entered.wait, RPC_TIMEOUT_S)
+            # The forward pass is still running: the event loop must answer regardless.
+            reply = await health_stub.Check(health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=RPC_TIMEOUT_S)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            info = await stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=RPC_TIMEOUT_S)
+            assert info.model_name == "fake" and info.num_pages == runner.info.num_pages
+            assert not runner.calls, "the forward pass must still be blocked"
+            runner.release.set()
+            result = await call.read()
+            assert result.task_id == 7 and [t.request_id for t in result.tokens] == ["r"]
+            await call.done_writing()
+            assert await call.read() == grpc.aio.EOF
+    finally:
+        await server.stop(0)
+        service.close()
 
 
 def test_config_reads_flags_environment_and_torch_variables() -> None:
