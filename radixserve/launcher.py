@@ -34,6 +34,8 @@ INTERNAL_HOST = "127.0.0.1"
 # Environment that would override the rank settings the launcher hands each worker.
 _RANK_ENV = ("RADIXSERVE_RANK", "RADIXSERVE_WORLD_SIZE", "RADIXSERVE_MASTER_ADDR", "RADIXSERVE_MASTER_PORT")
 _PR_SET_PDEATHSIG = 1
+# How often the launcher looks at its children and their health.
+POLL_INTERVAL_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,7 +223,7 @@ def _wait_healthy(stack: Stack, specs: list[ChildSpec], timeout_s: float, stop: 
         if pending and time.monotonic() > deadline:
             raise StackFailed(f"{', '.join(pending)} not SERVING after {timeout_s:g}s")
         if pending:
-            stop.wait(0.25)
+            stop.wait(POLL_INTERVAL_S)
 
 
 def _check_children(stack: Stack) -> None:
@@ -249,7 +251,7 @@ def run_up(args: argparse.Namespace) -> int:
                 break
         else:
             _print_usage(stack, plan.gateway_address)
-            while not stop.wait(0.25):
+            while not stop.wait(POLL_INTERVAL_S):
                 _check_children(stack)
     except StackFailed as exc:
         stack.say(f"{exc}; stopping the stack")

@@ -72,6 +72,26 @@ def test_repeated_chat_hits_the_prefix_cache(stack, references):
 
 
 @pytest.mark.timeout(120)
+def test_logprobs_come_with_token_text(stack, references, smollm2_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    with Client(stack.gateway) as client:
+        result = client.generate(messages=CHATS[0], max_tokens=MAX_NEW_TOKENS, temperature=0,
+                                 logprobs=True, top_logprobs=3, timeout=60)
+    assert result.token_ids == references[0].output_ids
+    assert [lp.token_id for lp in result.logprobs] == result.token_ids
+    for lp in result.logprobs:
+        assert lp.token == tokenizer.decode([lp.token_id])
+        assert lp.logprob <= 0.0
+        assert len(lp.top_logprobs) == 3
+        # Greedy: the chosen token is the most likely one.
+        assert lp.top_logprobs[0].token_id == lp.token_id
+        assert lp.top_logprobs[0].token == lp.token
+        assert [t.logprob for t in lp.top_logprobs] == sorted((t.logprob for t in lp.top_logprobs), reverse=True)
+
+
+@pytest.mark.timeout(120)
 def test_grpcurl_lists_the_service_and_streams_the_readme_call(stack):
     listed = subprocess.run([GRPCURL, "-plaintext", stack.gateway, "list"],
                             capture_output=True, text=True, timeout=30)
