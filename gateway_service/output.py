@@ -3,6 +3,9 @@
 For each router response: detokenize token by token, cut at stop strings, attach token text to
 logprobs. The tokens after the one that completed a stop string are dropped, and so is the
 stop string itself; the caller then cancels the router stream.
+
+Usage counts the prompt and the tokens passed to the client. `cached_tokens` comes from the
+router's last response, so it is 0 when a stop string ended the request before that arrived.
 """
 
 from __future__ import annotations
