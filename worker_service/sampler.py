@@ -130,18 +130,19 @@ class Sampler:
             return []
         raw = logits.float()
         logits = apply_penalties(raw, rows)
-        greedy_ids = logits.argmax(dim=-1)
         is_random = [row.params.temperature > 0 for row in rows]
-        token_ids = greedy_ids
-        if any(is_random):
-            # Greedy rows are divided by 1 and drawn from, then replaced by their argmax.
-            temperatures = torch.tensor(
-                [row.params.temperature if random else 1.0 for row, random in zip(rows, is_random)],
-                dtype=logits.dtype, device=logits.device,
-            )
-            probs = truncate(torch.softmax(logits / temperatures.unsqueeze(1), dim=-1), rows)
-            drawn = self._draw(probs, rows, is_random)
-            token_ids = torch.where(torch.tensor(is_random, device=logits.device), drawn, greedy_ids)
+        if not any(is_random):
+            return _with_logprobs(raw, logits.argmax(dim=-1), rows)
+        # Greedy rows are divided by 1 and drawn from like the others, then replaced by their argmax.
+        temperatures = torch.tensor(
+            [row.params.temperature if random else 1.0 for row, random in zip(rows, is_random)],
+            dtype=logits.dtype, device=logits.device,
+        )
+        probs = truncate(torch.softmax(logits / temperatures.unsqueeze(1), dim=-1), rows)
+        token_ids = self._draw(probs, rows, is_random)
+        if not all(is_random):
+            greedy = torch.tensor([not random for random in is_random], device=logits.device)
+            token_ids = torch.where(greedy, logits.argmax(dim=-1), token_ids)
         return _with_logprobs(raw, token_ids, rows)
 
     def _draw(self, probs: torch.Tensor, rows: list[SampleRow], is_random: list[bool]) -> torch.Tensor:
@@ -152,7 +153,7 @@ class Sampler:
         noise over the whole vocabulary) keeps the draw cheap.
         """
         device = probs.device
-        uniform = torch.zeros(len(rows), dtype=torch.float64, device=device)
+        uniform = torch.zeros(len(rows), dtype=torch.float64, device=device)  # greedy rows: unused
         unseeded = []
         for index, row in enumerate(rows):
             if not is_random[index]:
@@ -167,15 +168,18 @@ class Sampler:
             uniform[torch.tensor(unseeded, device=device)] = torch.rand(
                 len(unseeded), dtype=torch.float64, generator=self._shared, device=device
             )
-        cumulative = probs.double().cumsum(dim=-1)
-        targets = (uniform * cumulative[:, -1]).unsqueeze(1)
+        cumulative = probs.cumsum(dim=-1)
+        targets = (uniform.to(cumulative.dtype) * cumulative[:, -1]).unsqueeze(1)
         # right=True: the first token whose cumulative mass passes the target, so a zero-probability
         # token (a flat step) is never chosen, even for a target of exactly 0.
-        drawn = torch.searchsorted(cumulative, targets, right=True).squeeze(1)
-        # Rounding can put the target at the very top; fall back to the last token still allowed.
-        positions = torch.arange(probs.shape[1], device=device)
-        last_allowed = torch.where(probs > 0, positions, 0).max(dim=-1).values
-        return torch.minimum(drawn, last_allowed)
+        drawn = torch.searchsorted(cumulative, targets, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+        # Rounding can put the target at the very top, past the last allowed token; move it back.
+        overshot = (probs.gather(1, drawn.unsqueeze(1)).squeeze(1) == 0).nonzero().squeeze(1)
+        if overshot.numel():
+            positions = torch.arange(probs.shape[1], device=device)
+            allowed = probs[overshot] > 0
+            drawn[overshot] = torch.where(allowed, positions, 0).max(dim=-1).values
+        return drawn
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -183,21 +187,24 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
 
     Repetition: a seen token's positive logit is divided by the penalty, a negative one
     multiplied. Presence / frequency: logit -= presence * [count > 0] + frequency * count.
-    Returns a new tensor; rows without penalties are unchanged. Only the (row, token) pairs a
-    penalty touches are read and written, never the whole [batch, vocab] tensor.
+    Never changes `logits`: returns a penalised copy, or `logits` itself when no row has a
+    penalty. Only the (row, token) pairs a penalty touches are read and written, never the whole
+    [batch, vocab] tensor.
     """
+    repeated = [(i, row.token_ids) for i, row in enumerate(rows) if row.params.repetition_penalty != 1.0]
+    additive = [
+        (i, row.output_ids) for i, row in enumerate(rows)
+        if row.params.presence_penalty != 0 or row.params.frequency_penalty != 0
+    ]
+    if not repeated and not additive:
+        return logits
     out = logits.clone()
     vocab = logits.shape[1]
-    repeated = [(i, row.token_ids) for i, row in enumerate(rows) if row.params.repetition_penalty != 1.0]
     if repeated:
         row_ids, token_ids, _ = _pair_counts(repeated, vocab, out.device)
         penalty = torch.tensor([row.params.repetition_penalty for row in rows], dtype=out.dtype, device=out.device)
         values, factor = out[row_ids, token_ids], penalty[row_ids]
         out[row_ids, token_ids] = torch.where(values > 0, values / factor, values * factor)
-    additive = [
-        (i, row.output_ids) for i, row in enumerate(rows)
-        if row.params.presence_penalty != 0 or row.params.frequency_penalty != 0
-    ]
     if additive:
         row_ids, token_ids, counts = _pair_counts(additive, vocab, out.device)
         presence = torch.tensor([row.params.presence_penalty for row in rows], dtype=out.dtype, device=out.device)
@@ -228,6 +235,8 @@ def truncate(probs: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     top_k = torch.tensor([row.params.top_k for row in rows], device=device)
     top_p = torch.tensor([row.params.top_p for row in rows], dtype=probs.dtype, device=device)
     min_p = torch.tensor([row.params.min_p for row in rows], dtype=probs.dtype, device=device)
+    if not any(r.params.top_k > 0 or r.params.top_p < 1 or r.params.min_p > 0 for r in rows):
+        return probs
     keep = _keep_top(probs, top_k, top_p)
     if bool((min_p > 0).any()):
         best = probs.max(dim=-1, keepdim=True).values
@@ -246,11 +255,12 @@ def _keep_top(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> 
     """
     batch, vocab = probs.shape
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
-    keep = torch.ones_like(probs, dtype=torch.bool)
     active = ((k < vocab) | (top_p < 1)).nonzero().squeeze(1)
     if active.numel() == 0:
-        return keep
-    probs, k, top_p = probs[active], k[active], top_p[active]
+        return torch.ones_like(probs, dtype=torch.bool)
+    everyone = active.numel() == batch
+    if not everyone:
+        probs, k, top_p = probs[active], k[active], top_p[active]
     # Rows without top_k renormalise over the whole vocabulary, not just the ranked tokens.
     totals = torch.where(k < vocab, 0.0, probs.sum(dim=-1))
     limited = k[k < vocab]
@@ -271,6 +281,9 @@ def _keep_top(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> 
         pending = pending[~decided]
         if pending.numel() == 0:
             break
+    if everyone:
+        return rows_keep
+    keep = torch.ones((batch, vocab), dtype=torch.bool, device=rows_keep.device)
     keep[active] = rows_keep
     return keep
 
