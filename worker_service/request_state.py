@@ -10,6 +10,7 @@ Invariants a state keeps:
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from worker_service.sampler import SamplingParams
@@ -58,6 +59,9 @@ class RequestTable:
 
     def __len__(self) -> int:
         return len(self._states)
+
+    def __iter__(self) -> Iterator[RequestState]:
+        return iter(self._states.values())
 
     def get(self, request_id: str) -> RequestState | None:
         return self._states.get(request_id)

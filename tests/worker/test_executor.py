@@ -8,9 +8,12 @@ table, a wrong start position or a skipped write changes the logits or raises.
 from __future__ import annotations
 
 import zlib
+from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from worker_service.executor import (
     INTERNAL,
@@ -327,3 +330,91 @@ def test_seeded_tokens_with_a_real_model_do_not_depend_on_the_batch(tmp_path) ->
     alone = generate(companions=False, chunk=4)
     assert generate(companions=True, chunk=2) == alone
     assert len(set(alone)) > 1
+
+
+def snapshot(executor: Executor) -> dict[str, tuple[list[int], list[int]]]:
+    return {state.request_id: (list(state.token_ids), list(state.page_table)) for state in executor.requests}
+
+
+CORRUPTIONS = ["start ahead", "token outside vocab", "page outside pool", "unknown id", "known id as new", "empty"]
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_random_task_sequences_keep_state_consistent(data: st.DataObject) -> None:
+    """Random valid steps, some corrupted: corrupted ones change nothing, valid ones never fail."""
+    driver = Driver()
+    written: dict[str, int] = {}  # the test's own view: request -> tokens written
+    pages: dict[str, list[int]] = {}
+    free = list(range(NUM_PAGES))
+    next_id = 0
+    for _ in range(10):
+        release = data.draw(st.lists(st.sampled_from(sorted(written)), unique=True, max_size=2)) if written else []
+        view_written = {r: n for r, n in written.items() if r not in release}
+        view_free = free + [p for r in release for p in pages[r]]
+        entries, grants = [], {}
+        for request_id in data.draw(st.lists(st.sampled_from([*sorted(view_written), "new"]), max_size=3)):
+            if request_id == "new":
+                request_id, next_id = f"n{next_id}", next_id + 1
+            if request_id in grants:
+                continue
+            start = view_written.get(request_id, 0)
+            num_tokens = data.draw(st.integers(1, 6))
+            have = len(pages.get(request_id, [])) if request_id in view_written else 0
+            need = max(0, -(-(start + num_tokens) // PAGE_SIZE) - have)
+            if need > len(view_free) or start + num_tokens > CONTEXT_LEN:
+                continue
+            grant, view_free = view_free[:need], view_free[need:]
+            grants[request_id] = (grant, num_tokens)
+            tokens = data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=num_tokens, max_size=num_tokens))
+            sample = data.draw(st.booleans())
+            if request_id in view_written:
+                entries.append(step(request_id, tokens, start, grant, sample))
+            else:
+                entries.append(first(request_id, tokens, grant, sample=sample, num_prompt=num_tokens))
+        corruption = data.draw(st.sampled_from([None, None, *CORRUPTIONS]))
+        if corruption in ("start ahead", "token outside vocab", "page outside pool", "empty") and not entries:
+            corruption = None
+        if corruption == "known id as new" and not view_written:
+            corruption = None
+        if corruption is not None:
+            index = data.draw(st.integers(0, max(0, len(entries) - 1)))
+            entries = _corrupt(entries, index, corruption, sorted(view_written))
+        before = snapshot(driver.executor)
+        result = driver.run(*entries, release=release)
+        if corruption is not None:
+            assert result.error is not None and result.error.code == INVALID_ARGUMENT, corruption
+            assert snapshot(driver.executor) == before
+            continue
+        assert result.error is None, result.error
+        assert len(result.tokens) == sum(entry.sample for entry in entries)
+        for request_id in release:
+            free += pages.pop(request_id)
+            del written[request_id]
+        for request_id, (grant, num_tokens) in grants.items():
+            free = [p for p in free if p not in grant]
+            pages.setdefault(request_id, []).extend(grant)
+            written[request_id] = written.get(request_id, 0) + num_tokens
+        assert {r: len(t) for r, (t, _) in snapshot(driver.executor).items()} == written
+
+
+def _corrupt(entries: list[TaskEntry], index: int, corruption: str, live: list[str]) -> list[TaskEntry]:
+    entries = list(entries)
+    if corruption == "unknown id":
+        return [*entries, step("never-started", [1], 0)]
+    if corruption == "known id as new":
+        taken = {entry.request_id for entry in entries}
+        request_id = next((r for r in live if r not in taken), None)
+        if request_id is None:
+            return [*entries, step("never-started", [1], 0)]
+        return [*entries, first(request_id, [1], [])]
+    entry = entries[index]
+    if corruption == "start ahead":
+        entries[index] = replace(entry, start_position=entry.start_position + 1)
+    elif corruption == "token outside vocab":
+        entries[index] = replace(entry, token_ids=[*entry.token_ids[:-1], VOCAB])
+    elif corruption == "page outside pool":
+        entries[index] = replace(entry, page_ids=[*entry.page_ids, NUM_PAGES])
+    elif corruption == "empty":
+        entries[index] = replace(entry, token_ids=[])
+    return entries
