@@ -55,9 +55,15 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
     ) -> AsyncIterator[worker_pb2.TaskResult]:
         executor = await self._ready(context)
         loop = asyncio.get_running_loop()
-        async for message in request_iterator:
-            task = convert.task_from_proto(message)
-            # If the caller goes away mid-task the task still completes on its thread: a task is
-            # applied whole or not at all, never half.
-            result = await loop.run_in_executor(self._thread, executor.execute, task)
-            yield convert.result_to_proto(result)
+        peer, num_tasks = context.peer(), 0
+        log.info("Execute stream opened by %s", peer)
+        try:
+            async for message in request_iterator:
+                task = convert.task_from_proto(message)
+                # If the caller goes away mid-task the task still completes on its thread: a task
+                # is applied whole or not at all, never half.
+                result = await loop.run_in_executor(self._thread, executor.execute, task)
+                num_tasks += 1
+                yield convert.result_to_proto(result)
+        finally:
+            log.info("Execute stream from %s ended after %d tasks", peer, num_tasks)
