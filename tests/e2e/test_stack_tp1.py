@@ -185,5 +185,9 @@ def test_launcher_stops_the_stack_when_a_child_dies(stack):
     assert set(pids) == {"worker0", "router", "gateway"}
     os.kill(pids["worker0"], signal.SIGKILL)
     assert stack.launcher.wait(timeout=60) == 1
-    assert "worker0 exited with code -9; stopping the stack" in stack.output()
+    output = stack.output()
+    assert "worker0 exited with code -9; stopping the stack" in output
+    # Every child's output reached the launcher's, prefixed with the child's name.
+    for name in pids:
+        assert f"\n[{name}] " in output
     assert wait_gone(list(pids.values())) == []
