@@ -16,6 +16,9 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 # Roles whose message is pointless without content; an assistant turn may be empty.
 CONTENT_REQUIRED_ROLES = ("system", "user", "tool")
 MAX_TOP_LOGPROBS = 20
+# Stop strings are matched against every new piece of text: bound the work per token.
+MAX_STOP_STRINGS = 32
+MAX_STOP_LEN = 512
 
 
 def check_text_input(request: GenerateInput) -> None:
@@ -44,9 +47,13 @@ def check_input(request: GenerateInput, vocab_size: int) -> None:
         )
     if request.top_logprobs > 0 and not request.logprobs:
         raise InvalidRequest("top_logprobs needs logprobs: true")
+    if len(request.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(request.stop)}")
     for index, stop in enumerate(request.stop):
         if not stop:
             raise InvalidRequest(f"stop[{index}] is empty")
+        if len(stop) > MAX_STOP_LEN:
+            raise InvalidRequest(f"stop[{index}] is longer than {MAX_STOP_LEN} characters")
     for index, token_id in enumerate(request.stop_token_ids):
         if not 0 <= token_id < vocab_size:
             raise InvalidRequest(

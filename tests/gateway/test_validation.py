@@ -29,6 +29,8 @@ BAD_REQUESTS = [
     (pb.GenerateRequest(prompt="a", logprobs=True, top_logprobs=-1), "top_logprobs must be in [0, 20]"),
     (pb.GenerateRequest(prompt="a", top_logprobs=3), "top_logprobs needs logprobs"),
     (pb.GenerateRequest(prompt="a", stop=["ok", ""]), "stop[1] is empty"),
+    (pb.GenerateRequest(prompt="a", stop=["x"] * 33), "at most 32 stop strings"),
+    (pb.GenerateRequest(prompt="a", stop=["x" * 513]), "stop[0] is longer than 512"),
     (pb.GenerateRequest(prompt="a", stop_token_ids=[VOCAB_SIZE]), "stop_token_ids[0]"),
     (pb.GenerateRequest(prompt="a", stop_token_ids=[-1]), "outside the vocabulary"),
     (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(temperature=2.5)), "sampling.temperature"),
