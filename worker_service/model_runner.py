@@ -17,10 +17,11 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from worker_service.attention import AttentionBatch, PrefillSpan, additive_mask, context_slots
+from worker_service.attention import AttentionBatch, PrefillSpan, additive_mask
 from worker_service.distributed import TPGroup
 from worker_service.forward_batch import ForwardEntry, ModelInfo
 from worker_service.kv_pool import KVPool
+from worker_service.layers.linear import pack_linear_weights
 from worker_service.loader import load_weights
 from worker_service.models import model_class
 from worker_service.models.llama import StepContext, head_dim_of
@@ -56,6 +57,12 @@ def eos_token_ids(model_dir: Path, config_eos: int | list[int] | None) -> list[i
     return found
 
 
+def context_slots(pages: torch.Tensor, length: int, page_size: int) -> torch.Tensor:
+    """Slots of positions 0..length-1 of the sequence held in `pages` ([P] page ids)."""
+    offsets = torch.arange(page_size)
+    return (pages.unsqueeze(-1) * page_size + offsets).flatten()[:length]
+
+
 class ModelRunner:
     def __init__(self, config: RunnerConfig) -> None:
         if config.dtype not in DTYPES:
@@ -70,6 +77,7 @@ class ModelRunner:
         with torch.inference_mode():
             self.model = model_class(self.hf_config)(self.hf_config, group, self.dtype, self.device)
         load_weights(self.model, model_dir)
+        pack_linear_weights(self.model)  # after loading: packed weights cannot be loaded into
         self.model.eval()
 
         shape = (self.hf_config.num_hidden_layers, config.page_size, self.model.num_kv_heads,
@@ -120,39 +128,40 @@ class ModelRunner:
             [entries[i].page_table[p // page_size] * page_size + p % page_size
              for i, p in zip(decode, positions)], dtype=torch.int64)]
 
-        decode_context_slots = decode_mask = None
+        decode_pages = decode_mask = None
         if decode:
             context_lens = torch.tensor(positions) + 1
-            max_len = int(context_lens.max())
-            num_table_pages = (max_len + page_size - 1) // page_size
-            tables = torch.tensor([
-                (entries[i].page_table + [0] * num_table_pages)[:num_table_pages] for i in decode
-            ])  # padding pages point at page 0: read, then masked out
-            decode_context_slots = context_slots(tables, max_len, page_size).to(device)
-            allowed = torch.arange(max_len) < context_lens.unsqueeze(1)
-            decode_mask = additive_mask(allowed.view(len(decode), 1, 1, max_len).to(device), self.dtype)
+            num_pages = (int(context_lens.max()) + page_size - 1) // page_size
+            # Padding pages point at page 0: read, then masked out.
+            decode_pages = torch.tensor(
+                [(entries[i].page_table + [0] * num_pages)[:num_pages] for i in decode]
+            )
+            allowed = torch.arange(num_pages * page_size) < context_lens.unsqueeze(1)
+            decode_mask = additive_mask(allowed.view(len(decode), 1, 1, -1).to(device), self.dtype)
+            decode_pages = decode_pages.to(device)
 
         spans: list[PrefillSpan] = []
         for i in prefill:
             entry = entries[i]
             start, end = entry.start_position, entry.start_position + len(entry.token_ids)
-            table = torch.tensor(entry.page_table[: (end - 1) // page_size + 1])
-            all_slots = context_slots(table, end, page_size)
-            write_slots.append(all_slots[start:])
-            span_slots = span_mask = None
+            pages = torch.tensor(entry.page_table[: (end - 1) // page_size + 1])
+            write_slots.append(context_slots(pages, end, page_size)[start:])
+            span_pages = span_mask = None
             if start > 0:
-                span_slots = all_slots.to(device)
-                allowed = torch.arange(end).unsqueeze(0) <= torch.arange(start, end).unsqueeze(1)
+                span_pages = pages.to(device)
+                key_positions = torch.arange(len(pages) * page_size).unsqueeze(0)
+                allowed = key_positions <= torch.arange(start, end).unsqueeze(1)
                 span_mask = additive_mask(allowed.to(device), self.dtype)
-            spans.append(PrefillSpan(len(token_ids), len(token_ids) + end - start, span_slots, span_mask))
+            spans.append(PrefillSpan(len(token_ids), len(token_ids) + end - start, span_pages, span_mask))
             token_ids.extend(entry.token_ids)
             positions.extend(range(start, end))
             last_token_index[i] = len(token_ids) - 1
 
         attention = AttentionBatch(
+            page_size=page_size,
             write_slots=torch.cat(write_slots).to(device),
             num_decode=len(decode),
-            decode_context_slots=decode_context_slots,
+            decode_pages=decode_pages,
             decode_mask=decode_mask,
             prefills=spans,
         )

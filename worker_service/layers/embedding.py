@@ -2,7 +2,9 @@
 
 Each rank holds a contiguous range of vocabulary rows. The embedding looks up the ids it owns,
 leaves zeros for the rest, and the group sums; the LM head computes logits for its own range and
-rank 0 gathers the full row. With tied embeddings both use one parameter.
+rank 0 gathers the full row. With tied embeddings both use one parameter, except that on CPU in
+bfloat16/float16 the LM head keeps a oneDNN-packed copy (`pack`): one decode token's LM head is
+then ~2.5x faster, for 1/vocab_shards of the embedding's bytes more memory.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from worker_service.distributed import TPGroup, all_reduce_sum, gather_last_dim
+from worker_service.layers.linear import can_pack
 from worker_service.layers.sharding import balanced_range
 from worker_service.layers.weights import WeightSlice, make_param
 
@@ -67,5 +70,17 @@ class ParallelLMHead(torch.nn.Module):
                 (len(vocab_range), hidden_size), [WeightSlice(name, vocab_range)], dtype, device
             )
 
+        self.packed_weight: torch.nn.Parameter | None = None
+
+    def pack(self) -> None:
+        """Use a oneDNN-packed copy of the (loaded) weight where that is faster (see module doc)."""
+        if self.packed_weight is None and can_pack(self.weight):
+            packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
+            self.packed_weight = torch.nn.Parameter(packed, requires_grad=False)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        return gather_last_dim(F.linear(hidden, self.weight), self.shard_sizes, self.group)
+        if self.packed_weight is not None:
+            logits = torch.ops.mkldnn._linear_pointwise(hidden, self.packed_weight, None, "none", [], "")
+        else:
+            logits = F.linear(hidden, self.weight)
+        return gather_last_dim(logits, self.shard_sizes, self.group)

