@@ -84,7 +84,7 @@ def paged_attention(
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     group_size = q.shape[1] // num_kv_heads
     page_size = batch.page_size
-    out = torch.empty_like(q)
+    parts: list[torch.Tensor] = []  # outputs in flat-layout order: decode block, then each span
 
     if batch.num_decode:
         num_decode = batch.num_decode
@@ -94,7 +94,7 @@ def paged_attention(
         values = _gather_pages(v_slots, batch.decode_pages, page_size).view(shape).transpose(1, 2)
         queries = q[:num_decode].view(num_decode, num_kv_heads, group_size, head_dim)
         attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.decode_mask)
-        out[:num_decode] = attended.reshape(num_decode, -1, head_dim)
+        parts.append(attended.view(num_decode, -1, head_dim))
 
     for span in batch.prefills:
         queries = q[span.token_start:span.token_stop].transpose(0, 1).unsqueeze(0)
@@ -110,5 +110,6 @@ def paged_attention(
             queries, keys, values,
             attn_mask=span.mask, is_causal=span.mask is None, enable_gqa=group_size > 1,
         )
-        out[span.token_start:span.token_stop] = attended.squeeze(0).transpose(0, 1)
-    return out
+        parts.append(attended.squeeze(0).transpose(0, 1))
+    # One part (all decode, or one prompt) is the common step: no copy then.
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

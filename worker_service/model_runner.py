@@ -105,6 +105,9 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, entries: list[ForwardEntry]) -> torch.Tensor | None:
         """One step over `entries`; float32 logits `[num_sampled, vocab]` on rank 0, else None."""
+        if not entries:  # every rank gets the same entries, so every rank skips the collectives
+            empty = torch.empty(0, self.info.vocab_size, dtype=torch.float32, device=self.device)
+            return empty if self.config.rank == 0 else None
         token_ids, positions, attention, sample_indices = self._layout(entries)
         step = StepContext(positions=positions, attention=attention, pool=self.pool)
         logits = self.model(token_ids, step, sample_indices)

@@ -145,3 +145,8 @@ def test_bfloat16_matches_transformers_in_bfloat16(make, tmp_path) -> None:
     assert decoded.dtype == torch.float32
     torch.testing.assert_close(prefilled[0], expected[-2], atol=2e-2, rtol=0)
     torch.testing.assert_close(decoded[0], expected[-1], atol=2e-2, rtol=0)
+
+
+def test_empty_step_returns_no_logits(tiny) -> None:
+    _, _, runner = tiny
+    assert runner.forward([]).shape == (0, VOCAB_SIZE)

@@ -64,14 +64,14 @@ class LlamaAttention(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor, step: StepContext, rope: Rope) -> torch.Tensor:
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden).view(num_tokens, -1, self.head_dim)
+        qkv = self.qkv_proj(hidden).view(num_tokens, self.num_q_heads + 2 * self.num_kv_heads, self.head_dim)
         # q and k sit side by side in the merged output: rotate both with one call.
         qk = apply_rotary(qkv[:, : self.num_q_heads + self.num_kv_heads], *rope)
         q, k = qk.split([self.num_q_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.num_q_heads + self.num_kv_heads:]
         k_slots, v_slots = step.pool.slots(self.layer)
         attended = paged_attention(q, k, v, k_slots, v_slots, step.attention)
-        return self.o_proj(attended.view(num_tokens, -1))
+        return self.o_proj(attended.reshape(num_tokens, self.num_q_heads * self.head_dim))
 
 
 class LlamaMLP(torch.nn.Module):
