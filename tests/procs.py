@@ -57,8 +57,10 @@ class ServiceProcesses:
         self.stop_all()
 
     def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-        full_env.setdefault("OMP_NUM_THREADS", "1")
+        # One torch thread per service process unless the caller says otherwise: tests start
+        # several processes on a 2-core machine, and oversubscribed threads slow them tenfold.
+        full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
+                    "OMP_NUM_THREADS": "1"}
         full_env.update(env or {})
         log = self._logdir / f"{name}.log"
         self.logs[name] = log
