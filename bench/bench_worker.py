@@ -8,7 +8,8 @@ Figures (per dtype):
 - prefill:   one prompt of --prefill-len tokens computed at once (after one warm-up);
 - prefill xN: N prompts of --prefill-len / N tokens in one step.
 Each figure is the best of --repeats runs (others may be loading the machine; best-of shows what
-the code can do). `--profile` prints a torch.profiler table of one batched decode step.
+the code can do). `--profile` prints a torch.profiler table of one batched decode step;
+`--transformers` adds transformers' `generate` for one sequence as the reference point.
 """
 
 from __future__ import annotations
@@ -81,6 +82,20 @@ def prefill_tokens_per_s(runner: ModelRunner, length: int, num_prompts: int) -> 
     return num_prompts * each / (time.perf_counter() - start)
 
 
+def transformers_decode_tokens_per_s(model_dir: Path, dtype: str, context: int, steps: int) -> float:
+    """The reference point: transformers' own greedy `generate` for one sequence."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor([prompt(context, 0, model.config.vocab_size)])
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=steps, do_sample=False, pad_token_id=0)
+    return steps / (time.perf_counter() - start)
+
+
 def profile_decode(runner: ModelRunner, batch: int, context: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -105,6 +120,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kv-cache-mb", type=int, default=512)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--transformers", action="store_true", help="also time transformers' generate (x1)")
     args = parser.parse_args()
 
     if args.num_threads > 0:
@@ -128,6 +144,9 @@ def main() -> None:
             max(prefill_tokens_per_s(runner, args.prefill_len, args.prefill_prompts) for _ in range(args.repeats)),
         ]
         print(" | ".join([f"{dtype:>20}"] + [f"{f:>20.1f}" for f in figures]), flush=True)
+        if args.transformers:
+            reference = transformers_decode_tokens_per_s(args.model, dtype, args.context, args.steps)
+            print(f"{'transformers ' + dtype:>20} | {reference:>20.1f}", flush=True)
         if args.profile:
             profile_decode(runner, args.batch, args.context)
         del runner
