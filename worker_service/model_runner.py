@@ -35,6 +35,13 @@ DTYPES: dict[str, torch.dtype] = {
 
 @dataclass(slots=True, frozen=True)
 class RunnerConfig:
+    """What a rank runs: the checkpoint folder, where and in which dtype, and its KV budget.
+
+    `kv_cache_bytes` is this rank's budget for its KV pages (K and V, all layers, its own KV
+    heads); the page count follows from it. `rank` / `world_size` place it in the TP group, which
+    the caller has already joined when `world_size > 1`.
+    """
+
     model_dir: Path
     device: str = "cpu"
     dtype: str = "float32"
@@ -53,7 +60,9 @@ def eos_token_ids(model_dir: Path, config_eos: int | list[int] | None) -> list[i
         sources.append(json.loads(generation_config.read_text()).get("eos_token_id"))
     for source in sources:
         ids = [] if source is None else [source] if isinstance(source, int) else list(source)
-        found.extend(i for i in ids if i not in found)
+        for token_id in ids:
+            if token_id not in found:
+                found.append(token_id)
     return found
 
 
@@ -64,6 +73,13 @@ def context_slots(pages: torch.Tensor, length: int, page_size: int) -> torch.Ten
 
 
 class ModelRunner:
+    """One rank's model shard and KV pool.
+
+    Invariants: the pool's page ids are the router's (page p holds slots p * page_size ...
+    (p + 1) * page_size - 1 in every layer); `forward` writes K/V only into slots named by the
+    entries' page tables and reads only through them.
+    """
+
     def __init__(self, config: RunnerConfig) -> None:
         if config.dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {config.dtype!r}; choose from {sorted(DTYPES)}")
