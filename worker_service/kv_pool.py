@@ -32,6 +32,8 @@ class KVPool:
         self.buffer = torch.zeros(
             (2, num_layers, num_pages * page_size, num_kv_heads, head_dim), dtype=dtype, device=device
         )
+        # Made once: every layer of every step asks for its views.
+        self._layer_slots = [(self.buffer[0, layer], self.buffer[1, layer]) for layer in range(num_layers)]
 
     @staticmethod
     def bytes_per_page(
@@ -56,7 +58,7 @@ class KVPool:
 
     def slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s K and V, each `[num_slots, num_kv_heads, head_dim]` (views)."""
-        return self.buffer[0, layer], self.buffer[1, layer]
+        return self._layer_slots[layer]
 
     def pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s K and V as `[num_pages, page_size, num_kv_heads, head_dim]` (views)."""
