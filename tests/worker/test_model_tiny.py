@@ -126,16 +126,18 @@ def test_linear_rope_scaling_matches_transformers(tmp_path) -> None:
     torch.testing.assert_close(logits[0], reference_logits(reference, token_ids)[-1], atol=TINY_ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("make", [make_tiny_llama, make_tiny_qwen2], ids=["llama", "qwen2"])
-def test_bfloat16_matches_transformers_in_bfloat16(make, tmp_path) -> None:
-    """bf16 (on CPUs with oneDNN bf16, through the packed-weight matmuls) against transformers' bf16.
+@pytest.mark.parametrize(("make", "dtype"), [(make_tiny_llama, "bfloat16"), (make_tiny_qwen2, "float16")],
+                         ids=["llama-bf16", "qwen2-fp16"])
+def test_half_precision_matches_transformers_in_the_same_dtype(make, dtype, tmp_path) -> None:
+    """bf16/fp16 (on CPUs with oneDNN support, through the packed-weight matmuls) against
+    transformers in the same dtype.
 
-    Measured identical on the reference machine; 2e-2 allows a different kernel's rounding in
-    bf16 (one bf16 ulp at |logit| ~2.5 is 1.6e-2) while a wrong computation is off by > 0.1.
+    Measured identical on the reference machine; 2e-2 allows a different kernel's rounding
+    (one bf16 ulp at |logit| ~2.5 is 1.6e-2) while a wrong computation is off by > 0.1.
     """
     out_dir = make(tmp_path)
-    reference = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.bfloat16).eval()
-    runner = ModelRunner(RunnerConfig(model_dir=out_dir, dtype="bfloat16", page_size=PAGE_SIZE,
+    reference = AutoModelForCausalLM.from_pretrained(out_dir, dtype=getattr(torch, dtype)).eval()
+    runner = ModelRunner(RunnerConfig(model_dir=out_dir, dtype=dtype, page_size=PAGE_SIZE,
                                       kv_cache_bytes=KV_BYTES))
     token_ids = prompt(10)
     pages = list(range(10))
