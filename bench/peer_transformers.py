@@ -39,6 +39,8 @@ def run_peer(model_dir: str, workload: Workload, concurrency: int, time_limit_s:
     # ignore_eos: generate exactly max_tokens, as the server does.
     model.generation_config.eos_token_id = None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    with torch.inference_mode():  # warm-up, as the server side gets one
+        model.generate(**tokenizer(["Hello"], return_tensors="pt"), max_new_tokens=4, pad_token_id=pad_id)
     records: list[RequestRecord] = []
     started = time.monotonic()
     conversations = list(range(len(workload.conversations)))

@@ -97,6 +97,8 @@ def run_server_side(args: argparse.Namespace, jobs: list[tuple[wl.Workload, int]
     results = []
     try:
         asyncio.run(wait_serving(address, proc, args.startup_timeout_s))
+        # One short request first, as the peer does, so neither side's numbers include warm-up.
+        asyncio.run(run_workload(address, wl.single_stream(4), 1, args.time_limit_s))
         for workload, concurrency in jobs:
             records, wall_s = asyncio.run(run_workload(address, workload, concurrency, args.time_limit_s))
             summary = summarize(records, wall_s)
