@@ -37,8 +37,11 @@ def build_jobs(args: argparse.Namespace) -> list[tuple[wl.Workload, int]]:
     scale = 1 if args.quick else 2
     jobs: list[tuple[wl.Workload, int]] = []
     for concurrency in args.concurrency:
-        jobs.append((wl.shared_system_prompt(max(8, 2 * concurrency) * scale, args.max_tokens), concurrency))
-        jobs.append((wl.distinct_prompts(max(4, 2 * concurrency) * scale, args.max_tokens), concurrency))
+        variant = len(jobs)
+        jobs.append((wl.shared_system_prompt(max(8, 2 * concurrency) * scale, args.max_tokens,
+                                             variant=variant), concurrency))
+        jobs.append((wl.distinct_prompts(max(4, 2 * concurrency) * scale, args.max_tokens,
+                                         variant=variant), concurrency))
     jobs.append((wl.single_stream(args.single_stream_tokens), 1))
     jobs.append((wl.multi_turn(4 * scale, 4, args.max_tokens), 4))
     return jobs

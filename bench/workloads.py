@@ -42,17 +42,28 @@ class Workload:
         return sum(len(turns) for turns in self.conversations)
 
 
-def shared_system_prompt(num_requests: int, max_tokens: int, prompt_words: int = 450) -> Workload:
-    """(a) Many requests behind one long system prompt: the prefix cache's best case."""
+def shared_system_prompt(num_requests: int, max_tokens: int, prompt_words: int = 450,
+                         variant: int = 0) -> Workload:
+    """(a) Many requests behind one long system prompt: the prefix cache's best case.
+
+    The system prompt is the same for every variant; the questions differ between variants, so
+    runs of one benchmark never repeat each other's requests.
+    """
     system = "You are a support assistant. Follow this policy. " + synthetic_text(prompt_words, 7)
-    questions = [[f"Question {i}: {synthetic_text(12, 1000 + i)}"] for i in range(num_requests)]
+    base = 100_000 * (variant + 1)
+    questions = [[f"Question {i}: {synthetic_text(12, base + i)}"] for i in range(num_requests)]
     return Workload("shared_prefix", "long shared system prompt, short distinct questions",
                     system, questions, max_tokens)
 
 
-def distinct_prompts(num_requests: int, max_tokens: int, prompt_words: int = 150) -> Workload:
-    """(b) Distinct prompts: nothing to reuse, compute-bound."""
-    prompts = [[synthetic_text(prompt_words, 2000 + i)] for i in range(num_requests)]
+def distinct_prompts(num_requests: int, max_tokens: int, prompt_words: int = 150,
+                     variant: int = 0) -> Workload:
+    """(b) Distinct prompts: nothing to reuse but the chat template's few leading tokens.
+
+    Each variant draws other prompts, so runs of one benchmark never hit each other's cache.
+    """
+    base = 100_000 * (variant + 1) + 50_000
+    prompts = [[synthetic_text(prompt_words, base + i)] for i in range(num_requests)]
     return Workload("distinct", "distinct prompts, no shared prefix", None, prompts, max_tokens)
 
 
