@@ -80,10 +80,14 @@ def plot(report: dict, out_dir: Path) -> list[Path]:
             ax.set_xlabel("concurrency")
             ax.set_ylabel(label)
             ax.set_xscale("log", base=2)
+            levels = sorted({r["concurrency"] for r in report["radixserve"]["results"]
+                             if r["workload"] == workload})
+            ax.set_xticks(levels, [str(level) for level in levels])
             if figure.startswith("ttft"):
                 ax.set_yscale("log")
             ax.grid(True, alpha=0.3)
-            ax.legend()
+            if ax.lines:
+                ax.legend()
         fig.suptitle(f"{label} vs concurrency — {report['date']}")
         fig.tight_layout()
         path = out_dir / name

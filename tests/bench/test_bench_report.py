@@ -1,0 +1,63 @@
+"""The benchmark's arithmetic and report, on hand-made records (no server, no model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.records import RequestRecord, percentile, summarize
+from bench.report import markdown, write_report
+from bench.workloads import distinct_prompts, multi_turn, shared_system_prompt
+
+
+def test_percentile_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == 51.0
+    assert percentile(values, 99) == 99.0
+    assert percentile([], 50) is None
+
+
+def test_summarize_counts_tokens_latencies_and_hits() -> None:
+    first = RequestRecord(0, 0, start_s=0.0, end_s=1.0, first_token_s=0.2,
+                          token_times_s=[0.2, 0.3, 0.5], prompt_tokens=100, completion_tokens=3,
+                          cached_tokens=80)
+    second = RequestRecord(1, 0, start_s=0.0, end_s=2.0, first_token_s=0.4,
+                           token_times_s=[0.4, 0.6], prompt_tokens=100, completion_tokens=2,
+                           cached_tokens=0)
+    failed = RequestRecord(2, 0, start_s=0.0, error="UNAVAILABLE: gone")
+    summary = summarize([first, second, failed], wall_s=2.0)
+    assert summary["num_errors"] == 1
+    assert summary["completion_tokens"] == 5
+    assert summary["output_tokens_per_s"] == 2.5
+    assert summary["total_tokens_per_s"] == 102.5
+    assert summary["cache_hit_rate"] == 0.4
+    assert (summary["ttft_p50_ms"], summary["ttft_p99_ms"]) == (200.0, 400.0)
+    # Gaps between tokens: 100 and 200 ms in the first request, 200 ms in the second.
+    assert (summary["itl_p50_ms"], summary["itl_p99_ms"]) == (200.0, 200.0)
+
+
+def test_workload_variants_never_repeat_requests() -> None:
+    a, b = distinct_prompts(4, 8, variant=0), distinct_prompts(4, 8, variant=1)
+    assert not {t for c in a.conversations for t in c} & {t for c in b.conversations for t in c}
+    s0, s1 = shared_system_prompt(4, 8, variant=0), shared_system_prompt(4, 8, variant=1)
+    assert s0.system_prompt == s1.system_prompt
+    assert s0.conversations != s1.conversations
+    assert multi_turn(2, 3, 8).num_requests == 6
+
+
+def test_report_has_ratios_and_plots(tmp_path: Path) -> None:
+    row = {"output_tokens_per_s": 80.0, "total_tokens_per_s": 900.0, "ttft_p50_ms": 100.0,
+           "ttft_p99_ms": 150.0, "itl_p50_ms": 30.0, "itl_p99_ms": 40.0, "cache_hit_rate": 0.9}
+    peer = {**row, "output_tokens_per_s": 20.0, "ttft_p50_ms": 1000.0, "cache_hit_rate": None}
+    report = {
+        "date": "2026-01-01 00:00 UTC", "machine": "test", "model": "m", "tp": 1, "dtype": "float32",
+        "radixserve": {"results": [{"workload": "shared_prefix", "concurrency": c, **row} for c in (1, 4)],
+                       "worker_peak_rss_mb": [1000.0]},
+        "transformers": {"results": [{"workload": "shared_prefix", "concurrency": c, **peer} for c in (1, 4)],
+                         "peak_rss_mb": 900.0},
+    }
+    text = markdown(report)
+    assert "| shared_prefix | 4 | radixserve | 80.0 |" in text
+    assert "4.00x" in text and "10.00x" in text
+    write_report(report, tmp_path)
+    for name in ("latest.json", "latest.md", "throughput.png", "ttft.png"):
+        assert (tmp_path / name).stat().st_size > 0
