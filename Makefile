@@ -43,7 +43,7 @@ run: model
 
 bench: model
 	$(PY) -m pip install --quiet -e ".[bench]"
-	$(PY) -m bench.run_all $(BENCH_ARGS)
+	$(PY) -m bench.run_all --update-readme $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) models .pytest_cache .hypothesis radixserve/v1

@@ -97,8 +97,22 @@ def plot(report: dict, out_dir: Path) -> list[Path]:
     return written
 
 
+README_START = "<!-- BENCH:START -->"
+README_END = "<!-- BENCH:END -->"
+
+
 def write_report(report: dict, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "latest.json").write_text(json.dumps(report, indent=2))
     (out_dir / "latest.md").write_text(markdown(report))
     plot(report, out_dir)
+
+
+def update_readme(readme: Path, table: str) -> bool:
+    """Put `table` between the README's benchmark markers; False when the markers are missing."""
+    text = readme.read_text()
+    start, end = text.find(README_START), text.find(README_END)
+    if start < 0 or end < start:
+        return False
+    readme.write_text(text[: start + len(README_START)] + "\n" + table + text[end:])
+    return True

@@ -27,7 +27,7 @@ from pathlib import Path
 from bench import workloads as wl
 from bench.loadgen import run_workload
 from bench.records import summarize
-from bench.report import write_report
+from bench.report import markdown, update_readme, write_report
 from radixserve.serving import check_health
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -145,6 +145,8 @@ def main() -> None:
     parser.add_argument("--skip-peer", action="store_true", help="do not run transformers")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results", help="where results go")
     parser.add_argument("--verbose", action="store_true", help="show the stack's logs")
+    parser.add_argument("--update-readme", action="store_true",
+                        help="also put the table into README.md between its benchmark markers")
     args = parser.parse_args()
 
     jobs = build_jobs(args)
@@ -158,6 +160,8 @@ def main() -> None:
         "radixserve": server, "transformers": peer,
     }
     write_report(report, args.out_dir)
+    if args.update_readme and not update_readme(ROOT / "README.md", markdown(report)):
+        print("[bench] README.md has no benchmark markers; left it alone", flush=True)
     print(f"[bench] wrote {args.out_dir}/latest.json, latest.md and plots", flush=True)
 
 
