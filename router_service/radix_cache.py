@@ -11,10 +11,15 @@ Contract for users:
 - `insert(token_ids, page_ids)` hands the pages after the already-cached prefix to the tree. The
   pages covering that already-cached prefix stay with the caller: the ones that are not the
   tree's own (duplicates computed twice) must be freed by the caller.
+- `extend(token_ids, page_ids, num_own_pages, node)` caches a still-running sequence's written
+  pages and returns the node to lock instead of the old one; it inserts nothing when the tree
+  already holds more of the sequence than the caller's own pages (the caller's pages are
+  duplicates).
 - `evict(num_pages)` removes least recently used unlocked leaf pages and returns their ids;
   the caller gives them back to the page allocator.
 Matching never changes which pages a key maps to (it only refreshes access times); inserting
-may split a node in two, which keeps every lock valid.
+may split a node in two, and extending may lengthen a leaf in place; both keep every lock valid
+(a lock may come to protect more pages than its holder uses, never fewer).
 """
 
 from __future__ import annotations
@@ -121,13 +126,71 @@ class RadixCache:
     def insert(self, token_ids: list[int], page_ids: list[int]) -> int:
         """Cache `token_ids` (a whole number of pages) held by `page_ids`; returns how many of
         its leading tokens were already cached (their pages stay with the caller)."""
+        return self._insert(token_ids, page_ids, len(token_ids), self.root, 0)[0]
+
+    def extend(
+        self, token_ids: list[int], page_ids: list[int], num_own_pages: int, node: RadixNode
+    ) -> RadixNode | None:
+        """Cache the written whole pages of a sequence that is still running.
+
+        The first `num_own_pages` pages of `page_ids` must already be the tree's, and `node` is
+        the caller's locked node covering them. Returns the node that ends exactly at
+        `len(token_ids)`: the caller locks it and then unlocks `node` (it may be `node` itself,
+        lengthened in place). Returns None, inserting nothing, when the tree holds more of
+        `token_ids` than `num_own_pages` pages: someone else cached those tokens first, so the
+        caller's pages for them are duplicates. They cannot be swapped for the tree's while the
+        workers read them through the caller's page table, so the caller keeps its own pages
+        and gives them back when it ends.
+        """
+        own_len = num_own_pages * self.page_size
+        if node is self.root or self._end_of(node) != own_len:
+            # Matched only partly at admission: find the end of the own pages from the root.
+            num_cached, last = self._insert(token_ids, page_ids, own_len, self.root, 0)
+            return last if num_cached == own_len else None
+        if not node.children:
+            # A running sequence's own leaf: grow it rather than hang one node per page below
+            # it, which would make every later walk and lock change over the sequence longer.
+            new_page_ids = page_ids[num_own_pages:]
+            node.key.extend(token_ids[own_len:])
+            node.page_ids.extend(new_page_ids)
+            node.last_access = next(self._clock)
+            if node.lock_ref > 0:
+                self._num_protected += len(new_page_ids)
+            else:
+                self._num_evictable += len(new_page_ids)
+            return node
+        # Only what lies below `node` can hold more of the sequence: walk from there.
+        num_cached, last = self._insert(token_ids, page_ids, own_len, node, own_len)
+        return last if num_cached == own_len else None
+
+    def _end_of(self, node: RadixNode) -> int:
+        """How many tokens the path from the root to the end of `node` holds."""
+        length = 0
+        while node is not self.root:
+            length += len(node.key)
+            assert node.parent is not None
+            node = node.parent
+        return length
+
+    def _insert(
+        self,
+        token_ids: list[int],
+        page_ids: list[int],
+        max_cached_len: int,
+        node: RadixNode,
+        start: int,
+    ) -> tuple[int, RadixNode]:
+        """Insert below `node`, which ends at `start`, unless more than `max_cached_len`
+        leading tokens are cached already.
+
+        Returns (cached leading tokens, the node ending at `len(token_ids)`); when refused, the
+        count is only known to exceed `max_cached_len` and nothing has changed.
+        """
         size = self.page_size
         if len(token_ids) != len(page_ids) * size:
             raise ValueError(
                 f"{len(token_ids)} tokens do not fill {len(page_ids)} pages of {size}"
             )
-        node = self.root
-        start = 0
         now = next(self._clock)
         while start < len(token_ids):
             key = self._page_key(token_ids, start)
@@ -138,14 +201,16 @@ class RadixCache:
                 node.children[key] = leaf
                 # No holder sits below a new leaf, so its pages start out evictable.
                 self._num_evictable += len(leaf.page_ids)
-                return start
+                return start, leaf
             child.last_access = now
             count = self._common_pages(child, token_ids, start)
+            if start + count * size > max_cached_len:
+                return start + count * size, child  # refused: no need to split anything
             if count < len(child.page_ids):
                 child = self._split(child, count)
             start += count * size
             node = child
-        return start
+        return start, node
 
     def _split(self, node: RadixNode, num_pages: int) -> RadixNode:
         """Cut `node` after `num_pages` pages; returns the new upper half.

@@ -40,6 +40,9 @@ class Request:
       the last sampled token is never among them until it is fed back.
     - `page_table` covers at least `num_computed` tokens; its first `num_tree_pages` pages are
       the radix cache's (locked through `last_node`), the rest belong to this request.
+      `num_tree_pages` grows while the request runs: each whole page it writes enters the cache
+      at once (so that others can match it), unless another request cached the same tokens
+      first; then the request keeps its own copies until it ends.
     - `num_pages_sent` pages of `page_table` are known to the workers (0 until the request's
       first entry after admission, which carries `new_request`).
     """

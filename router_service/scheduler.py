@@ -8,9 +8,14 @@ Plain Python over ints and lists. Each `schedule()` builds one step within `max_
 2. running requests still in the middle of a chunked prefill, as far as budget and pages allow;
 3. waiting requests, in policy order (`lpm`: longest cached prefix first; `fcfs`: arrival),
    admitted while running slots, budget and pages (after eviction) last. A prefill longer than
-   the remaining budget is cut into chunks computed over several steps.
-`complete(plan, token_ids)` applies the sampled tokens; a request that ends (or is retracted)
-gives its written whole pages to the radix cache, releases its lock and frees the rest.
+   the remaining budget is cut into chunks computed over several steps. A waiting request whose
+   prompt shares at least one page more with a request still prefilling than with the cache is
+   deferred (see `_defers`), so that a burst sharing an uncached prefix computes it once.
+`complete(plan, token_ids)` applies the sampled tokens. A running request's pages go into the
+radix cache as soon as they are written whole (after a prefill chunk, or when decode fills a
+page), still locked for it, so that others match them while it runs; a request that ends (or is
+retracted) gives its remaining written whole pages to the cache, releases its lock and frees the
+rest.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from dataclasses import dataclass, field
 
 from router_service.errors import InvalidRequest
 from router_service.page_allocator import PageAllocator
-from router_service.radix_cache import RadixCache
+from router_service.radix_cache import MatchResult, RadixCache
 from router_service.request import FinishReason, Request
 
 # Above this many waiting requests, `lpm` stops matching every one of them each step.
@@ -138,6 +143,8 @@ class Scheduler:
         plan = StepPlan()
         budget = self.max_batch_tokens
         scheduled: set[int] = set()
+        # Requests whose prefill runs in this step or later: their pages are not cached yet.
+        prefilling = [request for request in self.running if request.num_pending > 1]
         for request in list(self.running):
             if budget == 0:
                 break
@@ -159,15 +166,11 @@ class Scheduler:
             plan.entries.append(self._entry(request, num_tokens, new_request=False))
             scheduled.add(id(request))
             budget -= num_tokens
-        if budget > 0 and self.waiting and len(self.running) < self.max_running_requests:
-            for request in self._waiting_in_policy_order():
-                if budget == 0 or len(self.running) >= self.max_running_requests:
-                    break
-                entry = self._admit(request, budget, plan)
-                if entry is None:
-                    break  # keep the order: nothing behind it jumps ahead for pages
-                plan.entries.append(entry)
-                budget -= len(entry.token_ids)
+        deferred = self._admit_waiting(plan, budget, prefilling)
+        if deferred and not plan.entries:
+            # Deferring must not leave a step idle (the prefill it waits on may be stuck
+            # for pages): admit without it rather than compute nothing.
+            self._admit_waiting(plan, budget, None)
         if not plan.entries and self.running:
             # Every running request is stuck in a prefill with no page to grow into:
             # give one request's pages back so that the others can go on next step.
@@ -232,17 +235,71 @@ class Scheduler:
             return sorted(self.waiting, key=key)
         return sorted(self.waiting, key=lambda request: request.arrival)
 
-    def _admit(self, request: Request, budget: int, plan: StepPlan) -> ScheduledEntry | None:
-        """Start (or resume) `request` with its first chunk, or None when pages are short."""
+    def _admit_waiting(
+        self, plan: StepPlan, budget: int, prefilling: list[Request] | None
+    ) -> bool:
+        """Admit waiting requests into `plan` within `budget`; True when one was deferred.
+
+        `prefilling` (None: defer nothing) are the running requests whose prefill is not cached
+        yet; requests admitted here join it, since their pages are cached only after the step.
+        """
+        deferred = False
+        if budget == 0 or not self.waiting or len(self.running) >= self.max_running_requests:
+            return deferred
+        for request in self._waiting_in_policy_order():
+            if budget == 0 or len(self.running) >= self.max_running_requests:
+                break
+            tokens = request.token_ids
+            if self._num_pages_for(len(tokens)) > self.allocator.num_pages:
+                # A resumed request whose output outgrew the whole pool: end it, not wait.
+                self.waiting.remove(request)
+                request.finish_reason = FinishReason.LENGTH
+                plan.ended.append(request)
+                break
+            # Leave at least the last token to compute: its logits give the next token.
+            match = self.cache.match_prefix(tokens[: len(tokens) - 1])
+            if prefilling is not None and self._defers(request, match.matched_len, prefilling):
+                deferred = True
+                continue  # not short of pages: the ones behind it may go
+            entry = self._admit(request, match, budget)
+            if entry is None:
+                break  # keep the order: nothing behind it jumps ahead for pages
+            plan.entries.append(entry)
+            budget -= len(entry.token_ids)
+            if prefilling is not None:
+                prefilling.append(request)
+        return deferred
+
+    def _defers(self, request: Request, matched_len: int, prefilling: list[Request]) -> bool:
+        """Whether `request` should wait for a running prefill that shares more with it.
+
+        True when some request in `prefilling` that is still running has the same first
+        `matched_len + page_size` tokens: once that prefill's pages are written (and so cached),
+        this request matches at least one page more. Deferral ends on its own: those requests
+        leave `prefilling` when their prefill is done, and then the match has caught up.
+        """
         tokens = request.token_ids
-        if self._num_pages_for(len(tokens)) > self.allocator.num_pages:
-            # A resumed request whose output outgrew the whole pool: end it instead of waiting.
-            self.waiting.remove(request)
-            request.finish_reason = FinishReason.LENGTH
-            plan.ended.append(request)
-            return None
-        # Leave at least the last token to compute: its logits give the next token.
-        match = self.cache.match_prefix(tokens[: len(tokens) - 1])
+        end = matched_len + self.page_size
+        if end > len(tokens) - 1:
+            return False  # a longer match could not be used: the last token is computed anyway
+        page = tokens[matched_len:end]
+        for other in prefilling:
+            if other is request or other.admitted_at < 0 or len(other.token_ids) < end:
+                continue
+            # The page after the match first: it tells most requests apart at once.
+            if (
+                other.token_ids[matched_len:end] == page
+                and other.token_ids[:matched_len] == tokens[:matched_len]
+            ):
+                return True
+        return False
+
+    def _admit(self, request: Request, match: MatchResult, budget: int) -> ScheduledEntry | None:
+        """Start (or resume) `request` with its first chunk, or None when pages are short.
+
+        `match` is the cache's match of all but the last token, not yet locked.
+        """
+        tokens = request.token_ids
         self.cache.inc_lock_ref(match.last_node)
         num_matched_pages = len(match.page_ids)
         num_pages_total = min(self._num_pages_for(len(tokens) + 1), self.allocator.num_pages)
@@ -306,7 +363,42 @@ class Scheduler:
             updated.append(request)
             if request.finish_reason is not None:
                 self._end(request)
+        size = self.page_size
+        for entry in plan.entries:
+            request = entry.request
+            if request.finish_reason is not None or request.admitted_at < 0:
+                continue  # ended (its pages are given back) or retracted
+            # Only when this step filled a page: most decode steps cost one comparison here.
+            end = entry.start_position + len(entry.token_ids)
+            if end // size > entry.start_position // size:
+                self._cache_written_pages(request)
         return updated
+
+    def _cache_written_pages(self, request: Request) -> None:
+        """Put a running request's written whole pages in the cache, moving its lock to them.
+
+        When the cache already holds some of those tokens from another request (both computed
+        them), nothing is inserted: the request keeps its duplicate pages (the workers read them
+        through its page table) until it ends, when `_give_back_pages` frees them.
+        """
+        num_full = request.num_computed // self.page_size
+        if num_full <= request.num_tree_pages:
+            return
+        assert request.last_node is not None  # set at admission
+        node = self.cache.extend(
+            request.token_ids[: num_full * self.page_size],
+            request.page_table[:num_full],
+            request.num_tree_pages,
+            request.last_node,
+        )
+        if node is None:
+            return
+        if node is not request.last_node:
+            # Lock the new node before unlocking the old one: no page is evictable between.
+            self.cache.inc_lock_ref(node)
+            self.cache.dec_lock_ref(request.last_node)
+            request.last_node = node
+        request.num_tree_pages = num_full
 
     # ---- giving pages back ---------------------------------------------------------------
 
