@@ -11,11 +11,11 @@ import math
 
 from gateway_service.errors import InvalidRequest
 from gateway_service.values import GenerateInput, ResolvedSampling, SamplingInput
+from radixserve.sampling import MAX_TOP_LOGPROBS
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 # Roles whose message is pointless without content; an assistant turn may be empty.
 CONTENT_REQUIRED_ROLES = ("system", "user", "tool")
-MAX_TOP_LOGPROBS = 20
 # Stop strings are matched against every new piece of text: bound the work per token.
 MAX_STOP_STRINGS = 32
 MAX_STOP_LEN = 512

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import grpc
 
+from radixserve import sampling
+from radixserve.sampling import SamplingParams
 from radixserve.v1 import generation_pb2, router_pb2, worker_pb2
 from router_service.errors import InvalidRequest, QueueFull, RouterError, WorkersUnavailable
-from router_service.request import FinishReason, Request, SamplingParams
+from router_service.request import FinishReason, Request
 from router_service.scheduler import StepPlan
 
 _STATUS: dict[type[RouterError], grpc.StatusCode] = {
@@ -30,37 +32,6 @@ def status_of(error: RouterError) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, str(error)
 
 
-def sampling_from_proto(msg: worker_pb2.ResolvedSamplingParams) -> SamplingParams:
-    return SamplingParams(
-        temperature=msg.temperature,
-        top_k=msg.top_k,
-        top_p=msg.top_p,
-        min_p=msg.min_p,
-        repetition_penalty=msg.repetition_penalty,
-        presence_penalty=msg.presence_penalty,
-        frequency_penalty=msg.frequency_penalty,
-        seed=msg.seed if msg.has_seed else None,
-        logprobs=msg.logprobs,
-        top_logprobs=msg.top_logprobs,
-    )
-
-
-def sampling_to_proto(params: SamplingParams) -> worker_pb2.ResolvedSamplingParams:
-    return worker_pb2.ResolvedSamplingParams(
-        temperature=params.temperature,
-        top_k=params.top_k,
-        top_p=params.top_p,
-        min_p=params.min_p,
-        repetition_penalty=params.repetition_penalty,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        has_seed=params.seed is not None,
-        seed=params.seed or 0,
-        logprobs=params.logprobs,
-        top_logprobs=params.top_logprobs,
-    )
-
-
 def request_from_proto(msg: router_pb2.RouterGenerateRequest) -> Request:
     """A `Request` from the wire; raises `InvalidRequest` for what can never be served.
 
@@ -73,12 +44,12 @@ def request_from_proto(msg: router_pb2.RouterGenerateRequest) -> Request:
     if msg.sampling.top_logprobs < 0:
         raise InvalidRequest("top_logprobs must be >= 0")
     # An unset sampling message means greedy with everything off, not all-zero penalties.
-    sampling = sampling_from_proto(msg.sampling) if msg.HasField("sampling") else SamplingParams()
+    params = sampling.from_proto(msg.sampling) if msg.HasField("sampling") else SamplingParams()
     return Request(
         request_id=msg.request_id,
         prompt_ids=list(msg.prompt_token_ids),
         max_tokens=msg.max_tokens,
-        sampling=sampling,
+        sampling=params,
         stop_token_ids=frozenset(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
     )
@@ -97,7 +68,7 @@ def task_to_proto(plan: StepPlan, task_id: int) -> worker_pb2.DecodeTask:
         )
         if entry.new_request:
             task_entry.new_request.CopyFrom(worker_pb2.NewRequest(
-                sampling=sampling_to_proto(request.sampling),
+                sampling=sampling.to_proto(request.sampling),
                 cached_token_ids=entry.cached_token_ids,
                 num_prompt_tokens=request.num_prompt,
             ))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from radixserve.sampling import SamplingParams
 from router_service.radix_cache import RadixNode
 
 
@@ -13,22 +14,6 @@ class FinishReason(enum.Enum):
     LENGTH = "length"  # max_tokens, the context length, or a request larger than the KV pool
     CANCELLED = "cancelled"
     FAILED = "failed"
-
-
-@dataclass(slots=True, frozen=True)
-class SamplingParams:
-    """Resolved sampling values; the router only passes them to the workers."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    logprobs: bool = False
-    top_logprobs: int = 0
 
 
 @dataclass(slots=True, eq=False)

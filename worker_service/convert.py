@@ -2,25 +2,10 @@
 
 from __future__ import annotations
 
+from radixserve import sampling
 from radixserve.v1 import generation_pb2, worker_pb2
 from worker_service.executor import NewRequest, Task, TaskEntry, TaskResult
 from worker_service.forward_batch import ModelInfo
-from worker_service.sampler import SamplingParams
-
-
-def sampling_from_proto(message: worker_pb2.ResolvedSamplingParams) -> SamplingParams:
-    return SamplingParams(
-        temperature=message.temperature,
-        top_k=message.top_k,
-        top_p=message.top_p,
-        min_p=message.min_p,
-        repetition_penalty=message.repetition_penalty,
-        presence_penalty=message.presence_penalty,
-        frequency_penalty=message.frequency_penalty,
-        seed=message.seed if message.has_seed else None,
-        logprobs=message.logprobs,
-        top_logprobs=message.top_logprobs,
-    )
 
 
 def task_from_proto(message: worker_pb2.DecodeTask) -> Task:
@@ -29,7 +14,7 @@ def task_from_proto(message: worker_pb2.DecodeTask) -> Task:
         new_request = None
         if entry.HasField("new_request"):
             new_request = NewRequest(
-                sampling=sampling_from_proto(entry.new_request.sampling),
+                sampling=sampling.from_proto(entry.new_request.sampling),
                 cached_token_ids=list(entry.new_request.cached_token_ids),
                 num_prompt_tokens=entry.new_request.num_prompt_tokens,
             )

@@ -14,9 +14,10 @@ from typing import Protocol
 
 import torch
 
+from radixserve.sampling import SamplingParams
 from worker_service.forward_batch import ForwardEntry, ModelInfo
 from worker_service.request_state import RequestState, RequestTable
-from worker_service.sampler import SampleRow, Sampler, SamplingParams
+from worker_service.sampler import Sampler, SampleRow
 
 log = logging.getLogger(__name__)
 

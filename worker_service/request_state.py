@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from worker_service.sampler import SamplingParams
+from radixserve.sampling import SamplingParams
 
 
 @dataclass(slots=True)

@@ -19,58 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_TOP_LOGPROBS = 20
+from radixserve.sampling import SEED_MASK, SamplingParams
+
 # How many of a row's most likely tokens to rank before trying more, then all (see _keep_top).
 CANDIDATE_WIDTHS = (256, 4096)
-_MASK64 = (1 << 64) - 1
-
-
-@dataclass(slots=True, frozen=True)
-class SamplingParams:
-    """One request's sampling settings with every default resolved.
-
-    temperature 0 is greedy; top_k 0, top_p 1, min_p 0, repetition_penalty 1 and zero
-    presence/frequency penalties switch those steps off. `seed` None means unseeded.
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-    logprobs: bool = False
-    top_logprobs: int = 0
-
-    def problems(self) -> list[str]:
-        """What is wrong with these values (empty when they are usable)."""
-        found = []
-        finite = {
-            "temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p,
-            "repetition_penalty": self.repetition_penalty,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-        }
-        for name, value in finite.items():
-            if value != value or value in (float("inf"), float("-inf")):
-                found.append(f"{name} must be finite, got {value}")
-        if self.temperature < 0:
-            found.append(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            found.append(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            found.append(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p <= 1:
-            found.append(f"min_p must be in [0, 1], got {self.min_p}")
-        if not self.repetition_penalty > 0:
-            found.append(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
-            found.append(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
-        if self.seed is not None and not 0 <= self.seed <= _MASK64:
-            found.append(f"seed must fit in 64 unsigned bits, got {self.seed}")
-        return found
 
 
 @dataclass(slots=True, frozen=True)
@@ -105,9 +57,9 @@ def seed_for_step(seed: int, num_output_tokens: int) -> int:
     Nearby seeds and steps give unrelated streams, so step n of seed s never replays step
     n+1 of seed s-1.
     """
-    z = (seed + (num_output_tokens + 1) * 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    z = (seed + (num_output_tokens + 1) * 0x9E3779B97F4A7C15) & SEED_MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & SEED_MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & SEED_MASK
     return z ^ (z >> 31)
 
 

@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from radixserve.sampling import SamplingParams
 from worker_service.executor import (
     INTERNAL,
     INVALID_ARGUMENT,
@@ -27,7 +28,7 @@ from worker_service.executor import (
 from worker.tiny_models import make_tiny_llama
 from worker_service.forward_batch import ForwardEntry, ModelInfo
 from worker_service.model_runner import ModelRunner, RunnerConfig
-from worker_service.sampler import Sampler, SamplingParams
+from worker_service.sampler import Sampler
 
 VOCAB = 64
 PAGE_SIZE = 4

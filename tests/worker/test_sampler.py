@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import worker_service.sampler as sampler_module
-from worker_service.sampler import SampleRow, Sampler, SamplingParams, apply_penalties, truncate
+from radixserve.sampling import SamplingParams
+from worker_service.sampler import Sampler, SampleRow, apply_penalties, truncate
 
 # Probabilities of a crafted 6-token distribution; logits are their logs.
 PROBS = [0.40, 0.25, 0.15, 0.10, 0.06, 0.04]
