@@ -5,7 +5,8 @@ logprobs. The tokens after the one that completed a stop string are dropped, and
 stop string itself; the caller then cancels the router stream.
 
 Usage counts the prompt and the tokens passed to the client. `cached_tokens` comes from the
-router's last response, so it is 0 when a stop string ended the request before that arrived.
+router, which reports it on every response, so it is right even when a stop string ends the
+request early.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class OutputAssembler:
         self._matcher = StopStringMatcher(stop)
         self._prompt_len = prompt_len
         self.num_completion_tokens = 0
+        self.num_cached_tokens = 0
         self.finished = False
 
     def add(
@@ -40,6 +42,7 @@ class OutputAssembler:
     ) -> OutputChunk | None:
         if self.finished:
             raise RuntimeError("output already finished")
+        self.num_cached_tokens = max(self.num_cached_tokens, cached_tokens)
         pieces: list[str] = []
         taken: list[int] = []
         for token_id in token_ids:
@@ -63,7 +66,7 @@ class OutputAssembler:
             usage = Usage(
                 prompt_tokens=self._prompt_len,
                 completion_tokens=self.num_completion_tokens,
-                cached_tokens=cached_tokens,
+                cached_tokens=self.num_cached_tokens,
             )
             return OutputChunk("".join(pieces), taken, token_logprobs, finish_reason, usage)
         text = "".join(pieces)

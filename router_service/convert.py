@@ -87,12 +87,17 @@ def response_to_proto(
     request: Request,
     finished: bool,
 ) -> router_pb2.RouterGenerateResponse:
-    response = router_pb2.RouterGenerateResponse(token_ids=token_ids, logprobs=logprobs)
-    if finished and request.finish_reason in _FINISH:
-        response.finish_reason = _FINISH[request.finish_reason]
-        response.usage.CopyFrom(generation_pb2.Usage(
+    # Usage rides on every response, so a caller that stops reading early (the gateway, on a
+    # stop string) still knows the prompt's cached tokens.
+    response = router_pb2.RouterGenerateResponse(
+        token_ids=token_ids,
+        logprobs=logprobs,
+        usage=generation_pb2.Usage(
             prompt_tokens=request.num_prompt,
             completion_tokens=request.num_output,
             cached_tokens=max(request.num_cached_tokens, 0),
-        ))
+        ),
+    )
+    if finished and request.finish_reason in _FINISH:
+        response.finish_reason = _FINISH[request.finish_reason]
     return response

@@ -116,11 +116,15 @@ def test_stop_string_and_max_tokens(stack, references):
     reference = references[1]  # "The sky blue is a result of the Earth's atmosphere ..."
     cut = reference.text.index(" the Earth")
     with Client(stack.gateway) as client:
+        limited = client.generate(messages=CHATS[1], max_tokens=5, temperature=0, timeout=60)
         stopped = client.generate(messages=CHATS[1], max_tokens=MAX_NEW_TOKENS, temperature=0,
                                   stop=["Earth's", "zebra"], timeout=60)
-        limited = client.generate(messages=CHATS[1], max_tokens=5, temperature=0, timeout=60)
     assert stopped.text == reference.text[:cut] + " the "
     assert stopped.finish_reason == "stop"
+    # The same prompt ran just before: a stop string ends the stream early, and the usage still
+    # reports the prompt tokens served from the cache.
+    assert stopped.usage.prompt_tokens == limited.usage.prompt_tokens
+    assert 0 < stopped.usage.cached_tokens < stopped.usage.prompt_tokens
     assert stopped.token_ids == reference.output_ids[: len(stopped.token_ids)]
     assert len(stopped.token_ids) < len(reference.output_ids)
     assert limited.finish_reason == "length"
