@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from radixserve.v1 import generation_pb2, router_pb2, worker_pb2
+from radixserve import sampling
+from radixserve.v1 import generation_pb2, router_pb2
 
 from gateway_service.values import (
     ChatTurn,
@@ -63,24 +64,10 @@ def tokenize_input(request: generation_pb2.TokenizeRequest) -> GenerateInput:
 
 
 def router_request(request: RouterRequest) -> router_pb2.RouterGenerateRequest:
-    sampling = request.sampling
-    resolved = worker_pb2.ResolvedSamplingParams(
-        temperature=sampling.temperature,
-        top_k=sampling.top_k,
-        top_p=sampling.top_p,
-        min_p=sampling.min_p,
-        repetition_penalty=sampling.repetition_penalty,
-        presence_penalty=sampling.presence_penalty,
-        frequency_penalty=sampling.frequency_penalty,
-        has_seed=sampling.seed is not None,
-        seed=sampling.seed or 0,
-        logprobs=request.logprobs,
-        top_logprobs=request.top_logprobs,
-    )
     return router_pb2.RouterGenerateRequest(
         request_id=request.request_id,
         prompt_token_ids=request.prompt_token_ids,
-        sampling=resolved,
+        sampling=sampling.to_proto(request.sampling),
         max_tokens=request.max_tokens,
         stop_token_ids=list(request.stop_token_ids),
         ignore_eos=request.ignore_eos,

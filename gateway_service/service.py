@@ -72,7 +72,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         tokenizer = self._require_tokenizer()
         vocab_size = info.vocab_size or tokenizer.vocab_size
         check_input(request, vocab_size)
-        sampling = resolve_sampling(request.sampling, vocab_size)
+        sampling = resolve_sampling(
+            request.sampling, vocab_size, request.logprobs, request.top_logprobs
+        )
         prompt_ids = self._encode(request)
         max_tokens = resolve_max_tokens(
             request.max_tokens, len(prompt_ids), info.context_len, self._config.default_max_tokens
@@ -87,8 +89,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             sampling=sampling,
             stop_token_ids=request.stop_token_ids,
             ignore_eos=request.ignore_eos,
-            logprobs=request.logprobs,
-            top_logprobs=request.top_logprobs,
         )
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining

@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 
 from gateway_service.errors import InvalidRequest
-from gateway_service.values import GenerateInput, ResolvedSampling, SamplingInput
-from radixserve.sampling import MAX_TOP_LOGPROBS
+from gateway_service.values import GenerateInput, SamplingInput
+from radixserve.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 # Roles whose message is pointless without content; an assistant turn may be empty.
@@ -73,12 +73,18 @@ def _check_range(
         raise InvalidRequest(f"sampling.{name} must be in {bracket}{low:g}, {high_text}], got {value:g}")
 
 
-def resolve_sampling(sampling: SamplingInput, vocab_size: int) -> ResolvedSampling:
-    """Check every set field against its range and fill in the defaults.
+# The public API's defaults (generation.proto): temperature 1, everything else off.
+PUBLIC_DEFAULTS = SamplingParams(temperature=1.0)
+
+
+def resolve_sampling(
+    sampling: SamplingInput, vocab_size: int, logprobs: bool = False, top_logprobs: int = 0
+) -> SamplingParams:
+    """Check every set field against its range and fill in the public defaults.
 
     top_k larger than the vocabulary means "keep everything", so it is clamped.
     """
-    defaults = ResolvedSampling()
+    defaults = PUBLIC_DEFAULTS
     temperature = defaults.temperature if sampling.temperature is None else sampling.temperature
     top_p = defaults.top_p if sampling.top_p is None else sampling.top_p
     top_k = defaults.top_k if sampling.top_k is None else sampling.top_k
@@ -103,7 +109,7 @@ def resolve_sampling(sampling: SamplingInput, vocab_size: int) -> ResolvedSampli
     _check_range("repetition_penalty", repetition, 0.0, 2.0, low_open=True)
     _check_range("presence_penalty", presence, -2.0, 2.0)
     _check_range("frequency_penalty", frequency, -2.0, 2.0)
-    return ResolvedSampling(
+    return SamplingParams(
         temperature=temperature,
         top_p=top_p,
         top_k=min(top_k, vocab_size),
@@ -112,6 +118,8 @@ def resolve_sampling(sampling: SamplingInput, vocab_size: int) -> ResolvedSampli
         presence_penalty=presence,
         frequency_penalty=frequency,
         seed=sampling.seed,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
     )
 
 

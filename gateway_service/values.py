@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from radixserve.sampling import SamplingParams
+
 
 class FinishReason(Enum):
     STOP = "stop"
@@ -29,20 +31,6 @@ class SamplingInput:
     repetition_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ResolvedSampling:
-    """Every sampling option with a concrete value; the defaults mean "off"."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
     seed: int | None = None
 
 
@@ -72,11 +60,9 @@ class RouterRequest:
     request_id: str
     prompt_token_ids: list[int]
     max_tokens: int
-    sampling: ResolvedSampling
+    sampling: SamplingParams  # logprobs and top_logprobs included
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
-    logprobs: bool
-    top_logprobs: int
 
 
 @dataclass(frozen=True, slots=True)
