@@ -1,15 +1,25 @@
-# syntax=docker/dockerfile:1
 # One image for every radixserve service; the command picks the service:
 #   python -m worker_service | python -m router_service | python -m gateway_service | radixserve up
-# CPU torch by default. For the GPU profile build a CUDA torch instead, e.g.
-#   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 -t radixserve:0.1.0-cuda .
+# CPU torch by default; the CUDA image for the GPU profile:
+#   docker build --build-arg TORCH_VARIANT=cu128 -t radixserve:0.1.0-cuda .
+# Plain Dockerfile syntax only (no `# syntax=` line, no BuildKit-only flags): the classic builder
+# and offline or mirrored BuildKit builds work as they are.
+
+# Any Python 3.11+ image with pip (a site's own base image: --build-arg PYTHON_IMAGE=...).
 ARG PYTHON_IMAGE=python:3.11-slim
+
+# The torch version is pyproject.toml's pin, read in this small stage. Only the version file
+# reaches the image, so editing pyproject.toml elsewhere keeps the torch layer cached.
+FROM ${PYTHON_IMAGE} AS torch-pin
+COPY pyproject.toml deploy/image/torch_build.py /pin/
+RUN python /pin/torch_build.py pin /pin/pyproject.toml > /pin/torch-version
+
 FROM ${PYTHON_IMAGE}
 
-# Which torch wheel to install. The default index holds CPU-only wheels (the plain PyPI wheel
-# pulls gigabytes of CUDA libraries); an empty TORCH_INDEX_URL installs from PyPI as is.
-ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# Which torch build: `cpu` or a CUDA one such as `cu128`. It comes from TORCH_INDEX_URL alone,
+# by default the PyTorch index of that variant (a mirror of it works the same).
+ARG TORCH_VARIANT=cpu
+ARG TORCH_INDEX_URL=
 ARG APP_UID=10001
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -21,9 +31,17 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
-# Torch first, in its own layer: it is by far the largest and changes least often.
-RUN pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL" --extra-index-url https://pypi.org/simple} \
-        "torch==${TORCH_VERSION}"
+# Torch first, in its own layer: it is by far the largest and changes least often. The wheel
+# comes from the torch index only (no fallback index that could hand over another build), its
+# dependencies from the regular index; then the build is checked, so a wrong one fails here.
+COPY --from=torch-pin /pin/torch-version /pin/torch_build.py /opt/radixserve-build/
+RUN version="$(cat /opt/radixserve-build/torch-version)" \
+    && pip install --no-deps \
+        --index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/${TORCH_VARIANT}}" \
+        "torch==${version}" \
+    && pip install "torch==${version}" \
+    && python /opt/radixserve-build/torch_build.py check --version "${version}" \
+        --variant "${TORCH_VARIANT}"
 
 # The other dependencies (and the `model` extra that prepare_model needs), read from
 # pyproject.toml so that editing the source does not reinstall them. torch is already there.
@@ -34,11 +52,14 @@ RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['p
     && rm /tmp/requirements.txt
 
 # The project itself; the protobuf code is generated here (it is not committed) and then
-# installed along with the packages.
+# installed along with the packages. The torch check runs again: nothing above may have
+# replaced the checked build.
 COPY . .
 RUN python -m radixserve.gen_protos \
     && pip install --no-deps . \
-    && python -c "import radixserve.v1.generation_pb2_grpc, radixserve.health_probe"
+    && python -c "import radixserve.v1.generation_pb2_grpc, radixserve.health_probe" \
+    && python /opt/radixserve-build/torch_build.py check \
+        --version "$(cat /opt/radixserve-build/torch-version)" --variant "${TORCH_VARIANT}"
 
 # Run as an unprivileged user; /models is where the model volume is mounted.
 RUN useradd --uid "${APP_UID}" --create-home --shell /usr/sbin/nologin radixserve \

@@ -1,9 +1,11 @@
 """Offline checks of the Dockerfile and .dockerignore (no container engine here).
 
-`dockerfile_errors` reads the instructions and checks what the image must do: the pinned
-torch of pyproject.toml, protos generated before the project is installed, a non-root user
-and a service command. `context_files` applies .dockerignore the way the builder does (for the
-pattern forms we use) so a test can see which files reach the build.
+`dockerfile_errors` reads the instructions and checks what the image must do: build with the
+classic builder as well as BuildKit (no `# syntax=` frontend to fetch, no BuildKit-only flags),
+torch at pyproject.toml's pin read from there (not written again), from the torch index alone
+and checked after every install, protos generated before the project is installed, a non-root
+user and a service command. `context_files` applies .dockerignore the way the builder does (for
+the pattern forms we use) so a test can see which files reach the build.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import json
 import os
 import re
 import shlex
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,17 @@ SERVICE_COMMANDS = (
     ["python", "-m", "gateway_service"],
     ["radixserve", "up"],
 )
+BASE_IMAGE = "python:3.11-slim"
+TORCH_BUILD_SCRIPT = "torch_build.py"
+# Parser directives that make BuildKit fetch a frontend image (`syntax`) or exist only there.
+BUILDKIT_DIRECTIVES = {"syntax", "check"}
+# Instruction flags the classic builder does not know.
+BUILDKIT_FLAGS = {
+    "RUN": ("--mount", "--network", "--security"),
+    "COPY": ("--link", "--chmod", "--parents", "--exclude"),
+    "ADD": ("--link", "--chmod", "--checksum", "--keep-git-dir", "--exclude"),
+}
+HEREDOC = re.compile(r"<<-?\s*[\"']?[A-Za-z_]+")
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,10 +72,14 @@ def _args(instructions: list[Instruction]) -> dict[str, str]:
     return found
 
 
-def pinned_torch(pyproject: Path) -> str:
-    deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
-    pin = next(d for d in deps if re.match(r"^torch\s*==", d))
-    return pin.split("==", 1)[1].strip()
+def _last(instructions: list[Instruction], keyword: str,
+          pattern: re.Pattern[str]) -> tuple[int, int] | None:
+    found = None
+    for index, ins in enumerate(instructions):
+        if ins.keyword == keyword:
+            for match in pattern.finditer(ins.text):
+                found = (index, match.start())
+    return found
 
 
 def _first(instructions: list[Instruction], keyword: str,
@@ -75,19 +91,71 @@ def _first(instructions: list[Instruction], keyword: str,
     return None
 
 
-def dockerfile_errors(text: str, pyproject: Path) -> list[str]:
+def parser_directives(text: str) -> dict[str, str]:
+    """`# name=value` lines at the very top of a Dockerfile (before any other line)."""
+    found: dict[str, str] = {}
+    for line in text.splitlines():
+        match = re.match(r"^#\s*([A-Za-z]+)\s*=\s*(\S.*?)\s*$", line)
+        if match is None:
+            break
+        found[match.group(1).lower()] = match.group(2)
+    return found
+
+
+def classic_builder_errors(text: str, instructions: list[Instruction]) -> list[str]:
+    """What only BuildKit understands: such a file fails offline or on the classic builder."""
+    errors = [f"parser directive `# {name}=` needs BuildKit (a `syntax` line fetches a frontend "
+              f"image from Docker Hub at every build)"
+              for name in parser_directives(text) if name in BUILDKIT_DIRECTIVES]
+    for ins in instructions:
+        for flag in BUILDKIT_FLAGS.get(ins.keyword, ()):
+            if re.search(rf"(^|\s){re.escape(flag)}(=|\s)", ins.text):
+                errors.append(f"{ins.keyword} {flag} needs BuildKit")
+        if ins.keyword in BUILDKIT_FLAGS and HEREDOC.search(ins.text):
+            errors.append(f"{ins.keyword} with a heredoc needs BuildKit")
+    return errors
+
+
+def torch_errors(instructions: list[Instruction]) -> list[str]:
+    """torch: pyproject's pin read at build time, one index, the build checked after installs."""
+    errors: list[str] = []
+    for ins in instructions:
+        if ins.keyword in {"ARG", "ENV"} and re.match(r"^TORCH_VERSION\b", ins.text):
+            errors.append(f"{ins.keyword} {ins.text}: the torch version is written twice; "
+                          f"read pyproject.toml's pin instead")
+    runs = [i.text for i in instructions if i.keyword == "RUN"]
+    if not any(f"{TORCH_BUILD_SCRIPT} pin" in run and "pyproject.toml" in run for run in runs):
+        errors.append(f"no RUN reads the torch version from pyproject.toml ({TORCH_BUILD_SCRIPT} pin)")
+    installs = [run for run in runs if re.search(r"pip install\b.*\btorch==", run)]
+    if not installs:
+        errors.append("no RUN installs torch")
+    for run in installs:
+        if re.search(r"torch==\d", run):
+            errors.append("the torch version is written in the Dockerfile: read pyproject.toml's pin")
+        if "--extra-index-url" in run:
+            errors.append("torch is installed with --extra-index-url: pip may take another build "
+                          "from the extra index without a word")
+        if "--index-url" not in run:
+            errors.append("torch is not installed from the torch index (--index-url)")
+    last_install = _last(instructions, "RUN", re.compile(r"pip install\b"))
+    last_check = _last(instructions, "RUN", re.compile(rf"{re.escape(TORCH_BUILD_SCRIPT)} check\b"))
+    if last_check is None or (last_install is not None and last_check < last_install):
+        errors.append(f"the installed torch build is not checked ({TORCH_BUILD_SCRIPT} check) "
+                      f"after the last pip install")
+    return errors
+
+
+def dockerfile_errors(text: str) -> list[str]:
     instructions = parse_dockerfile(text)
     args = _args(instructions)
-    errors: list[str] = []
-    froms = [i.text for i in instructions if i.keyword == "FROM"]
-    base = froms[0].replace("${PYTHON_IMAGE}", args.get("PYTHON_IMAGE", "")) if froms else ""
-    if base != "python:3.11-slim":
-        errors.append(f"base image is {base!r}, not python:3.11-slim")
-    if args.get("TORCH_VERSION") != pinned_torch(pyproject):
-        errors.append(f"TORCH_VERSION {args.get('TORCH_VERSION')} is not pyproject's torch pin")
-    runs = [i.text for i in instructions if i.keyword == "RUN"]
-    if not any("torch==${TORCH_VERSION}" in run for run in runs):
-        errors.append("no RUN installs torch==${TORCH_VERSION}")
+    errors = classic_builder_errors(text, instructions)
+    for base in (i.text.split()[0] for i in instructions if i.keyword == "FROM"):
+        base = base.replace("${PYTHON_IMAGE}", args.get("PYTHON_IMAGE", ""))
+        if base != BASE_IMAGE:
+            errors.append(f"base image is {base!r}, not {BASE_IMAGE}")
+    if not any(i.keyword == "FROM" for i in instructions):
+        errors.append("no FROM")
+    errors += torch_errors(instructions)
     # (instruction index, offset in its text): where the sources arrive, where the protobuf
     # code is generated and where the project is installed, which must come in that order.
     copy_all = _first(instructions, "COPY", re.compile(r"^\.\s+\.$"))
