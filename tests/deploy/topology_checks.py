@@ -60,8 +60,8 @@ def compose_topology_errors(project: dict[str, Any]) -> list[str]:
             host, port = _split_address(address)
             if host not in routers or str(port) != services[host]["environment"]["RADIXSERVE_PORT"]:
                 errors.append(f"{gateway}: router address {address!r} matches no router")
-            elif _condition(services[gateway], host) != "service_healthy":
-                errors.append(f"{gateway}: must wait for {host} to be healthy")
+            elif _condition(services[gateway], host) is None:
+                errors.append(f"{gateway}: must depend on {host}")
     return errors
 
 
@@ -87,8 +87,8 @@ def _router_errors(project: dict[str, Any], router: str) -> list[str]:
             errors.append(f"{router}: {host} listens on {env.get('RADIXSERVE_PORT')}, not {port}")
         if env.get("RANK") != str(rank):
             errors.append(f"{router}: {host} is listed as rank {rank} but has RANK={env.get('RANK')}")
-        if _condition(services[router], host) != "service_healthy":
-            errors.append(f"{router}: must wait for {host} to be healthy")
+        if _condition(services[router], host) is None:
+            errors.append(f"{router}: must depend on {host}")
         if _condition(svc, "model") != "service_completed_successfully":
             errors.append(f"{host}: must wait for the model service to complete")
         if not svc.get("shm_size") and svc.get("ipc") != "host":
