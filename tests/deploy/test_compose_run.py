@@ -4,13 +4,16 @@ Each service of the default profile is started as a local process with exactly t
 environment Compose resolves for it. Only what a container engine would provide is translated:
 service host names resolve to 127.0.0.1, each container port becomes a free loopback port,
 0.0.0.0 becomes 127.0.0.1, and the `models` volume becomes a folder that holds the prepared
-model. Services start in `depends_on` order with the file's conditions (completed / healthy,
-judged by running the file's own health check command), and a Generate call goes through the
-gateway. So a wrong command, port, host name or variable in the file fails this test.
+model. Services start in `depends_on` order with the file's conditions (completed, started, or
+healthy, judged by running the file's own health check command), and a Generate call goes
+through the gateway, as does `make compose-test`'s greedy check against transformers (piped
+into python the way that test runs it in the gateway container). So a wrong command, port,
+host name or variable in the file fails this test.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -26,6 +29,8 @@ from procs import ServiceProcesses, free_port
 from radixserve.v1 import generation_pb2, generation_pb2_grpc
 
 COMPOSE_FILE = ROOT / "docker-compose.yml"
+GREEDY_CHECK = ROOT / "deploy" / "compose_test" / "greedy_check.py"
+GREEDY_CHECK_TIMEOUT_S = 180
 # Compose variables the file reads (`${VAR:-default}`): a small KV pool and one thread per
 # rank keep this test lean on a shared two-core machine.
 COMPOSE_VARIABLES = {"RADIXSERVE_KV_CACHE_MB": "64", "RADIXSERVE_NUM_THREADS": "1"}
@@ -113,6 +118,19 @@ def _is_one_shot(svc: dict[str, Any]) -> bool:
     return svc.get("restart", "no") == "no" and not svc.get("healthcheck")
 
 
+def _awaited_healthy(services: dict[str, dict[str, Any]]) -> set[str]:
+    """Services that another one waits for with `condition: service_healthy`."""
+    return {dependency for svc in services.values()
+            for dependency, spec in (svc.get("depends_on") or {}).items()
+            if spec.get("condition") == "service_healthy"}
+
+
+def _check_healthy(procs: ServiceProcesses, topology: LocalTopology, name: str) -> None:
+    procs.wait_healthy(topology.address(name), timeout_s=STARTUP_TIMEOUT_S)
+    check = _run_health_check(topology, name)
+    assert check.returncode == 0, f"{name} health check failed: {check.stderr}"
+
+
 def _run_health_check(topology: LocalTopology, name: str) -> subprocess.CompletedProcess:
     test = topology.services[name]["healthcheck"]["test"]
     assert test[0] == "CMD", test
@@ -143,6 +161,7 @@ def test_compose_services_serve_generate(smollm2_dir: Path, tmp_path: Path) -> N
     (volume / smollm2_dir.name).symlink_to(smollm2_dir.resolve(), target_is_directory=True)
     topology = LocalTopology(project, tmp_path / "volumes")
 
+    awaited = _awaited_healthy(topology.services)
     with ServiceProcesses() as procs:
         for wave in _start_order(topology.services):
             for name in wave:
@@ -156,13 +175,15 @@ def test_compose_services_serve_generate(smollm2_dir: Path, tmp_path: Path) -> N
                 else:
                     procs.start(name, topology.command(name, svc["command"]),
                                 env=topology.environment(name))
-            for name in wave:
-                if not _is_one_shot(topology.services[name]):
-                    procs.wait_healthy(topology.address(name), timeout_s=STARTUP_TIMEOUT_S)
-                    check = _run_health_check(topology, name)
-                    assert check.returncode == 0, f"{name} health check failed: {check.stderr}"
+            for name in sorted(set(wave) & awaited):
+                _check_healthy(procs, topology, name)
+        for name, svc in sorted(topology.services.items()):
+            if not _is_one_shot(svc):
+                _check_healthy(procs, topology, name)
 
         responses, info = _generate(topology.address("gateway"))
+        procs.check_alive()
+        greedy = _greedy_check(topology)
         procs.check_alive()
 
         # Both worker services joined one TP group behind the router.
@@ -175,6 +196,11 @@ def test_compose_services_serve_generate(smollm2_dir: Path, tmp_path: Path) -> N
         assert last.finish_reason == generation_pb2.FINISH_REASON_LENGTH
         assert last.usage.completion_tokens == MAX_TOKENS
         assert last.usage.prompt_tokens > 0
+        # make compose-test's check: the greedy chat equals transformers' token for token.
+        assert greedy.returncode == 0, greedy.stdout + greedy.stderr
+        shown = json.loads(greedy.stdout.strip().splitlines()[-1])
+        assert shown["ok"] and shown["token_ids"] == shown["reference_ids"]
+        assert shown["token_ids"] and shown["text"] == shown["reference_text"]
 
         # Graceful stop as Compose does it: the stop signal, then the grace period.
         for name in ("gateway", "router", "worker-0", "worker-1"):
@@ -183,6 +209,14 @@ def test_compose_services_serve_generate(smollm2_dir: Path, tmp_path: Path) -> N
             os.killpg(proc.pid, getattr(signal, svc["stop_signal"]))
             grace_s = _seconds(svc["stop_grace_period"])
             assert proc.wait(timeout=grace_s) == 0, f"{name}:\n{procs.tail(name)}"
+
+
+def _greedy_check(topology: LocalTopology) -> subprocess.CompletedProcess:
+    """greedy_check.py with the gateway's environment, fed on stdin as compose-test does."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **topology.environment("gateway")}
+    with open(GREEDY_CHECK, "rb") as source:
+        return subprocess.run([sys.executable, "-"], stdin=source, env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=GREEDY_CHECK_TIMEOUT_S)
 
 
 def _seconds(duration: str) -> float:
