@@ -21,6 +21,7 @@ from deploy_checks import (
     leaderworkerset_errors,
     manifest_errors,
 )
+from pod_checks import pod_security_errors, probe_errors
 from topology_checks import k8s_worker_errors, network_policy_errors
 
 LAYOUTS = {"leaderworkerset": K8S_DIR, "statefulset": K8S_DIR / "statefulset"}
@@ -199,6 +200,61 @@ def test_probes_and_shutdown(layout_docs: list[dict[str, Any]]) -> None:
             port = container["ports"][0]["containerPort"]
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 assert container[probe]["grpc"]["port"] == port, (doc["metadata"]["name"], probe)
+
+
+# --- pods: security context and start-up probes ------------------------------------------------
+
+def test_pods_meet_the_restricted_standard(layout_docs: list[dict[str, Any]]) -> None:
+    assert pod_security_errors(layout_docs) == []
+    assert probe_errors(layout_docs) == []
+
+
+GATEWAY_POD = "spec.template.spec"
+LWS_POD = "spec.leaderWorkerTemplate.workerTemplate.spec"
+
+
+@pytest.mark.parametrize(
+    ("kind", "path", "value", "message"),
+    [
+        ("Job", f"{GATEWAY_POD}.securityContext.seccompProfile", None, "seccompProfile"),
+        ("Job", f"{GATEWAY_POD}.containers.0.securityContext.readOnlyRootFilesystem", None,
+         "readOnlyRootFilesystem"),
+        ("Deployment", f"{GATEWAY_POD}.containers.0.securityContext.allowPrivilegeEscalation",
+         True, "allowPrivilegeEscalation"),
+        ("Deployment", f"{GATEWAY_POD}.securityContext.runAsUser", 0, "runAsUser 0"),
+        ("Deployment", f"{GATEWAY_POD}.hostNetwork", True, "hostNetwork"),
+        ("LeaderWorkerSet", f"{LWS_POD}.initContainers.0.securityContext.capabilities.drop", [],
+         "drop ALL"),
+        ("LeaderWorkerSet", f"{LWS_POD}.securityContext.runAsNonRoot", None, "runAsNonRoot"),
+        ("Namespace", "metadata.labels", {}, "restricted"),
+    ],
+    ids=["seccomp", "writable-root", "privilege-escalation", "root", "host-network",
+         "capabilities", "non-root", "namespace-label"],
+)
+def test_pod_security_check_rejects_broken_copies(
+    kind: str, path: str, value: Any, message: str
+) -> None:
+    docs = _documents("leaderworkerset")
+    broken = [_break(doc, path, value) if doc["kind"] == kind else doc for doc in docs]
+    errors = pod_security_errors(broken)
+    assert any(message in error for error in errors), errors
+
+
+@pytest.mark.parametrize(
+    ("kind", "path", "value", "message"),
+    [
+        ("Deployment", f"{GATEWAY_POD}.containers.0.startupProbe.periodSeconds", 5, "late"),
+        ("LeaderWorkerSet", f"{LWS_POD}.containers.0.startupProbe.failureThreshold", 60,
+         "startup allowance 120 s"),
+        ("LeaderWorkerSet", f"{LWS_POD}.containers.0.startupProbe", None, "no startupProbe"),
+    ],
+    ids=["slow-probe", "short-allowance", "no-probe"],
+)
+def test_probe_check_rejects_broken_copies(kind: str, path: str, value: Any, message: str) -> None:
+    docs = _documents("leaderworkerset")
+    broken = [_break(doc, path, value) if doc["kind"] == kind else doc for doc in docs]
+    errors = probe_errors(broken)
+    assert any(message in error for error in errors), errors
 
 
 def test_yaml_files_parse() -> None:
