@@ -1,18 +1,24 @@
 """The image's torch check (deploy/image/torch_build.py), run as the build runs it: as a script,
-against fake `torch` packages that report a given version and CUDA / ROCm runtime."""
+against fake `torch` packages that report a given version and CUDA / ROCm runtime (and, for
+the variations of its logic, against the same fakes in process)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType, SimpleNamespace
 
 import pytest
 
 from deploy_checks import ROOT
 
 SCRIPT = ROOT / "deploy" / "image" / "torch_build.py"
+_spec = importlib.util.spec_from_file_location("torch_build", SCRIPT)
+torch_build = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(torch_build)
 PYPROJECT = ROOT / "pyproject.toml"
 PIN = "2.13.0"
 
@@ -66,6 +72,14 @@ def test_cuda_torch_fails_the_cpu_image(tmp_path: Path) -> None:
     assert "CUDA packages are installed on the CPU image: nvidia-cublas-cu12" in result.stderr
 
 
+def _fake_torch(version: str, cuda: str | None = None, hip: str | None = None) -> ModuleType:
+    """The same fake, in process, for the variations of the check's logic."""
+    torch = ModuleType("torch")
+    torch.__version__ = version
+    torch.version = SimpleNamespace(cuda=cuda, hip=hip)
+    return torch
+
+
 @pytest.mark.parametrize(
     ("version", "cuda", "hip", "variant", "message"),
     [
@@ -77,11 +91,10 @@ def test_cuda_torch_fails_the_cpu_image(tmp_path: Path) -> None:
     ids=["cpu-on-cuda-image", "other-cuda", "rocm-on-cpu-image", "other-version"],
 )
 def test_check_fails_on_the_wrong_build(
-    tmp_path: Path, version: str, cuda: str | None, hip: str | None, variant: str, message: str
+    version: str, cuda: str | None, hip: str | None, variant: str, message: str
 ) -> None:
-    result = _check(_fake_site(tmp_path, version, cuda, hip), "--version", PIN, "--variant", variant)
-    assert result.returncode == 1
-    assert message in result.stderr
+    errors = torch_build.build_errors(_fake_torch(version, cuda, hip), PIN, variant, [])
+    assert any(message in error for error in errors), errors
 
 
 @pytest.mark.parametrize(
@@ -89,12 +102,15 @@ def test_check_fails_on_the_wrong_build(
     [(f"{PIN}+cpu", None, "cpu"), (f"{PIN}+cu128", "12.8", "cu128"), (PIN, "13.0", "cu130")],
     ids=["cpu", "cu128", "cu130-pypi-wheel"],
 )
-def test_check_passes_the_requested_build(
-    tmp_path: Path, version: str, cuda: str | None, variant: str
-) -> None:
-    result = _check(_fake_site(tmp_path, version, cuda), "--version", PIN, "--variant", variant)
+def test_check_passes_the_requested_build(version: str, cuda: str | None, variant: str) -> None:
+    assert torch_build.build_errors(_fake_torch(version, cuda), PIN, variant,
+                                    ["filelock", "sympy"]) == []
+
+
+def test_check_passes_a_cpu_torch_script_run(tmp_path: Path) -> None:
+    result = _check(_fake_site(tmp_path, f"{PIN}+cpu"), "--version", PIN, "--variant", "cpu")
     assert result.returncode == 0, result.stderr
-    assert f"is the {variant} build" in result.stdout
+    assert "is the cpu build" in result.stdout
 
 
 def test_check_refuses_an_unknown_variant(tmp_path: Path) -> None:
@@ -104,6 +120,9 @@ def test_check_refuses_an_unknown_variant(tmp_path: Path) -> None:
 
 
 def test_check_passes_this_environments_cpu_torch() -> None:
-    """The real torch of the test environment is the pinned CPU build."""
-    result = _check(None, "--version", PIN, "--variant", "cpu")
-    assert result.returncode == 0, result.stderr
+    """The real torch of the test environment (in process: torch is loaded here anyway) is the
+    pinned CPU build, with the attributes the check reads."""
+    import torch
+
+    assert torch_build.build_errors(torch, PIN, "cpu", torch_build.installed_distributions()) == []
+    assert torch_build.build_errors(torch, PIN, "cu128", []) != []
