@@ -49,7 +49,9 @@ elif args[:2] == ["image", "inspect"] or args[:1] == ["pull"]:
     print("sha256:0123")
 elif args[:1] == ["inspect"]:
     container = args[-1]
-    if container == "cid-model":
+    if "FinishedAt" in args[2]:
+        print("2026-01-01T00:00:00.123456789Z")
+    elif container == "cid-model":
         print("exited 0")
     else:
         print("running healthy", 1 if container == "cid-worker-1" and killed else 0)
@@ -142,6 +144,7 @@ def test_a_whole_run_against_a_fake_engine(tmp_path: Path) -> None:
     done, calls = _run_with_fake_docker(tmp_path, "ok")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "compose-test passed" in done.stdout
+    assert "s after the model was ready" in done.stdout
     assert "the group served again" in done.stdout
     assert "worker-1 +1" in done.stdout
     compose = [_tail_after_project(["docker", *c["argv"]]) for c in calls
