@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from radixserve.flags import add_flag
-from router_service.scheduler import Policy
+from router_service.queue_order import Policy
 
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 

@@ -10,7 +10,7 @@ from radixserve.sampling import SamplingParams
 from radixserve.v1 import generation_pb2, router_pb2, worker_pb2
 from router_service.errors import InvalidRequest, QueueFull, RouterError, WorkersUnavailable
 from router_service.request import FinishReason, Request
-from router_service.scheduler import StepPlan
+from router_service.step_plan import StepPlan
 
 _STATUS: dict[type[RouterError], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,

@@ -20,8 +20,9 @@ from radixserve.v1 import generation_pb2, worker_pb2
 from router_service import convert
 from router_service.config import RouterConfig
 from router_service.errors import InvalidRequest, QueueFull, RouterError, WorkersUnavailable
-from router_service.request import Request
-from router_service.scheduler import Scheduler, SchedulerStats
+from router_service.request import FinishReason, Request
+from router_service.scheduler import Scheduler
+from router_service.step_plan import SchedulerStats
 from router_service.worker_group import WorkerFault, WorkerGroup, WorkerInfo
 
 log = logging.getLogger(__name__)
@@ -86,11 +87,6 @@ class Engine:
         scheduler, summary = self.scheduler, self.summary
         if scheduler is None or summary is None:
             raise WorkersUnavailable("the workers are not connected")
-        if request.num_prompt >= summary.context_len:
-            raise InvalidRequest(
-                f"prompt of {request.num_prompt} tokens leaves no room in the context of "
-                f"{summary.context_len}"
-            )
         if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= summary.vocab_size:
             raise InvalidRequest(f"token ids must be in [0, {summary.vocab_size})")
         if scheduler.num_waiting >= self.config.max_queue:
@@ -178,12 +174,17 @@ class Engine:
             scheduler.cancel(request)
         self._cancelled.clear()
         plan = scheduler.schedule()
-        for request in plan.ended:
-            self._send(request, StreamEvent(finished=True))
+        self._send_ended(plan.ended)
+        if plan.is_empty:
+            # Idle: the moment to check the scheduler's bookkeeping whole (see `page_audit`).
+            failed = scheduler.audit_when_idle()
+            if failed:
+                self._send_ended(failed)
+                return  # their releases go with the next step
+            self._wakeup.clear()  # nothing to do until a request arrives or leaves
+            await _wait_any(self._wakeup.wait(), self.group.broken.wait(), stop.wait())
+            return
         if not plan.entries and not plan.release_request_ids:
-            if not plan.ended:  # nothing to do until a request arrives or leaves
-                self._wakeup.clear()
-                await _wait_any(self._wakeup.wait(), self.group.broken.wait(), stop.wait())
             return
         task = convert.task_to_proto(plan, next(self._task_ids))
         self._in_step = True
@@ -201,6 +202,14 @@ class Engine:
             self._send(request, StreamEvent(
                 [token.token_id], logprobs, finished=request.finish_reason is not None
             ))
+
+    def _send_ended(self, requests: list[Request]) -> None:
+        """Tell the callers of requests the scheduler ended while planning."""
+        for request in requests:
+            if request.finish_reason is FinishReason.FAILED:  # a router bug, contained
+                self._send(request, StreamEvent(error=RouterError("internal error in the router")))
+            else:
+                self._send(request, StreamEvent(finished=True))
 
     def _send(self, request: Request, event: StreamEvent) -> None:
         queue = self._streams.get(request.request_id)

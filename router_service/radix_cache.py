@@ -5,9 +5,11 @@ Every node's key is a whole number of pages (`len(key) % page_size == 0`), with 
 first page of tokens; two children never share a first page.
 
 Contract for users:
-- `match_prefix` returns pages that are owned by the tree. Call `inc_lock_ref(last_node)` before
-  using them (before anything can evict) and `dec_lock_ref(last_node)` exactly once when done.
-  A lock on a node protects it and all its ancestors from eviction.
+- `match_prefix` returns pages that are owned by the tree. Call `lock(match)` before using them
+  (before anything can evict) and `dec_lock_ref` on the node it returns exactly once when done.
+  A lock on a node protects it and all its ancestors from eviction; `lock` first splits a node
+  that was matched only partly, so that a holder never protects pages it does not use (those
+  would be neither usable by it nor evictable for it: the livelock of issue 9).
 - `insert(token_ids, page_ids)` hands the pages after the already-cached prefix to the tree. The
   pages covering that already-cached prefix stay with the caller: the ones that are not the
   tree's own (duplicates computed twice) must be freed by the caller.
@@ -50,13 +52,14 @@ class MatchResult(NamedTuple):
     """The cached prefix of a token sequence.
 
     `page_ids` hold the first `matched_len` tokens (`matched_len == len(page_ids) * page_size`).
-    `last_node` is the node to lock while the pages are in use (the root when nothing matched;
-    locking the root is a no-op).
+    `last_node` is where the match ends (the root when nothing matched); its first
+    `num_last_node_pages` pages are matched, perhaps not all of them.
     """
 
     page_ids: list[int]
     matched_len: int
     last_node: RadixNode
+    num_last_node_pages: int = 0
 
 
 class RadixCache:
@@ -108,6 +111,7 @@ class RadixCache:
         node = self.root
         page_ids: list[int] = []
         start = 0
+        count = 0
         now = next(self._clock)
         size = self.page_size
         while len(token_ids) - start >= size:
@@ -121,7 +125,19 @@ class RadixCache:
             node = child
             if count < len(child.page_ids):
                 break
-        return MatchResult(page_ids, start, node)
+        return MatchResult(page_ids, start, node, count)
+
+    def lock(self, match: MatchResult) -> RadixNode:
+        """Lock exactly the pages of `match` (fresh: nothing changed the tree since it was
+        made); returns the node to pass to `dec_lock_ref` when done.
+
+        A partly matched last node is split first, so that its unmatched tail stays evictable.
+        """
+        node = match.last_node
+        if node is not self.root and match.num_last_node_pages < len(node.page_ids):
+            node = self._split(node, match.num_last_node_pages)
+        self.inc_lock_ref(node)
+        return node
 
     def insert(self, token_ids: list[int], page_ids: list[int]) -> int:
         """Cache `token_ids` (a whole number of pages) held by `page_ids`; returns how many of

@@ -11,9 +11,9 @@ from router_service.radix_cache import RadixNode
 
 class FinishReason(enum.Enum):
     STOP = "stop"  # an end-of-sequence or stop token id (it is part of the output)
-    LENGTH = "length"  # max_tokens, the context length, or a request larger than the KV pool
+    LENGTH = "length"  # max_tokens or the context length, nothing else
     CANCELLED = "cancelled"
-    FAILED = "failed"
+    FAILED = "failed"  # the workers failed, or the router found its own bookkeeping broken
 
 
 @dataclass(slots=True, eq=False)

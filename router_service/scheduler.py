@@ -10,7 +10,7 @@ Plain Python over ints and lists. Each `schedule()` builds one step within `max_
    admitted while running slots, budget and pages (after eviction) last. A prefill longer than
    the remaining budget is cut into chunks computed over several steps. A waiting request whose
    prompt shares at least one page more with a request still prefilling than with the cache is
-   deferred (see `_defers`), so that a burst sharing an uncached prefix computes it once.
+   deferred (see `queue_order.defers`), so that a burst sharing an uncached prefix computes it once.
 `complete(plan, token_ids)` applies the sampled tokens. A running request's pages go into the
 radix cache as soon as they are written whole (after a prefill chunk, or when decode fills a
 page), still locked for it, so that others match them while it runs; a request that ends (or is
@@ -20,59 +20,23 @@ rest.
 
 from __future__ import annotations
 
-import enum
 import itertools
-from dataclasses import dataclass, field
+import logging
 
 from router_service.errors import InvalidRequest
 from router_service.page_allocator import PageAllocator
+from router_service.page_audit import audit_pages
+from router_service.page_handoff import cache_written_pages, give_back_pages
 from router_service.radix_cache import MatchResult, RadixCache
+from router_service.queue_order import Policy, defers, in_policy_order
 from router_service.request import FinishReason, Request
+from router_service.step_plan import ScheduledEntry, SchedulerStats, StepPlan
 
-# Above this many waiting requests, `lpm` stops matching every one of them each step.
-LPM_MAX_WAITING = 128
+log = logging.getLogger(__name__)
+
 # Eviction walks the tree's leaves; freeing this share of the pool at once (rather than the one
 # page a decode needs) keeps that walk off most steps once the cache has filled the pool.
 EVICT_BATCH_FRACTION = 1 / 256
-
-
-class Policy(enum.Enum):
-    FCFS = "fcfs"
-    LPM = "lpm"
-
-
-@dataclass(slots=True)
-class ScheduledEntry:
-    """One request's work in a step. `cached_token_ids` is set only with `new_request`."""
-
-    request: Request
-    token_ids: list[int]
-    start_position: int
-    new_page_ids: list[int]
-    sample: bool
-    new_request: bool
-    cached_token_ids: list[int]
-
-
-@dataclass(slots=True)
-class StepPlan:
-    entries: list[ScheduledEntry] = field(default_factory=list)
-    # Requests the workers should forget (ended or retracted since the last step).
-    release_request_ids: list[str] = field(default_factory=list)
-    # Requests that ended while planning (one that cannot fit in the pool even alone).
-    ended: list[Request] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.entries and not self.release_request_ids and not self.ended
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    num_steps: int = 0
-    num_retractions: int = 0
-    cache_hit_tokens: int = 0
-    prompt_tokens: int = 0
 
 
 class Scheduler:
@@ -106,12 +70,24 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------
 
     def add(self, request: Request) -> None:
-        """Queue a request; raises `InvalidRequest` when it could never fit in the KV pool."""
-        need = self._num_pages_for(request.num_prompt + 1)
+        """Queue a request; raises `InvalidRequest` when it could never run to its end alone.
+
+        A request is accepted only if the whole pool holds its longest possible sequence (prompt
+        plus `max_tokens`, capped by the context; the last token's K/V is never written). Then
+        it can always finish: other requests can make it wait or retract it, never cut it short.
+        """
+        if request.num_prompt >= self.context_len:
+            raise InvalidRequest(
+                f"prompt of {request.num_prompt} tokens leaves no room in the context of "
+                f"{self.context_len}"
+            )
+        final_len = min(request.num_prompt + request.max_tokens, self.context_len)
+        need = self._num_pages_for(final_len - 1)
         if need > self.allocator.num_pages:
             raise InvalidRequest(
-                f"prompt of {request.num_prompt} tokens needs {need} KV pages; "
-                f"the pool holds {self.allocator.num_pages}"
+                f"prompt of {request.num_prompt} tokens plus max_tokens {request.max_tokens} "
+                f"needs {need} KV pages of {self.page_size} tokens; the pool holds "
+                f"{self.allocator.num_pages} pages"
             )
         request.arrival = next(self._arrivals)
         self.stats.prompt_tokens += request.num_prompt
@@ -200,8 +176,10 @@ class Scheduler:
         while not self._reserve(need):
             victim = self.running[-1]
             if victim is request and len(self.running) == 1:
-                # Alone and still no page: the sequence outgrew the pool.
-                request.finish_reason = FinishReason.LENGTH
+                # `add` let in only requests that fit the pool alone: pages went missing.
+                log.error("BUG: %s runs alone and finds no page for position %d; failing it",
+                          request.request_id, request.num_computed)
+                request.finish_reason = FinishReason.FAILED
                 self._end(request)
                 plan.ended.append(request)
                 return False
@@ -224,17 +202,6 @@ class Scheduler:
             request.page_table.extend(self.allocator.alloc(need))
         return num_tokens
 
-    def _waiting_in_policy_order(self) -> list[Request]:
-        if len(self.waiting) == 1:
-            return list(self.waiting)
-        if self.policy is Policy.LPM and len(self.waiting) <= LPM_MAX_WAITING:
-            def key(request: Request) -> tuple[int, int]:
-                tokens = request.token_ids
-                matched = self.cache.match_prefix(tokens[: len(tokens) - 1]).matched_len
-                return (-matched, request.arrival)
-            return sorted(self.waiting, key=key)
-        return sorted(self.waiting, key=lambda request: request.arrival)
-
     def _admit_waiting(
         self, plan: StepPlan, budget: int, prefilling: list[Request] | None
     ) -> bool:
@@ -246,19 +213,13 @@ class Scheduler:
         deferred = False
         if budget == 0 or not self.waiting or len(self.running) >= self.max_running_requests:
             return deferred
-        for request in self._waiting_in_policy_order():
+        for request in in_policy_order(self.waiting, self.policy, self.cache):
             if budget == 0 or len(self.running) >= self.max_running_requests:
                 break
             tokens = request.token_ids
-            if self._num_pages_for(len(tokens)) > self.allocator.num_pages:
-                # A resumed request whose output outgrew the whole pool: end it, not wait.
-                self.waiting.remove(request)
-                request.finish_reason = FinishReason.LENGTH
-                plan.ended.append(request)
-                break
             # Leave at least the last token to compute: its logits give the next token.
             match = self.cache.match_prefix(tokens[: len(tokens) - 1])
-            if prefilling is not None and self._defers(request, match.matched_len, prefilling):
+            if prefilling is not None and defers(request, match.matched_len, prefilling, self.page_size):
                 deferred = True
                 continue  # not short of pages: the ones behind it may go
             entry = self._admit(request, match, budget)
@@ -270,37 +231,13 @@ class Scheduler:
                 prefilling.append(request)
         return deferred
 
-    def _defers(self, request: Request, matched_len: int, prefilling: list[Request]) -> bool:
-        """Whether `request` should wait for a running prefill that shares more with it.
-
-        True when some request in `prefilling` that is still running has the same first
-        `matched_len + page_size` tokens: once that prefill's pages are written (and so cached),
-        this request matches at least one page more. Deferral ends on its own: those requests
-        leave `prefilling` when their prefill is done, and then the match has caught up.
-        """
-        tokens = request.token_ids
-        end = matched_len + self.page_size
-        if end > len(tokens) - 1:
-            return False  # a longer match could not be used: the last token is computed anyway
-        page = tokens[matched_len:end]
-        for other in prefilling:
-            if other is request or other.admitted_at < 0 or len(other.token_ids) < end:
-                continue
-            # The page after the match first: it tells most requests apart at once.
-            if (
-                other.token_ids[matched_len:end] == page
-                and other.token_ids[:matched_len] == tokens[:matched_len]
-            ):
-                return True
-        return False
-
     def _admit(self, request: Request, match: MatchResult, budget: int) -> ScheduledEntry | None:
         """Start (or resume) `request` with its first chunk, or None when pages are short.
 
         `match` is the cache's match of all but the last token, not yet locked.
         """
         tokens = request.token_ids
-        self.cache.inc_lock_ref(match.last_node)
+        locked = self.cache.lock(match)
         num_matched_pages = len(match.page_ids)
         num_pages_total = min(self._num_pages_for(len(tokens) + 1), self.allocator.num_pages)
         need_total = num_pages_total - num_matched_pages
@@ -308,14 +245,14 @@ class Scheduler:
         # running ones retract at their next page boundary.
         headroom = len(self.running)
         if self.allocator.num_free + self.cache.evictable_size < need_total + headroom:
-            self.cache.dec_lock_ref(match.last_node)
+            self.cache.dec_lock_ref(locked)
             return None
         num_tokens = min(len(tokens) - match.matched_len, budget)
         need_now = self._num_pages_for(match.matched_len + num_tokens) - num_matched_pages
         self._reserve(need_now)
         request.page_table = match.page_ids + self.allocator.alloc(need_now)
         request.num_tree_pages = num_matched_pages
-        request.last_node = match.last_node
+        request.last_node = locked
         request.num_computed = match.matched_len
         request.num_pages_sent = 0
         if request.num_cached_tokens < 0:
@@ -371,34 +308,8 @@ class Scheduler:
             # Only when this step filled a page: most decode steps cost one comparison here.
             end = entry.start_position + len(entry.token_ids)
             if end // size > entry.start_position // size:
-                self._cache_written_pages(request)
+                cache_written_pages(self.cache, request)
         return updated
-
-    def _cache_written_pages(self, request: Request) -> None:
-        """Put a running request's written whole pages in the cache, moving its lock to them.
-
-        When the cache already holds some of those tokens from another request (both computed
-        them), nothing is inserted: the request keeps its duplicate pages (the workers read them
-        through its page table) until it ends, when `_give_back_pages` frees them.
-        """
-        num_full = request.num_computed // self.page_size
-        if num_full <= request.num_tree_pages:
-            return
-        assert request.last_node is not None  # set at admission
-        node = self.cache.extend(
-            request.token_ids[: num_full * self.page_size],
-            request.page_table[:num_full],
-            request.num_tree_pages,
-            request.last_node,
-        )
-        if node is None:
-            return
-        if node is not request.last_node:
-            # Lock the new node before unlocking the old one: no page is evictable between.
-            self.cache.inc_lock_ref(node)
-            self.cache.dec_lock_ref(request.last_node)
-            request.last_node = node
-        request.num_tree_pages = num_full
 
     # ---- giving pages back ---------------------------------------------------------------
 
@@ -417,25 +328,44 @@ class Scheduler:
         self.stats.num_retractions += 1
 
     def _give_back_pages(self, request: Request) -> None:
-        # Only positions whose K/V was written count; the last sampled token's was not.
-        num_full = request.num_computed // self.page_size
-        table = request.page_table
-        free_ids = table[num_full:]
-        if num_full > request.num_tree_pages:
-            tokens = request.token_ids[: num_full * self.page_size]
-            num_cached = self.cache.insert(tokens, table[:num_full]) // self.page_size
-            # Pages the tree already had from someone else: ours are duplicates.
-            free_ids += table[request.num_tree_pages : num_cached]
-        self.allocator.free(free_ids)
-        if request.last_node is not None:
-            self.cache.dec_lock_ref(request.last_node)
-        request.page_table = []
-        request.num_tree_pages = 0
-        request.last_node = None
-        request.num_pages_sent = 0
+        give_back_pages(self.cache, self.allocator, request)
         if request.on_workers:
             self._releases.append(request.request_id)
             request.on_workers = False
+
+    def audit_when_idle(self) -> list[Request]:
+        """Check the page bookkeeping and progress; the engine calls this when a plan is empty.
+
+        Inconsistent pages (see `page_audit`; logged loudly) fail the running requests, whose
+        page tables can no longer be trusted, drop the cache and start the pool over all free;
+        waiting requests stay queued and are computed afresh. A queue with nothing running
+        that still admits nothing breaks the progress guarantee: its head request fails.
+        Returns the requests that failed (FAILED set; their releases go with the next plan).
+        """
+        problems = audit_pages(self.allocator, self.cache, self.running)
+        if problems:
+            self.stats.num_audit_failures += 1
+            log.error("BUG: KV page bookkeeping is inconsistent (%s); failing %d running "
+                      "request(s) and dropping the prefix cache", "; ".join(problems),
+                      len(self.running))
+            failed = list(self.running)
+            for request in failed:
+                request.finish_reason = FinishReason.FAILED
+                if request.on_workers:
+                    self._releases.append(request.request_id)
+            self.running.clear()
+            self.allocator = PageAllocator(self.allocator.num_pages)
+            self.cache = RadixCache(self.page_size)
+            return failed
+        if self.waiting and not self.running:
+            head = in_policy_order(self.waiting, self.policy, self.cache)[0]
+            self.stats.num_audit_failures += 1
+            log.error("BUG: nothing runs and %s (%d tokens) is not admitted; failing it",
+                      head.request_id, len(head.token_ids))
+            self.waiting.remove(head)
+            head.finish_reason = FinishReason.FAILED
+            return [head]
+        return []
 
     def fail_all(self) -> list[Request]:
         """End every request (the workers failed): returns them, with FAILED set.
