@@ -27,6 +27,11 @@ class RouterConfig:
     reconnect_interval_s: float = 1.0
     # How long one GetWorkerInfo call may take while (re)connecting.
     connect_timeout_s: float = 5.0
+    # How long every rank together may take to answer one step before the router gives up on
+    # the group (UNAVAILABLE, NOT_SERVING, reconnect): generous for a full prefill chunk on CPU.
+    step_timeout_s: float = 60.0
+    # Longest caller request_id accepted: it travels in every DecodeTask entry of the request.
+    max_request_id_len: int = 256
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -40,6 +45,10 @@ class RouterConfig:
             raise ValueError("max_queue must be >= 1")
         if self.reconnect_interval_s <= 0:
             raise ValueError("reconnect_interval_s must be > 0")
+        if self.step_timeout_s <= 0:
+            raise ValueError("step_timeout_s must be > 0")
+        if self.max_request_id_len < 0:
+            raise ValueError("max_request_id_len must be >= 0")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,6 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
         parser, "connect-timeout-s", type=float, default=defaults.connect_timeout_s,
         help="seconds one worker may take to answer GetWorkerInfo while connecting",
     )
+    add_flag(
+        parser, "step-timeout-s", type=float, default=defaults.step_timeout_s,
+        help="seconds every worker rank may take to answer one step; past it the in-flight "
+        "requests fail with UNAVAILABLE and the router reconnects",
+    )
+    add_flag(
+        parser, "max-request-id-len", type=int, default=defaults.max_request_id_len,
+        help="longest request_id accepted (characters)",
+    )
     add_flag(parser, "log-level", default=defaults.log_level, choices=LOG_LEVELS, help="log level")
     return parser
 
@@ -108,5 +126,7 @@ def _config(args: argparse.Namespace) -> RouterConfig:
         policy=Policy(args.policy),
         reconnect_interval_s=args.reconnect_interval_s,
         connect_timeout_s=args.connect_timeout_s,
+        step_timeout_s=args.step_timeout_s,
+        max_request_id_len=args.max_request_id_len,
         log_level=args.log_level,
     )

@@ -32,19 +32,26 @@ def status_of(error: RouterError) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, str(error)
 
 
-def request_from_proto(msg: router_pb2.RouterGenerateRequest) -> Request:
+def request_from_proto(msg: router_pb2.RouterGenerateRequest, max_request_id_len: int) -> Request:
     """A `Request` from the wire; raises `InvalidRequest` for what can never be served.
 
-    Limits that depend on the workers (context length, vocabulary) are checked by the engine.
+    Everything the workers will see is checked here or by the engine (limits that depend on
+    the workers: vocabulary, context, pool), so that a rank rejects a task only for a router
+    bug. The sampling ranges are `SamplingParams.problems`, the workers' own rules.
     """
+    if len(msg.request_id) > max_request_id_len:
+        raise InvalidRequest(
+            f"request_id of {len(msg.request_id)} characters is longer than {max_request_id_len}"
+        )
     if not msg.prompt_token_ids:
         raise InvalidRequest("the prompt is empty")
     if msg.max_tokens < 1:
         raise InvalidRequest(f"max_tokens must be >= 1, got {msg.max_tokens}")
-    if msg.sampling.top_logprobs < 0:
-        raise InvalidRequest("top_logprobs must be >= 0")
     # An unset sampling message means greedy with everything off, not all-zero penalties.
     params = sampling.from_proto(msg.sampling) if msg.HasField("sampling") else SamplingParams()
+    problems = params.problems()
+    if problems:
+        raise InvalidRequest(f"sampling: {'; '.join(problems)}")
     return Request(
         request_id=msg.request_id,
         prompt_ids=list(msg.prompt_token_ids),

@@ -3,9 +3,11 @@
 Each step the scheduler plans a batch; the engine turns it into one `DecodeTask` that carries
 only what changed (new tokens, new pages, `new_request` on a request's first entry, releases),
 sends it to every rank, applies rank 0's sampled tokens and streams them to the requests'
-callers. When any rank fails, every request ends with UNAVAILABLE, health goes NOT_SERVING and
-the engine reconnects every `reconnect_interval_s`; a new connection starts with `reset=True`
-and an empty cache (the workers' K/V can no longer be trusted).
+callers. When any rank fails or misses the step deadline (`step_timeout_s`), every request ends
+with UNAVAILABLE, health goes NOT_SERVING and the engine reconnects every
+`reconnect_interval_s`; a new connection starts with `reset=True` and an empty cache (the
+workers' K/V can no longer be trusted). A task that every rank rejected (nothing applied) fails
+only its own requests.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from router_service.errors import InvalidRequest, QueueFull, RouterError, Worker
 from router_service.request import FinishReason, Request
 from router_service.scheduler import Scheduler
 from router_service.step_plan import SchedulerStats
-from router_service.worker_group import WorkerFault, WorkerGroup, WorkerInfo
+from router_service.worker_group import TaskRejected, WorkerFault, WorkerGroup, WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +142,11 @@ class Engine:
         try:
             infos = await self.group.connect()
             # The first task on a new connection makes every rank forget old requests.
-            await self.group.execute(worker_pb2.DecodeTask(task_id=next(self._task_ids), reset=True))
+            reset = worker_pb2.DecodeTask(task_id=next(self._task_ids), reset=True)
+            try:
+                await self.group.execute(reset, self.config.step_timeout_s)
+            except TaskRejected as exc:
+                raise WorkerFault(str(exc)) from exc
         except WorkerFault as exc:
             # Once per distinct reason: the attempt repeats every reconnect interval.
             if str(exc) != self._last_connect_error:
@@ -189,7 +195,13 @@ class Engine:
         task = convert.task_to_proto(plan, next(self._task_ids))
         self._in_step = True
         try:
-            result = await self.group.execute(task)
+            result = await self.group.execute(task, self.config.step_timeout_s)
+        except TaskRejected as exc:
+            # The router validates all it sends, so this is a router bug; contain it to the
+            # requests of this task: no rank applied it, the rest is as it was.
+            log.error("BUG: %s; failing its %d request(s)", exc, len(plan.entries))
+            self._send_ended(scheduler.fail_step(plan))
+            return
         finally:
             self._in_step = False
         sampling_ids = [entry.request.request_id for entry in plan.entries if entry.sample]

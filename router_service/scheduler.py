@@ -367,6 +367,25 @@ class Scheduler:
             return [head]
         return []
 
+    def fail_step(self, plan: StepPlan) -> list[Request]:
+        """Every rank rejected `plan`'s task, applying none of it: fail the requests in it.
+
+        Their pages past the cached ones may hold partial writes of that step: none of those
+        enter the cache; cached pages were written by earlier steps and stay trusted. The
+        task's releases go again with the next plan. Returns the failed requests.
+        """
+        self._releases = plan.release_request_ids + self._releases
+        failed = []
+        for entry in plan.entries:
+            request = entry.request
+            if request.finish_reason is not None or request.admitted_at < 0:
+                continue
+            request.finish_reason = FinishReason.FAILED
+            request.num_computed = request.num_tree_pages * self.page_size
+            self._end(request)
+            failed.append(request)
+        return failed
+
     def fail_all(self) -> list[Request]:
         """End every request (the workers failed): returns them, with FAILED set.
 

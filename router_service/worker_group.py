@@ -1,9 +1,11 @@
 """The connection to the worker ranks: one channel and one `Execute` stream per rank.
 
 Every task goes to every rank, in the same order; a step completes when every rank answered.
-Anything that goes wrong on any rank (a broken stream, a rank that is gone, a rejected task)
-raises `WorkerFault`: the ranks may disagree about requests afterwards, so the only safe way on
-is to reconnect and reset them all.
+Anything that goes wrong on any rank (a broken stream, a rank that is gone or does not answer
+within the step deadline, ranks that disagree) raises `WorkerFault`: the ranks may disagree about
+requests afterwards, so the only safe way on is to reconnect and reset them all. The exception is
+`TaskRejected`: every rank refused the task, and a rank applies a task whole or not at all, so
+all of them are still where they were before it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ log = logging.getLogger(__name__)
 
 class WorkerFault(Exception):
     """A rank failed or disagreed; the group must be reconnected."""
+
+
+class TaskRejected(Exception):
+    """Every rank answered the task with an error: none of them applied it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,26 +119,36 @@ class WorkerGroup:
                 return f"worker {info.address} has no KV pages"
         return None
 
-    async def execute(self, task: worker_pb2.DecodeTask) -> worker_pb2.TaskResult:
-        """Send `task` to every rank and wait for all answers; returns rank 0's."""
+    async def execute(self, task: worker_pb2.DecodeTask, timeout_s: float) -> worker_pb2.TaskResult:
+        """Send `task` to every rank and wait at most `timeout_s` for all answers; returns
+        rank 0's. Raises `TaskRejected` when every rank refused it, `WorkerFault` otherwise."""
         if not self._calls:
             raise WorkerFault("not connected")
         try:
-            await asyncio.gather(*(call.write(task) for call in self._calls))
-            results = await asyncio.gather(*(call.read() for call in self._calls))
+            results = await asyncio.wait_for(self._round_trip(task), timeout_s)
+        except TimeoutError as exc:
+            raise WorkerFault(
+                f"a worker did not answer task {task.task_id} within {timeout_s:g}s"
+            ) from exc
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, ConnectionError) as exc:
             raise WorkerFault(f"worker stream failed: {exc}") from exc
+        errors = []
         for address, result in zip(self.addresses, results):
             if result is grpc.aio.EOF:
                 raise WorkerFault(f"worker {address} closed its stream")
             if result.task_id != task.task_id:
                 raise WorkerFault(f"worker {address} answered task {result.task_id}, not {task.task_id}")
             if result.HasField("error"):
-                raise WorkerFault(
-                    f"worker {address} rejected task {task.task_id}: "
-                    f"code {result.error.code} {result.error.message}"
-                )
+                errors.append(f"worker {address}: code {result.error.code} {result.error.message}")
+        if errors and len(errors) == len(results):
+            raise TaskRejected(f"task {task.task_id} rejected: {'; '.join(errors)}")
+        if errors:  # some ranks applied it, others did not: they no longer agree
+            raise WorkerFault(f"ranks disagree on task {task.task_id}: {'; '.join(errors)}")
         return results[0]
+
+    async def _round_trip(self, task: worker_pb2.DecodeTask) -> list[worker_pb2.TaskResult]:
+        await asyncio.gather(*(call.write(task) for call in self._calls))
+        return await asyncio.gather(*(call.read() for call in self._calls))
 
     async def close(self) -> None:
         calls, channels = self._calls, self._channels
