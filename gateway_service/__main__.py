@@ -14,13 +14,20 @@ from radixserve.serving import install_stop_handlers
 log = logging.getLogger("gateway_service")
 
 
-async def serve(config: GatewayConfig) -> None:
+async def serve(config: GatewayConfig) -> int:
+    """Serve until SIGINT / SIGTERM (then drain, exit 0) or a background task dies (exit 1)."""
     stop = asyncio.Event()
     install_stop_handlers(stop)
     gateway = await Gateway.start(config)
-    await stop.wait()
-    log.info("stopping")
+    stopping = asyncio.ensure_future(stop.wait())
+    crashed = asyncio.ensure_future(gateway.crashed.wait())
+    await asyncio.wait([stopping, crashed], return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    crashed.cancel()
+    log.info("stopping: draining in-flight streams for up to %gs", config.shutdown_grace_s)
     await gateway.stop()
+    log.info("stopped")
+    return 1 if gateway.crashed.is_set() else 0
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -30,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    asyncio.run(serve(config))
+    sys.exit(asyncio.run(serve(config)))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ class GatewayConfig:
     # Timeout of one GetServerInfo probe.
     probe_timeout_s: float = 2.0
     # Grace period for open streams when the gateway is asked to stop.
-    shutdown_grace_s: float = 5.0
+    shutdown_grace_s: float = 20.0
     log_level: str = "INFO"
 
 

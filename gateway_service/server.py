@@ -37,6 +37,8 @@ class Gateway:
         self._health = health
         self._serving: bool | None = None
         self._probing: asyncio.Task | None = None
+        # Set when a background task died: the process should stop (see `__main__`).
+        self.crashed = asyncio.Event()
 
     @classmethod
     async def start(cls, config: GatewayConfig, tokenizer: Tokenizer | None = None) -> "Gateway":
@@ -57,6 +59,7 @@ class Gateway:
         servicer.tokenizer = tokenizer
         await gateway.probe_once()
         gateway._probing = asyncio.create_task(gateway._probe_loop())
+        gateway._probing.add_done_callback(gateway._probe_loop_ended)
         return gateway
 
     async def probe_once(self) -> bool:
@@ -74,7 +77,16 @@ class Gateway:
             await asyncio.sleep(self.config.probe_interval_s)
             await self.probe_once()
 
+    def _probe_loop_ended(self, task: asyncio.Task) -> None:
+        """The probe loop only ends by `stop`; any other end is a bug that would freeze health."""
+        if task.cancelled():
+            return
+        log.critical("the router probe loop died; the gateway stops", exc_info=task.exception())
+        self.crashed.set()
+
     async def stop(self) -> None:
+        """Drain: NOT_SERVING at once, new calls refused, in-flight streams get
+        `shutdown_grace_s` to finish; then the router channels close."""
         await self._health.set(False)
         if self._probing is not None:
             self._probing.cancel()

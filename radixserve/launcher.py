@@ -3,8 +3,11 @@
 Ports follow one convention: the gateway on P, the router on P+1, worker rank r on P+9+r;
 the ranks rendezvous on a free MASTER_PORT. Each service is started once the ones it depends
 on report SERVING (bounded waits). Children's output is prefixed with their name. Ctrl-C or
-SIGTERM stops the stack (SIGTERM to every child, a bounded wait, SIGKILL to stragglers); when a
-child dies on its own, the launcher says which and stops the rest.
+SIGTERM stops the stack (SIGTERM to every child, a bounded wait, SIGKILL to stragglers). Once
+serving, a worker rank that exits takes its TP group with it (the other ranks leave on their
+own, see `worker_service.peer_watch`): the launcher stops what is left of the group and starts
+it again on a fresh rendezvous port, at most `--max-worker-restarts` times in a row without
+the group coming back; the router reconnects by itself. Any other child dying stops the stack.
 """
 
 from __future__ import annotations
@@ -72,8 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(up, "kv-cache-mb", type=int, default=1024, help="KV page pool budget per rank, MiB")
     add_flag(up, "startup-timeout-s", type=float, default=300.0,
              help="how long each stage may take to report SERVING")
-    add_flag(up, "shutdown-timeout-s", type=float, default=15.0,
-             help="how long children get to exit after SIGTERM before SIGKILL")
+    add_flag(up, "shutdown-timeout-s", type=float, default=30.0,
+             help="how long each stage (gateway, router, workers) gets to exit after SIGTERM "
+             "before SIGKILL; the gateway drains its streams meanwhile")
+    add_flag(up, "max-worker-restarts", type=int, default=3,
+             help="times the worker group is restarted after a rank exits, in a row without "
+             "the group serving again; past it the stack stops")
     add_flag(up, "log-level", default="INFO", help="log level of every service")
     return parser
 
@@ -87,20 +94,7 @@ def free_port() -> int:
 def plan_stack(args: argparse.Namespace, python: str = sys.executable) -> StackPlan:
     router_port = args.port + ROUTER_PORT_OFFSET
     worker_ports = [args.port + WORKER_PORT_OFFSET + rank for rank in range(args.tp)]
-    master_port = free_port()
-    workers = []
-    for rank, port in enumerate(worker_ports):
-        cmd = [python, "-m", "worker_service", "--model", args.model, "--host", INTERNAL_HOST,
-               "--port", str(port), "--dtype", args.dtype, "--kv-cache-mb", str(args.kv_cache_mb),
-               "--log-level", args.log_level]
-        if args.device:
-            cmd += ["--device", args.device]
-        env = {"RANK": str(rank), "WORLD_SIZE": str(args.tp), "MASTER_ADDR": INTERNAL_HOST,
-               "MASTER_PORT": str(master_port)}
-        if "OMP_NUM_THREADS" not in os.environ:
-            # Ranks share the machine's cores: more threads than cores makes them spin.
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.tp))
-        workers.append(ChildSpec(f"worker{rank}", cmd, f"{INTERNAL_HOST}:{port}", env))
+    workers = plan_workers(args, python)
     router = ChildSpec(
         "router",
         [python, "-m", "router_service", "--host", INTERNAL_HOST, "--port", str(router_port),
@@ -116,6 +110,27 @@ def plan_stack(args: argparse.Namespace, python: str = sys.executable) -> StackP
         f"{_reachable(args.host)}:{args.port}",
     )
     return StackPlan([workers, [router], [gateway]], gateway.health_address)
+
+
+def plan_workers(args: argparse.Namespace, python: str = sys.executable) -> list[ChildSpec]:
+    """The worker ranks, rendezvousing on a port free right now (a restarted group gets a new
+    one, so it never meets what is left of the old group's store)."""
+    master_port = free_port()
+    workers = []
+    for rank in range(args.tp):
+        port = args.port + WORKER_PORT_OFFSET + rank
+        cmd = [python, "-m", "worker_service", "--model", args.model, "--host", INTERNAL_HOST,
+               "--port", str(port), "--dtype", args.dtype, "--kv-cache-mb", str(args.kv_cache_mb),
+               "--log-level", args.log_level]
+        if args.device:
+            cmd += ["--device", args.device]
+        env = {"RANK": str(rank), "WORLD_SIZE": str(args.tp), "MASTER_ADDR": INTERNAL_HOST,
+               "MASTER_PORT": str(master_port)}
+        if "OMP_NUM_THREADS" not in os.environ:
+            # Ranks share the machine's cores: more threads than cores makes them spin.
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.tp))
+        workers.append(ChildSpec(f"worker{rank}", cmd, f"{INTERNAL_HOST}:{port}", env))
+    return workers
 
 
 def _reachable(host: str) -> str:
@@ -172,22 +187,24 @@ class Stack:
                 return name, code
         return None
 
-    def stop(self) -> None:
-        """SIGTERM everyone (gateway first), wait, SIGKILL what is left."""
-        for proc in reversed(list(self.children.values())):
+    def stop(self, names: list[str] | None = None) -> None:
+        """SIGTERM the children named (default: all, gateway first), wait, SIGKILL what is left."""
+        children = [(name, proc) for name, proc in self.children.items() if names is None or name in names]
+        for _, proc in reversed(children):
             _signal_group(proc, signal.SIGTERM)
         deadline = time.monotonic() + self._shutdown_timeout_s
-        for name, proc in self.children.items():
+        for name, proc in children:
             try:
                 proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
             except subprocess.TimeoutExpired:
                 self.say(f"{name} did not exit after SIGTERM; killing it")
-        for proc in self.children.values():
+        for _, proc in children:
             if proc.poll() is None:
                 _signal_group(proc, signal.SIGKILL)
                 proc.wait()
-        for reader in self._readers:
-            reader.join(timeout=2)
+        if names is None:
+            for reader in self._readers:
+                reader.join(timeout=2)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -251,16 +268,49 @@ def run_up(args: argparse.Namespace) -> int:
                 break
         else:
             _print_usage(stack, plan.gateway_address)
-            while not stop.wait(POLL_INTERVAL_S):
-                _check_children(stack)
+            _supervise(stack, args, plan.groups[0], stop)
     except StackFailed as exc:
         stack.say(f"{exc}; stopping the stack")
-        stack.stop()
+        _stop_in_order(stack, plan)
         return 1
     stack.say("stopping the stack")
-    stack.stop()
+    _stop_in_order(stack, plan)
     stack.say("stopped")
     return 0
+
+
+def _stop_in_order(stack: Stack, plan: StackPlan) -> None:
+    """Gateway first, then router, then workers, each stage waiting for the last: the gateway
+    drains its streams while everything behind it still serves them."""
+    for group in reversed(plan.groups):
+        stack.stop([spec.name for spec in group])
+    stack.stop()
+
+
+def _supervise(stack: Stack, args: argparse.Namespace, workers: list[ChildSpec], stop: threading.Event) -> None:
+    """Watch the serving stack until `stop`: restart the worker group when a rank exits."""
+    worker_names = [spec.name for spec in workers]
+    restarts = 0  # in a row, without the group serving in between
+    recovering = False
+    while not stop.wait(POLL_INTERVAL_S):
+        dead = stack.dead_child()
+        if dead is not None and dead[0] not in worker_names:
+            raise StackFailed(f"{dead[0]} exited with code {dead[1]}")
+        if dead is not None:
+            if restarts >= args.max_worker_restarts:
+                raise StackFailed(f"{dead[0]} exited with code {dead[1]} after "
+                                  f"{restarts} worker group restart(s)")
+            restarts += 1
+            stack.say(f"{dead[0]} exited with code {dead[1]}; restarting the worker group "
+                      f"({restarts}/{args.max_worker_restarts})")
+            stack.stop(worker_names)
+            for spec in plan_workers(args):
+                stack.start(spec)
+                stack.say(f"started {spec.name} (pid {stack.children[spec.name].pid})")
+            recovering = True
+        elif recovering and all(is_serving(spec.health_address) for spec in workers):
+            stack.say("worker group is serving again")
+            recovering, restarts = False, 0
 
 
 def _print_usage(stack: Stack, address: str) -> None:

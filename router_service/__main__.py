@@ -20,8 +20,16 @@ SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
 SHUTDOWN_GRACE_S = 5.0
 
 
+class EngineCrashed(Exception):
+    """The engine loop ended while the router was meant to serve (a bug; it is logged)."""
+
+
 async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
-    """Run the router until `stop` is set. Health is NOT_SERVING until every rank answered."""
+    """Run the router until `stop` is set. Health is NOT_SERVING until every rank answered.
+
+    Raises `EngineCrashed` (after going NOT_SERVING and stopping the server) when the engine
+    loop dies on its own: a router that cannot step must not look alive.
+    """
     health_handle = None
 
     async def on_health(serving: bool) -> None:
@@ -40,7 +48,15 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
     # The engine keeps stepping through the grace period, so in-flight streams can finish.
     engine_stop = asyncio.Event()
     engine_task = asyncio.create_task(engine.run(engine_stop))
-    await stop.wait()
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([engine_task, stopping], return_when=asyncio.FIRST_COMPLETED)
+    if engine_task.done():
+        stopping.cancel()
+        error = engine_task.exception() if not engine_task.cancelled() else None
+        log.critical("the engine loop ended unexpectedly; stopping the router", exc_info=error)
+        await health_handle.set(False)
+        await server.stop(0)
+        raise EngineCrashed("the engine loop ended unexpectedly") from error
     await server.stop(SHUTDOWN_GRACE_S)
     engine_stop.set()
     await engine_task
@@ -57,7 +73,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(
         level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    asyncio.run(_main(config))
+    try:
+        asyncio.run(_main(config))
+    except EngineCrashed:
+        sys.exit(1)  # already logged; a restart policy brings the router back
 
 
 if __name__ == "__main__":

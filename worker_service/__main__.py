@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from worker_service.config import WorkerConfig, parse_config
 from worker_service.distributed import init_distributed
 from worker_service.executor import Executor
 from worker_service.model_runner import ModelRunner, RunnerConfig
+from worker_service.peer_watch import PeerWatch, leave_group
 from worker_service.service import SERVICE_NAME, WorkerService
 
 log = logging.getLogger("worker_service")
@@ -33,7 +35,10 @@ def load_executor(config: WorkerConfig) -> Executor:
     """Join the TP group and load this rank's shard; blocks (rendezvous, disk reads)."""
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
-    init_distributed(config.rank, config.world_size, config.master_addr, config.master_port, config.device)
+    init_distributed(
+        config.rank, config.world_size, config.master_addr, config.master_port, config.device,
+        timeout_s=config.rendezvous_timeout_s, collective_timeout_s=config.collective_timeout_s,
+    )
     runner = ModelRunner(
         RunnerConfig(
             model_dir=Path(config.model),
@@ -88,7 +93,9 @@ def _load_in_background(config: WorkerConfig) -> asyncio.Future[Executor]:
 
 
 async def serve(config: WorkerConfig) -> int:
-    service = WorkerService()
+    # In a TP group, a task that failed (a collective that broke or timed out) leaves the ranks
+    # out of step for good: leave the group for the restart policy to re-form it.
+    service = WorkerService(on_broken=leave_group if config.world_size > 1 else None)
     server, health, port = await start_server(
         config.host, config.port,
         [lambda server: worker_pb2_grpc.add_WorkerServiceServicer_to_server(service, server)],
@@ -101,9 +108,14 @@ async def serve(config: WorkerConfig) -> int:
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
     status = 0
+    watch = None
     if loading.done() and loading.exception() is None:
         executor = loading.result()
         service.attach(executor)
+        if config.world_size > 1:
+            watch = PeerWatch(config.master_addr, config.master_port, config.rank,
+                              config.world_size, config.peer_timeout_s)
+            watch.start()
         await health.set(True)
         info = executor.info
         log.info(
@@ -116,12 +128,22 @@ async def serve(config: WorkerConfig) -> int:
         log.error("rank %d failed to start", config.rank, exc_info=loading.exception())
         status = 1
     else:
-        log.info("stopped while loading")
+        # The loading thread may sit in the rendezvous (C++) and cannot be joined: skip the
+        # interpreter's teardown, which would abort on it ("terminate called...", status 134).
+        log.info("rank %d stopped while loading", config.rank)
+        logging.shutdown()
+        os._exit(0)
+    if watch is not None:
+        watch.stop()  # peers stopping too are not a lost group
     await health.set(False)
     await server.stop(config.shutdown_grace_s)
+    if config.world_size > 1:
+        # The task thread may sit in a collective whose peer is gone (it stops too, or was
+        # lost): neither joining it nor tearing the group down would return. Leave at once.
+        log.info("rank %d stopped", config.rank)
+        logging.shutdown()
+        os._exit(status)
     service.close()
-    if dist.is_initialized():
-        dist.destroy_process_group()
     log.info("rank %d stopped", config.rank)
     return status
 

@@ -35,6 +35,9 @@ class WorkerConfig:
     world_size: int
     master_addr: str
     master_port: int
+    rendezvous_timeout_s: float
+    collective_timeout_s: float
+    peer_timeout_s: float
     shutdown_grace_s: float
     log_level: str
 
@@ -79,6 +82,19 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
         "master-port", type=int, default=int(environ.get("MASTER_PORT", "29500")),
         help="rendezvous port (else $MASTER_PORT)",
     )
+    flag(
+        "rendezvous-timeout-s", type=float, default=300.0,
+        help="seconds to wait for every rank to join the TP group",
+    )
+    flag(
+        "collective-timeout-s", type=float, default=60.0,
+        help="seconds a collective waits for a peer before the group counts as broken",
+    )
+    flag(
+        "peer-timeout-s", type=float, default=15.0,
+        help="seconds without a heartbeat from a peer rank (dead or frozen) before this rank "
+        "leaves the group, exiting with status 3 for its restart policy",
+    )
     flag("shutdown-grace-s", type=float, default=5.0, help="seconds in-flight calls get on SIGTERM")
     flag("log-level", type=str.upper, default="INFO", choices=LOG_LEVELS, help="logging level")
     return parser
@@ -94,6 +110,9 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
         parser.error(f"--kv-cache-mb must be >= 1, got {args.kv_cache_mb}")
     if args.num_threads < 0:
         parser.error(f"--num-threads must be >= 0, got {args.num_threads}")
+    for name in ("rendezvous_timeout_s", "collective_timeout_s", "peer_timeout_s"):
+        if getattr(args, name) <= 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0")
     if not 0 <= args.rank < args.world_size:
         parser.error(f"--rank {args.rank} is outside --world-size {args.world_size}")
     return WorkerConfig(**vars(args))

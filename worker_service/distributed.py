@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_INIT_TIMEOUT_S = 300.0
+# Without a separate setting, a collective waits for its peers as long as the rendezvous does.
+DEFAULT_COLLECTIVE_TIMEOUT_S = DEFAULT_INIT_TIMEOUT_S
 
 
 @dataclass(slots=True, frozen=True)
@@ -34,10 +36,12 @@ def init_distributed(
     master_port: int,
     device: str,
     timeout_s: float = DEFAULT_INIT_TIMEOUT_S,
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
 ) -> TPGroup:
     """Join the TP group: NCCL when `device` is CUDA, gloo otherwise; nothing when alone.
 
-    Blocks until all `world_size` ranks have joined (or `timeout_s` passes).
+    Blocks until all `world_size` ranks have joined (or `timeout_s` passes). A collective that
+    waits longer than `collective_timeout_s` for a peer raises: the group is broken then.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world size {world_size}")
@@ -47,12 +51,17 @@ def init_distributed(
     if is_cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     if not dist.is_initialized():
+        # Our own store, so that the rendezvous and the collectives get their own deadlines.
+        store = dist.TCPStore(
+            master_addr, master_port, world_size, is_master=rank == 0,
+            timeout=timedelta(seconds=timeout_s), wait_for_workers=True,
+        )
         dist.init_process_group(
             backend="nccl" if is_cuda else "gloo",
-            init_method=f"tcp://{master_addr}:{master_port}",
+            store=store,
             rank=rank,
             world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timedelta(seconds=collective_timeout_s),
         )
     return TPGroup(rank, world_size)
 

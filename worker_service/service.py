@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from radixserve.v1 import worker_pb2, worker_pb2_grpc
 from worker_service import convert
-from worker_service.executor import Executor
+from worker_service.executor import INVALID_ARGUMENT, Executor
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,10 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["WorkerService"].full_name
 class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
     """Serves one rank. Registered before the model loads; answers UNAVAILABLE until `attach`."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_broken: Callable[[str], None] | None = None) -> None:
+        """`on_broken(reason)` is called when a task fails in the forward pass (not for a task
+        rejected as malformed); None: report it to the router and go on."""
+        self._on_broken = on_broken
         self._executor: Executor | None = None
         # One thread: tasks must never overlap, and their order is the protocol.
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="execute")
@@ -63,6 +66,8 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
                 # If the caller goes away mid-task the task still completes on its thread: a task
                 # is applied whole or not at all, never half.
                 result = await loop.run_in_executor(self._thread, executor.execute, task)
+                if result.error is not None and result.error.code != INVALID_ARGUMENT and self._on_broken:
+                    self._on_broken(f"task {task.task_id} failed: {result.error.message}")
                 num_tasks += 1
                 yield convert.result_to_proto(result)
         finally:

@@ -62,7 +62,10 @@ class LaunchedStack:
         return {m[0]: int(m[1]) for m in re.findall(r"started (\w+) \(pid (\d+)\)", self.output())}
 
 
-def launch(procs: ServiceProcesses, model_dir: Path, tp: int, default_max_tokens: int = 16) -> LaunchedStack:
+def launch(
+    procs: ServiceProcesses, model_dir: Path, tp: int, default_max_tokens: int = 16,
+    env: dict[str, str] | None = None,
+) -> LaunchedStack:
     port = free_port_block(tp)
     procs.start(
         "stack",
@@ -72,7 +75,8 @@ def launch(procs: ServiceProcesses, model_dir: Path, tp: int, default_max_tokens
         # The launcher passes its environment on: the gateway reads the first; one torch
         # thread per worker, since the test session sets OMP_NUM_THREADS=2 for itself and
         # ranks spinning against each other on two busy cores are many times slower.
-        env={"RADIXSERVE_DEFAULT_MAX_TOKENS": str(default_max_tokens), "OMP_NUM_THREADS": "1"},
+        env={"RADIXSERVE_DEFAULT_MAX_TOKENS": str(default_max_tokens), "OMP_NUM_THREADS": "1",
+             **(env or {})},
     )
     stack = LaunchedStack(procs, port, tp)
     procs.wait_healthy(stack.gateway, timeout_s=STARTUP_TIMEOUT_S)

@@ -1,28 +1,115 @@
 """The whole system at TP=2 (two gloo worker ranks), started with `radixserve up`: greedy
-chat output equals transformers', and SIGTERM stops every process (last: ends the stack)."""
+chat output equals transformers'; a frozen rank fails in-flight requests within the step
+deadline and the stack serves again after it resumes; a killed rank's group is restarted by
+the launcher; a gateway drains on SIGTERM; SIGTERM stops every process (last: ends the stack).
+"""
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
+import time
 
+import grpc
 import pytest
 
+from e2e.faults import RecordedStream, greedy, serves, wait_until
 from e2e.parity import check_greedy_parity
 from e2e.reference import CHATS
 from e2e.stack import launch, wait_gone
-from procs import ServiceProcesses
+from procs import ServiceProcesses, free_port, is_serving
+
+# Short deadlines so that faults show within seconds (the defaults are minutes-safe).
+STEP_TIMEOUT_S = 6.0
+PEER_TIMEOUT_S = 12.0
+FAULT_ENV = {
+    "RADIXSERVE_STEP_TIMEOUT_S": str(STEP_TIMEOUT_S),
+    "RADIXSERVE_PEER_TIMEOUT_S": str(PEER_TIMEOUT_S),
+    "RADIXSERVE_COLLECTIVE_TIMEOUT_S": "20",
+    "RADIXSERVE_PROBE_INTERVAL_S": "0.5",
+    "RADIXSERVE_RECONNECT_INTERVAL_S": "0.5",
+}
+# The issue's bound for a lost rank: serving again with no action.
+HEAL_TIMEOUT_S = 60.0
+# Gateway probing (0.5 s) and one health call of slack.
+NOT_SERVING_WITHIN_S = 5.0
+DRAIN_GRACE_S = 30.0
 
 
 @pytest.fixture(scope="module")
 def stack(smollm2_dir):
     with ServiceProcesses() as procs:
-        yield launch(procs, smollm2_dir, tp=2)
+        yield launch(procs, smollm2_dir, tp=2, env=FAULT_ENV)
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("index", range(len(CHATS)))
 def test_greedy_chat_matches_transformers(stack, references, index):
     check_greedy_parity(stack.gateway, index, references[index])
+
+
+@pytest.mark.timeout(240)
+def test_frozen_rank_fails_in_flight_within_the_step_deadline_then_serves_again(stack):
+    before = greedy(stack.gateway)
+    worker1 = stack.child_pids()["worker1"]
+    stream = RecordedStream(stack.gateway, max_tokens=400).start()
+    assert stream.started.wait(60) and stream.code is None
+    os.kill(worker1, signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    try:
+        assert stream.done.wait(STEP_TIMEOUT_S + 10)
+        assert stream.code == grpc.StatusCode.UNAVAILABLE
+        assert stream.ended_at - frozen_at < STEP_TIMEOUT_S + 3
+        wait_until(lambda: not is_serving(stack.router), NOT_SERVING_WITHIN_S)
+        wait_until(lambda: not is_serving(stack.gateway), NOT_SERVING_WITHIN_S)
+    finally:
+        os.kill(worker1, signal.SIGCONT)
+    wait_until(lambda: serves(stack.gateway), 120, interval_s=0.5)
+    assert greedy(stack.gateway) == before
+
+
+@pytest.mark.timeout(240)
+def test_killed_rank_heals_within_a_minute_with_the_same_outputs(stack):
+    wait_until(lambda: serves(stack.gateway), 120, interval_s=0.5)
+    before = greedy(stack.gateway)
+    old = stack.child_pids()
+    os.kill(old["worker1"], signal.SIGKILL)
+    killed_at = time.monotonic()
+    wait_until(lambda: stack.child_pids()["worker1"] != old["worker1"], HEAL_TIMEOUT_S)
+    wait_until(lambda: serves(stack.gateway), HEAL_TIMEOUT_S - (time.monotonic() - killed_at),
+               interval_s=0.5)
+    print(f"serving again {time.monotonic() - killed_at:.1f}s after SIGKILL of rank 1")
+    assert greedy(stack.gateway) == before
+    assert "restarting the worker group" in stack.output()
+    assert stack.launcher.poll() is None
+
+
+@pytest.mark.timeout(240)
+def test_gateway_sigterm_drains_eight_streams_and_refuses_new_calls(stack, smollm2_dir):
+    """A second gateway over the stack's router, so the stack itself stays up."""
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    with ServiceProcesses() as procs:
+        gateway = procs.start("gateway", [
+            sys.executable, "-m", "gateway_service", "--port", str(port), "--model",
+            str(smollm2_dir), "--routers", stack.router, "--shutdown-grace-s", str(DRAIN_GRACE_S),
+        ])
+        procs.wait_healthy(address, timeout_s=120)
+        streams = [RecordedStream(address, max_tokens=24).start() for _ in range(8)]
+        assert all(stream.started.wait(120) for stream in streams)
+        gateway.send_signal(signal.SIGTERM)
+        sent_at = time.monotonic()
+        wait_until(lambda: not is_serving(address, timeout_s=0.5), 2.0, interval_s=0.05)
+        with pytest.raises(grpc.RpcError) as refused:
+            greedy(address, max_tokens=2, timeout_s=5)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert gateway.wait(timeout=DRAIN_GRACE_S + 5) == 0
+        assert time.monotonic() - sent_at < DRAIN_GRACE_S
+        for stream in streams:
+            assert stream.done.wait(5)
+            assert stream.code == grpc.StatusCode.OK
+            assert len(stream.token_ids) == 24
 
 
 @pytest.mark.timeout(120)
