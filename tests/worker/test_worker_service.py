@@ -165,8 +165,9 @@ def test_tp1_worker_matches_transformers_and_survives_bad_tasks(smollm2_dir: Pat
         assert [t.token_id for t in tokens] == reference
         assert [t.request_id for t in tokens] == ["r"] * NUM_NEW_TOKENS
         assert [t.logprob for t in tokens] == pytest.approx(reference_logprobs, abs=2e-3)
-        procs.stop("worker0")
-        assert procs.procs["worker0"].returncode == 0, procs.tail("worker0")
+        name = f"worker{rank}"
+        procs.stop(name)
+        assert procs.procs[name].returncode == 0, procs.tail(name)
         assert "worker ready" in procs.tail("worker0")
 
 
@@ -192,10 +193,13 @@ def test_tp2_workers_rank0_samples_rank1_acknowledges(smollm2_dir: Path, request
 
 
 @pytest.mark.timeout(120)
-def test_not_serving_until_the_group_forms_and_stops_while_waiting(smollm2_dir: Path) -> None:
+@pytest.mark.parametrize("rank", [0, 1])
+def test_not_serving_until_the_group_forms_and_stops_while_waiting(smollm2_dir: Path, rank: int) -> None:
+    """Either rank alone waits at the rendezvous; SIGTERM then exits 0 (rank 1 used to abort
+    with "terminate called without an active exception", status 134)."""
     with ServiceProcesses() as procs:
-        # Rank 0 of two, alone: it listens at once but waits for rank 1 at the rendezvous.
-        address = start_worker(procs, smollm2_dir, rank=0, world_size=2)
+        # One rank of two, alone: it listens at once but waits for the other at the rendezvous.
+        address = start_worker(procs, smollm2_dir, rank=rank, world_size=2)
         status = wait_for_health_answer(procs, address)
         assert status == health_pb2.HealthCheckResponse.NOT_SERVING
         with grpc.insecure_channel(address) as channel:
@@ -204,8 +208,9 @@ def test_not_serving_until_the_group_forms_and_stops_while_waiting(smollm2_dir: 
                 stub.GetWorkerInfo(worker_pb2.GetWorkerInfoRequest(), timeout=RPC_TIMEOUT_S)
             assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "loading" in raised.value.details()
-        procs.stop("worker0")
-        assert procs.procs["worker0"].returncode == 0, procs.tail("worker0")
+        name = f"worker{rank}"
+        procs.stop(name)
+        assert procs.procs[name].returncode == 0, procs.tail(name)
 
 
 def wait_for_health_answer(procs: ServiceProcesses, address: str) -> int:
