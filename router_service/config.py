@@ -30,8 +30,10 @@ class RouterConfig:
     # How long every rank together may take to answer one step before the router gives up on
     # the group (UNAVAILABLE, NOT_SERVING, reconnect): generous for a full prefill chunk on CPU.
     step_timeout_s: float = 60.0
-    # Longest caller request_id accepted: it travels in every DecodeTask entry of the request.
-    max_request_id_len: int = 256
+    # Longest caller request_id accepted (UTF-8 bytes): it travels in every DecodeTask entry.
+    # Above the gateway's own limit plus the suffix it appends; its own name, so that the
+    # gateway's RADIXSERVE_MAX_REQUEST_ID_LEN never tightens it under a shared environment.
+    max_request_id_bytes: int = 512
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -47,8 +49,8 @@ class RouterConfig:
             raise ValueError("reconnect_interval_s must be > 0")
         if self.step_timeout_s <= 0:
             raise ValueError("step_timeout_s must be > 0")
-        if self.max_request_id_len < 0:
-            raise ValueError("max_request_id_len must be >= 0")
+        if self.max_request_id_bytes < 0:
+            raise ValueError("max_request_id_bytes must be >= 0")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
         "requests fail with UNAVAILABLE and the router reconnects",
     )
     add_flag(
-        parser, "max-request-id-len", type=int, default=defaults.max_request_id_len,
-        help="longest request_id accepted (characters)",
+        parser, "max-request-id-bytes", type=int, default=defaults.max_request_id_bytes,
+        help="longest request_id accepted, in UTF-8 bytes",
     )
     add_flag(parser, "log-level", default=defaults.log_level, choices=LOG_LEVELS, help="log level")
     return parser
@@ -127,6 +129,6 @@ def _config(args: argparse.Namespace) -> RouterConfig:
         reconnect_interval_s=args.reconnect_interval_s,
         connect_timeout_s=args.connect_timeout_s,
         step_timeout_s=args.step_timeout_s,
-        max_request_id_len=args.max_request_id_len,
+        max_request_id_bytes=args.max_request_id_bytes,
         log_level=args.log_level,
     )

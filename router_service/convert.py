@@ -32,16 +32,17 @@ def status_of(error: RouterError) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, str(error)
 
 
-def request_from_proto(msg: router_pb2.RouterGenerateRequest, max_request_id_len: int) -> Request:
+def request_from_proto(msg: router_pb2.RouterGenerateRequest, max_request_id_bytes: int) -> Request:
     """A `Request` from the wire; raises `InvalidRequest` for what can never be served.
 
     Everything the workers will see is checked here or by the engine (limits that depend on
     the workers: vocabulary, context, pool), so that a rank rejects a task only for a router
     bug. The sampling ranges are `SamplingParams.problems`, the workers' own rules.
     """
-    if len(msg.request_id) > max_request_id_len:
+    num_id_bytes = len(msg.request_id.encode())
+    if num_id_bytes > max_request_id_bytes:
         raise InvalidRequest(
-            f"request_id of {len(msg.request_id)} characters is longer than {max_request_id_len}"
+            f"request_id of {num_id_bytes} bytes is longer than {max_request_id_bytes}"
         )
     if not msg.prompt_token_ids:
         raise InvalidRequest("the prompt is empty")

@@ -27,7 +27,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         """Stream token ids as steps produce them; the last response carries finish reason and
         usage. A caller that cancels or disconnects takes its request out of the batch."""
         try:
-            generate = convert.request_from_proto(request, self.engine.config.max_request_id_len)
+            generate = convert.request_from_proto(request, self.engine.config.max_request_id_bytes)
             queue = self.engine.submit(generate)
         except RouterError as exc:
             await context.abort(*convert.status_of(exc))

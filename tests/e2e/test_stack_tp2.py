@@ -65,7 +65,11 @@ def test_frozen_rank_fails_in_flight_within_the_step_deadline_then_serves_again(
         wait_until(lambda: not is_serving(stack.gateway), NOT_SERVING_WITHIN_S)
     finally:
         os.kill(worker1, signal.SIGCONT)
+    resumed_at = time.monotonic()
     wait_until(lambda: serves(stack.gateway), 120, interval_s=0.5)
+    print(f"UNAVAILABLE {stream.ended_at - frozen_at:.1f}s after SIGSTOP; serving again "
+          f"{time.monotonic() - resumed_at:.1f}s after SIGCONT; group restarted: "
+          f"{'restarting the worker group' in stack.output()}")
     assert greedy(stack.gateway) == before
 
 

@@ -93,3 +93,41 @@ def test_worker_gone_while_idle_turns_health_off_until_it_is_back() -> None:
             assert tokens == expected_tokens([3, 4, 5], 3, eos_every=0)
 
     asyncio.run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_a_dead_engine_loop_turns_health_off_and_ends_serve(monkeypatch) -> None:
+    from router_service import __main__ as router_main
+    from router_service.config import RouterConfig
+    from router_service.engine import Engine
+
+    async def crash(self, stop) -> None:
+        raise RuntimeError("bug in the engine loop")
+
+    async def scenario() -> None:
+        server, port, _ = await start_fake_worker(num_pages=8)
+        health_states: list[bool] = []
+        original_set = router_main.start_server
+
+        async def recording_start_server(*args, **kwargs):
+            server_, health_, bound = await original_set(*args, **kwargs)
+            original = health_.set
+
+            async def set_and_record(serving: bool) -> None:
+                health_states.append(serving)
+                await original(serving)
+
+            health_.set = set_and_record
+            return server_, health_, bound
+
+        monkeypatch.setattr(router_main, "start_server", recording_start_server)
+        monkeypatch.setattr(Engine, "run", crash)
+        config = RouterConfig(port=free_port(), workers=(f"127.0.0.1:{port}",))
+        try:
+            with pytest.raises(router_main.EngineCrashed):
+                await asyncio.wait_for(router_main.serve(config, asyncio.Event()), timeout=20)
+        finally:
+            await server.stop(0)
+        assert health_states and health_states[-1] is False
+
+    asyncio.run(scenario())
