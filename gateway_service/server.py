@@ -90,7 +90,8 @@ class Gateway:
         await self._health.set(False)
         if self._probing is not None:
             self._probing.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            # A loop that died has been logged already (`_probe_loop_ended`).
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._probing
         await self._server.stop(self.config.shutdown_grace_s)
         await self.pool.close()

@@ -100,7 +100,7 @@ def test_gateway_sigterm_drains_eight_streams_and_refuses_new_calls(stack, smoll
             str(smollm2_dir), "--routers", stack.router, "--shutdown-grace-s", str(DRAIN_GRACE_S),
         ])
         procs.wait_healthy(address, timeout_s=120)
-        streams = [RecordedStream(address, max_tokens=24).start() for _ in range(8)]
+        streams = [RecordedStream(address, max_tokens=16).start() for _ in range(8)]
         assert all(stream.started.wait(120) for stream in streams)
         gateway.send_signal(signal.SIGTERM)
         sent_at = time.monotonic()
@@ -113,7 +113,7 @@ def test_gateway_sigterm_drains_eight_streams_and_refuses_new_calls(stack, smoll
         for stream in streams:
             assert stream.done.wait(5)
             assert stream.code == grpc.StatusCode.OK
-            assert len(stream.token_ids) == 24
+            assert len(stream.token_ids) == 16
 
 
 @pytest.mark.timeout(120)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -35,5 +37,27 @@ def test_stopped_router_fails_over_then_health_goes_not_serving(tokenizer):
         with pytest.raises(grpc.RpcError) as err:
             list(harness.stub.Generate(pb.GenerateRequest(prompt="anyone?"), timeout=10))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        stop_harness(harness)
+
+
+def test_a_dead_probe_loop_is_reported_as_a_crash(tokenizer):
+    harness = start_harness(tokenizer, num_routers=1)
+    try:
+        assert not harness.gateway.crashed.is_set()
+
+        async def broken_probe() -> bool:
+            raise RuntimeError("bug in probing")
+
+        harness.gateway.probe_once = broken_probe  # the loop calls it every 0.5 s
+
+        async def crashed_within(timeout_s: float) -> bool:
+            try:
+                await asyncio.wait_for(harness.gateway.crashed.wait(), timeout_s)
+            except TimeoutError:
+                return False
+            return True
+
+        assert harness.loop.run(crashed_within(5.0))
     finally:
         stop_harness(harness)
