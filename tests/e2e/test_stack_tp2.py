@@ -100,10 +100,11 @@ def test_gateway_sigterm_drains_eight_streams_and_refuses_new_calls(stack, smoll
             str(smollm2_dir), "--routers", stack.router, "--shutdown-grace-s", str(DRAIN_GRACE_S),
         ])
         procs.wait_healthy(address, timeout_s=120)
-        streams = [RecordedStream(address, max_tokens=16).start() for _ in range(8)]
+        streams = [RecordedStream(address, max_tokens=24).start() for _ in range(8)]
         assert all(stream.started.wait(120) for stream in streams)
         gateway.send_signal(signal.SIGTERM)
         sent_at = time.monotonic()
+        in_flight = sum(not stream.done.is_set() for stream in streams)
         wait_until(lambda: not is_serving(address, timeout_s=0.5), 2.0, interval_s=0.05)
         with pytest.raises(grpc.RpcError) as refused:
             greedy(address, max_tokens=2, timeout_s=5)
@@ -113,7 +114,8 @@ def test_gateway_sigterm_drains_eight_streams_and_refuses_new_calls(stack, smoll
         for stream in streams:
             assert stream.done.wait(5)
             assert stream.code == grpc.StatusCode.OK
-            assert len(stream.token_ids) == 16
+            assert len(stream.token_ids) == 24
+        assert in_flight == 8
 
 
 @pytest.mark.timeout(120)
