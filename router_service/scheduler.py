@@ -27,8 +27,8 @@ from router_service.errors import InvalidRequest
 from router_service.page_allocator import PageAllocator
 from router_service.page_audit import audit_pages
 from router_service.page_handoff import cache_written_pages, give_back_pages
-from router_service.radix_cache import MatchResult, RadixCache
 from router_service.queue_order import Policy, defers, in_policy_order
+from router_service.radix_cache import MatchResult, RadixCache
 from router_service.request import FinishReason, Request
 from router_service.step_plan import ScheduledEntry, SchedulerStats, StepPlan
 

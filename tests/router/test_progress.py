@@ -1,13 +1,11 @@
 """Progress: every request ends, nothing leaks, a request that fits is never cut short.
 
-Regression for the livelock of issue 9: a prompt one token short of the pool, run twice. The
+Regression for the livelock of issue 9 (a prompt one token short of the pool, run twice): the
 second run matched a partly used cache node; its lock protected the node's unmatched tail too,
 so admission could neither use nor evict those pages and the queue stalled forever.
 """
 
 from __future__ import annotations
-
-import random
 
 import pytest
 from hypothesis import HealthCheck, given, settings
