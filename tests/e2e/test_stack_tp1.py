@@ -1,6 +1,7 @@
 """The whole system at TP=1, started with `radixserve up`: greedy parity with transformers,
-grpcurl, stop strings, max_tokens, cancellation freeing pages, bad requests, and the launcher
-stopping everything when a child dies (last: it ends the shared stack)."""
+grpcurl, stop strings, max_tokens, cancellation freeing pages, bad requests, and the gateway
+draining on SIGTERM, after which the launcher stops everything (last: it ends the shared stack).
+"""
 
 from __future__ import annotations
 
@@ -18,15 +19,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from client import Client
+from e2e.faults import RecordedStream, greedy, wait_until
 from e2e.parity import check_greedy_parity
 from e2e.reference import CHATS, MAX_NEW_TOKENS
 from e2e.stack import LaunchedStack, launch, wait_gone
 from gateway.strategies import generate_requests
-from procs import ServiceProcesses
+from procs import ServiceProcesses, is_serving
 from radixserve.v1 import generation_pb2 as pb
 from radixserve.v1 import generation_pb2_grpc, router_pb2, router_pb2_grpc
 
 GRPCURL = str(Path(sys.executable).parent / "grpcurl")
+# The gateway's default --shutdown-grace-s, and what its drained streams generate.
+GATEWAY_GRACE_S = 20.0
+DRAIN_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
@@ -187,15 +192,31 @@ def test_generated_bad_requests_on_the_real_stack(stack):
 
 
 @pytest.mark.timeout(120)
-def test_launcher_stops_the_stack_when_a_child_dies(stack):
-    """Runs last in this module: it takes the shared stack down. (A worker rank that dies is
-    restarted with its group instead: see test_stack_tp2.)"""
+def test_gateway_sigterm_drains_eight_streams_then_the_launcher_stops_the_stack(stack):
+    """Runs last in this module: it takes the shared stack down. SIGTERM on the gateway: at
+    once NOT_SERVING and new calls refused, the 8 open streams all complete, the gateway exits
+    0 within its grace period; the launcher then stops the rest, as for any child that dies
+    (a worker rank that dies is restarted with its group instead: see test_stack_tp2)."""
     pids = stack.child_pids()
     assert set(pids) == {"worker0", "router", "gateway"}
-    os.kill(pids["router"], signal.SIGKILL)
+    streams = [RecordedStream(stack.gateway, max_tokens=DRAIN_TOKENS).start() for _ in range(8)]
+    assert all(stream.started.wait(60) for stream in streams)
+    os.kill(pids["gateway"], signal.SIGTERM)
+    sent_at = time.monotonic()
+    in_flight = sum(not stream.done.is_set() for stream in streams)
+    wait_until(lambda: not is_serving(stack.gateway, timeout_s=0.5), 2.0, interval_s=0.05)
+    with pytest.raises(grpc.RpcError) as refused:
+        greedy(stack.gateway, max_tokens=2, timeout_s=5)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert wait_gone([pids["gateway"]], GATEWAY_GRACE_S + 5) == []
+    assert time.monotonic() - sent_at < GATEWAY_GRACE_S
+    assert in_flight == 8
+    for stream in streams:
+        assert stream.done.wait(5)
+        assert (stream.code, len(stream.token_ids)) == (grpc.StatusCode.OK, DRAIN_TOKENS)
     assert stack.launcher.wait(timeout=60) == 1
     output = stack.output()
-    assert "router exited with code -9; stopping the stack" in output
+    assert "gateway exited with code 0; stopping the stack" in output
     # Every child's output reached the launcher's, prefixed with the child's name.
     for name in pids:
         assert f"\n[{name}] " in output
