@@ -4,6 +4,7 @@ the LeaderWorkerSet against its CRD's fields, and the wiring between router and 
 from __future__ import annotations
 
 import copy
+import functools
 import shutil
 from pathlib import Path
 from typing import Any
@@ -28,13 +29,20 @@ LAYOUTS = {"leaderworkerset": K8S_DIR, "statefulset": K8S_DIR / "statefulset"}
 needs_kubectl = pytest.mark.skipif(kubectl_binary() is None, reason="kubectl is not on PATH")
 
 
-def _documents(layout: str) -> list[dict[str, Any]]:
-    """Rendered by kustomize where kubectl is there, else the listed files as they are."""
+@functools.cache
+def _rendered(layout: str) -> tuple[dict[str, Any], ...]:
+    """Rendered by kustomize where kubectl is there, else the listed files as they are
+    (once per layout: kubectl takes a second or more on a busy machine)."""
     if kubectl_binary() is None:
-        return kustomization_documents(LAYOUTS[layout])
+        return tuple(kustomization_documents(LAYOUTS[layout]))
     docs, errors = kustomize(LAYOUTS[layout])
     assert errors == []
-    return docs
+    return tuple(docs)
+
+
+def _documents(layout: str) -> list[dict[str, Any]]:
+    """A copy of the layout's documents, free to change."""
+    return copy.deepcopy(list(_rendered(layout)))
 
 
 @pytest.fixture(scope="module", params=sorted(LAYOUTS))
