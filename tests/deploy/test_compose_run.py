@@ -202,13 +202,17 @@ def test_compose_services_serve_generate(smollm2_dir: Path, tmp_path: Path) -> N
         assert shown["ok"] and shown["token_ids"] == shown["reference_ids"]
         assert shown["token_ids"] and shown["text"] == shown["reference_text"]
 
-        # Graceful stop as Compose does it: the stop signal, then the grace period.
-        for name in ("gateway", "router", "worker-0", "worker-1"):
-            svc = topology.services[name]
-            proc = procs.procs[name]
-            os.killpg(proc.pid, getattr(signal, svc["stop_signal"]))
-            grace_s = _seconds(svc["stop_grace_period"])
-            assert proc.wait(timeout=grace_s) == 0, f"{name}:\n{procs.tail(name)}"
+        # Graceful stop as Compose does it: dependents first, the services of one level (the
+        # ranks of a group) together, each with its stop signal and grace period. A rank told
+        # to stop exits 0; one whose peer vanished first would leave its group with status 3.
+        for wave in reversed(_start_order(topology.services)):
+            running = [name for name in wave if not _is_one_shot(topology.services[name])]
+            for name in running:
+                os.killpg(procs.procs[name].pid,
+                          getattr(signal, topology.services[name]["stop_signal"]))
+            for name in running:
+                grace_s = _seconds(topology.services[name]["stop_grace_period"])
+                assert procs.procs[name].wait(timeout=grace_s) == 0, f"{name}:\n{procs.tail(name)}"
 
 
 def _greedy_check(topology: LocalTopology) -> subprocess.CompletedProcess:
