@@ -29,6 +29,12 @@ class GatewayConfig:
     # Grace period for open streams when the gateway is asked to stop.
     shutdown_grace_s: float = 20.0
     log_level: str = "INFO"
+    # The OpenAI-compatible HTTP API's port (0: off); it listens on `host` too.
+    http_port: int = 8000
+    # Choices one HTTP request may ask for (n, times the prompts of a completions batch).
+    max_choices: int = 16
+    # Prometheus /metrics port (0: off). The launcher's convention: the gRPC port + 100.
+    metrics_port: int = 50151
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "shutdown-grace-s", type=float, default=d.shutdown_grace_s,
              help="seconds open streams get to finish on shutdown")
     add_flag(parser, "log-level", default=d.log_level, help="logging level")
+    add_flag(parser, "http-port", type=int, default=d.http_port,
+             help="port of the OpenAI-compatible HTTP API (0: off)")
+    add_flag(parser, "max-choices", type=int, default=d.max_choices,
+             help="choices one HTTP request may ask for (n x prompts)")
+    add_flag(parser, "metrics-port", type=int, default=d.metrics_port,
+             help="port of the Prometheus /metrics endpoint (0: off)")
     return parser
 
 
@@ -64,6 +76,11 @@ def config_from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         parser.error("--default-max-tokens must be >= 1")
     if args.affinity_tokens < 0:
         parser.error("--affinity-tokens must be >= 0")
+    if args.max_choices < 1:
+        parser.error("--max-choices must be >= 1")
+    for flag, port in (("--http-port", args.http_port), ("--metrics-port", args.metrics_port)):
+        if not 0 <= port < 65536:
+            parser.error(f"{flag} must be in [0, 65535] (0: off), got {port}")
     return GatewayConfig(
         host=args.host,
         port=args.port,
@@ -75,4 +92,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         probe_timeout_s=args.probe_timeout_s,
         shutdown_grace_s=args.shutdown_grace_s,
         log_level=args.log_level,
+        http_port=args.http_port,
+        max_choices=args.max_choices,
+        metrics_port=args.metrics_port,
     )

@@ -51,7 +51,18 @@ _PASSED_THROUGH = {
 
 
 def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The status code and message a caller sees for `exc`."""
+    """The status code and message a caller sees for `exc`; logs what is not the caller's doing."""
+    code, message = status_of(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        if isinstance(exc, grpc.aio.AioRpcError):
+            log.error("router call failed with %s: %s", exc.code().name, exc.details() or "")
+        elif not isinstance(exc, GatewayError):
+            log.exception("unexpected gateway failure", exc_info=exc)
+    return code, message
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """`to_status` without logging, for callers that only classify (metrics)."""
     if isinstance(exc, GatewayError):
         return exc.code, exc.message
     if isinstance(exc, grpc.aio.AioRpcError):
@@ -59,7 +70,5 @@ def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         details = exc.details() or code.name
         if code in _PASSED_THROUGH:
             return code, f"router: {details}"
-        log.error("router call failed with %s: %s", code.name, details)
         return grpc.StatusCode.INTERNAL, f"router failed ({code.name}): {details}"
-    log.exception("unexpected gateway failure", exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"gateway failure: {type(exc).__name__}: {exc}"

@@ -13,9 +13,12 @@ import logging
 import grpc
 
 from gateway_service.config import GatewayConfig
+from gateway_service.openai_api.app import TokenCheck, build_app
+from gateway_service.openai_api.server import HttpServer
 from gateway_service.router_choice import RouterPool
 from gateway_service.service import GenerationServicer
 from gateway_service.tokenizer import Tokenizer
+from radixserve.metrics import MetricsServer, serve_metrics
 from radixserve.serving import Health, start_server
 from radixserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -39,10 +42,19 @@ class Gateway:
         self._probing: asyncio.Task | None = None
         # Set when a background task died: the process should stop (see `__main__`).
         self.crashed = asyncio.Event()
+        self.http: HttpServer | None = None
+        self.metrics: MetricsServer | None = None
 
     @classmethod
-    async def start(cls, config: GatewayConfig, tokenizer: Tokenizer | None = None) -> "Gateway":
-        """Listen at once; load the tokenizer (unless given) off the event loop; then probe."""
+    async def start(
+        cls, config: GatewayConfig, tokenizer: Tokenizer | None = None,
+        token_check: TokenCheck | None = None,
+    ) -> "Gateway":
+        """Listen at once; load the tokenizer (unless given) off the event loop; then probe.
+
+        `token_check`, when given, guards the HTTP API's `/v1/` routes (401 without a token
+        it accepts).
+        """
         pool = RouterPool(config.routers, config.affinity_tokens, config.probe_timeout_s)
         servicer = GenerationServicer(config, pool)
         server, health, port = await start_server(
@@ -53,6 +65,7 @@ class Gateway:
         )
         gateway = cls(config, server, health, port, pool, servicer)
         log.info("gateway listening on %s:%d (NOT_SERVING until ready)", config.host, port)
+        await gateway._start_http(token_check)
         if tokenizer is None:
             tokenizer = await asyncio.to_thread(Tokenizer.load, config.model)
             log.info("tokenizer loaded from %s", config.model)
@@ -61,6 +74,14 @@ class Gateway:
         gateway._probing = asyncio.create_task(gateway._probe_loop())
         gateway._probing.add_done_callback(gateway._probe_loop_ended)
         return gateway
+
+    async def _start_http(self, token_check: TokenCheck | None) -> None:
+        """The OpenAI-compatible HTTP API and /metrics, each when its port is not 0."""
+        config = self.config
+        self.metrics = serve_metrics(self.servicer.metrics.registry, config.host, config.metrics_port, "gateway")
+        if config.http_port:
+            app = build_app(self.servicer, config.max_choices, lambda: bool(self._serving), token_check)
+            self.http = await HttpServer.start(app, config.host, config.http_port, config.log_level)
 
     async def probe_once(self) -> bool:
         """Probe every router and update health; True when serving."""
@@ -93,5 +114,9 @@ class Gateway:
             # A loop that died has been logged already (`_probe_loop_ended`).
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._probing
+        if self.http is not None:
+            await self.http.stop(self.config.shutdown_grace_s)
         await self._server.stop(self.config.shutdown_grace_s)
+        if self.metrics is not None:
+            self.metrics.stop()
         await self.pool.close()

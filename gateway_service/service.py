@@ -18,6 +18,7 @@ import grpc
 from gateway_service import convert
 from gateway_service.config import GatewayConfig
 from gateway_service.errors import GatewayError, NoRouterAvailable, to_status
+from gateway_service.metrics import API_GRPC, GatewayMetrics
 from gateway_service.output import OutputAssembler
 from gateway_service.router_choice import RouterPool
 from gateway_service.tokenizer import Tokenizer
@@ -37,6 +38,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def __init__(self, config: GatewayConfig, pool: RouterPool) -> None:
         self._config = config
         self._pool = pool
+        self.metrics = GatewayMetrics(lambda: pool.info.model_name if pool.info else "")
         # Set once the tokenizer is loaded (the server answers NOT_SERVING until then).
         self.tokenizer: Tokenizer | None = None
 
@@ -46,7 +48,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         # Cancellation (asyncio.CancelledError) is not an Exception: it passes through and
         # cancels the router call on its way out.
         try:
-            async for chunk in self._generate(convert.generate_input(request), context):
+            remaining = context.time_remaining()
+            deadline = None if remaining is None else time.monotonic() + remaining
+            async for chunk in self.generate(convert.generate_input(request), deadline, API_GRPC):
                 yield convert.generate_response(chunk)
         except Exception as exc:
             await context.abort(*to_status(exc))
@@ -67,7 +71,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     # --- Generate ---------------------------------------------------------------------------
 
-    async def _generate(self, request: GenerateInput, context) -> AsyncIterator[OutputChunk]:
+    def generate(
+        self, request: GenerateInput, deadline: float | None, api: str
+    ) -> AsyncIterator[OutputChunk]:
+        """One request's output, validated and measured; `deadline` is on `time.monotonic()`.
+
+        Every API (gRPC, the HTTP API's `api` routes) comes through here; errors are raised
+        as they are and become a status in `errors.to_status`.
+        """
+        return self.metrics.observe(api, self._generate(request, deadline))
+
+    async def model_info(self) -> ServerInfo:
+        """What the routers serve; raises `NoRouterAvailable` while none answers."""
+        return await self._server_info()
+
+    async def _generate(self, request: GenerateInput, deadline: float | None) -> AsyncIterator[OutputChunk]:
         info = await self._server_info()
         tokenizer = self._require_tokenizer()
         vocab_size = info.vocab_size or tokenizer.vocab_size
@@ -90,8 +108,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             stop_token_ids=request.stop_token_ids,
             ignore_eos=request.ignore_eos,
         )
-        remaining = context.time_remaining()
-        deadline = None if remaining is None else time.monotonic() + remaining
         assembler = OutputAssembler(tokenizer, request.stop, len(prompt_ids))
         log.debug("request %s: %d prompt tokens, max_tokens %d", request_id, len(prompt_ids), max_tokens)
         async with contextlib.aclosing(self._router_stream(routed, deadline)) as stream:

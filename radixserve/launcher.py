@@ -1,9 +1,10 @@
 """`radixserve up`: the whole stack as local processes — worker rank(s), router, gateway.
 
 Ports follow one convention: the gateway on P, the router on P+1, worker rank r on P+9+r;
-the ranks rendezvous on a free MASTER_PORT. Each service is started once the ones it depends
-on report SERVING (bounded waits). Children's output is prefixed with their name. Ctrl-C or
-SIGTERM stops the stack (SIGTERM to every child, a bounded wait, SIGKILL to stragglers). Once
+their Prometheus /metrics endpoints the same way from M (gateway M, router M+1, rank r M+9+r);
+the OpenAI-compatible HTTP API on its own port; the ranks rendezvous on a free MASTER_PORT.
+Each service is started once the ones it depends on report SERVING (bounded waits).
+Children's output is prefixed with their name. Ctrl-C or SIGTERM stops the stack (SIGTERM to every child, a bounded wait, SIGKILL to stragglers). Once
 serving, a worker rank that exits takes its TP group with it (the other ranks leave on their
 own, see `worker_service.peer_watch`): the launcher stops what is left of the group and starts
 it again on a fresh rendezvous port, at most `--max-worker-restarts` times in a row without
@@ -55,6 +56,8 @@ class StackPlan:
 
     groups: list[list[ChildSpec]]
     gateway_address: str
+    http_port: int = 0
+    http_host: str = "127.0.0.1"
 
 
 class StackFailed(Exception):
@@ -69,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(up, "tp", type=int, default=1, help="tensor-parallel size (worker processes)")
     add_flag(up, "port", type=int, default=50051, help="gateway port; router P+1, worker rank r P+9+r")
     add_flag(up, "host", default="127.0.0.1", help="address the gateway listens on")
+    add_flag(up, "http-port", type=int, default=8000,
+             help="gateway's OpenAI-compatible HTTP API port (0: off)")
+    add_flag(up, "metrics-port", type=int, default=50151,
+             help="gateway's /metrics port M; router M+1, worker rank r M+9+r (0: all off)")
     add_flag(up, "device", choices=["cpu", "cuda"], help="worker device (worker default when unset)")
     add_flag(up, "dtype", choices=["float32", "bfloat16", "float16"], default="float32",
              help="weight and KV dtype")
@@ -91,37 +98,49 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def metrics_ports(metrics_port: int, tp: int) -> tuple[int, int, list[int]]:
+    """Gateway, router and per-rank metrics ports from the gateway's (all 0 when it is 0)."""
+    if metrics_port == 0:
+        return 0, 0, [0] * tp
+    return (metrics_port, metrics_port + ROUTER_PORT_OFFSET,
+            [metrics_port + WORKER_PORT_OFFSET + rank for rank in range(tp)])
+
+
 def plan_stack(args: argparse.Namespace, python: str = sys.executable) -> StackPlan:
     router_port = args.port + ROUTER_PORT_OFFSET
     worker_ports = [args.port + WORKER_PORT_OFFSET + rank for rank in range(args.tp)]
+    gateway_metrics, router_metrics, _ = metrics_ports(args.metrics_port, args.tp)
     workers = plan_workers(args, python)
     router = ChildSpec(
         "router",
         [python, "-m", "router_service", "--host", INTERNAL_HOST, "--port", str(router_port),
          "--workers", ",".join(f"{INTERNAL_HOST}:{p}" for p in worker_ports),
-         "--log-level", args.log_level],
+         "--log-level", args.log_level, "--metrics-port", str(router_metrics)],
         f"{INTERNAL_HOST}:{router_port}",
     )
     gateway = ChildSpec(
         "gateway",
         [python, "-m", "gateway_service", "--host", args.host, "--port", str(args.port),
          "--model", args.model, "--routers", f"{INTERNAL_HOST}:{router_port}",
-         "--log-level", args.log_level],
+         "--log-level", args.log_level, "--http-port", str(args.http_port),
+         "--metrics-port", str(gateway_metrics)],
         f"{_reachable(args.host)}:{args.port}",
     )
-    return StackPlan([workers, [router], [gateway]], gateway.health_address)
+    return StackPlan([workers, [router], [gateway]], gateway.health_address,
+                     args.http_port, _reachable(args.host))
 
 
 def plan_workers(args: argparse.Namespace, python: str = sys.executable) -> list[ChildSpec]:
     """The worker ranks, rendezvousing on a port free right now (a restarted group gets a new
     one, so it never meets what is left of the old group's store)."""
     master_port = free_port()
+    *_, worker_metrics = metrics_ports(args.metrics_port, args.tp)
     workers = []
     for rank in range(args.tp):
         port = args.port + WORKER_PORT_OFFSET + rank
         cmd = [python, "-m", "worker_service", "--model", args.model, "--host", INTERNAL_HOST,
                "--port", str(port), "--dtype", args.dtype, "--kv-cache-mb", str(args.kv_cache_mb),
-               "--log-level", args.log_level]
+               "--log-level", args.log_level, "--metrics-port", str(worker_metrics[rank])]
         if args.device:
             cmd += ["--device", args.device]
         env = {"RANK": str(rank), "WORLD_SIZE": str(args.tp), "MASTER_ADDR": INTERNAL_HOST,
@@ -267,7 +286,7 @@ def run_up(args: argparse.Namespace) -> int:
             if stop.is_set():
                 break
         else:
-            _print_usage(stack, plan.gateway_address)
+            _print_usage(stack, plan)
             _supervise(stack, args, plan.groups[0], stop)
     except StackFailed as exc:
         stack.say(f"{exc}; stopping the stack")
@@ -313,9 +332,16 @@ def _supervise(stack: Stack, args: argparse.Namespace, workers: list[ChildSpec],
             recovering, restarts = False, 0
 
 
-def _print_usage(stack: Stack, address: str) -> None:
+def _print_usage(stack: Stack, plan: StackPlan) -> None:
+    address = plan.gateway_address
     stack.say(f"ready: GenerationService on {address}")
     stack.say("try:")
+    if plan.http_port:
+        base = f"http://{plan.http_host}:{plan.http_port}/v1"
+        stack.say(f"  curl {base}/chat/completions -H 'Content-Type: application/json' -d "
+                  "'{\"model\": \"<id from /v1/models>\", \"messages\": [{\"role\": \"user\", "
+                  "\"content\": \"Hello\"}]}'")
+        stack.say(f"  curl {base}/models")
     stack.say(f"  grpcurl -plaintext -d '{{\"prompt\": \"Hello\", \"max_tokens\": 16}}' {address} "
               "radixserve.v1.GenerationService/Generate")
     stack.say(f"  python -m client generate \"Hello\" --max-tokens 16 --address {address}")

@@ -7,6 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from radixserve.metrics import serve_metrics
 from radixserve.serving import install_stop_handlers, start_server
 from radixserve.v1 import router_pb2, router_pb2_grpc
 from router_service.config import RouterConfig, config_from_args
@@ -38,6 +39,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
 
     engine = Engine(config, on_health)
     servicer = RouterService(engine)
+    metrics = serve_metrics(engine.metrics.registry, config.host, config.metrics_port, "router")
     server, health_handle, port = await start_server(
         config.host,
         config.port,
@@ -60,6 +62,8 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
     await server.stop(SHUTDOWN_GRACE_S)
     engine_stop.set()
     await engine_task
+    if metrics is not None:
+        metrics.stop()
 
 
 async def _main(config: RouterConfig) -> None:

@@ -35,6 +35,8 @@ class RouterConfig:
     # gateway's RADIXSERVE_MAX_REQUEST_ID_LEN never tightens it under a shared environment.
     max_request_id_bytes: int = 512
     log_level: str = "INFO"
+    # Prometheus /metrics port (0: off). The launcher's convention: the gRPC port + 100.
+    metrics_port: int = 50152
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -45,6 +47,8 @@ class RouterConfig:
             raise ValueError("max_running_requests and max_batch_tokens must be >= 1")
         if self.max_queue < 1:
             raise ValueError("max_queue must be >= 1")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError("metrics_port must be in [0, 65535] (0: off)")
         if self.reconnect_interval_s <= 0:
             raise ValueError("reconnect_interval_s must be > 0")
         if self.step_timeout_s <= 0:
@@ -104,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="longest request_id accepted, in UTF-8 bytes",
     )
     add_flag(parser, "log-level", default=defaults.log_level, choices=LOG_LEVELS, help="log level")
+    add_flag(
+        parser, "metrics-port", type=int, default=defaults.metrics_port,
+        help="port of the Prometheus /metrics endpoint (0: off)",
+    )
     return parser
 
 
@@ -131,4 +139,5 @@ def _config(args: argparse.Namespace) -> RouterConfig:
         step_timeout_s=args.step_timeout_s,
         max_request_id_bytes=args.max_request_id_bytes,
         log_level=args.log_level,
+        metrics_port=args.metrics_port,
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ from radixserve.v1 import generation_pb2, worker_pb2
 from router_service import convert
 from router_service.config import RouterConfig
 from router_service.errors import InvalidRequest, QueueFull, RouterError, WorkersUnavailable
+from router_service.metrics import RouterMetrics
 from router_service.request import FinishReason, Request
 from router_service.scheduler import Scheduler
 from router_service.step_plan import SchedulerStats
@@ -81,6 +83,7 @@ class Engine:
         # Counters of schedulers dropped at reconnects, so that GetStats never goes backwards.
         self._past = SchedulerStats()
         self._last_connect_error = ""
+        self.metrics = RouterMetrics(self)
 
     # ---- called by the service -----------------------------------------------------------
 
@@ -96,6 +99,7 @@ class Engine:
         # Worker-side ids must be unique; the caller's id stays readable in the workers' logs.
         request.request_id = f"{request.request_id or 'req'}#{next(self._request_ids)}"
         scheduler.add(request)
+        self.metrics.submitted(request.request_id)
         queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
         self._streams[request.request_id] = queue
         self._wakeup.set()
@@ -105,6 +109,7 @@ class Engine:
         """The caller went away: take the request out within one step."""
         if self._streams.pop(request.request_id, None) is None:
             return  # already ended
+        self.metrics.ended(request.request_id)
         if self._in_step:
             self._cancelled.append(request)  # a task that names it is in flight
         elif self.scheduler is not None:
@@ -156,6 +161,7 @@ class Engine:
             await self.group.close()
             return False
         self._last_connect_error = ""
+        self.metrics.connected()
         self.summary = _summarize(infos, self.config.max_pages)
         self.scheduler = Scheduler(
             num_pages=self.summary.num_pages,
@@ -176,6 +182,7 @@ class Engine:
         assert scheduler is not None
         if self.group.broken.is_set():
             raise WorkerFault("a worker stream ended")
+        started = time.monotonic()
         for request in self._cancelled:
             scheduler.cancel(request)
         self._cancelled.clear()
@@ -207,6 +214,7 @@ class Engine:
         sampling_ids = [entry.request.request_id for entry in plan.entries if entry.sample]
         if sampling_ids != [token.request_id for token in result.tokens]:
             raise WorkerFault(f"rank 0 sampled for other requests than task {task.task_id} asked")
+        self.metrics.step(plan, started)
         sampled = {token.request_id: token for token in result.tokens}
         for request in scheduler.complete(plan, [token.token_id for token in result.tokens]):
             token = sampled[request.request_id]
@@ -230,6 +238,7 @@ class Engine:
         queue.put_nowait(event)
         if event.finished or event.error:
             del self._streams[request.request_id]
+            self.metrics.ended(request.request_id)
 
     async def _fail(self, error: RouterError) -> None:
         """End every request with `error` and drop the connection (it reconnects and resets)."""

@@ -59,8 +59,9 @@ class ServiceProcesses:
     def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         # One torch thread per service process unless the caller says otherwise: tests start
         # several processes on a 2-core machine, and oversubscribed threads slow them tenfold.
+        # HTTP and metrics ports off unless the test asks: fixed defaults would collide.
         full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
-                    "OMP_NUM_THREADS": "1"}
+                    "OMP_NUM_THREADS": "1", "RADIXSERVE_HTTP_PORT": "0", "RADIXSERVE_METRICS_PORT": "0"}
         full_env.update(env or {})
         log = self._logdir / f"{name}.log"
         self.logs[name] = log

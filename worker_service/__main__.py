@@ -16,12 +16,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from prometheus_client import CollectorRegistry
 
+from radixserve.metrics import serve_metrics
 from radixserve.serving import install_stop_handlers, start_server
 from radixserve.v1 import worker_pb2_grpc
 from worker_service.config import WorkerConfig, parse_config
 from worker_service.distributed import init_distributed
 from worker_service.executor import Executor
+from worker_service.metrics import WorkerMetrics
 from worker_service.model_runner import ModelRunner, RunnerConfig
 from worker_service.peer_watch import PeerWatch, leave_group
 from worker_service.service import SERVICE_NAME, WorkerService
@@ -31,7 +34,7 @@ log = logging.getLogger("worker_service")
 BYTES_PER_MIB = 1 << 20
 
 
-def load_executor(config: WorkerConfig) -> Executor:
+def load_executor(config: WorkerConfig, metrics_registry: CollectorRegistry | None = None) -> Executor:
     """Join the TP group and load this rank's shard; blocks (rendezvous, disk reads)."""
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
@@ -55,7 +58,8 @@ def load_executor(config: WorkerConfig) -> Executor:
         "rank %d loaded %.1f MiB of weights; KV pool holds %d pages, the group %d",
         config.rank, runner.weight_bytes() / BYTES_PER_MIB, runner.info.num_pages, num_pages,
     )
-    return Executor(runner, num_pages=num_pages)
+    metrics = WorkerMetrics(runner.info.model_name, config.rank, metrics_registry)
+    return Executor(runner, num_pages=num_pages, metrics=metrics)
 
 
 def group_num_pages(own: int, config: WorkerConfig) -> int:
@@ -67,7 +71,7 @@ def group_num_pages(own: int, config: WorkerConfig) -> int:
     return int(count.item())
 
 
-def _load_in_background(config: WorkerConfig) -> asyncio.Future[Executor]:
+def _load_in_background(config: WorkerConfig, registry: CollectorRegistry) -> asyncio.Future[Executor]:
     """Load on a daemon thread, so a stop signal during a long rendezvous can still exit."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future[Executor] = loop.create_future()
@@ -82,7 +86,7 @@ def _load_in_background(config: WorkerConfig) -> asyncio.Future[Executor]:
 
     def load() -> None:
         try:
-            executor = load_executor(config)
+            executor = load_executor(config, registry)
         except BaseException as exc:  # handed to the event loop, which logs it and exits
             loop.call_soon_threadsafe(settle, None, exc)
         else:
@@ -102,9 +106,11 @@ async def serve(config: WorkerConfig) -> int:
         [SERVICE_NAME],
     )
     log.info("rank %d/%d listening on %s:%d, loading %s", config.rank, config.world_size, config.host, port, config.model)
+    registry = CollectorRegistry()
+    metrics = serve_metrics(registry, config.host, config.metrics_port, f"rank {config.rank}")
     stop = asyncio.Event()
     install_stop_handlers(stop)
-    loading = _load_in_background(config)
+    loading = _load_in_background(config, registry)
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
     status = 0
@@ -144,6 +150,8 @@ async def serve(config: WorkerConfig) -> int:
         logging.shutdown()
         os._exit(status)
     service.close()
+    if metrics is not None:
+        metrics.stop()
     log.info("rank %d stopped", config.rank)
     return status
 

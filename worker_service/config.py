@@ -40,6 +40,7 @@ class WorkerConfig:
     peer_timeout_s: float
     shutdown_grace_s: float
     log_level: str
+    metrics_port: int
 
     @property
     def address(self) -> str:
@@ -97,6 +98,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     )
     flag("shutdown-grace-s", type=float, default=5.0, help="seconds in-flight calls get on SIGTERM")
     flag("log-level", type=str.upper, default="INFO", choices=LOG_LEVELS, help="logging level")
+    flag("metrics-port", type=int, default=50160,
+         help="port of the Prometheus /metrics endpoint (0: off; the launcher gives rank r its gRPC port + 100)")
     return parser
 
 
@@ -108,6 +111,8 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
         parser.error(f"--page-size must be >= 1, got {args.page_size}")
     if args.kv_cache_mb < 1:
         parser.error(f"--kv-cache-mb must be >= 1, got {args.kv_cache_mb}")
+    if not 0 <= args.metrics_port < 65536:
+        parser.error(f"--metrics-port must be in [0, 65535] (0: off), got {args.metrics_port}")
     if args.num_threads < 0:
         parser.error(f"--num-threads must be >= 0, got {args.num_threads}")
     for name in ("rendezvous_timeout_s", "collective_timeout_s", "peer_timeout_s"):

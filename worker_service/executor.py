@@ -9,6 +9,7 @@ is applied, and no rank is left waiting in an all-reduce for the others.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -16,6 +17,7 @@ import torch
 
 from radixserve.sampling import SamplingParams
 from worker_service.forward_batch import ForwardEntry, ModelInfo
+from worker_service.metrics import WorkerMetrics
 from worker_service.request_state import RequestState, RequestTable
 from worker_service.sampler import Sampler, SampleRow
 
@@ -96,7 +98,10 @@ class InvalidTask(ValueError):
 class Executor:
     """Owns one rank's request table and applies tasks to it, strictly one at a time."""
 
-    def __init__(self, runner: Runner, sampler: Sampler | None = None, num_pages: int | None = None) -> None:
+    def __init__(
+        self, runner: Runner, sampler: Sampler | None = None, num_pages: int | None = None,
+        metrics: WorkerMetrics | None = None,
+    ) -> None:
         """`num_pages`: the page count the whole TP group holds (the smallest over its ranks).
 
         Ranks with fewer KV heads fit more pages in the same budget; validating page ids against
@@ -105,6 +110,7 @@ class Executor:
         self.runner = runner
         self.info = runner.info if num_pages is None else replace(runner.info, num_pages=num_pages)
         self.requests = RequestTable()
+        self.metrics = metrics
         # Only rank 0 samples; the other ranks never see logits.
         self.sampler: Sampler | None = None
         if self.info.rank == 0:
@@ -136,7 +142,10 @@ class Executor:
             )
             for entry, state in zip(task.entries, states)
         ]
+        started = time.monotonic()
         logits = self.runner.forward(forward_entries) if forward_entries else None
+        if self.metrics is not None and forward_entries:
+            self.metrics.forward_done([len(e.token_ids) for e in forward_entries], time.monotonic() - started)
         sampled = [(entry, state) for entry, state in zip(task.entries, states) if entry.sample]
         if self.sampler is None or not sampled:
             return []
@@ -148,7 +157,10 @@ class Executor:
             SampleRow(state.sampling, state.token_ids + list(entry.token_ids), state.num_prompt_tokens)
             for entry, state in sampled
         ]
+        started = time.monotonic()
         samples = self.sampler.sample(logits, rows)
+        if self.metrics is not None:
+            self.metrics.sampler_done(time.monotonic() - started)
         return [
             SampledToken(entry.request_id, sample.token_id, sample.logprob, sample.top_logprobs)
             for (entry, _), sample in zip(sampled, samples)

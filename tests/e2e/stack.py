@@ -41,6 +41,8 @@ class LaunchedStack:
     procs: ServiceProcesses
     port: int
     tp: int
+    http_port: int = 0
+    metrics_port: int = 0
 
     @property
     def gateway(self) -> str:
@@ -49,6 +51,15 @@ class LaunchedStack:
     @property
     def router(self) -> str:
         return f"127.0.0.1:{self.port + ROUTER_PORT_OFFSET}"
+
+    @property
+    def http_base(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def metrics_url(self, service: str) -> str:
+        """`gateway` or `router`: the launcher's metrics port convention."""
+        offset = {"gateway": 0, "router": ROUTER_PORT_OFFSET}[service]
+        return f"http://127.0.0.1:{self.metrics_port + offset}/metrics"
 
     @property
     def launcher(self):
@@ -65,20 +76,27 @@ class LaunchedStack:
 def launch(
     procs: ServiceProcesses, model_dir: Path, tp: int, default_max_tokens: int = 16,
     env: dict[str, str] | None = None,
+    with_http: bool = False,
 ) -> LaunchedStack:
+    """`with_http`: also the HTTP API and every /metrics endpoint, on free ports."""
     port = free_port_block(tp)
+    http_port = metrics_port = 0
+    if with_http:
+        http_port = free_port_block(0)
+        metrics_port = free_port_block(tp)
     procs.start(
         "stack",
         [sys.executable, "-m", "radixserve.launcher", "up", "--model", str(model_dir),
          "--tp", str(tp), "--port", str(port), "--device", "cpu", "--kv-cache-mb", "64",
-         "--shutdown-timeout-s", "20"],
+         "--shutdown-timeout-s", "20", "--http-port", str(http_port),
+         "--metrics-port", str(metrics_port)],
         # The launcher passes its environment on: the gateway reads the first; one torch
         # thread per worker, since the test session sets OMP_NUM_THREADS=2 for itself and
         # ranks spinning against each other on two busy cores are many times slower.
         env={"RADIXSERVE_DEFAULT_MAX_TOKENS": str(default_max_tokens), "OMP_NUM_THREADS": "1",
              **(env or {})},
     )
-    stack = LaunchedStack(procs, port, tp)
+    stack = LaunchedStack(procs, port, tp, http_port, metrics_port)
     procs.wait_healthy(stack.gateway, timeout_s=STARTUP_TIMEOUT_S)
     return stack
 

@@ -58,7 +58,7 @@ def start_harness(tokenizer: Tokenizer, num_routers: int = 2) -> GatewayHarness:
         loop.run(router.start())
     config = GatewayConfig(
         host="127.0.0.1", port=0, routers=tuple(r.address for r in routers),
-        default_max_tokens=64, affinity_tokens=16, probe_interval_s=0.5,
+        default_max_tokens=64, affinity_tokens=16, probe_interval_s=0.5, http_port=0, metrics_port=0,
     )
     gateway = loop.run(Gateway.start(config, tokenizer=tokenizer))
     channel = grpc.insecure_channel(f"127.0.0.1:{gateway.port}")

@@ -61,6 +61,7 @@ async def running_router(
             port=router_port,
             workers=tuple(f"127.0.0.1:{port}" for _, port in servers),
             reconnect_interval_s=0.2,
+            metrics_port=0,
         )
         engine_task = asyncio.create_task(serve(config, stop))
         address = f"127.0.0.1:{router_port}"

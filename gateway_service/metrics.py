@@ -1,0 +1,98 @@
+"""The gateway's Prometheus metrics: one observation per request, whichever API it came by.
+
+`GatewayMetrics.observe` wraps a request's output stream: it times the first chunk (time to
+first token), the gaps between tokens (inter-token latency) and the whole request, counts
+prompt and generated tokens from the final usage, and counts the request by API, status and
+finish reason. A request that fails counts with the gRPC status name of its error (the same
+mapping the caller sees, `errors.to_status`) and an empty finish reason.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from gateway_service.errors import status_of
+from gateway_service.values import OutputChunk
+from radixserve.metrics import LATENCY_BUCKETS_S, MODEL_LABEL, name
+
+# Values of the `api` label.
+API_GRPC = "grpc"
+API_CHAT = "chat_completions"
+API_COMPLETIONS = "completions"
+STATUS_OK = "ok"
+
+
+class GatewayMetrics:
+    """Counters and histograms of requests; `model_name` is read when a request starts."""
+
+    def __init__(self, model_name: Callable[[], str], registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._model_name = model_name
+        labels = [MODEL_LABEL, "api"]
+        self.requests = Counter(
+            name("requests"), "Requests ended, by API, status and finish reason.",
+            [*labels, "status", "finish_reason"], registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            name("prompt_tokens"), "Prompt tokens of finished requests.", labels, registry=self.registry,
+        )
+        self.generation_tokens = Counter(
+            name("generation_tokens"), "Tokens generated and sent to callers.", labels,
+            registry=self.registry,
+        )
+        self.cached_prompt_tokens = Counter(
+            name("cached_prompt_tokens"), "Prompt tokens of finished requests served from the prefix cache.",
+            labels, registry=self.registry,
+        )
+        self.ttft = Histogram(
+            name("time_to_first_token_seconds"), "From request arrival to its first token.",
+            labels, buckets=LATENCY_BUCKETS_S, registry=self.registry,
+        )
+        self.itl = Histogram(
+            name("inter_token_latency_seconds"), "Between consecutive tokens of one request.",
+            labels, buckets=LATENCY_BUCKETS_S, registry=self.registry,
+        )
+        self.e2e = Histogram(
+            name("e2e_request_latency_seconds"), "From request arrival to its last token.",
+            labels, buckets=LATENCY_BUCKETS_S, registry=self.registry,
+        )
+
+    async def observe(self, api: str, stream: AsyncIterator[OutputChunk]) -> AsyncIterator[OutputChunk]:
+        """Yield `stream`'s chunks unchanged, recording the request's metrics on the way.
+
+        The caller must close this generator (`contextlib.aclosing`) or drain it; a stream
+        abandoned early (a disconnected client) counts as CANCELLED.
+        """
+        model = self._model_name()
+        start = last = time.monotonic()
+        num_tokens = 0
+        status, finish = "CANCELLED", ""
+        try:
+            async for chunk in stream:
+                now = time.monotonic()
+                if chunk.token_ids:
+                    if num_tokens == 0:
+                        self.ttft.labels(model, api).observe(now - start)
+                    else:
+                        # Tokens that arrive together share the gap since the previous ones.
+                        gap = (now - last) / len(chunk.token_ids)
+                        for _ in chunk.token_ids:
+                            self.itl.labels(model, api).observe(gap)
+                    num_tokens += len(chunk.token_ids)
+                    last = now
+                if chunk.usage is not None:
+                    self.prompt_tokens.labels(model, api).inc(chunk.usage.prompt_tokens)
+                    self.generation_tokens.labels(model, api).inc(chunk.usage.completion_tokens)
+                    self.cached_prompt_tokens.labels(model, api).inc(chunk.usage.cached_tokens)
+                if chunk.finish_reason is not None:
+                    status, finish = STATUS_OK, chunk.finish_reason.value
+                    self.e2e.labels(model, api).observe(now - start)
+                yield chunk
+        except Exception as exc:
+            status = status_of(exc)[0].name
+            raise
+        finally:
+            self.requests.labels(model, api, status, finish).inc()

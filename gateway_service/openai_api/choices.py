@@ -1,0 +1,74 @@
+"""Several choices of one request, run concurrently and read as one stream.
+
+All choices of a prompt carry the same token ids, so the gateway sends them to the same router
+(prompt affinity) and the router's radix cache computes the prompt once: the first choice to
+prefill writes the pages, the others match them (or wait for them while they are written).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import replace
+
+from gateway_service.values import GenerateInput, OutputChunk
+
+SEED_SPACE = 1 << 64  # seeds are uint64 (generation.proto)
+
+
+def with_choice_seeds(inputs: Sequence[GenerateInput], n: int) -> list[GenerateInput]:
+    """Each input repeated `n` times, in order; choice j of a seeded request samples with
+    seed + j, so that choices differ from each other yet the response is reproducible."""
+    out = []
+    for request in inputs:
+        seed = request.sampling.seed
+        for j in range(n):
+            if seed is None or j == 0:
+                out.append(request)
+            else:
+                out.append(replace(request, sampling=replace(request.sampling, seed=(seed + j) % SEED_SPACE)))
+    return out
+
+
+class ChoiceStreams:
+    """`(index, chunk)` pairs from every choice, in arrival order.
+
+    Each choice runs as its own task feeding one queue. The first failure of any choice is
+    raised to the reader; `aclose` (also on the reader's cancellation) cancels every choice,
+    which cancels their router calls.
+    """
+
+    def __init__(self, start: Callable[[GenerateInput], AsyncIterator[OutputChunk]],
+                 inputs: Sequence[GenerateInput]) -> None:
+        self._queue: asyncio.Queue[tuple[int, OutputChunk | None, BaseException | None]] = asyncio.Queue()
+        self._tasks = [
+            asyncio.create_task(self._pump(index, start(request)))
+            for index, request in enumerate(inputs)
+        ]
+        self._num_running = len(self._tasks)
+
+    async def _pump(self, index: int, stream: AsyncIterator[OutputChunk]) -> None:
+        try:
+            async with contextlib.aclosing(stream) as chunks:
+                async for chunk in chunks:
+                    self._queue.put_nowait((index, chunk, None))
+        except Exception as exc:
+            self._queue.put_nowait((index, None, exc))
+        else:
+            self._queue.put_nowait((index, None, None))
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, OutputChunk]]:
+        while self._num_running:
+            index, chunk, error = await self._queue.get()
+            if error is not None:
+                raise error
+            if chunk is None:
+                self._num_running -= 1
+                continue
+            yield index, chunk
+
+    async def aclose(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,59 @@
+"""Failures as OpenAI error bodies: `{"error": {"message", "type", "param", "code"}}`.
+
+The status of a failure is decided once, by `gateway_service.errors.to_status` (the same
+mapping the gRPC API uses); this module only translates that gRPC status into HTTP.
+"""
+
+from __future__ import annotations
+
+import grpc
+from fastapi.responses import JSONResponse
+
+from gateway_service.errors import GatewayError, to_status
+
+
+class ModelNotFound(GatewayError):
+    """The request names a model this gateway does not serve."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class Unauthenticated(GatewayError):
+    """No bearer token, or not the right one."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+# gRPC status -> (HTTP status, OpenAI error type).
+_HTTP = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+_INTERNAL = (500, "internal_error")
+# The `code` field OpenAI's clients look at for these.
+_CODES = {
+    grpc.StatusCode.NOT_FOUND: "model_not_found",
+    grpc.StatusCode.UNAUTHENTICATED: "invalid_api_key",
+}
+
+
+def error_body(exc: BaseException) -> tuple[int, dict]:
+    """The HTTP status and OpenAI error body for `exc`."""
+    code, message = to_status(exc)
+    http_status, error_type = _HTTP.get(code, _INTERNAL)
+    return http_status, {
+        "error": {"message": message, "type": error_type, "param": None, "code": _CODES.get(code)}
+    }
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    http_status, body = error_body(exc)
+    headers = {"WWW-Authenticate": "Bearer"} if http_status == 401 else None
+    return JSONResponse(body, status_code=http_status, headers=headers)

@@ -1,0 +1,127 @@
+"""The router's Prometheus metrics.
+
+State (running and waiting requests, KV pages, prefix-cache and retraction counters) is read
+from the engine when Prometheus scrapes, from the same numbers GetStats reports, so the two
+never disagree. Per-step and per-request timings (step duration, batch size, queue time) and
+worker reconnects are observed by the engine as they happen.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from radixserve.metrics import COUNT_BUCKETS, LATENCY_BUCKETS_S, MODEL_LABEL, name
+
+if TYPE_CHECKING:
+    from router_service.engine import Engine
+    from router_service.step_plan import StepPlan
+
+
+class RouterMetrics:
+    """One per engine. Its methods are the engine's hooks; they never raise."""
+
+    def __init__(self, engine: "Engine", registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._engine = engine
+        self._arrivals: dict[str, float] = {}
+        self._num_connects = 0
+        labels = [MODEL_LABEL]
+        self.step_duration = Histogram(
+            name("step_duration_seconds"), "One scheduler step: plan, execute on the workers, apply.",
+            labels, buckets=LATENCY_BUCKETS_S, registry=self.registry,
+        )
+        self.batch_requests = Histogram(
+            name("step_batch_requests"), "Requests (prefill chunks and decodes) in one step.",
+            labels, buckets=COUNT_BUCKETS, registry=self.registry,
+        )
+        self.batch_tokens = Histogram(
+            name("step_batch_tokens"), "Tokens computed in one step.",
+            labels, buckets=COUNT_BUCKETS, registry=self.registry,
+        )
+        self.queue_time = Histogram(
+            name("request_queue_time_seconds"), "From a request's arrival to its first scheduled step.",
+            labels, buckets=LATENCY_BUCKETS_S, registry=self.registry,
+        )
+        self.reconnects = Counter(
+            name("worker_reconnects"), "Connections to the worker group after the first one.",
+            labels, registry=self.registry,
+        )
+        self.registry.register(_StateCollector(engine))
+
+    def _model(self) -> str:
+        summary = self._engine.summary
+        return summary.model_name if summary is not None else ""
+
+    def submitted(self, request_id: str) -> None:
+        self._arrivals[request_id] = time.monotonic()
+
+    def ended(self, request_id: str) -> None:
+        self._arrivals.pop(request_id, None)
+
+    def step(self, plan: "StepPlan", started: float) -> None:
+        """After a step that ran `plan` (began at `started`, on `time.monotonic()`)."""
+        model = self._model()
+        now = time.monotonic()
+        self.step_duration.labels(model).observe(now - started)
+        self.batch_requests.labels(model).observe(len(plan.entries))
+        self.batch_tokens.labels(model).observe(sum(len(e.token_ids) for e in plan.entries))
+        for entry in plan.entries:
+            arrival = self._arrivals.pop(entry.request.request_id, None)
+            if arrival is not None:  # the request's first step (a retracted one counts once)
+                self.queue_time.labels(model).observe(started - arrival)
+
+    def connected(self) -> None:
+        self._num_connects += 1
+        if self._num_connects > 1:
+            self.reconnects.labels(self._model()).inc()
+
+
+class _StateCollector(Collector):
+    """Gauges and counters read from the engine at scrape time (GetStats' numbers)."""
+
+    def __init__(self, engine: "Engine") -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self._engine
+        model = engine.summary.model_name if engine.summary is not None else ""
+        stats = engine.stats()
+        scheduler = engine.scheduler
+        running = waiting = total = free = used = cached = 0
+        if scheduler is not None:
+            running, waiting = scheduler.num_running, scheduler.num_waiting
+            allocator = scheduler.allocator
+            total, free, used = allocator.num_pages, allocator.num_free, allocator.num_used
+            cached = scheduler.cache.evictable_size
+
+        def gauge(base: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name(base), doc, labels=[MODEL_LABEL])
+            family.add_metric([model], value)
+            return family
+
+        def counter(base: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name(base), doc, labels=[MODEL_LABEL])
+            family.add_metric([model], value)
+            return family
+
+        yield gauge("num_requests_running", "Requests in the running batch.", running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", waiting)
+        yield gauge("kv_pages_total", "KV pages in the pool.", total)
+        yield gauge("kv_pages_used", "KV pages held (by requests or the prefix cache).", used)
+        yield gauge("kv_pages_cached", "KV pages held only by the prefix cache (evictable).", cached)
+        yield gauge("kv_pages_free", "KV pages free.", free)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV pages held by running requests (0 to 1).",
+                    (used - cached) / total if total else 0.0)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      stats.prompt_tokens)
+        yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                      stats.cache_hit_tokens)
+        yield counter("num_retractions", "Running requests taken back to the queue for pages.",
+                      stats.num_retractions)
+        yield counter("scheduler_steps", "Scheduler steps run on the workers.", stats.num_steps)
