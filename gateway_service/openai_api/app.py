@@ -9,14 +9,15 @@ error inside a 200 stream.
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from gateway_service.errors import GatewayError, InvalidRequest
+from gateway_service.errors import InvalidRequest
 from gateway_service.metrics import API_CHAT, API_COMPLETIONS
 from gateway_service.openai_api import responses as bodies
 from gateway_service.openai_api.choices import ChoiceStreams, with_choice_seeds
@@ -45,10 +46,6 @@ def build_app(
     """The HTTP API. With `token_check`, every `/v1/` route needs `Authorization: Bearer`."""
     app = FastAPI(title="radixserve", docs_url=None, redoc_url=None, openapi_url=None)
 
-    @app.exception_handler(GatewayError)
-    async def gateway_error(request: Request, exc: GatewayError) -> JSONResponse:
-        return error_response(exc)
-
     @app.exception_handler(RequestValidationError)
     async def malformed_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         problems = "; ".join(
@@ -76,6 +73,7 @@ def build_app(
         return Response(status_code=200 if is_serving() else 503)
 
     @app.get("/v1/models", dependencies=[Depends(authenticated)])
+    @_answers_errors
     async def models() -> dict:
         info = await servicer.model_info()
         return {"object": "list", "data": [{
@@ -84,6 +82,7 @@ def build_app(
         }]}
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authenticated)])
+    @_answers_errors
     async def chat_completions(body: ChatCompletionRequest) -> Response:
         model = await served_model(body.model)
         inputs = with_choice_seeds([chat_input(body, max_choices)], body.n)
@@ -99,6 +98,7 @@ def build_app(
         ))
 
     @app.post("/v1/completions", dependencies=[Depends(authenticated)])
+    @_answers_errors
     async def completions(body: CompletionRequest) -> Response:
         model = await served_model(body.model)
         prompts = completion_inputs(body, max_choices)
@@ -118,7 +118,24 @@ def build_app(
             usage=bodies.usage_body([out.usage for out in outputs], len(prompts)),
         ))
 
+    @app.exception_handler(Unauthenticated)
+    async def unauthenticated(request: Request, exc: Unauthenticated) -> JSONResponse:
+        return error_response(exc)
+
     return app
+
+
+def _answers_errors(route: Callable[..., Awaitable]) -> Callable[..., Awaitable]:
+    """Any failure of `route` becomes its OpenAI error response (status from `to_status`)."""
+
+    @functools.wraps(route)
+    async def answering(*args, **kwargs):
+        try:
+            return await route(*args, **kwargs)
+        except Exception as exc:
+            return error_response(exc)
+
+    return answering
 
 
 async def _collect(streams: ChoiceStreams, num_choices: int) -> list[bodies.ChoiceOutput]:

@@ -9,8 +9,10 @@ import grpc
 from gateway.background import BackgroundLoop
 from gateway.fake_router import FakeRouter
 from gateway_service.config import GatewayConfig
+from gateway_service.openai_api.app import TokenCheck
 from gateway_service.server import Gateway
 from gateway_service.tokenizer import Tokenizer
+from procs import free_port
 from radixserve.v1 import generation_pb2_grpc, router_pb2
 
 CONTEXT_LEN = 512
@@ -51,16 +53,21 @@ class GatewayHarness:
         self.loop.run(self.gateway.probe_once())
 
 
-def start_harness(tokenizer: Tokenizer, num_routers: int = 2) -> GatewayHarness:
+def start_harness(
+    tokenizer: Tokenizer, num_routers: int = 2, with_http: bool = False,
+    token_check: TokenCheck | None = None,
+) -> GatewayHarness:
+    """`with_http`: also the OpenAI-compatible HTTP API on a free port (`gateway.http.port`)."""
     loop = BackgroundLoop()
     routers = [FakeRouter(server_info()) for _ in range(num_routers)]
     for router in routers:
         loop.run(router.start())
     config = GatewayConfig(
         host="127.0.0.1", port=0, routers=tuple(r.address for r in routers),
-        default_max_tokens=64, affinity_tokens=16, probe_interval_s=0.5, http_port=0, metrics_port=0,
+        default_max_tokens=64, affinity_tokens=16, probe_interval_s=0.5,
+        http_port=free_port() if with_http else 0, metrics_port=0,
     )
-    gateway = loop.run(Gateway.start(config, tokenizer=tokenizer))
+    gateway = loop.run(Gateway.start(config, tokenizer=tokenizer, token_check=token_check))
     channel = grpc.insecure_channel(f"127.0.0.1:{gateway.port}")
     stub = generation_pb2_grpc.GenerationServiceStub(channel)
     return GatewayHarness(loop, routers, gateway, channel, stub)
