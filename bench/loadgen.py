@@ -1,4 +1,4 @@
-"""Closed-loop load generator over the public gRPC API.
+"""Closed-loop load generator; `run_workload` drives the public gRPC API (`loadgen_http`: HTTP).
 
 `concurrency` tasks each take the next conversation from a shared queue and run its turns one
 after another (a turn is sent when the previous turn's reply is complete, and carries it). The
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -49,14 +50,14 @@ async def _one_request(
     return "".join(pieces)
 
 
-async def run_workload(
-    address: str,
-    workload: Workload,
-    concurrency: int,
-    time_limit_s: float,
-    request_timeout_s: float = 600.0,
+# Sends one request: (messages, max_tokens, record) -> the reply's text; fills `record` in.
+SendOne = Callable[[list[dict[str, str]], int, RequestRecord], Awaitable[str]]
+
+
+async def run_closed_loop(
+    send: SendOne, workload: Workload, concurrency: int, time_limit_s: float
 ) -> tuple[list[RequestRecord], float]:
-    """Run `workload` at `concurrency`; returns the records and the wall time in seconds."""
+    """Run `workload` at `concurrency` through `send`; returns the records and the wall time."""
     queue: asyncio.Queue[int] = asyncio.Queue()
     for index in range(len(workload.conversations)):
         queue.put_nowait(index)
@@ -64,25 +65,38 @@ async def run_workload(
     started = time.monotonic()
     deadline = started + time_limit_s
 
+    async def client_loop() -> None:
+        while time.monotonic() < deadline:
+            try:
+                conversation = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            history: list[tuple[str, str]] = []
+            for turn, user in enumerate(workload.conversations[conversation]):
+                messages = build_messages(workload.system_prompt, history, user)
+                record = RequestRecord(conversation, turn, start_s=time.monotonic())
+                records.append(record)
+                reply = await send(messages, workload.max_tokens, record)
+                if record.error:
+                    break
+                history.append((user, reply))
+
+    await asyncio.gather(*(client_loop() for _ in range(concurrency)))
+    return records, time.monotonic() - started
+
+
+async def run_workload(
+    address: str,
+    workload: Workload,
+    concurrency: int,
+    time_limit_s: float,
+    request_timeout_s: float = 600.0,
+) -> tuple[list[RequestRecord], float]:
+    """Run `workload` at `concurrency` through the gRPC API at `address`."""
     async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
 
-        async def client_loop() -> None:
-            while time.monotonic() < deadline:
-                try:
-                    conversation = queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    return
-                history: list[tuple[str, str]] = []
-                for turn, user in enumerate(workload.conversations[conversation]):
-                    messages = build_messages(workload.system_prompt, history, user)
-                    record = RequestRecord(conversation, turn, start_s=time.monotonic())
-                    records.append(record)
-                    reply = await _one_request(stub, messages, workload.max_tokens, record,
-                                               request_timeout_s)
-                    if record.error:
-                        break
-                    history.append((user, reply))
+        async def send(messages: list[dict[str, str]], max_tokens: int, record: RequestRecord) -> str:
+            return await _one_request(stub, messages, max_tokens, record, request_timeout_s)
 
-        await asyncio.gather(*(client_loop() for _ in range(concurrency)))
-    return records, time.monotonic() - started
+        return await run_closed_loop(send, workload, concurrency, time_limit_s)

@@ -57,7 +57,42 @@ def markdown(report: dict) -> str:
         "Ratios: output tokens/s of radixserve over transformers; TTFT p50 of transformers over radixserve.",
         "Goals: " + "; ".join(f"{k}: {v}" for k, v in GOALS.items()) + ".",
     ]
+    lines += http_vs_grpc(report)
     return "\n".join(lines) + "\n"
+
+
+def _cost(http_ms: float | None, grpc_ms: float | None) -> str:
+    if http_ms is None or grpc_ms is None:
+        return "n/a"
+    return f"{http_ms - grpc_ms:+.1f} ms ({_ratio(http_ms, grpc_ms)})"
+
+
+def http_vs_grpc(report: dict) -> list[str]:
+    """The same workloads through the HTTP API and through gRPC on one stack: TTFT and ITL p50
+    side by side, and what HTTP adds (difference and ratio). Empty when HTTP was not run."""
+    http = _index(report["radixserve"].get("http_results") or [])
+    if not http:
+        return []
+    grpc = _index(report["radixserve"]["results"])
+    lines = [
+        "",
+        "OpenAI-compatible HTTP API against gRPC, same stack, same workloads with fresh prompts:",
+        "",
+        "| workload | conc. | TTFT p50 gRPC / HTTP ms | HTTP adds | ITL p50 gRPC / HTTP ms | HTTP adds "
+        "| out tok/s gRPC / HTTP |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for key, ours in grpc.items():
+        other = http.get(key)
+        if other is None:
+            continue
+        lines.append(
+            f"| {key[0]} | {key[1]} | {ours['ttft_p50_ms']} / {other['ttft_p50_ms']} "
+            f"| {_cost(other['ttft_p50_ms'], ours['ttft_p50_ms'])} "
+            f"| {ours['itl_p50_ms']} / {other['itl_p50_ms']} | {_cost(other['itl_p50_ms'], ours['itl_p50_ms'])} "
+            f"| {ours['output_tokens_per_s']} / {other['output_tokens_per_s']} |"
+        )
+    return lines
 
 
 def plot(report: dict, out_dir: Path) -> list[Path]:

@@ -1,7 +1,8 @@
 """`make bench`: every workload through radixserve and through transformers, side by side.
 
 1. Starts the stack (`radixserve up`) and runs each workload at each concurrency through the
-   public gRPC API; records the workers' peak memory.
+   public gRPC API, then the same workloads (fresh prompts, so neither run feeds the other's
+   cache) through the OpenAI-compatible HTTP API; records the workers' peak memory.
 2. Stops the stack and runs the same jobs through transformers' `generate` in a separate process.
 3. Writes `bench/results/latest.json`, `latest.md` and PNG plots (`bench.report`).
 
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from bench import workloads as wl
 from bench.loadgen import run_workload
+from bench.loadgen_http import run_workload_http
 from bench.records import summarize
 from bench.report import markdown, update_readme, write_report
 from radixserve.serving import check_health
@@ -33,17 +35,21 @@ from radixserve.serving import check_health
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def build_jobs(args: argparse.Namespace) -> list[tuple[wl.Workload, int]]:
+# Workload variants of the HTTP run start here, far from the gRPC run's.
+HTTP_VARIANT_BASE = 1000
+
+
+def build_jobs(args: argparse.Namespace, variant_base: int = 0) -> list[tuple[wl.Workload, int]]:
     scale = 1 if args.quick else 2
     jobs: list[tuple[wl.Workload, int]] = []
     for concurrency in args.concurrency:
-        variant = len(jobs)
+        variant = variant_base + len(jobs)
         jobs.append((wl.shared_system_prompt(max(8, 2 * concurrency) * scale, args.max_tokens,
                                              variant=variant), concurrency))
         jobs.append((wl.distinct_prompts(max(4, 2 * concurrency) * scale, args.max_tokens,
                                          variant=variant), concurrency))
-    jobs.append((wl.single_stream(args.single_stream_tokens), 1))
-    jobs.append((wl.multi_turn(4 * scale, 4, args.max_tokens), 4))
+    jobs.append((wl.single_stream(args.single_stream_tokens, variant_base), 1))
+    jobs.append((wl.multi_turn(4 * scale, 4, args.max_tokens, variant_base), 4))
     return jobs
 
 
@@ -90,24 +96,43 @@ async def wait_serving(address: str, proc: subprocess.Popen, timeout_s: float) -
     raise SystemExit(f"[bench] {address} not serving after {timeout_s}s")
 
 
-def run_server_side(args: argparse.Namespace, jobs: list[tuple[wl.Workload, int]]) -> dict:
+def _run_job(run, workload: wl.Workload, concurrency: int, label: str) -> dict:
+    """`run(workload, concurrency)` -> (records, wall_s); the job's summary."""
+    records, wall_s = asyncio.run(run(workload, concurrency))
+    summary = summarize(records, wall_s)
+    print(f"[{label}] {workload.name} c={concurrency}: {summary['output_tokens_per_s']} out tok/s, "
+          f"ttft p50 {summary['ttft_p50_ms']} ms, itl p50 {summary['itl_p50_ms']} ms, "
+          f"hit rate {summary['cache_hit_rate']}", flush=True)
+    return {"workload": workload.name, "concurrency": concurrency, **summary}
+
+
+def run_server_side(args: argparse.Namespace, jobs: list[tuple[wl.Workload, int]],
+                    http_jobs: list[tuple[wl.Workload, int]]) -> dict:
     cmd = [str(ROOT / ".venv" / "bin" / "radixserve"), "up", "--model", args.model,
-           "--tp", str(args.tp), "--port", str(args.port)]
+           "--tp", str(args.tp), "--port", str(args.port), "--http-port", str(args.http_port),
+           "--metrics-port", "0"]
     print(f"[bench] starting: {' '.join(cmd)}", flush=True)
     proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True,
                             stdout=subprocess.DEVNULL if not args.verbose else None)
     address = f"127.0.0.1:{args.port}"
-    results = []
+    http_results: list[dict] = []
     try:
         asyncio.run(wait_serving(address, proc, args.startup_timeout_s))
         # One short request first, as the peer does, so neither side's numbers include warm-up.
         asyncio.run(run_workload(address, wl.single_stream(4), 1, args.time_limit_s))
-        for workload, concurrency in jobs:
-            records, wall_s = asyncio.run(run_workload(address, workload, concurrency, args.time_limit_s))
-            summary = summarize(records, wall_s)
-            results.append({"workload": workload.name, "concurrency": concurrency, **summary})
-            print(f"[radixserve] {workload.name} c={concurrency}: {summary['output_tokens_per_s']} out tok/s, "
-                  f"ttft p50 {summary['ttft_p50_ms']} ms, hit rate {summary['cache_hit_rate']}", flush=True)
+        base_url = f"http://127.0.0.1:{args.http_port}/v1"
+        model = Path(args.model).name  # the workers serve the model under its folder's name
+        results = []
+        # Each job through gRPC and then at once through HTTP, so that both see the same
+        # machine load (the comparison is between neighbours, not between halves of the run).
+        for index, (workload, concurrency) in enumerate(jobs):
+            results.append(_run_job(lambda w, c: run_workload(address, w, c, args.time_limit_s),
+                                    workload, concurrency, "radixserve"))
+            if http_jobs:
+                http_workload, _ = http_jobs[index]
+                http_results.append(_run_job(
+                    lambda w, c: run_workload_http(base_url, model, w, c, args.time_limit_s),
+                    http_workload, concurrency, "radixserve http"))
         peaks = {pid: round(peak_rss_mb(pid), 1) for pid in worker_pids(proc.pid)}
     finally:
         try:
@@ -115,7 +140,7 @@ def run_server_side(args: argparse.Namespace, jobs: list[tuple[wl.Workload, int]
             proc.wait(timeout=30)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             os.killpg(proc.pid, signal.SIGKILL)
-    return {"results": results, "worker_peak_rss_mb": list(peaks.values())}
+    return {"results": results, "http_results": http_results, "worker_peak_rss_mb": list(peaks.values())}
 
 
 def run_peer_side(args: argparse.Namespace, jobs: list[tuple[wl.Workload, int]]) -> dict:
@@ -135,6 +160,8 @@ def main() -> None:
     parser.add_argument("--model", default="models/smollm2-135m-instruct", help="model folder")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the stack")
     parser.add_argument("--port", type=int, default=50151, help="gateway port of the benchmarked stack")
+    parser.add_argument("--http-port", type=int, default=50250, help="HTTP API port of the benchmarked stack")
+    parser.add_argument("--skip-http", action="store_true", help="do not run the workloads through HTTP")
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16],
                         help="comma-separated concurrency levels for the shared-prefix and distinct workloads")
     parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
@@ -150,7 +177,8 @@ def main() -> None:
     args = parser.parse_args()
 
     jobs = build_jobs(args)
-    server = run_server_side(args, jobs)
+    http_jobs = [] if args.skip_http else build_jobs(args, HTTP_VARIANT_BASE)
+    server = run_server_side(args, jobs, http_jobs)
     peer = {"results": [], "peak_rss_mb": None} if args.skip_peer else run_peer_side(args, jobs)
     report = {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

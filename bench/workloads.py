@@ -67,16 +67,18 @@ def distinct_prompts(num_requests: int, max_tokens: int, prompt_words: int = 150
     return Workload("distinct", "distinct prompts, no shared prefix", None, prompts, max_tokens)
 
 
-def single_stream(max_tokens: int) -> Workload:
+def single_stream(max_tokens: int, variant: int = 0) -> Workload:
     """(c) One long stream: decode latency of a single sequence."""
+    subject = "a lighthouse keeper" if variant == 0 else f"lighthouse keeper number {variant}"
     return Workload("single_stream", "one request, long output", None,
-                    [["Write a long story about a lighthouse keeper."]], max_tokens)
+                    [[f"Write a long story about {subject}."]], max_tokens)
 
 
-def multi_turn(num_conversations: int, num_turns: int, max_tokens: int) -> Workload:
+def multi_turn(num_conversations: int, num_turns: int, max_tokens: int, variant: int = 0) -> Workload:
     """(d) Multi-turn chat: each turn resends the conversation so far plus a new message."""
+    base = 3000 + 100_000 * variant
     conversations = [
-        [f"Turn {t}: {synthetic_text(25, 3000 + 100 * c + t)}" for t in range(num_turns)]
+        [f"Turn {t}: {synthetic_text(25, base + 100 * c + t)}" for t in range(num_turns)]
         for c in range(num_conversations)
     ]
     return Workload("multi_turn", f"{num_turns}-turn chats, each turn extends the last",

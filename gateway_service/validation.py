@@ -19,6 +19,8 @@ CONTENT_REQUIRED_ROLES = ("system", "user", "tool")
 # Stop strings are matched against every new piece of text: bound the work per token.
 MAX_STOP_STRINGS = 32
 MAX_STOP_LEN = 512
+# Seeds are uint64 (generation.proto); the HTTP API's JSON can carry any integer.
+SEED_LIMIT = 1 << 64
 
 
 def check_text_input(request: GenerateInput) -> None:
@@ -109,6 +111,8 @@ def resolve_sampling(
     _check_range("repetition_penalty", repetition, 0.0, 2.0, low_open=True)
     _check_range("presence_penalty", presence, -2.0, 2.0)
     _check_range("frequency_penalty", frequency, -2.0, 2.0)
+    if sampling.seed is not None and not 0 <= sampling.seed < SEED_LIMIT:
+        raise InvalidRequest(f"sampling.seed must be in [0, 2^64), got {sampling.seed}")
     return SamplingParams(
         temperature=temperature,
         top_p=top_p,

@@ -12,9 +12,8 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import replace
 
+from gateway_service.validation import SEED_LIMIT
 from gateway_service.values import GenerateInput, OutputChunk
-
-SEED_SPACE = 1 << 64  # seeds are uint64 (generation.proto)
 
 
 def with_choice_seeds(inputs: Sequence[GenerateInput], n: int) -> list[GenerateInput]:
@@ -27,7 +26,7 @@ def with_choice_seeds(inputs: Sequence[GenerateInput], n: int) -> list[GenerateI
             if seed is None or j == 0:
                 out.append(request)
             else:
-                out.append(replace(request, sampling=replace(request.sampling, seed=(seed + j) % SEED_SPACE)))
+                out.append(replace(request, sampling=replace(request.sampling, seed=(seed + j) % SEED_LIMIT)))
     return out
 
 

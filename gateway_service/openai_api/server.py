@@ -20,6 +20,8 @@ log = logging.getLogger(__name__)
 
 # Seconds uvicorn waits for the first request line on a new connection.
 KEEP_ALIVE_S = 5
+# How often start() looks whether uvicorn is up (it binds no socket itself: that is done here).
+STARTUP_POLL_S = 0.01
 
 
 class _Server(uvicorn.Server):
@@ -58,7 +60,7 @@ class HttpServer:
             if task.done():  # failed while starting: raise its error
                 await task
                 raise RuntimeError("the HTTP server stopped while starting")
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(STARTUP_POLL_S)
         bound = sock.getsockname()[1]
         log.info("OpenAI-compatible HTTP API on http://%s:%d/v1", host, bound)
         return cls(server, task, bound)

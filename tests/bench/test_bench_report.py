@@ -58,6 +58,11 @@ def test_report_has_ratios_and_plots(tmp_path: Path) -> None:
     text = markdown(report)
     assert "| shared_prefix | 4 | radixserve | 80.0 |" in text
     assert "4.00x" in text and "10.00x" in text
+    assert "HTTP API against gRPC" not in text
+    slower = {**row, "ttft_p50_ms": 110.0, "itl_p50_ms": 33.0, "output_tokens_per_s": 75.0}
+    report["radixserve"]["http_results"] = [{"workload": "shared_prefix", "concurrency": 4, **slower}]
+    text = markdown(report)
+    assert "| shared_prefix | 4 | 100.0 / 110.0 | +10.0 ms (1.10x) | 30.0 / 33.0 | +3.0 ms (1.10x) | 80.0 / 75.0 |" in text
     write_report(report, tmp_path)
     for name in ("latest.json", "latest.md", "throughput.png", "ttft.png"):
         assert (tmp_path / name).stat().st_size > 0

@@ -169,6 +169,9 @@ def test_error_codes(api, stack) -> None:
     assert bad.value.status_code == 400 and "temperature" in bad.value.message
     with pytest.raises(openai.BadRequestError):
         api.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError) as bad_seed:
+        api.completions.create(model=MODEL, prompt=PROMPT, seed=-1)
+    assert "seed" in bad_seed.value.message
     with pytest.raises(openai.NotFoundError) as missing:
         api.chat.completions.create(model="gpt-4o", messages=CHAT)
     assert missing.value.status_code == 404 and missing.value.code == "model_not_found"
