@@ -9,6 +9,7 @@ error inside a 200 stream.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -21,7 +22,13 @@ from gateway_service.errors import InvalidRequest
 from gateway_service.metrics import API_CHAT, API_COMPLETIONS
 from gateway_service.openai_api import responses as bodies
 from gateway_service.openai_api.choices import ChoiceStreams, with_choice_seeds
-from gateway_service.openai_api.errors import ModelNotFound, Unauthenticated, error_body, error_response
+from gateway_service.openai_api.errors import (
+    ClientGone,
+    ModelNotFound,
+    Unauthenticated,
+    error_body,
+    error_response,
+)
 from gateway_service.openai_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -83,7 +90,7 @@ def build_app(
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authenticated)])
     @_answers_errors
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         model = await served_model(body.model)
         inputs = with_choice_seeds([chat_input(body, max_choices)], body.n)
         streams = ChoiceStreams(lambda r: servicer.generate(r, None, API_CHAT), inputs)
@@ -91,7 +98,7 @@ def build_app(
             header = bodies.ResponseHeader.new("chatcmpl", bodies.CHAT_CHUNK_OBJECT, model)
             return await _event_stream(streams, _chat_events(header, body, len(inputs)))
         header = bodies.ResponseHeader.new("chatcmpl", bodies.CHAT_OBJECT, model)
-        outputs = await _collect(streams, len(inputs))
+        outputs = await _collect(streams, len(inputs), request)
         return JSONResponse(header.body(
             choices=[bodies.chat_choice(i, out, body.logprobs) for i, out in enumerate(outputs)],
             usage=bodies.usage_body([out.usage for out in outputs]),
@@ -99,7 +106,7 @@ def build_app(
 
     @app.post("/v1/completions", dependencies=[Depends(authenticated)])
     @_answers_errors
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         model = await served_model(body.model)
         prompts = completion_inputs(body, max_choices)
         inputs = with_choice_seeds(prompts, body.n)
@@ -107,7 +114,7 @@ def build_app(
         header = bodies.ResponseHeader.new("cmpl", bodies.COMPLETION_OBJECT, model)
         if body.stream:
             return await _event_stream(streams, _completion_events(header, body, inputs, len(prompts)))
-        outputs = await _collect(streams, len(inputs))
+        outputs = await _collect(streams, len(inputs), request)
         with_logprobs = body.logprobs is not None
         return JSONResponse(header.body(
             choices=[
@@ -138,14 +145,34 @@ def _answers_errors(route: Callable[..., Awaitable]) -> Callable[..., Awaitable]
     return answering
 
 
-async def _collect(streams: ChoiceStreams, num_choices: int) -> list[bodies.ChoiceOutput]:
+async def _collect(streams: ChoiceStreams, num_choices: int, request: Request) -> list[bodies.ChoiceOutput]:
+    """Every choice's whole output. A client that disconnects meanwhile cancels the choices at
+    once (their router calls, so their pages come back), as a dropped stream does."""
     outputs = [bodies.ChoiceOutput() for _ in range(num_choices)]
-    try:
+
+    async def read() -> None:
         async for index, chunk in streams:
             outputs[index].add(chunk)
+
+    reading = asyncio.ensure_future(read())
+    watching = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait([reading, watching], return_when=asyncio.FIRST_COMPLETED)
+        if not reading.done():
+            raise ClientGone("the client disconnected")
+        reading.result()  # raises what failed the choices
+        return outputs
     finally:
+        for task in (reading, watching):
+            task.cancel()
+        await asyncio.gather(reading, watching, return_exceptions=True)
         await streams.aclose()
-    return outputs
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body is read, so nothing else can arrive)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 # An event formatter turns (index, chunk) into SSE payloads; None marks the end of all choices.

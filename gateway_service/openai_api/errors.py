@@ -24,6 +24,12 @@ class Unauthenticated(GatewayError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class ClientGone(GatewayError):
+    """The client disconnected before its response was ready (nobody reads the answer)."""
+
+    code = grpc.StatusCode.CANCELLED
+
+
 # gRPC status -> (HTTP status, OpenAI error type).
 _HTTP = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),

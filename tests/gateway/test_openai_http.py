@@ -69,6 +69,17 @@ def test_full_queue_is_429_and_no_router_is_503(harness) -> None:
     assert down.value.status_code == 503
 
 
+def test_client_that_gives_up_cancels_the_router_call(harness) -> None:
+    harness.script_all(list(range(100, 400)), delay_s=0.02)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base_url(harness)}/completions", headers={"Authorization": f"Bearer {TOKEN}"},
+                   json={"model": MODEL, "prompt": "count", "max_tokens": 300}, timeout=0.5)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not harness.all_cancelled() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(harness.all_cancelled()) == 1
+
+
 def test_dropped_stream_cancels_the_router_call(harness) -> None:
     harness.script_all(list(range(100, 400)), delay_s=0.02)
     with httpx.stream("POST", f"{base_url(harness)}/completions", timeout=TIMEOUT_S,
