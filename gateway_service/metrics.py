@@ -12,11 +12,11 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 
 from gateway_service.errors import status_of
 from gateway_service.values import OutputChunk
-from radixserve.metrics import LATENCY_BUCKETS_S, MODEL_LABEL, name
+from radixserve.metrics import counter, latency_histogram
 
 # Values of the `api` label.
 API_GRPC = "grpc"
@@ -31,34 +31,20 @@ class GatewayMetrics:
     def __init__(self, model_name: Callable[[], str], registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._model_name = model_name
-        labels = [MODEL_LABEL, "api"]
-        self.requests = Counter(
-            name("requests"), "Requests ended, by API, status and finish reason.",
-            [*labels, "status", "finish_reason"], registry=self.registry,
-        )
-        self.prompt_tokens = Counter(
-            name("prompt_tokens"), "Prompt tokens of finished requests.", labels, registry=self.registry,
-        )
-        self.generation_tokens = Counter(
-            name("generation_tokens"), "Tokens generated and sent to callers.", labels,
-            registry=self.registry,
-        )
-        self.cached_prompt_tokens = Counter(
-            name("cached_prompt_tokens"), "Prompt tokens of finished requests served from the prefix cache.",
-            labels, registry=self.registry,
-        )
-        self.ttft = Histogram(
-            name("time_to_first_token_seconds"), "From request arrival to its first token.",
-            labels, buckets=LATENCY_BUCKETS_S, registry=self.registry,
-        )
-        self.itl = Histogram(
-            name("inter_token_latency_seconds"), "Between consecutive tokens of one request.",
-            labels, buckets=LATENCY_BUCKETS_S, registry=self.registry,
-        )
-        self.e2e = Histogram(
-            name("e2e_request_latency_seconds"), "From request arrival to its last token.",
-            labels, buckets=LATENCY_BUCKETS_S, registry=self.registry,
-        )
+        r, api = self.registry, ["api"]
+        self.requests = counter(r, "requests", "Requests ended, by API, status and finish reason.",
+                                [*api, "status", "finish_reason"])
+        self.prompt_tokens = counter(r, "prompt_tokens", "Prompt tokens of finished requests.", api)
+        self.generation_tokens = counter(
+            r, "generation_tokens", "Tokens generated and sent to callers.", api)
+        self.cached_prompt_tokens = counter(
+            r, "cached_prompt_tokens", "Prompt tokens of finished requests served from the prefix cache.", api)
+        self.ttft = latency_histogram(
+            r, "time_to_first_token_seconds", "From request arrival to its first token.", api)
+        self.itl = latency_histogram(
+            r, "inter_token_latency_seconds", "Between consecutive tokens of one request.", api)
+        self.e2e = latency_histogram(
+            r, "e2e_request_latency_seconds", "From request arrival to its last token.", api)
 
     async def observe(self, api: str, stream: AsyncIterator[OutputChunk]) -> AsyncIterator[OutputChunk]:
         """Yield `stream`'s chunks unchanged, recording the request's metrics on the way.

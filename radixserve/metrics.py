@@ -14,7 +14,9 @@ import threading
 from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, disable_created_metrics, start_http_server
+from collections.abc import Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, start_http_server
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,21 @@ COUNT_BUCKETS = tuple(float(1 << i) for i in range(14))
 def name(base: str) -> str:
     """`time_to_first_token_seconds` -> `radixserve:time_to_first_token_seconds`."""
     return PREFIX + base
+
+
+def latency_histogram(registry: CollectorRegistry, base: str, doc: str, labels: Sequence[str]) -> Histogram:
+    """A histogram of seconds, `model_name` first among its labels."""
+    return Histogram(name(base), doc, [MODEL_LABEL, *labels], buckets=LATENCY_BUCKETS_S, registry=registry)
+
+
+def count_histogram(registry: CollectorRegistry, base: str, doc: str, labels: Sequence[str]) -> Histogram:
+    """A histogram of counts (requests, tokens), `model_name` first among its labels."""
+    return Histogram(name(base), doc, [MODEL_LABEL, *labels], buckets=COUNT_BUCKETS, registry=registry)
+
+
+def counter(registry: CollectorRegistry, base: str, doc: str, labels: Sequence[str]) -> Counter:
+    """A counter (exposed as `base_total`), `model_name` first among its labels."""
+    return Counter(name(base), doc, [MODEL_LABEL, *labels], registry=registry)
 
 
 @dataclass

@@ -12,11 +12,11 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from radixserve.metrics import COUNT_BUCKETS, LATENCY_BUCKETS_S, MODEL_LABEL, name
+from radixserve.metrics import MODEL_LABEL, count_histogram, counter, latency_histogram, name
 
 if TYPE_CHECKING:
     from router_service.engine import Engine
@@ -31,27 +31,15 @@ class RouterMetrics:
         self._engine = engine
         self._arrivals: dict[str, float] = {}
         self._num_connects = 0
-        labels = [MODEL_LABEL]
-        self.step_duration = Histogram(
-            name("step_duration_seconds"), "One scheduler step: plan, execute on the workers, apply.",
-            labels, buckets=LATENCY_BUCKETS_S, registry=self.registry,
-        )
-        self.batch_requests = Histogram(
-            name("step_batch_requests"), "Requests (prefill chunks and decodes) in one step.",
-            labels, buckets=COUNT_BUCKETS, registry=self.registry,
-        )
-        self.batch_tokens = Histogram(
-            name("step_batch_tokens"), "Tokens computed in one step.",
-            labels, buckets=COUNT_BUCKETS, registry=self.registry,
-        )
-        self.queue_time = Histogram(
-            name("request_queue_time_seconds"), "From a request's arrival to its first scheduled step.",
-            labels, buckets=LATENCY_BUCKETS_S, registry=self.registry,
-        )
-        self.reconnects = Counter(
-            name("worker_reconnects"), "Connections to the worker group after the first one.",
-            labels, registry=self.registry,
-        )
+        r = self.registry
+        self.step_duration = latency_histogram(
+            r, "step_duration_seconds", "One scheduler step: plan, execute on the workers, apply.", [])
+        self.batch_requests = count_histogram(
+            r, "step_batch_requests", "Requests (prefill chunks and decodes) in one step.", [])
+        self.batch_tokens = count_histogram(r, "step_batch_tokens", "Tokens computed in one step.", [])
+        self.queue_time = latency_histogram(
+            r, "request_queue_time_seconds", "From a request's arrival to its first scheduled step.", [])
+        self.reconnects = counter(r, "worker_reconnects", "Connections to the worker group after the first one.", [])
         self.registry.register(_StateCollector(engine))
 
     def _model(self) -> str:
@@ -100,28 +88,28 @@ class _StateCollector(Collector):
             total, free, used = allocator.num_pages, allocator.num_free, allocator.num_used
             cached = scheduler.cache.evictable_size
 
-        def gauge(base: str, doc: str, value: float) -> GaugeMetricFamily:
+        def gauge_family(base: str, doc: str, value: float) -> GaugeMetricFamily:
             family = GaugeMetricFamily(name(base), doc, labels=[MODEL_LABEL])
             family.add_metric([model], value)
             return family
 
-        def counter(base: str, doc: str, value: float) -> CounterMetricFamily:
+        def counter_family(base: str, doc: str, value: float) -> CounterMetricFamily:
             family = CounterMetricFamily(name(base), doc, labels=[MODEL_LABEL])
             family.add_metric([model], value)
             return family
 
-        yield gauge("num_requests_running", "Requests in the running batch.", running)
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", waiting)
-        yield gauge("kv_pages_total", "KV pages in the pool.", total)
-        yield gauge("kv_pages_used", "KV pages held (by requests or the prefix cache).", used)
-        yield gauge("kv_pages_cached", "KV pages held only by the prefix cache (evictable).", cached)
-        yield gauge("kv_pages_free", "KV pages free.", free)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV pages held by running requests (0 to 1).",
+        yield gauge_family("num_requests_running", "Requests in the running batch.", running)
+        yield gauge_family("num_requests_waiting", "Requests waiting to be scheduled.", waiting)
+        yield gauge_family("kv_pages_total", "KV pages in the pool.", total)
+        yield gauge_family("kv_pages_used", "KV pages held (by requests or the prefix cache).", used)
+        yield gauge_family("kv_pages_cached", "KV pages held only by the prefix cache (evictable).", cached)
+        yield gauge_family("kv_pages_free", "KV pages free.", free)
+        yield gauge_family("kv_cache_usage_perc", "Fraction of KV pages held by running requests (0 to 1).",
                     (used - cached) / total if total else 0.0)
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+        yield counter_family("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       stats.prompt_tokens)
-        yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+        yield counter_family("prefix_cache_hits", "Prompt tokens served from the prefix cache.",
                       stats.cache_hit_tokens)
-        yield counter("num_retractions", "Running requests taken back to the queue for pages.",
+        yield counter_family("num_retractions", "Running requests taken back to the queue for pages.",
                       stats.num_retractions)
-        yield counter("scheduler_steps", "Scheduler steps run on the workers.", stats.num_steps)
+        yield counter_family("scheduler_steps", "Scheduler steps run on the workers.", stats.num_steps)

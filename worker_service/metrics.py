@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry
 
-from radixserve.metrics import COUNT_BUCKETS, LATENCY_BUCKETS_S, MODEL_LABEL, name
+from radixserve.metrics import count_histogram, latency_histogram
 
 STEP_PREFILL = "prefill"
 STEP_DECODE = "decode"
@@ -30,19 +30,12 @@ class WorkerMetrics:
     def __init__(self, model_name: str, rank: int, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._labels = (model_name, str(rank))
-        labels = [MODEL_LABEL, "rank"]
-        self.forward = Histogram(
-            name("worker_forward_duration_seconds"), "One forward pass over a step's entries.",
-            [*labels, "step_kind"], buckets=LATENCY_BUCKETS_S, registry=self.registry,
-        )
-        self.tokens = Histogram(
-            name("worker_step_tokens"), "Tokens computed in one forward pass.",
-            labels, buckets=COUNT_BUCKETS, registry=self.registry,
-        )
-        self.sampler = Histogram(
-            name("worker_sampler_duration_seconds"), "Sampling one step's tokens (rank 0).",
-            labels, buckets=LATENCY_BUCKETS_S, registry=self.registry,
-        )
+        r = self.registry
+        self.forward = latency_histogram(
+            r, "worker_forward_duration_seconds", "One forward pass over a step's entries.", ["rank", "step_kind"])
+        self.tokens = count_histogram(r, "worker_step_tokens", "Tokens computed in one forward pass.", ["rank"])
+        self.sampler = latency_histogram(
+            r, "worker_sampler_duration_seconds", "Sampling one step's tokens (rank 0).", ["rank"])
 
     def forward_done(self, num_tokens_per_entry: Sequence[int], seconds: float) -> None:
         kind = step_kind(num_tokens_per_entry)
