@@ -92,6 +92,13 @@ def http_vs_grpc(report: dict) -> list[str]:
             f"| {ours['itl_p50_ms']} / {other['itl_p50_ms']} | {_cost(other['itl_p50_ms'], ours['itl_p50_ms'])} "
             f"| {ours['output_tokens_per_s']} / {other['output_tokens_per_s']} |"
         )
+    pair = report["radixserve"].get("http_paired")
+    if pair:
+        ttft, itl = pair["ttft_p50_ms"], pair["itl_p50_ms"]
+        lines += ["", f"Paired, one request at a time ({pair['num_pairs']} pairs alternating the APIs, "
+                  f"cached prompt, {pair['max_tokens']} tokens): TTFT p50 gRPC {ttft['grpc']} / HTTP "
+                  f"{ttft['http']} ms ({ttft['ratio']}x); ITL p50 gRPC {itl['grpc']} / HTTP {itl['http']} ms "
+                  f"({itl['ratio']}x)."]
     return lines
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from bench import workloads as wl
 from bench.loadgen import run_workload
+from bench.http_overhead import paired
 from bench.loadgen_http import run_workload_http
 from bench.records import summarize
 from bench.report import markdown, update_readme, write_report
@@ -116,6 +117,7 @@ def run_server_side(args: argparse.Namespace, jobs: list[tuple[wl.Workload, int]
                             stdout=subprocess.DEVNULL if not args.verbose else None)
     address = f"127.0.0.1:{args.port}"
     http_results: list[dict] = []
+    http_paired = None
     try:
         asyncio.run(wait_serving(address, proc, args.startup_timeout_s))
         # One short request first, as the peer does, so neither side's numbers include warm-up.
@@ -133,6 +135,9 @@ def run_server_side(args: argparse.Namespace, jobs: list[tuple[wl.Workload, int]
                 http_results.append(_run_job(
                     lambda w, c: run_workload_http(base_url, model, w, c, args.time_limit_s),
                     http_workload, concurrency, "radixserve http"))
+        if http_jobs:
+            http_paired = asyncio.run(paired(address, base_url, model, args.paired_requests, args.max_tokens))
+            print(f"[radixserve http] paired: {http_paired}", flush=True)
         peaks = {pid: round(peak_rss_mb(pid), 1) for pid in worker_pids(proc.pid)}
     finally:
         try:
@@ -140,7 +145,8 @@ def run_server_side(args: argparse.Namespace, jobs: list[tuple[wl.Workload, int]
             proc.wait(timeout=30)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             os.killpg(proc.pid, signal.SIGKILL)
-    return {"results": results, "http_results": http_results, "worker_peak_rss_mb": list(peaks.values())}
+    return {"results": results, "http_results": http_results, "http_paired": http_paired,
+            "worker_peak_rss_mb": list(peaks.values())}
 
 
 def run_peer_side(args: argparse.Namespace, jobs: list[tuple[wl.Workload, int]]) -> dict:
@@ -162,6 +168,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=50151, help="gateway port of the benchmarked stack")
     parser.add_argument("--http-port", type=int, default=50250, help="HTTP API port of the benchmarked stack")
     parser.add_argument("--skip-http", action="store_true", help="do not run the workloads through HTTP")
+    parser.add_argument("--paired-requests", type=int, default=20,
+                        help="pairs of one-at-a-time requests alternating gRPC and HTTP (bench.http_overhead)")
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16],
                         help="comma-separated concurrency levels for the shared-prefix and distinct workloads")
     parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")

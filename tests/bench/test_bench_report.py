@@ -63,6 +63,10 @@ def test_report_has_ratios_and_plots(tmp_path: Path) -> None:
     report["radixserve"]["http_results"] = [{"workload": "shared_prefix", "concurrency": 4, **slower}]
     text = markdown(report)
     assert "| shared_prefix | 4 | 100.0 / 110.0 | +10.0 ms (1.10x) | 30.0 / 33.0 | +3.0 ms (1.10x) | 80.0 / 75.0 |" in text
+    report["radixserve"]["http_paired"] = {
+        "num_pairs": 20, "max_tokens": 16, "ttft_p50_ms": {"grpc": 50.0, "http": 52.0, "ratio": 1.04},
+        "itl_p50_ms": {"grpc": 20.0, "http": 20.5, "ratio": 1.025}}
+    assert "TTFT p50 gRPC 50.0 / HTTP 52.0 ms (1.04x); ITL p50 gRPC 20.0 / HTTP 20.5 ms (1.025x)" in markdown(report)
     write_report(report, tmp_path)
     for name in ("latest.json", "latest.md", "throughput.png", "ttft.png"):
         assert (tmp_path / name).stat().st_size > 0
