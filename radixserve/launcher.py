@@ -58,6 +58,8 @@ class StackPlan:
     gateway_address: str
     http_port: int = 0
     http_host: str = "127.0.0.1"
+    # The id the HTTP API serves the model under (the workers report the folder's name).
+    model_id: str = ""
 
 
 class StackFailed(Exception):
@@ -127,7 +129,7 @@ def plan_stack(args: argparse.Namespace, python: str = sys.executable) -> StackP
         f"{_reachable(args.host)}:{args.port}",
     )
     return StackPlan([workers, [router], [gateway]], gateway.health_address,
-                     args.http_port, _reachable(args.host))
+                     args.http_port, _reachable(args.host), os.path.basename(os.path.normpath(args.model)))
 
 
 def plan_workers(args: argparse.Namespace, python: str = sys.executable) -> list[ChildSpec]:
@@ -335,11 +337,13 @@ def _supervise(stack: Stack, args: argparse.Namespace, workers: list[ChildSpec],
 def _print_usage(stack: Stack, plan: StackPlan) -> None:
     address = plan.gateway_address
     stack.say(f"ready: GenerationService on {address}")
+    if plan.http_port:
+        stack.say(f"ready: OpenAI-compatible HTTP API on http://{plan.http_host}:{plan.http_port}/v1")
     stack.say("try:")
     if plan.http_port:
         base = f"http://{plan.http_host}:{plan.http_port}/v1"
         stack.say(f"  curl {base}/chat/completions -H 'Content-Type: application/json' -d "
-                  "'{\"model\": \"<id from /v1/models>\", \"messages\": [{\"role\": \"user\", "
+                  f"'{{\"model\": \"{plan.model_id}\", \"messages\": [{{\"role\": \"user\", "
                   "\"content\": \"Hello\"}]}'")
         stack.say(f"  curl {base}/models")
     stack.say(f"  grpcurl -plaintext -d '{{\"prompt\": \"Hello\", \"max_tokens\": 16}}' {address} "
