@@ -81,7 +81,8 @@ class Gateway:
         self.metrics = serve_metrics(self.servicer.metrics.registry, config.host, config.metrics_port, "gateway")
         if config.http_port:
             app = build_app(self.servicer, config.max_choices, lambda: bool(self._serving), token_check)
-            self.http = await HttpServer.start(app, config.host, config.http_port, config.log_level)
+            self.http = await HttpServer.start(
+                app, config.host, config.http_port, config.log_level, config.shutdown_grace_s)
 
     async def probe_once(self) -> bool:
         """Probe every router and update health; True when serving."""
@@ -114,9 +115,11 @@ class Gateway:
             # A loop that died has been logged already (`_probe_loop_ended`).
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._probing
+        # Both APIs drain at once, within one grace period.
+        stopping = [self._server.stop(self.config.shutdown_grace_s)]
         if self.http is not None:
-            await self.http.stop(self.config.shutdown_grace_s)
-        await self._server.stop(self.config.shutdown_grace_s)
+            stopping.append(self.http.stop())
+        await asyncio.gather(*stopping)
         if self.metrics is not None:
             self.metrics.stop()
         await self.pool.close()

@@ -40,7 +40,11 @@ class HttpServer:
         self.port = port
 
     @classmethod
-    async def start(cls, app: FastAPI, host: str, port: int, log_level: str) -> "HttpServer":
+    async def start(
+        cls, app: FastAPI, host: str, port: int, log_level: str, shutdown_grace_s: float
+    ) -> "HttpServer":
+        """Listen on host:port; on `stop`, open responses get `shutdown_grace_s` to finish,
+        then uvicorn cancels them (which cancels their router calls)."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -52,7 +56,7 @@ class HttpServer:
         sock.set_inheritable(True)
         config = uvicorn.Config(
             app, lifespan="off", log_level=log_level.lower(), access_log=False,
-            timeout_keep_alive=KEEP_ALIVE_S,
+            timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=shutdown_grace_s,
         )
         server = _Server(config)
         task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -65,11 +69,7 @@ class HttpServer:
         log.info("OpenAI-compatible HTTP API on http://%s:%d/v1", host, bound)
         return cls(server, task, bound)
 
-    async def stop(self, grace_s: float) -> None:
-        """Stop accepting, give open responses `grace_s` seconds, then close them."""
+    async def stop(self) -> None:
+        """Stop accepting; returns once open responses finished or the grace period ended."""
         self._server.should_exit = True
-        try:
-            await asyncio.wait_for(asyncio.shield(self._task), grace_s)
-        except asyncio.TimeoutError:
-            self._server.force_exit = True
-            await self._task
+        await self._task
