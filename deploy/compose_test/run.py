@@ -227,16 +227,21 @@ def run_test(stack: Stack) -> None:
         raise Failed("the answer after the recovery differs from the one before")
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run none")
     parser.add_argument("--keep", action="store_true", help="leave the project up at the end")
     args = parser.parse_args(argv)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ, RADIXSERVE_PUBLISH_PORT=str(port), RADIXSERVE_KV_CACHE_MB=KV_CACHE_MB,
-               PYTHON_IMAGE=BASE_IMAGE)
+    port, http_port = _free_port(), _free_port()
+    # The HTTP port too: the default 8000 may be taken on the machine that runs the test.
+    env = dict(os.environ, RADIXSERVE_PUBLISH_PORT=str(port), RADIXSERVE_PUBLISH_HTTP_PORT=str(http_port),
+               RADIXSERVE_KV_CACHE_MB=KV_CACHE_MB, PYTHON_IMAGE=BASE_IMAGE)
     shell = Shell(args.dry_run, env)
     compose = ["docker", "compose"]
     if not args.dry_run:

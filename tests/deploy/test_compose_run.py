@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from deploy_checks import ROOT, compose_binary, compose_model
 from procs import ServiceProcesses, free_port
@@ -40,6 +42,8 @@ STARTUP_TIMEOUT_S = 150.0
 ONE_SHOT_TIMEOUT_S = 120.0
 CALL_TIMEOUT_S = 60.0
 MAX_TOKENS = 4
+# Variables that name a port a service listens on: each becomes a free loopback port.
+LISTEN_PORTS = ("RADIXSERVE_PORT", "RADIXSERVE_HTTP_PORT", "RADIXSERVE_METRICS_PORT")
 
 
 class LocalTopology:
@@ -55,8 +59,9 @@ class LocalTopology:
         self.ports: dict[tuple[str, int], int] = {}
         for name, svc in self.services.items():
             env = svc.get("environment") or {}
-            if env.get("RADIXSERVE_PORT"):
-                self.ports[(name, int(env["RADIXSERVE_PORT"]))] = free_port()
+            for key in LISTEN_PORTS:
+                if env.get(key):
+                    self.ports[(name, int(env[key]))] = free_port()
             if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
                 key = (self.host_service[env["MASTER_ADDR"]], int(env["MASTER_PORT"]))
                 self.ports.setdefault(key, free_port())
@@ -80,7 +85,7 @@ class LocalTopology:
         env = {k: str(v) for k, v in (self.services[name].get("environment") or {}).items()}
         local: dict[str, str] = {}
         for key, value in env.items():
-            if key == "RADIXSERVE_PORT":
+            if key in LISTEN_PORTS:
                 local[key] = str(self.ports[(name, int(value))])
             elif key == "MASTER_PORT":
                 owner = self.host_service[env["MASTER_ADDR"]]
@@ -96,8 +101,8 @@ class LocalTopology:
         local = [self._path(name, arg) for arg in args]
         return [sys.executable, *local[1:]] if local[0] == "python" else local
 
-    def address(self, name: str) -> str:
-        port = int(self.services[name]["environment"]["RADIXSERVE_PORT"])
+    def address(self, name: str, variable: str = "RADIXSERVE_PORT") -> str:
+        port = int(self.services[name]["environment"][variable])
         return f"{LOOPBACK}:{self.ports[(name, port)]}"
 
 
@@ -201,6 +206,15 @@ def test_compose_services_serve_generate(smollm2_dir: Path, tmp_path: Path) -> N
         shown = json.loads(greedy.stdout.strip().splitlines()[-1])
         assert shown["ok"] and shown["token_ids"] == shown["reference_ids"]
         assert shown["token_ids"] and shown["text"] == shown["reference_text"]
+
+        # The HTTP API and every service's /metrics are wired as the file says.
+        http = f"http://{topology.address('gateway', 'RADIXSERVE_HTTP_PORT')}"
+        models = httpx.get(f"{http}/v1/models", timeout=CALL_TIMEOUT_S).json()
+        assert [m["id"] for m in models["data"]] == [smollm2_dir.name]
+        for name in ("gateway", "router", "worker-0", "worker-1"):
+            url = f"http://{topology.address(name, 'RADIXSERVE_METRICS_PORT')}/metrics"
+            names = {f.name for f in text_string_to_metric_families(httpx.get(url, timeout=10).text)}
+            assert any(n.startswith("radixserve:") for n in names), (name, sorted(names))
 
         # Graceful stop as Compose does it: dependents first, the services of one level (the
         # ranks of a group) together, each with its stop signal and grace period. A rank told
