@@ -29,6 +29,12 @@ class GatewayConfig:
     # Grace period for open streams when the gateway is asked to stop.
     shutdown_grace_s: float = 20.0
     log_level: str = "INFO"
+    # A constraint that takes longer to compile is rejected (INVALID_ARGUMENT).
+    constraint_timeout_s: float = 2.0
+    # Distinct constraints kept compiled.
+    constraint_cache_size: int = 256
+    # Threads that compile constraints (off the event loop).
+    constraint_threads: int = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(parser, "shutdown-grace-s", type=float, default=d.shutdown_grace_s,
              help="seconds open streams get to finish on shutdown")
     add_flag(parser, "log-level", default=d.log_level, help="logging level")
+    add_flag(parser, "constraint-timeout-s", type=float, default=d.constraint_timeout_s,
+             help="a constraint that takes longer to compile is rejected as invalid")
+    add_flag(parser, "constraint-cache-size", type=int, default=d.constraint_cache_size,
+             help="distinct constraints kept compiled (least recently used go first)")
+    add_flag(parser, "constraint-threads", type=int, default=d.constraint_threads,
+             help="threads that compile constraints, off the event loop")
     return parser
 
 
@@ -64,6 +76,10 @@ def config_from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         parser.error("--default-max-tokens must be >= 1")
     if args.affinity_tokens < 0:
         parser.error("--affinity-tokens must be >= 0")
+    if args.constraint_timeout_s <= 0:
+        parser.error("--constraint-timeout-s must be > 0")
+    if args.constraint_cache_size < 1 or args.constraint_threads < 1:
+        parser.error("--constraint-cache-size and --constraint-threads must be >= 1")
     return GatewayConfig(
         host=args.host,
         port=args.port,
@@ -75,4 +91,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         probe_timeout_s=args.probe_timeout_s,
         shutdown_grace_s=args.shutdown_grace_s,
         log_level=args.log_level,
+        constraint_timeout_s=args.constraint_timeout_s,
+        constraint_cache_size=args.constraint_cache_size,
+        constraint_threads=args.constraint_threads,
     )

@@ -13,6 +13,7 @@ import logging
 import grpc
 
 from gateway_service.config import GatewayConfig
+from gateway_service.constraint_check import ConstraintChecker
 from gateway_service.router_choice import RouterPool
 from gateway_service.service import GenerationServicer
 from gateway_service.tokenizer import Tokenizer
@@ -57,6 +58,9 @@ class Gateway:
             tokenizer = await asyncio.to_thread(Tokenizer.load, config.model)
             log.info("tokenizer loaded from %s", config.model)
         servicer.tokenizer = tokenizer
+        servicer.constraints = ConstraintChecker(
+            tokenizer.hf, config.constraint_timeout_s, config.constraint_cache_size, config.constraint_threads
+        )
         await gateway.probe_once()
         gateway._probing = asyncio.create_task(gateway._probe_loop())
         gateway._probing.add_done_callback(gateway._probe_loop_ended)
@@ -94,4 +98,6 @@ class Gateway:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._probing
         await self._server.stop(self.config.shutdown_grace_s)
+        if self.servicer.constraints is not None:
+            self.servicer.constraints.close()
         await self.pool.close()

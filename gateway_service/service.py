@@ -17,6 +17,7 @@ import grpc
 
 from gateway_service import convert
 from gateway_service.config import GatewayConfig
+from gateway_service.constraint_check import ConstraintChecker
 from gateway_service.errors import GatewayError, NoRouterAvailable, to_status
 from gateway_service.output import OutputAssembler
 from gateway_service.router_choice import RouterPool
@@ -39,6 +40,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self._pool = pool
         # Set once the tokenizer is loaded (the server answers NOT_SERVING until then).
         self.tokenizer: Tokenizer | None = None
+        # Set with the tokenizer; compiles constraints to check them.
+        self.constraints: ConstraintChecker | None = None
 
     # --- RPCs -----------------------------------------------------------------------------
 
@@ -79,6 +82,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         max_tokens = resolve_max_tokens(
             request.max_tokens, len(prompt_ids), info.context_len, self._config.default_max_tokens
         )
+        if request.constraint is not None:
+            await self._require_constraints().check(request.constraint)
         # The router sees a unique id even when callers reuse theirs; logs keep the caller's.
         suffix = uuid.uuid4().hex[:12]
         request_id = f"{request.request_id}-{suffix}" if request.request_id else suffix
@@ -89,6 +94,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             sampling=sampling,
             stop_token_ids=request.stop_token_ids,
             ignore_eos=request.ignore_eos,
+            constraint=request.constraint,
         )
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
@@ -139,6 +145,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if self.tokenizer is None:
             raise GatewayError("the gateway is still loading its tokenizer", grpc.StatusCode.UNAVAILABLE)
         return self.tokenizer
+
+    def _require_constraints(self) -> ConstraintChecker:
+        if self.constraints is None:
+            raise GatewayError("the gateway is still loading its tokenizer", grpc.StatusCode.UNAVAILABLE)
+        return self.constraints
 
     def _encode(self, request: GenerateInput) -> list[int]:
         tokenizer = self._require_tokenizer()

@@ -22,6 +22,7 @@ from radixserve.v1 import worker_pb2_grpc
 from worker_service.config import WorkerConfig, parse_config
 from worker_service.distributed import init_distributed
 from worker_service.executor import Executor
+from worker_service.grammar import ConstraintMasks
 from worker_service.model_runner import ModelRunner, RunnerConfig
 from worker_service.peer_watch import PeerWatch, leave_group
 from worker_service.service import SERVICE_NAME, WorkerService
@@ -55,7 +56,13 @@ def load_executor(config: WorkerConfig) -> Executor:
         "rank %d loaded %.1f MiB of weights; KV pool holds %d pages, the group %d",
         config.rank, runner.weight_bytes() / BYTES_PER_MIB, runner.info.num_pages, num_pages,
     )
-    return Executor(runner, num_pages=num_pages)
+    constraints = None
+    if config.rank == 0:  # only rank 0 samples
+        constraints = ConstraintMasks.load(
+            Path(config.model), runner.info.vocab_size, list(runner.info.eos_token_ids),
+            config.constraint_cache_size, config.constraint_threads,
+        )
+    return Executor(runner, num_pages=num_pages, constraints=constraints)
 
 
 def group_num_pages(own: int, config: WorkerConfig) -> int:
