@@ -41,7 +41,7 @@ class WorkerConfig:
     shutdown_grace_s: float
     log_level: str
     constraint_cache_size: int = 256
-    constraint_threads: int = 0
+    constraint_threads: int = 1
 
     @property
     def address(self) -> str:
@@ -100,8 +100,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     flag("shutdown-grace-s", type=float, default=5.0, help="seconds in-flight calls get on SIGTERM")
     flag("constraint-cache-size", type=int, default=256,
          help="distinct constraints rank 0 keeps compiled (least recently used go first)")
-    flag("constraint-threads", type=int, default=0,
-         help="threads rank 0 fills constraint masks with (0 = llguidance's default)")
+    flag("constraint-threads", type=int, default=1,
+         help="threads rank 0 fills constraint masks with (1: on the step's own thread)")
     flag("log-level", type=str.upper, default="INFO", choices=LOG_LEVELS, help="logging level")
     return parser
 
@@ -121,8 +121,8 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
             parser.error(f"--{name.replace('_', '-')} must be > 0")
     if args.constraint_cache_size < 1:
         parser.error(f"--constraint-cache-size must be >= 1, got {args.constraint_cache_size}")
-    if args.constraint_threads < 0:
-        parser.error(f"--constraint-threads must be >= 0, got {args.constraint_threads}")
+    if args.constraint_threads < 1:
+        parser.error(f"--constraint-threads must be >= 1, got {args.constraint_threads}")
     if not 0 <= args.rank < args.world_size:
         parser.error(f"--rank {args.rank} is outside --world-size {args.world_size}")
     return WorkerConfig(**vars(args))

@@ -67,13 +67,14 @@ class ConstraintMasks:
     """Rank 0's grammar work: builds matchers and masks the logits of constrained rows."""
 
     def __init__(self, compiler: GrammarCompiler, vocab_size: int, eos_token_ids: list[int], num_threads: int) -> None:
-        """`vocab_size` is the logits width; `num_threads` 0 leaves the fill's thread count to
-        llguidance."""
+        """`vocab_size` is the logits width. `num_threads` 1 fills the rows one after the other
+        on the calling thread (no hand-off to a pool: the cheapest on a small CPU that the
+        forward pass keeps busy); more fill them in parallel on llguidance's pool."""
         self.compiler = compiler
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self._num_words = (vocab_size + BITS_PER_WORD - 1) // BITS_PER_WORD
-        self._executor = llguidance.LLExecutor(num_threads or None)
+        self._executor = llguidance.LLExecutor(num_threads) if num_threads > 1 else None
         eos = np.zeros(self._num_words * BITS_PER_WORD, dtype=np.uint8)
         eos[self.eos_token_ids] = 1
         self._eos_only = torch.from_numpy(np.packbits(eos, bitorder="little").view(np.int32))
@@ -102,9 +103,13 @@ class ConstraintMasks:
         Works in place on `logits` (the runner's fresh float32 output) and returns it.
         """
         bitmask = torch.zeros((len(rows), self._num_words), dtype=torch.int32)
-        llguidance.torch.fill_next_token_bitmask_par(
-            self._executor, [(row.matcher, slot) for slot, (_, row) in enumerate(rows)], bitmask
-        )
+        if self._executor is None:
+            for slot, (_, row) in enumerate(rows):
+                llguidance.torch.fill_next_token_bitmask(row.matcher, bitmask, slot)
+        else:
+            llguidance.torch.fill_next_token_bitmask_par(
+                self._executor, [(row.matcher, slot) for slot, (_, row) in enumerate(rows)], bitmask
+            )
         self._allow_eos_where_empty(bitmask)
         allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
         allowed = torch.from_numpy(allowed[:, : self.vocab_size]).to(torch.int32)
