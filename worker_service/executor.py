@@ -18,7 +18,7 @@ from radixserve.constraints import Constraint
 from radixserve.grammar_compiler import InvalidConstraint
 from radixserve.sampling import SamplingParams
 from worker_service.forward_batch import ForwardEntry, ModelInfo
-from worker_service.grammar import ConstraintMasks
+from worker_service.grammar import ConstraintMasks, RequestMatcher
 from worker_service.request_state import RequestState, RequestTable
 from worker_service.sampler import Sampler, SampleRow
 
@@ -135,7 +135,9 @@ class Executor:
         return TaskResult(task.task_id, self.info.rank, tokens=tokens)
 
     def _run(self, task: Task, states: list[RequestState]) -> list[SampledToken]:
-        """Forward the entries and, on rank 0, sample; reads the states but changes nothing."""
+        """Forward the entries and, on rank 0, sample; reads the states and changes nothing but
+        the constrained requests' matchers, which follow their sampled tokens (a matcher is
+        synced to the output before each use, so it never depends on a task being committed)."""
         forward_entries = [
             ForwardEntry(
                 token_ids=list(entry.token_ids),
@@ -217,7 +219,7 @@ class Executor:
             matcher=self._new_matcher(request_id, new.constraint, where),
         )
 
-    def _new_matcher(self, request_id: str, constraint: Constraint | None, where: str):
+    def _new_matcher(self, request_id: str, constraint: Constraint | None, where: str) -> RequestMatcher | None:
         """Rank 0's matcher for a constrained request. Only rank 0 looks: the gateway has
         validated the constraint with the same library, so a refusal here means a misconfigured
         stack (no tokenizer in rank 0's model folder), and the router resets the group."""
