@@ -10,6 +10,8 @@ PORT ?= 50051
 TP ?= 1
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
+# The torch pin is declared once, in pyproject.toml (the Dockerfile reads it from there too).
+TORCH_PIN := $(shell grep -o '"torch==[^"]*"' pyproject.toml | tr -d '"')
 COMPOSE_TEST_ARGS ?=
 
 .PHONY: run test setup protos model bench compose-test clean help
@@ -25,7 +27,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# The CPU build of torch, pinned: an unpinned torch pulls gigabytes of CUDA packages.
-	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet $(TORCH_PIN)
 	$(PY) -m pip install --quiet -e ".[test,model]"
 	touch $(STAMP)
 
