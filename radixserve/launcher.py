@@ -70,8 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(up, "port", type=int, default=50051, help="gateway port; router P+1, worker rank r P+9+r")
     add_flag(up, "host", default="127.0.0.1", help="address the gateway listens on")
     add_flag(up, "device", choices=["cpu", "cuda"], help="worker device (worker default when unset)")
-    add_flag(up, "dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-             help="weight and KV dtype")
+    add_flag(up, "dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+             help="weight and KV dtype; auto: each worker picks bfloat16 on CUDA or a CPU with "
+             "AVX512-BF16/AMX, else float32")
     add_flag(up, "kv-cache-mb", type=int, default=1024, help="KV page pool budget per rank, MiB")
     add_flag(up, "startup-timeout-s", type=float, default=300.0,
              help="how long each stage may take to report SERVING")

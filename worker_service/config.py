@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.flags import add_flag
+from worker_service.dtypes import AUTO, DTYPE_CHOICES
 
 DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
-DTYPES = ["float32", "bfloat16", "float16"]
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 
 
@@ -67,7 +67,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     flag("host", default="127.0.0.1", help="address to listen on")
     flag("port", type=int, default=50060, help="port to listen on")
     flag("device", default=default_device(), choices=["cpu", "cuda"], help="where weights and KV pages live")
-    flag("dtype", default="float32", choices=DTYPES, help="weight and KV dtype")
+    flag("dtype", default=AUTO, choices=DTYPE_CHOICES,
+         help="weight and KV dtype; auto: bfloat16 on CUDA or a CPU with AVX512-BF16/AMX, else float32")
     flag("page-size", type=int, default=16, help="tokens per KV page (must match the router's view)")
     flag("kv-cache-mb", type=int, default=1024, help="KV page pool memory budget of this rank, in MiB")
     flag("num-threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")

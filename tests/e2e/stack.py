@@ -70,7 +70,7 @@ def launch(
     procs.start(
         "stack",
         [sys.executable, "-m", "radixserve.launcher", "up", "--model", str(model_dir),
-         "--tp", str(tp), "--port", str(port), "--device", "cpu", "--kv-cache-mb", "64",
+         "--tp", str(tp), "--port", str(port), "--device", "cpu", "--dtype", "float32", "--kv-cache-mb", "64",
          "--shutdown-timeout-s", "20"],
         # The launcher passes its environment on: the gateway reads the first; one torch
         # thread per worker, since the test session sets OMP_NUM_THREADS=2 for itself and
