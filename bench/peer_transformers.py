@@ -32,10 +32,10 @@ class StepClock(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def run_peer(model_dir: str, workload: Workload, concurrency: int, time_limit_s: float
+def run_peer(model_dir: str, workload: Workload, concurrency: int, time_limit_s: float, dtype: str = "float32"
              ) -> tuple[list[RequestRecord], float]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     # ignore_eos: generate exactly max_tokens, as the server does.
     model.generation_config.eos_token_id = None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -92,6 +92,7 @@ def main() -> None:
     parser.add_argument("--job", type=Path, required=True, help="JSON list of jobs from bench.run_all")
     parser.add_argument("--out", type=Path, required=True, help="where to write the results JSON")
     parser.add_argument("--num-threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--dtype", default="float32", help="the model's dtype")
     args = parser.parse_args()
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
@@ -99,7 +100,7 @@ def main() -> None:
     results = []
     for job in jobs:
         workload = Workload(**job["workload"])
-        records, wall_s = run_peer(job["model_dir"], workload, job["concurrency"], job["time_limit_s"])
+        records, wall_s = run_peer(job["model_dir"], workload, job["concurrency"], job["time_limit_s"], args.dtype)
         summary = summarize(records, wall_s)
         results.append({"workload": workload.name, "concurrency": job["concurrency"], **summary})
         print(f"[peer] {workload.name} c={job['concurrency']}: "
