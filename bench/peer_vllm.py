@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from bench.records import RequestRecord, summarize
-from bench.workloads import Workload, build_messages
+from bench.workloads import Workload, build_messages, lockstep_turns
 
 # A short warm-up request first, as the other engines get one.
 WARMUP_MAX_TOKENS = 4
@@ -32,31 +32,24 @@ def run_job(llm, tokenizer, workload: Workload, concurrency: int, time_limit_s: 
     params = SamplingParams(temperature=0.0, max_tokens=workload.max_tokens, ignore_eos=True)
     records: list[RequestRecord] = []
     started = time.monotonic()
-    conversations = list(range(len(workload.conversations)))
-    for group_start in range(0, len(conversations), concurrency):
-        if time.monotonic() - started > time_limit_s:
-            break
-        group = conversations[group_start:group_start + concurrency]
-        histories: dict[int, list[tuple[str, str]]] = {c: [] for c in group}
-        for turn in range(max(len(workload.conversations[c]) for c in group)):
-            active = [c for c in group if turn < len(workload.conversations[c])]
-            texts = [tokenizer.apply_chat_template(
-                build_messages(workload.system_prompt, histories[c], workload.conversations[c][turn]),
-                add_generation_prompt=True, tokenize=False) for c in active]
-            # Token ids, as the other engines get them: the template already holds its special tokens.
-            prompts = [{"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)} for text in texts]
-            batch_start = time.monotonic()
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-            batch_end = time.monotonic()
-            for c, prompt, output in zip(active, prompts, outputs):
-                completion = output.outputs[0]
-                records.append(RequestRecord(
-                    conversation=c, turn=turn, start_s=batch_start, end_s=batch_end,
-                    prompt_tokens=len(prompt["prompt_token_ids"]),
-                    completion_tokens=len(completion.token_ids),
-                    cached_tokens=output.num_cached_tokens or 0,
-                ))
-                histories[c].append((workload.conversations[c][turn], completion.text))
+    for turn, active, histories in lockstep_turns(workload, concurrency, time_limit_s):
+        texts = [tokenizer.apply_chat_template(
+            build_messages(workload.system_prompt, histories[c], workload.conversations[c][turn]),
+            add_generation_prompt=True, tokenize=False) for c in active]
+        # Token ids, as the other engines get them: the template already holds its special tokens.
+        prompts = [{"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)} for text in texts]
+        batch_start = time.monotonic()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        batch_end = time.monotonic()
+        for c, prompt, output in zip(active, prompts, outputs):
+            completion = output.outputs[0]
+            records.append(RequestRecord(
+                conversation=c, turn=turn, start_s=batch_start, end_s=batch_end,
+                prompt_tokens=len(prompt["prompt_token_ids"]),
+                completion_tokens=len(completion.token_ids),
+                cached_tokens=output.num_cached_tokens or 0,
+            ))
+            histories[c].append((workload.conversations[c][turn], completion.text))
     return records, time.monotonic() - started
 
 
