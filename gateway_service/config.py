@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from gateway_service.validation import RequestLimits
 from radixserve.flags import add_flag
+from radixserve.security import (
+    SecurityConfig,
+    SecurityError,
+    add_security_flags,
+    security_from_args,
+)
 
 DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
 
@@ -35,6 +42,10 @@ class GatewayConfig:
     constraint_cache_size: int = 256
     # Threads that compile constraints (off the event loop).
     constraint_threads: int = 2
+    # Threads that tokenize, apply chat templates and detokenize, off the event loop.
+    tokenizer_threads: int = 2
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +75,21 @@ def build_parser() -> argparse.ArgumentParser:
              help="distinct constraints kept compiled (least recently used go first)")
     add_flag(parser, "constraint-threads", type=int, default=d.constraint_threads,
              help="threads that compile constraints, off the event loop")
+    add_flag(parser, "tokenizer-threads", type=int, default=d.tokenizer_threads,
+             help="threads for tokenization and detokenization (each pool), off the event loop")
+    limits = d.limits
+    add_flag(parser, "max-request-bytes", type=int, default=limits.max_request_bytes,
+             help="largest request message accepted (gRPC's receive limit; larger ones get "
+             "RESOURCE_EXHAUSTED before they are read)")
+    add_flag(parser, "max-prompt-chars", type=int, default=limits.max_prompt_chars,
+             help="characters of a prompt, or of all messages together (Generate and Tokenize)")
+    add_flag(parser, "max-prompt-tokens", type=int, default=limits.max_prompt_tokens,
+             help="prompt tokens after the chat template (0: the model's context length)")
+    add_flag(parser, "max-messages", type=int, default=limits.max_messages,
+             help="messages in one chat request")
+    add_flag(parser, "max-request-id-len", type=int, default=limits.max_request_id_len,
+             help="characters of a caller's request_id")
+    add_security_flags(parser, public=True)
     return parser
 
 
@@ -80,6 +106,19 @@ def config_from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         parser.error("--constraint-timeout-s must be > 0")
     if args.constraint_cache_size < 1 or args.constraint_threads < 1:
         parser.error("--constraint-cache-size and --constraint-threads must be >= 1")
+    if args.tokenizer_threads < 1:
+        parser.error("--tokenizer-threads must be >= 1")
+    try:
+        limits = RequestLimits(
+            max_request_bytes=args.max_request_bytes,
+            max_prompt_chars=args.max_prompt_chars,
+            max_prompt_tokens=args.max_prompt_tokens,
+            max_messages=args.max_messages,
+            max_request_id_len=args.max_request_id_len,
+        )
+        security = security_from_args(args)
+    except (ValueError, SecurityError) as exc:
+        parser.error(str(exc))
     return GatewayConfig(
         host=args.host,
         port=args.port,
@@ -94,4 +133,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         constraint_timeout_s=args.constraint_timeout_s,
         constraint_cache_size=args.constraint_cache_size,
         constraint_threads=args.constraint_threads,
+        tokenizer_threads=args.tokenizer_threads,
+        limits=limits,
+        security=security,
     )

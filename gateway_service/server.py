@@ -17,6 +17,7 @@ from gateway_service.constraint_check import ConstraintChecker
 from gateway_service.router_choice import RouterPool
 from gateway_service.service import GenerationServicer
 from gateway_service.tokenizer import Tokenizer
+from radixserve.security import load_security
 from radixserve.serving import Health, start_server
 from radixserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -43,14 +44,19 @@ class Gateway:
 
     @classmethod
     async def start(cls, config: GatewayConfig, tokenizer: Tokenizer | None = None) -> "Gateway":
-        """Listen at once; load the tokenizer (unless given) off the event loop; then probe."""
-        pool = RouterPool(config.routers, config.affinity_tokens, config.probe_timeout_s)
+        """Listen at once; load the tokenizer (unless given) off the event loop; then probe.
+
+        Raises `SecurityError` when a TLS or token file cannot be used."""
+        security = load_security(config.security, public=True)
+        pool = RouterPool(config.routers, config.affinity_tokens, config.probe_timeout_s, security)
         servicer = GenerationServicer(config, pool)
         server, health, port = await start_server(
             config.host,
             config.port,
             [lambda s: generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, s)],
             [SERVICE_NAME],
+            security=security,
+            max_receive_bytes=config.limits.max_request_bytes,
         )
         gateway = cls(config, server, health, port, pool, servicer)
         log.info("gateway listening on %s:%d (NOT_SERVING until ready)", config.host, port)
@@ -101,3 +107,4 @@ class Gateway:
         if self.servicer.constraints is not None:
             self.servicer.constraints.close()
         await self.pool.close()
+        self.servicer.close()
