@@ -7,6 +7,7 @@ from typing import Any
 
 import grpc
 
+from client.connection import connection
 from client.errors import from_rpc_error
 from client.request import Message, chat_messages, generate_request
 from client.results import (
@@ -51,7 +52,7 @@ class AsyncClient:
         **options: Any,
     ) -> AsyncIterator[Chunk]:
         request = generate_request(prompt, messages, **options)
-        call = self._stub.Generate(request, timeout=timeout)
+        call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             async for response in call:
                 yield chunk_from_proto(response)
@@ -81,14 +82,16 @@ class AsyncClient:
             prompt=prompt or "", messages=chat_messages(messages or ())
         )
         try:
-            reply = await self._stub.Tokenize(request, timeout=timeout)
+            reply = await self._stub.Tokenize(request, timeout=timeout, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
         return list(reply.token_ids)
 
     async def model_info(self, *, timeout: float | None = None) -> ModelInfo:
         try:
-            reply = await self._stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=timeout)
+            reply = await self._stub.GetModelInfo(
+                generation_pb2.GetModelInfoRequest(), timeout=timeout, metadata=self._metadata
+            )
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
         return model_info_from_proto(reply)

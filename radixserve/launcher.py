@@ -28,6 +28,15 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from radixserve.flags import add_flag
+from radixserve.security import (
+    Security,
+    SecurityError,
+    add_security_flags,
+    load_security,
+    security_args,
+    security_from_args,
+)
+from radixserve.serving import NO_SECURITY
 
 DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
 ROUTER_PORT_OFFSET = 1
@@ -83,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
              help="times the worker group is restarted after a rank exits, in a row without "
              "the group serving again; past it the stack stops")
     add_flag(up, "log-level", default="INFO", help="log level of every service")
+    # Passed down to every service (the API tokens to the gateway only).
+    add_security_flags(up, public=True)
     return parser
 
 
@@ -96,18 +107,20 @@ def plan_stack(args: argparse.Namespace, python: str = sys.executable) -> StackP
     router_port = args.port + ROUTER_PORT_OFFSET
     worker_ports = [args.port + WORKER_PORT_OFFSET + rank for rank in range(args.tp)]
     workers = plan_workers(args, python)
+    secure = security_args(security_from_args(args))
     router = ChildSpec(
         "router",
         [python, "-m", "router_service", "--host", INTERNAL_HOST, "--port", str(router_port),
          "--workers", ",".join(f"{INTERNAL_HOST}:{p}" for p in worker_ports),
-         "--log-level", args.log_level],
+         "--log-level", args.log_level, *secure],
         f"{INTERNAL_HOST}:{router_port}",
     )
     gateway = ChildSpec(
         "gateway",
         [python, "-m", "gateway_service", "--host", args.host, "--port", str(args.port),
          "--model", args.model, "--routers", f"{INTERNAL_HOST}:{router_port}",
-         "--log-level", args.log_level],
+         "--log-level", args.log_level, *secure,
+         *(["--api-token-file", args.api_token_file] if args.api_token_file else [])],
         f"{_reachable(args.host)}:{args.port}",
     )
     return StackPlan([workers, [router], [gateway]], gateway.health_address)
@@ -122,7 +135,7 @@ def plan_workers(args: argparse.Namespace, python: str = sys.executable) -> list
         port = args.port + WORKER_PORT_OFFSET + rank
         cmd = [python, "-m", "worker_service", "--model", args.model, "--host", INTERNAL_HOST,
                "--port", str(port), "--dtype", args.dtype, "--kv-cache-mb", str(args.kv_cache_mb),
-               "--log-level", args.log_level]
+               "--log-level", args.log_level, *security_args(security_from_args(args))]
         if args.device:
             cmd += ["--device", args.device]
         env = {"RANK": str(rank), "WORLD_SIZE": str(args.tp), "MASTER_ADDR": INTERNAL_HOST,
@@ -216,8 +229,10 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
             pass
 
 
-def is_serving(address: str, timeout_s: float = 1.0) -> bool:
-    with grpc.insecure_channel(address) as channel:
+def is_serving(address: str, timeout_s: float = 1.0, security: Security = NO_SECURITY) -> bool:
+    """Health over TLS (and with a client certificate) when `security` says so; the health
+    service asks for no token."""
+    with security.channel(address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
@@ -227,7 +242,9 @@ def is_serving(address: str, timeout_s: float = 1.0) -> bool:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def _wait_healthy(stack: Stack, specs: list[ChildSpec], timeout_s: float, stop: threading.Event) -> None:
+def _wait_healthy(
+    stack: Stack, specs: list[ChildSpec], timeout_s: float, stop: threading.Event, security: Security
+) -> None:
     pending = {spec.name: spec.health_address for spec in specs}
     deadline = time.monotonic() + timeout_s
     while pending:
@@ -235,7 +252,7 @@ def _wait_healthy(stack: Stack, specs: list[ChildSpec], timeout_s: float, stop: 
         if stop.is_set():
             return
         for name, address in list(pending.items()):
-            if is_serving(address):
+            if is_serving(address, security=security):
                 stack.say(f"{name} is serving on {address}")
                 del pending[name]
         if pending and time.monotonic() > deadline:
@@ -257,6 +274,10 @@ def run_up(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: stop.set())
+    try:
+        security = load_security(security_from_args(args), public=True)
+    except SecurityError as exc:
+        raise SystemExit(f"radixserve up: {exc}") from None
     plan = plan_stack(args)
     stack = Stack(args.shutdown_timeout_s)
     try:
@@ -264,12 +285,12 @@ def run_up(args: argparse.Namespace) -> int:
             for spec in group:
                 stack.start(spec)
                 stack.say(f"started {spec.name} (pid {stack.children[spec.name].pid}): {' '.join(spec.cmd)}")
-            _wait_healthy(stack, group, args.startup_timeout_s, stop)
+            _wait_healthy(stack, group, args.startup_timeout_s, stop, security)
             if stop.is_set():
                 break
         else:
-            _print_usage(stack, plan.gateway_address)
-            _supervise(stack, args, plan.groups[0], stop)
+            _print_usage(stack, plan.gateway_address, args)
+            _supervise(stack, args, plan.groups[0], stop, security)
     except StackFailed as exc:
         stack.say(f"{exc}; stopping the stack")
         _stop_in_order(stack, plan)
@@ -288,7 +309,10 @@ def _stop_in_order(stack: Stack, plan: StackPlan) -> None:
     stack.stop()
 
 
-def _supervise(stack: Stack, args: argparse.Namespace, workers: list[ChildSpec], stop: threading.Event) -> None:
+def _supervise(
+    stack: Stack, args: argparse.Namespace, workers: list[ChildSpec], stop: threading.Event,
+    security: Security,
+) -> None:
     """Watch the serving stack until `stop`: restart the worker group when a rank exits."""
     worker_names = [spec.name for spec in workers]
     restarts = 0  # in a row, without the group serving in between
@@ -309,18 +333,25 @@ def _supervise(stack: Stack, args: argparse.Namespace, workers: list[ChildSpec],
                 stack.start(spec)
                 stack.say(f"started {spec.name} (pid {stack.children[spec.name].pid})")
             recovering = True
-        elif recovering and all(is_serving(spec.health_address) for spec in workers):
+        elif recovering and all(is_serving(s.health_address, security=security) for s in workers):
             stack.say("worker group is serving again")
             recovering, restarts = False, 0
 
 
-def _print_usage(stack: Stack, address: str) -> None:
+def _print_usage(stack: Stack, address: str, args: argparse.Namespace) -> None:
     stack.say(f"ready: GenerationService on {address}")
     stack.say("try:")
-    stack.say(f"  grpcurl -plaintext -d '{{\"prompt\": \"Hello\", \"max_tokens\": 16}}' {address} "
-              "radixserve.v1.GenerationService/Generate")
-    stack.say(f"  python -m client generate \"Hello\" --max-tokens 16 --address {address}")
-    stack.say(f"  python -m client chat \"What is a radix tree?\" --address {address}")
+    transport = f"-cacert {args.tls_ca}" if args.tls_ca else "-plaintext"
+    client_tls = f" --tls-ca {args.tls_ca}" if args.tls_ca else ""
+    token = ""
+    if args.api_token_file or args.api_tokens:
+        transport += " -H \"authorization: Bearer $TOKEN\""
+        client_tls += " --api-token $TOKEN"
+        token = " (TOKEN: one of the API tokens)"
+    stack.say(f"  grpcurl {transport} -d '{{\"prompt\": \"Hello\", \"max_tokens\": 16}}' {address} "
+              f"radixserve.v1.GenerationService/Generate{token}")
+    stack.say(f"  python -m client generate \"Hello\" --max-tokens 16 --address {address}{client_tls}")
+    stack.say(f"  python -m client chat \"What is a radix tree?\" --address {address}{client_tls}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,7 +5,8 @@
   to router, router to workers, health checks) use TLS whenever it is set. With `--mtls`, servers
   require client certificates signed by it, and callers present their own `--tls-cert/--tls-key`
   (so a certificate used with `--mtls` must allow client as well as server authentication; the
-  ones `radixserve.dev_certs` writes do).
+  ones `radixserve.dev_certs` writes do). On the gateway, `--mtls` only makes it present its
+  certificate to the routers: its public port authenticates callers by API token.
 - `--internal-token-file`: a shared secret that the gateway sends to the router and the router
   to the workers (`authorization: Bearer ...`); router and workers reject calls without it. An
   alternative to mTLS, or on top of it.
@@ -190,26 +191,30 @@ def load_security(config: SecurityConfig, *, public: bool = False) -> Security:
     else:
         accepted_tokens = (internal,) if internal else ()
     return Security(
-        server_credentials=_server_credentials(config),
+        # The public port authenticates callers by API token, never by client certificate.
+        server_credentials=_server_credentials(config, client_auth=config.mtls and not public),
         accepted_tokens=accepted_tokens,
-        channel_credentials=channel_credentials(config.tls_ca, *_client_pair(config)),
+        channel_credentials=client_credentials(config),
         call_token=internal,
     )
 
 
-def _server_credentials(config: SecurityConfig) -> grpc.ServerCredentials | None:
+def _server_credentials(config: SecurityConfig, client_auth: bool) -> grpc.ServerCredentials | None:
     if not config.tls:
         return None
     pair = (_read(config.tls_key, "TLS key"), _read(config.tls_cert, "TLS certificate"))
-    if not config.mtls:
+    if not client_auth:
         return grpc.ssl_server_credentials([pair])
     return grpc.ssl_server_credentials(
         [pair], root_certificates=_read(config.tls_ca, "CA bundle"), require_client_auth=True
     )
 
 
-def _client_pair(config: SecurityConfig) -> tuple[str, str]:
-    return (config.tls_cert, config.tls_key) if config.mtls else ("", "")
+def client_credentials(config: SecurityConfig) -> grpc.ChannelCredentials | None:
+    """How this process calls others: TLS when it has a CA, presenting its certificate with mTLS."""
+    if config.mtls:
+        return channel_credentials(config.tls_ca, config.tls_cert, config.tls_key)
+    return channel_credentials(config.tls_ca)
 
 
 def channel_credentials(ca: str, cert: str = "", key: str = "") -> grpc.ChannelCredentials | None:

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from radixserve.flags import add_flag
+from radixserve.security import (
+    SecurityConfig,
+    SecurityError,
+    add_security_flags,
+    security_from_args,
+)
 from router_service.queue_order import Policy
 
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
@@ -35,6 +41,7 @@ class RouterConfig:
     # gateway's RADIXSERVE_MAX_REQUEST_ID_LEN never tightens it under a shared environment.
     max_request_id_bytes: int = 512
     log_level: str = "INFO"
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -104,6 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="longest request_id accepted, in UTF-8 bytes",
     )
     add_flag(parser, "log-level", default=defaults.log_level, choices=LOG_LEVELS, help="log level")
+    add_security_flags(parser)
     return parser
 
 
@@ -112,7 +120,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
     args = parser.parse_args(argv)
     try:
         return _config(args)
-    except ValueError as exc:
+    except (ValueError, SecurityError) as exc:
         parser.error(str(exc))
 
 
@@ -131,4 +139,5 @@ def _config(args: argparse.Namespace) -> RouterConfig:
         step_timeout_s=args.step_timeout_s,
         max_request_id_bytes=args.max_request_id_bytes,
         log_level=args.log_level,
+        security=security_from_args(args),
     )

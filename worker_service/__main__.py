@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from radixserve.security import SecurityError, load_security
 from radixserve.serving import install_stop_handlers, start_server
 from radixserve.v1 import worker_pb2_grpc
 from worker_service.config import WorkerConfig, parse_config
@@ -107,6 +108,7 @@ async def serve(config: WorkerConfig) -> int:
         config.host, config.port,
         [lambda server: worker_pb2_grpc.add_WorkerServiceServicer_to_server(service, server)],
         [SERVICE_NAME],
+        security=load_security(config.security),
     )
     log.info("rank %d/%d listening on %s:%d, loading %s", config.rank, config.world_size, config.host, port, config.model)
     stop = asyncio.Event()
@@ -158,7 +160,11 @@ async def serve(config: WorkerConfig) -> int:
 def main() -> None:
     config = parse_config()
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    raise SystemExit(asyncio.run(serve(config)))
+    try:
+        status = asyncio.run(serve(config))
+    except SecurityError as exc:
+        raise SystemExit(f"worker_service: {exc}") from None
+    raise SystemExit(status)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.flags import add_flag
+from radixserve.security import (
+    SecurityConfig,
+    SecurityError,
+    add_security_flags,
+    security_from_args,
+)
 from worker_service.dtypes import AUTO, DTYPE_CHOICES
 
 DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
@@ -42,6 +48,7 @@ class WorkerConfig:
     log_level: str
     constraint_cache_size: int = 256
     constraint_threads: int = 1
+    security: SecurityConfig = SecurityConfig()
 
     @property
     def address(self) -> str:
@@ -104,6 +111,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     flag("constraint-threads", type=int, default=1,
          help="threads rank 0 fills constraint masks with (1: on the step's own thread)")
     flag("log-level", type=str.upper, default="INFO", choices=LOG_LEVELS, help="logging level")
+    add_security_flags(parser, env=environ)
     return parser
 
 
@@ -126,4 +134,9 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
         parser.error(f"--constraint-threads must be >= 1, got {args.constraint_threads}")
     if not 0 <= args.rank < args.world_size:
         parser.error(f"--rank {args.rank} is outside --world-size {args.world_size}")
-    return WorkerConfig(**vars(args))
+    try:
+        security = security_from_args(args)
+    except SecurityError as exc:
+        parser.error(str(exc))
+    values = {k: v for k, v in vars(args).items() if k in WorkerConfig.__dataclass_fields__}
+    return WorkerConfig(**values, security=security)

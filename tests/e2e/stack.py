@@ -7,8 +7,11 @@ import re
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import grpc
 
 from procs import ServiceProcesses
 from radixserve.launcher import ROUTER_PORT_OFFSET, WORKER_PORT_OFFSET
@@ -64,14 +67,16 @@ class LaunchedStack:
 
 def launch(
     procs: ServiceProcesses, model_dir: Path, tp: int, default_max_tokens: int = 16,
-    env: dict[str, str] | None = None,
+    env: dict[str, str] | None = None, extra_args: Sequence[str] = (),
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> LaunchedStack:
+    """`extra_args` go to `radixserve up`; `credentials` are for its health (TLS stacks)."""
     port = free_port_block(tp)
     procs.start(
         "stack",
         [sys.executable, "-m", "radixserve.launcher", "up", "--model", str(model_dir),
          "--tp", str(tp), "--port", str(port), "--device", "cpu", "--dtype", "float32", "--kv-cache-mb", "64",
-         "--shutdown-timeout-s", "20"],
+         "--shutdown-timeout-s", "20", *extra_args],
         # The launcher passes its environment on: the gateway reads the first; one torch
         # thread per worker, since the test session sets OMP_NUM_THREADS=2 for itself and
         # ranks spinning against each other on two busy cores are many times slower.
@@ -79,7 +84,7 @@ def launch(
              **(env or {})},
     )
     stack = LaunchedStack(procs, port, tp)
-    procs.wait_healthy(stack.gateway, timeout_s=STARTUP_TIMEOUT_S)
+    procs.wait_healthy(stack.gateway, timeout_s=STARTUP_TIMEOUT_S, credentials=credentials)
     return stack
 
 
