@@ -145,6 +145,20 @@ def test_internal_services_refuse_callers_without_the_internal_token(secure_stac
     assert after.usage.cached_tokens > 0  # the prefix cache survived, and was trusted
 
 
+def test_undecodable_request_to_the_router_is_invalid_argument(secure_stack, certs):
+    """A string field that is not UTF-8 fails in deserialization: INVALID_ARGUMENT, not UNKNOWN."""
+    metadata = (("authorization", f"Bearer {_token(certs, 'internal-token')}"),)
+    raw = router_pb2.RouterGenerateRequest(
+        request_id="MARK", prompt_token_ids=[1, 2], max_tokens=2
+    ).SerializeToString().replace(b"MARK", b"\xff\xfe\xfd\xfc")
+    with _client_cert_channel(certs, secure_stack.router, "server") as channel:
+        generate = channel.unary_stream("/radixserve.v1.RouterService/Generate")
+        with pytest.raises(grpc.RpcError) as err:
+            list(generate(raw, timeout=CALL_TIMEOUT_S, metadata=metadata))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "UTF-8" in err.value.details()
+
+
 def test_callers_without_a_client_certificate_do_not_get_through(secure_stack, certs):
     worker = f"127.0.0.1:{secure_stack.port + WORKER_PORT_OFFSET}"
     server_only = grpc.ssl_channel_credentials(_read(certs / "ca.pem"))
