@@ -116,11 +116,13 @@ def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
 
 
 def _write(path: Path, data: bytes, mode: int) -> None:
-    # Created with the final mode, so a secret is never readable by others, even for a moment.
+    # The mode is set before anything is written, so a secret is never readable by others, even
+    # for a moment (fchmod as well as O_CREAT's mode: that one is masked by the umask, and does
+    # not apply to a file that already exists).
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    os.fchmod(fd, mode)
     with os.fdopen(fd, "wb") as handle:
         handle.write(data)
-    os.chmod(path, mode)  # O_CREAT's mode is masked by the umask; the caller asked for this one
 
 
 def write_dev_certs(out: Path, hosts: Sequence[str], secret_mode: int = DEFAULT_SECRET_MODE) -> None:
