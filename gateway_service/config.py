@@ -109,13 +109,9 @@ def config_from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
     if args.tokenizer_threads < 1:
         parser.error("--tokenizer-threads must be >= 1")
     try:
-        limits = RequestLimits(
-            max_request_bytes=args.max_request_bytes,
-            max_prompt_chars=args.max_prompt_chars,
-            max_prompt_tokens=args.max_prompt_tokens,
-            max_messages=args.max_messages,
-            max_request_id_len=args.max_request_id_len,
-        )
+        # Each limit's flag is named after its field.
+        names = RequestLimits.__dataclass_fields__
+        limits = RequestLimits(**{name: getattr(args, name) for name in names})
         security = security_from_args(args)
     except (ValueError, SecurityError) as exc:
         parser.error(str(exc))
