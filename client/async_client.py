@@ -26,12 +26,23 @@ class AsyncClient:
     """`async with AsyncClient(address) as c: result = await c.generate(prompt="Hi")`.
 
     Cancelling the awaiting task, or leaving an `async for` over `stream` early, cancels
-    the request on the server.
+    the request on the server. TLS and token options are those of `Client`.
     """
 
-    def __init__(self, address: str = DEFAULT_ADDRESS) -> None:
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        tls: bool = False,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        api_token: str | None = None,
+    ) -> None:
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address)
+        link = connection(tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, api_token=api_token)
+        self._metadata = link.metadata
+        self._channel = link.aio_channel(address)
         self._stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
 
     async def __aenter__(self) -> "AsyncClient":
