@@ -20,6 +20,7 @@ start-up: a missing or unreadable file stops the service with a message that nam
 from __future__ import annotations
 
 import argparse
+import logging
 import string
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from pathlib import Path
 import grpc
 
 from radixserve.flags import add_flag
+
+log = logging.getLogger(__name__)
 
 AUTH_HEADER = "authorization"
 BEARER = "Bearer "
@@ -190,6 +193,9 @@ def load_security(config: SecurityConfig, *, public: bool = False) -> Security:
         accepted_tokens = tuple(check_token(t, "the API tokens") for t in accepted)
     else:
         accepted_tokens = (internal,) if internal else ()
+    if (accepted_tokens or internal) and not (config.tls and config.tls_ca):
+        log.warning("bearer tokens without TLS on every hop travel in plaintext: "
+                    "give --tls-cert/--tls-key and --tls-ca too")
     return Security(
         # The public port authenticates callers by API token, never by client certificate.
         server_credentials=_server_credentials(config, client_auth=config.mtls and not public),
