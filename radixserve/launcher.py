@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from radixserve.flags import add_flag
+from radixserve.flags import add_flag, env_name
 from radixserve.security import (
     Security,
     SecurityError,
@@ -122,6 +122,9 @@ def plan_stack(args: argparse.Namespace, python: str = sys.executable) -> StackP
          "--log-level", args.log_level, *secure,
          *(["--api-token-file", args.api_token_file] if args.api_token_file else [])],
         f"{_reachable(args.host)}:{args.port}",
+        # Tokens given on the launcher's command line reach the gateway in its environment,
+        # not on a command line that other users can read.
+        {env_name("api-tokens"): ",".join(args.api_tokens)} if args.api_tokens else {},
     )
     return StackPlan([workers, [router], [gateway]], gateway.health_address)
 
