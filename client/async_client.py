@@ -7,7 +7,7 @@ from typing import Any
 
 import grpc
 
-from client.connection import connection
+from client.connection import Endpoint
 from client.errors import from_rpc_error
 from client.request import Message, chat_messages, generate_request
 from client.results import (
@@ -18,32 +18,17 @@ from client.results import (
     chunk_from_proto,
     model_info_from_proto,
 )
-from client.sync_client import DEFAULT_ADDRESS
-from radixserve.v1 import generation_pb2, generation_pb2_grpc
+from radixserve.v1 import generation_pb2
 
 
-class AsyncClient:
+class AsyncClient(Endpoint):
     """`async with AsyncClient(address) as c: result = await c.generate(prompt="Hi")`.
 
     Cancelling the awaiting task, or leaving an `async for` over `stream` early, cancels
     the request on the server. TLS and token options are those of `Client`.
     """
 
-    def __init__(
-        self,
-        address: str = DEFAULT_ADDRESS,
-        *,
-        tls: bool = False,
-        tls_ca: str | None = None,
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
-        api_token: str | None = None,
-    ) -> None:
-        self.address = address
-        link = connection(tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, api_token=api_token)
-        self._metadata = link.metadata
-        self._channel = link.aio_channel(address)
-        self._stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
+    asynchronous = True
 
     async def __aenter__(self) -> "AsyncClient":
         return self

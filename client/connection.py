@@ -8,6 +8,9 @@ from pathlib import Path
 import grpc
 
 from radixserve.security import AUTH_HEADER, BEARER
+from radixserve.v1 import generation_pb2_grpc
+
+DEFAULT_ADDRESS = "localhost:50051"
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,3 +53,26 @@ def connection(
         )
     metadata = ((AUTH_HEADER, BEARER + api_token),) if api_token else None
     return Connection(credentials, metadata)
+
+
+class Endpoint:
+    """What `Client` and `AsyncClient` share: the address, the channel, the stub and the metadata
+    of every call. Subclasses say which kind of channel with `asynchronous`."""
+
+    asynchronous = False
+
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        tls: bool = False,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        api_token: str | None = None,
+    ) -> None:
+        self.address = address
+        link = connection(tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, api_token=api_token)
+        self._metadata = link.metadata
+        self._channel = link.aio_channel(address) if self.asynchronous else link.channel(address)
+        self._stub = generation_pb2_grpc.GenerationServiceStub(self._channel)

@@ -7,7 +7,7 @@ from typing import Any
 
 import grpc
 
-from client.connection import connection
+from client.connection import DEFAULT_ADDRESS, Endpoint
 from client.errors import from_rpc_error
 from client.request import Message, chat_messages, generate_request
 from client.results import (
@@ -18,12 +18,12 @@ from client.results import (
     chunk_from_proto,
     model_info_from_proto,
 )
-from radixserve.v1 import generation_pb2, generation_pb2_grpc
+from radixserve.v1 import generation_pb2
 
-DEFAULT_ADDRESS = "localhost:50051"
+__all__ = ["DEFAULT_ADDRESS", "Client"]
 
 
-class Client:
+class Client(Endpoint):
     """`Client("localhost:50051").generate(prompt="Hello", max_tokens=16).text`.
 
     Options of `generate` / `stream` are those of `client.request.generate_request`
@@ -33,22 +33,6 @@ class Client:
     TLS: `tls=True` (system roots) or `tls_ca="ca.pem"`; `tls_cert/tls_key` for a server that asks
     for a client certificate. `api_token` is sent as `authorization: Bearer ...` on every call.
     """
-
-    def __init__(
-        self,
-        address: str = DEFAULT_ADDRESS,
-        *,
-        tls: bool = False,
-        tls_ca: str | None = None,
-        tls_cert: str | None = None,
-        tls_key: str | None = None,
-        api_token: str | None = None,
-    ) -> None:
-        self.address = address
-        link = connection(tls=tls, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key, api_token=api_token)
-        self._metadata = link.metadata
-        self._channel = link.channel(address)
-        self._stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
 
     def __enter__(self) -> "Client":
         return self
