@@ -44,6 +44,12 @@ class NoRouterAvailable(GatewayError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class ShuttingDown(GatewayError):
+    """The gateway is draining: it finishes what it has and takes nothing new."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
 # Router statuses whose code passes through: each tells the caller what to do next (fix the
 # request, back off, retry elsewhere, give more time). The message is ours, except for
 # INVALID_ARGUMENT, which describes the caller's own request.

@@ -97,6 +97,7 @@ class Gateway:
     async def stop(self) -> None:
         """Drain: NOT_SERVING at once, new calls refused, in-flight streams get
         `shutdown_grace_s` to finish; then the router channels close."""
+        self.servicer.draining = True
         await self._health.set(False)
         if self._probing is not None:
             self._probing.cancel()

@@ -18,7 +18,7 @@ import grpc
 from gateway_service import convert
 from gateway_service.config import GatewayConfig
 from gateway_service.constraint_check import ConstraintChecker
-from gateway_service.errors import GatewayError, NoRouterAvailable, to_status
+from gateway_service.errors import GatewayError, NoRouterAvailable, ShuttingDown, to_status
 from gateway_service.output import OutputAssembler
 from gateway_service.router_choice import RouterPool
 from gateway_service.text_pool import TextPool
@@ -46,6 +46,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.tokenizer: Tokenizer | None = None
         # Set with the tokenizer; compiles constraints to check them.
         self.constraints: ConstraintChecker | None = None
+        # Set when the gateway starts to drain: calls that arrive from then on are refused
+        # here, whatever the gRPC server's own shutdown does with them.
+        self.draining = False
 
     # --- RPCs -----------------------------------------------------------------------------
 
@@ -60,6 +63,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     async def Tokenize(self, request, context) -> generation_pb2.TokenizeResponse:
         try:
+            self._refuse_if_draining()
             request_input = convert.tokenize_input(request)
             check_text_input(request_input, self._limits)
             token_ids = await self._text.encode(self._encode, request_input)
@@ -78,6 +82,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     # --- Generate ---------------------------------------------------------------------------
 
     async def _generate(self, request: GenerateInput, context) -> AsyncIterator[OutputChunk]:
+        self._refuse_if_draining()
         info = await self._server_info()
         tokenizer = self._require_tokenizer()
         vocab_size = info.vocab_size or tokenizer.vocab_size
@@ -170,6 +175,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if request.messages:
             return tokenizer.encode_chat(request.messages)
         return tokenizer.encode_prompt(request.prompt or "")
+
+    def _refuse_if_draining(self) -> None:
+        if self.draining:
+            raise ShuttingDown("the gateway is shutting down; retry on another replica")
 
     def close(self) -> None:
         self._text.close()
