@@ -61,10 +61,11 @@ RUN python -m radixserve.gen_protos \
     && python /opt/radixserve-build/torch_build.py check \
         --version "$(cat /opt/radixserve-build/torch-version)" --variant "${TORCH_VARIANT}"
 
-# Run as an unprivileged user; /models is where the model volume is mounted.
+# Run as an unprivileged user; /models and /certs are where the model and certificate
+# volumes are mounted (a new named volume takes the owner of its mount point).
 RUN useradd --uid "${APP_UID}" --create-home --shell /usr/sbin/nologin radixserve \
-    && mkdir -p /models \
-    && chown radixserve /models
+    && mkdir -p /models /certs \
+    && chown radixserve /models /certs
 USER ${APP_UID}
 
 # gateway, router, worker rank 0 (rank r listens on 50060 + r in the local layout)

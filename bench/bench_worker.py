@@ -1,15 +1,20 @@
-"""Speed of one worker's `ModelRunner` with no gRPC around it: decode and prefill tokens/s.
+"""Speed of one worker's `ModelRunner` with no gRPC around it, against this machine's bounds.
 
     .venv/bin/python -m bench.bench_worker [--model DIR] [--dtypes float32,bfloat16] [--num-threads 2]
 
-Figures (per dtype):
+First the machine's bounds are measured in the same run (`bench.bounds`: read bandwidth, GEMM
+throughput per dtype). Figures (per dtype), each printed with its fraction of the bound (the
+tokens/s the step would reach at full bandwidth or full GEMM throughput, whichever limits it):
 - decode x1: one sequence with a prompt of --context tokens decodes --steps tokens;
-- decode xB: --batch such sequences decode together, one step = B tokens;
+- decode xB: --batch such sequences (nothing shared) decode together, one step = B tokens;
+- decode xB shared: --batch sequences behind one --shared-len-token prefix (held once, in the same
+  pages, as the router's radix cache places it), each with its own short rest up to --context;
 - prefill:   one prompt of --prefill-len tokens computed at once (after one warm-up);
 - prefill xN: N prompts of --prefill-len / N tokens in one step.
 Each figure is the best of --repeats runs (others may be loading the machine; best-of shows what
-the code can do). `--profile` prints a torch.profiler table of one batched decode step;
-`--transformers` adds transformers' `generate` for one sequence as the reference point.
+the code can do). The issue's goals are checked at the end. `--profile` prints a torch.profiler
+table of one batched decode step, unshared and shared; `--transformers` adds transformers'
+`generate` for one sequence as the reference point.
 """
 
 from __future__ import annotations
@@ -25,17 +30,27 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
 
+from bench import bounds as machine  # noqa: E402
 from worker_service.forward_batch import ForwardEntry  # noqa: E402
+from worker_service.kv_pool import KVPool  # noqa: E402
+from worker_service.models.llama import head_dim_of  # noqa: E402
 from worker_service.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "models" / "smollm2-135m-instruct"
 PREFILL_GROUP = 8  # prompts per setup step
+PAGE_SIZE = 16  # the worker's default
+# The issue's goals for the worker alone.
+BATCHED_BOUND_GOAL = 0.60  # batched unshared decode, fraction of its bound
+SHARED_SPEEDUP_GOAL = 3.0  # batched decode behind a shared prefix over the unshared figure
+SINGLE_BANDWIDTH_GOAL = 0.75  # single-stream decode in bfloat16, fraction of its bandwidth bound
 
 
-def page_tables(num_sequences: int, tokens_each: int, page_size: int) -> list[list[int]]:
+def page_tables(num_sequences: int, tokens_each: int, page_size: int, first_page: int = 0) -> list[list[int]]:
     pages_each = (tokens_each + page_size - 1) // page_size
-    return [list(range(i * pages_each, (i + 1) * pages_each)) for i in range(num_sequences)]
+    return [list(range(first_page + i * pages_each, first_page + (i + 1) * pages_each))
+            for i in range(num_sequences)]
 
 
 def prompt(length: int, seed: int, vocab_size: int) -> list[int]:
@@ -46,28 +61,42 @@ def prompt(length: int, seed: int, vocab_size: int) -> list[int]:
 class DecodeBench:
     """`batch` sequences of `context` tokens, prefilled once; each `run` times `steps` decode steps.
 
-    Runs continue the same sequences (the context grows by `steps` per run), so repeating a
-    measurement does not pay for the prefill again.
+    With `shared_len`, the first `shared_len` tokens are the same for every sequence and their
+    whole pages are one set of pages in every page table, computed once (as the router's radix
+    cache does); each sequence's own pages start after them. Runs continue the same sequences
+    (the context grows by `steps` per run), so repeating a measurement does not pay for the
+    prefill again.
     """
 
-    def __init__(self, runner: ModelRunner, batch: int, context: int, steps: int, runs: int) -> None:
+    def __init__(self, runner: ModelRunner, batch: int, context: int, steps: int, runs: int,
+                 shared_len: int = 0, first_page: int = 0) -> None:
         self.runner, self.batch, self.steps = runner, batch, steps
         vocab, page_size = runner.info.vocab_size, runner.info.page_size
-        self.tables = page_tables(batch, context + steps * runs, page_size)
-        prompts = [prompt(context, seed, vocab) for seed in range(batch)]
+        num_shared_pages = shared_len // page_size
+        cached = num_shared_pages * page_size
+        # Shared pages first, in reverse (page ids need not be in order), then each one's own.
+        shared_pages = list(range(first_page + num_shared_pages - 1, first_page - 1, -1))
+        own = page_tables(batch, context + steps * runs - cached, page_size, first_page + num_shared_pages)
+        self.tables = [shared_pages + table for table in own]
+        self.end_page = own[-1][-1] + 1  # the next bench's first page
+        common = prompt(shared_len, 10_000, vocab)
+        prompts = [common + prompt(context - shared_len, seed, vocab) for seed in range(batch)]
+        if cached:
+            runner.forward([ForwardEntry(common[:cached], 0, shared_pages, False)])
         for first in range(0, batch, PREFILL_GROUP):
-            runner.forward([ForwardEntry(prompts[i], 0, self.tables[i], False)
+            runner.forward([ForwardEntry(prompts[i][cached:], cached, self.tables[i], False)
                             for i in range(first, min(batch, first + PREFILL_GROUP))])
         self.position = context
         self.next_ids = [ids[-1] for ids in prompts]
+
+    def entries(self) -> list[ForwardEntry]:
+        return [ForwardEntry([self.next_ids[i]], self.position, self.tables[i], True) for i in range(self.batch)]
 
     def run(self) -> float:
         """Tokens per second over `steps` steps of the whole batch."""
         start = time.perf_counter()
         for _ in range(self.steps):
-            entries = [ForwardEntry([self.next_ids[i]], self.position, self.tables[i], True)
-                       for i in range(self.batch)]
-            self.next_ids = self.runner.forward(entries).argmax(-1).tolist()
+            self.next_ids = self.runner.forward(self.entries()).argmax(-1).tolist()
             self.position += 1
         return self.batch * self.steps / (time.perf_counter() - start)
 
@@ -96,15 +125,34 @@ def transformers_decode_tokens_per_s(model_dir: Path, dtype: str, context: int, 
     return steps / (time.perf_counter() - start)
 
 
-def profile_decode(runner: ModelRunner, batch: int, context: int) -> None:
+def profile_decode(bench: DecodeBench, title: str) -> None:
+    """A torch.profiler table of one decode step of `bench` (it does not advance the sequences)."""
     from torch.profiler import ProfilerActivity, profile
 
-    tables = page_tables(batch, context + 1, runner.info.page_size)
-    entries = [ForwardEntry([5], context, table, True) for table in tables]
-    runner.forward(entries)
+    entries = bench.entries()
+    bench.runner.forward(entries)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        runner.forward(entries)
+        bench.runner.forward(entries)
+    print(f"profile: {title}")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+def runner_shape(model_dir: Path) -> tuple[int, int, int]:
+    """Layers, KV heads and head dim of the checkpoint (TP=1)."""
+    config = AutoConfig.from_pretrained(model_dir)
+    return config.num_hidden_layers, config.num_key_value_heads, head_dim_of(config)
+
+
+def kv_budget(shape: tuple[int, int, int], dtype: str, args: argparse.Namespace) -> int:
+    """Bytes of KV pages that the single, batched and shared benches need side by side."""
+    pages_each = -(-(args.context + args.steps * args.repeats) // PAGE_SIZE)
+    num_pages = (1 + 2 * args.batch) * pages_each + 1
+    num_layers, num_kv_heads, head_dim = shape
+    return num_pages * KVPool.bytes_per_page(num_layers, PAGE_SIZE, num_kv_heads, head_dim, getattr(torch, dtype))
+
+
+def fraction(value: float, bound: float) -> str:
+    return f"{value:8.1f} ({value / bound:4.0%})"
 
 
 def main() -> None:
@@ -112,44 +160,76 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--num-threads", type=int, default=2)
-    parser.add_argument("--context", type=int, default=128, help="prompt tokens before decoding")
-    parser.add_argument("--steps", type=int, default=32, help="decode steps per measurement")
+    parser.add_argument("--context", type=int, default=1024, help="tokens of each sequence before decoding")
+    parser.add_argument("--shared-len", type=int, default=1000, help="shared prefix of the shared batch")
+    parser.add_argument("--steps", type=int, default=16, help="decode steps per measurement")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--prefill-prompts", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--kv-cache-mb", type=int, default=512)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--transformers", action="store_true", help="also time transformers' generate (x1)")
     args = parser.parse_args()
 
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
+    dtypes = args.dtypes.split(",")
     print(f"model {args.model.name}, torch threads {torch.get_num_threads()}, "
-          f"load average {os.getloadavg()[0]:.2f} at start")
-    header = ("dtype", "decode x1 tok/s", f"decode x{args.batch} tok/s", f"prefill {args.prefill_len} tok/s",
-              f"prefill {args.prefill_prompts}x{args.prefill_len // args.prefill_prompts} tok/s")
-    print(" | ".join(f"{h:>20}" for h in header), flush=True)
-    for dtype in args.dtypes.split(","):
-        runner = ModelRunner(RunnerConfig(model_dir=args.model, dtype=dtype,
-                                          kv_cache_bytes=args.kv_cache_mb << 20))
+          f"load average {os.getloadavg()[0]:.2f} at start", flush=True)
+    bounds = machine.measure(dtypes)
+    print(f"bounds: read bandwidth {bounds.bandwidth_bytes_per_s / 1e9:.1f} GB/s; GEMM "
+          + ", ".join(f"{d} {f / 1e9:.0f} GFLOP/s" for d, f in bounds.gemm_flops_per_s.items()), flush=True)
+    header = ("dtype", "decode x1", f"decode x{args.batch}", f"x{args.batch} shared {args.shared_len}",
+              f"prefill {args.prefill_len}", f"prefill {args.prefill_prompts}x{args.prefill_len // args.prefill_prompts}")
+    print("tokens/s (fraction of the bound)\n" + " | ".join(f"{h:>18}" for h in header), flush=True)
+    goals: list[tuple[str, bool]] = []
+    for dtype in dtypes:
+        runner = ModelRunner(RunnerConfig(model_dir=args.model, dtype=dtype, page_size=PAGE_SIZE,
+                                          kv_cache_bytes=kv_budget(runner_shape(args.model), dtype, args)))
+        shape = machine.step_shape(runner)
         prefill_tokens_per_s(runner, args.prefill_len, 1)  # warm-up: first calls pick kernels
         # Best of --repeats: others may be loading the machine; the best shows what the code can do.
         single = DecodeBench(runner, 1, args.context, args.steps, args.repeats)
-        batched = DecodeBench(runner, args.batch, args.context, args.steps, args.repeats)
-        figures = [
-            max(single.run() for _ in range(args.repeats)),
-            max(batched.run() for _ in range(args.repeats)),
-            max(prefill_tokens_per_s(runner, args.prefill_len, 1) for _ in range(args.repeats)),
-            max(prefill_tokens_per_s(runner, args.prefill_len, args.prefill_prompts) for _ in range(args.repeats)),
-        ]
-        print(" | ".join([f"{dtype:>20}"] + [f"{f:>20.1f}" for f in figures]), flush=True)
+        batched = DecodeBench(runner, args.batch, args.context, args.steps, args.repeats,
+                              first_page=single.end_page)
+        shared = DecodeBench(runner, args.batch, args.context, args.steps, args.repeats, args.shared_len,
+                             first_page=batched.end_page)
+        each = args.prefill_len // args.prefill_prompts
+        figures = {
+            "x1": max(single.run() for _ in range(args.repeats)),
+            "batched": max(batched.run() for _ in range(args.repeats)),
+            "shared": max(shared.run() for _ in range(args.repeats)),
+            "prefill": max(prefill_tokens_per_s(runner, args.prefill_len, 1) for _ in range(args.repeats)),
+            "prefill_n": max(prefill_tokens_per_s(runner, args.prefill_len, args.prefill_prompts)
+                             for _ in range(args.repeats)),
+        }
+        limits = {
+            "x1": machine.decode_bound_tokens_per_s(shape, bounds, dtype, 1, args.context),
+            "batched": machine.decode_bound_tokens_per_s(shape, bounds, dtype, args.batch, args.context),
+            "shared": machine.decode_bound_tokens_per_s(shape, bounds, dtype, args.batch, args.context,
+                                                        args.shared_len),
+            "prefill": machine.prefill_bound_tokens_per_s(shape, bounds, dtype, args.prefill_len),
+            "prefill_n": machine.prefill_bound_tokens_per_s(shape, bounds, dtype, each),
+        }
+        print(" | ".join([f"{dtype:>18}"] + [f"{fraction(figures[k], limits[k]):>18}" for k in figures]), flush=True)
+        goals.append((f"{dtype}: decode x{args.batch} at {figures['batched'] / limits['batched']:.0%} of its bound "
+                      f"(goal {BATCHED_BOUND_GOAL:.0%})", figures["batched"] >= BATCHED_BOUND_GOAL * limits["batched"]))
+        speedup = figures["shared"] / figures["batched"]
+        goals.append((f"{dtype}: shared-prefix decode {speedup:.2f}x the unshared (goal {SHARED_SPEEDUP_GOAL:.0f}x)",
+                      speedup >= SHARED_SPEEDUP_GOAL))
+        if dtype == "bfloat16":
+            bandwidth = machine.decode_bound_tokens_per_s(shape, bounds, dtype, 1, args.context)
+            goals.append((f"bfloat16: decode x1 at {figures['x1'] / bandwidth:.0%} of its bandwidth bound "
+                          f"(goal {SINGLE_BANDWIDTH_GOAL:.0%})", figures["x1"] >= SINGLE_BANDWIDTH_GOAL * bandwidth))
         if args.transformers:
             reference = transformers_decode_tokens_per_s(args.model, dtype, args.context, args.steps)
-            print(f"{'transformers ' + dtype:>20} | {reference:>20.1f}", flush=True)
+            print(f"{'transformers ' + dtype:>18} | {reference:>18.1f}", flush=True)
         if args.profile:
-            profile_decode(runner, args.batch, args.context)
-        del runner
+            profile_decode(batched, f"{dtype}, decode x{args.batch} at {args.context}, nothing shared")
+            profile_decode(shared, f"{dtype}, decode x{args.batch} at {args.context}, {args.shared_len} shared")
+        del runner, single, batched, shared
+    for text, met in goals:
+        print(f"goal {'met    ' if met else 'NOT met'}: {text}")
     print(f"load average {os.getloadavg()[0]:.2f} at end")
 
 

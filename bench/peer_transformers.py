@@ -18,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 
 from bench.records import RequestRecord, summarize
-from bench.workloads import Workload, build_messages
+from bench.workloads import Workload, build_messages, lockstep_turns
 
 
 class StepClock(StoppingCriteria):
@@ -32,10 +32,10 @@ class StepClock(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-def run_peer(model_dir: str, workload: Workload, concurrency: int, time_limit_s: float
+def run_peer(model_dir: str, workload: Workload, concurrency: int, time_limit_s: float, dtype: str = "float32"
              ) -> tuple[list[RequestRecord], float]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     # ignore_eos: generate exactly max_tokens, as the server does.
     model.generation_config.eos_token_id = None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -43,39 +43,31 @@ def run_peer(model_dir: str, workload: Workload, concurrency: int, time_limit_s:
         model.generate(**tokenizer(["Hello"], return_tensors="pt"), max_new_tokens=4, pad_token_id=pad_id)
     records: list[RequestRecord] = []
     started = time.monotonic()
-    conversations = list(range(len(workload.conversations)))
-    for group_start in range(0, len(conversations), concurrency):
-        if time.monotonic() - started > time_limit_s:
-            break
-        group = conversations[group_start:group_start + concurrency]
-        histories: dict[int, list[tuple[str, str]]] = {c: [] for c in group}
-        num_turns = max(len(workload.conversations[c]) for c in group)
-        for turn in range(num_turns):
-            active = [c for c in group if turn < len(workload.conversations[c])]
-            texts = [
-                tokenizer.apply_chat_template(
-                    build_messages(workload.system_prompt, histories[c], workload.conversations[c][turn]),
-                    add_generation_prompt=True, tokenize=False)
-                for c in active
-            ]
-            batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-            clock = StepClock()
-            batch_start = time.monotonic()
-            with torch.inference_mode():
-                output = model.generate(
-                    **batch, max_new_tokens=workload.max_tokens, do_sample=False,
-                    pad_token_id=pad_id, stopping_criteria=StoppingCriteriaList([clock]),
-                )
-            prompt_lens = batch["attention_mask"].sum(dim=1).tolist()
-            new_tokens = output[:, batch["input_ids"].shape[1]:]
-            for row, c in enumerate(active):
-                records.append(RequestRecord(
-                    conversation=c, turn=turn, start_s=batch_start, end_s=clock.times_s[-1],
-                    first_token_s=clock.times_s[0], token_times_s=list(clock.times_s),
-                    prompt_tokens=int(prompt_lens[row]), completion_tokens=int(new_tokens.shape[1]),
-                ))
-                reply = tokenizer.decode(new_tokens[row], skip_special_tokens=True)
-                histories[c].append((workload.conversations[c][turn], reply))
+    for turn, active, histories in lockstep_turns(workload, concurrency, time_limit_s):
+        texts = [
+            tokenizer.apply_chat_template(
+                build_messages(workload.system_prompt, histories[c], workload.conversations[c][turn]),
+                add_generation_prompt=True, tokenize=False)
+            for c in active
+        ]
+        batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        clock = StepClock()
+        batch_start = time.monotonic()
+        with torch.inference_mode():
+            output = model.generate(
+                **batch, max_new_tokens=workload.max_tokens, do_sample=False,
+                pad_token_id=pad_id, stopping_criteria=StoppingCriteriaList([clock]),
+            )
+        prompt_lens = batch["attention_mask"].sum(dim=1).tolist()
+        new_tokens = output[:, batch["input_ids"].shape[1]:]
+        for row, c in enumerate(active):
+            records.append(RequestRecord(
+                conversation=c, turn=turn, start_s=batch_start, end_s=clock.times_s[-1],
+                first_token_s=clock.times_s[0], token_times_s=list(clock.times_s),
+                prompt_tokens=int(prompt_lens[row]), completion_tokens=int(new_tokens.shape[1]),
+            ))
+            reply = tokenizer.decode(new_tokens[row], skip_special_tokens=True)
+            histories[c].append((workload.conversations[c][turn], reply))
     return records, time.monotonic() - started
 
 
@@ -92,6 +84,7 @@ def main() -> None:
     parser.add_argument("--job", type=Path, required=True, help="JSON list of jobs from bench.run_all")
     parser.add_argument("--out", type=Path, required=True, help="where to write the results JSON")
     parser.add_argument("--num-threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--dtype", default="float32", help="the model's dtype")
     args = parser.parse_args()
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
@@ -99,7 +92,7 @@ def main() -> None:
     results = []
     for job in jobs:
         workload = Workload(**job["workload"])
-        records, wall_s = run_peer(job["model_dir"], workload, job["concurrency"], job["time_limit_s"])
+        records, wall_s = run_peer(job["model_dir"], workload, job["concurrency"], job["time_limit_s"], args.dtype)
         summary = summarize(records, wall_s)
         results.append({"workload": workload.name, "concurrency": job["concurrency"], **summary})
         print(f"[peer] {workload.name} c={job['concurrency']}: "

@@ -1,12 +1,15 @@
-"""`make bench`: every workload through radixserve and through transformers, side by side.
+"""`make bench`: every workload through radixserve, vLLM's CPU engine and transformers, side by side.
 
 1. Starts the stack (`radixserve up`) and runs each workload at each concurrency through the
    public gRPC API, then the same workloads (fresh prompts, so neither run feeds the other's
    cache) through the OpenAI-compatible HTTP API; records the workers' peak memory.
-2. Stops the stack and runs the same jobs through transformers' `generate` in a separate process.
-3. Writes `bench/results/latest.json`, `latest.md` and PNG plots (`bench.report`).
+2. Stops the stack and runs the same jobs through vLLM's CPU engine (offline `LLM.generate`) in
+   its own virtualenv (`--vllm-python`, made by `make bench`), when that exists.
+3. Runs the same jobs through transformers' `generate` in a separate process.
+4. Writes `bench/results/latest.json`, `latest.md` and PNG plots (`bench.report`).
 
-Both engines run on the same machine in the same run, one after the other, never at once.
+All engines run on the same machine in the same run, in the same dtype (`--dtype`, resolved as
+the worker resolves it), one after the other, never at once.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from bench.loadgen_http import run_workload_http
 from bench.records import summarize
 from bench.report import markdown, update_readme, write_report
 from radixserve.serving import check_health
+from worker_service.dtypes import DTYPE_CHOICES, resolve_dtype
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,12 +49,14 @@ def build_jobs(args: argparse.Namespace, variant_base: int = 0) -> list[tuple[wl
     jobs: list[tuple[wl.Workload, int]] = []
     for concurrency in args.concurrency:
         variant = variant_base + len(jobs)
-        jobs.append((wl.shared_system_prompt(max(8, 2 * concurrency) * scale, args.max_tokens,
+        num_requests = args.num_requests or max(8, 2 * concurrency) * scale
+        jobs.append((wl.shared_system_prompt(num_requests, args.max_tokens, args.system_prompt_words,
                                              variant=variant), concurrency))
-        jobs.append((wl.distinct_prompts(max(4, 2 * concurrency) * scale, args.max_tokens,
+        jobs.append((wl.distinct_prompts(num_requests, args.max_tokens, args.distinct_words,
                                          variant=variant), concurrency))
     jobs.append((wl.single_stream(args.single_stream_tokens, variant_base), 1))
-    jobs.append((wl.multi_turn(4 * scale, 4, args.max_tokens, variant_base), 4))
+    if not args.skip_multi_turn:
+        jobs.append((wl.multi_turn(4 * scale, 4, args.max_tokens, variant_base), 4))
     return jobs
 
 
@@ -111,7 +117,7 @@ def run_server_side(args: argparse.Namespace, jobs: list[tuple[wl.Workload, int]
                     http_jobs: list[tuple[wl.Workload, int]]) -> dict:
     cmd = [str(ROOT / ".venv" / "bin" / "radixserve"), "up", "--model", args.model,
            "--tp", str(args.tp), "--port", str(args.port), "--http-port", str(args.http_port),
-           "--metrics-port", "0"]
+           "--metrics-port", "0", "--dtype", args.dtype]
     print(f"[bench] starting: {' '.join(cmd)}", flush=True)
     proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True,
                             stdout=subprocess.DEVNULL if not args.verbose else None)
@@ -149,16 +155,42 @@ def run_server_side(args: argparse.Namespace, jobs: list[tuple[wl.Workload, int]
             "worker_peak_rss_mb": list(peaks.values())}
 
 
-def run_peer_side(args: argparse.Namespace, jobs: list[tuple[wl.Workload, int]]) -> dict:
+def write_jobs(args: argparse.Namespace, jobs: list[tuple[wl.Workload, int]], path: Path) -> None:
+    path.write_text(json.dumps([
+        {"workload": asdict(w), "concurrency": c, "model_dir": args.model, "time_limit_s": args.time_limit_s}
+        for w, c in jobs
+    ]))
+
+
+def run_peer_side(args: argparse.Namespace, jobs: list[tuple[wl.Workload, int]], dtype: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         job_file, out_file = Path(tmp) / "jobs.json", Path(tmp) / "out.json"
-        job_file.write_text(json.dumps([
-            {"workload": asdict(w), "concurrency": c, "model_dir": args.model, "time_limit_s": args.time_limit_s}
-            for w, c in jobs
-        ]))
+        write_jobs(args, jobs, job_file)
         subprocess.run([sys.executable, "-m", "bench.peer_transformers", "--job", str(job_file),
-                        "--out", str(out_file)], cwd=ROOT, check=True)
+                        "--out", str(out_file), "--dtype", dtype], cwd=ROOT, check=True)
         return json.loads(out_file.read_text())
+
+
+def run_vllm_side(args: argparse.Namespace, jobs: list[tuple[wl.Workload, int]], dtype: str
+                  ) -> tuple[dict | None, str | None]:
+    """vLLM's results, or None and why it did not run (the rest of the bench goes on without it)."""
+    if not args.vllm_python.is_file():
+        return None, f"no vLLM virtualenv at {args.vllm_python} (`make bench` makes one)"
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kvcache_gib),
+           "VLLM_CPU_OMP_THREADS_BIND": args.vllm_threads_bind or f"0-{os.cpu_count() - 1}"}
+    with tempfile.TemporaryDirectory() as tmp:
+        job_file, out_file = Path(tmp) / "jobs.json", Path(tmp) / "out.json"
+        write_jobs(args, jobs, job_file)
+        cmd = [str(args.vllm_python), "-m", "bench.peer_vllm", "--job", str(job_file), "--out", str(out_file),
+               "--dtype", dtype]
+        print(f"[bench] starting: {' '.join(cmd)}", flush=True)
+        try:
+            done = subprocess.run(cmd, cwd=ROOT, env=env, timeout=args.vllm_timeout_s)
+        except subprocess.TimeoutExpired:
+            return None, f"vLLM did not finish within {args.vllm_timeout_s:.0f} s"
+        if done.returncode != 0 or not out_file.is_file():
+            return None, f"vLLM exited with {done.returncode} (its log is above)"
+        return json.loads(out_file.read_text()), None
 
 
 def main() -> None:
@@ -177,7 +209,23 @@ def main() -> None:
     parser.add_argument("--time-limit-s", type=float, default=180.0, help="per run: no new conversations after this")
     parser.add_argument("--startup-timeout-s", type=float, default=300.0, help="wait this long for the stack")
     parser.add_argument("--quick", action="store_true", help="half the requests per run")
+    parser.add_argument("--num-requests", type=int, default=0,
+                        help="requests per shared/distinct run (0: twice the concurrency, at least 8, x2 unless --quick)")
+    parser.add_argument("--system-prompt-words", type=int, default=450,
+                        help="words of the shared system prompt (about 1.1 tokens each)")
+    parser.add_argument("--distinct-words", type=int, default=150, help="words of each distinct prompt")
+    parser.add_argument("--skip-multi-turn", action="store_true", help="leave the multi-turn workload out")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                        help="every engine's dtype; auto resolves as the worker does")
     parser.add_argument("--skip-peer", action="store_true", help="do not run transformers")
+    parser.add_argument("--skip-vllm", action="store_true", help="do not run vLLM")
+    parser.add_argument("--vllm-python", type=Path, default=ROOT / ".peers" / "vllm" / "bin" / "python",
+                        help="python of vLLM's own virtualenv")
+    parser.add_argument("--vllm-kvcache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE for vLLM")
+    parser.add_argument("--vllm-threads-bind", default="",
+                        help="VLLM_CPU_OMP_THREADS_BIND for vLLM (default: every core, 0-N)")
+    parser.add_argument("--vllm-timeout-s", type=float, default=3600.0,
+                        help="give up on vLLM after this long (its first start compiles)")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results", help="where results go")
     parser.add_argument("--verbose", action="store_true", help="show the stack's logs")
     parser.add_argument("--update-readme", action="store_true",
@@ -186,14 +234,18 @@ def main() -> None:
 
     jobs = build_jobs(args)
     http_jobs = [] if args.skip_http else build_jobs(args, HTTP_VARIANT_BASE)
+    dtype = resolve_dtype(args.dtype, "cpu")
     server = run_server_side(args, jobs, http_jobs)
-    peer = {"results": [], "peak_rss_mb": None} if args.skip_peer else run_peer_side(args, jobs)
+    vllm, vllm_skipped = (None, "--skip-vllm") if args.skip_vllm else run_vllm_side(args, jobs, dtype)
+    if vllm_skipped:
+        print(f"[bench] vLLM skipped: {vllm_skipped}", flush=True)
+    peer = {"results": [], "peak_rss_mb": None} if args.skip_peer else run_peer_side(args, jobs, dtype)
     report = {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.python_implementation()} "
                    f"{platform.python_version()}",
-        "model": args.model, "tp": args.tp, "dtype": "float32",
-        "radixserve": server, "transformers": peer,
+        "model": args.model, "tp": args.tp, "dtype": dtype,
+        "radixserve": server, "vllm": vllm, "vllm_skipped": vllm_skipped, "transformers": peer,
     }
     write_report(report, args.out_dir)
     if args.update_readme and not update_readme(ROOT / "README.md", markdown(report)):

@@ -11,6 +11,8 @@ plus the new user message, so a multi-turn conversation extends its own prefix e
 from __future__ import annotations
 
 import random
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 WORDS = (
@@ -96,3 +98,19 @@ def build_messages(system_prompt: str | None, history: list[tuple[str, str]], us
         messages.append({"role": "assistant", "content": answered})
     messages.append({"role": "user", "content": user})
     return messages
+
+
+def lockstep_turns(workload: Workload, concurrency: int, time_limit_s: float
+                   ) -> Iterator[tuple[int, list[int], dict[int, list[tuple[str, str]]]]]:
+    """How an offline peer runs a workload: conversations `concurrency` at a time, each group's
+    turns in lockstep. Yields (turn, the group's conversations that have this turn, the group's
+    histories); the caller appends each (user message, reply) to `histories[c]` before the next
+    turn. No new group starts after `time_limit_s`."""
+    started = time.monotonic()
+    for group_start in range(0, len(workload.conversations), concurrency):
+        if time.monotonic() - started > time_limit_s:
+            return
+        group = list(range(group_start, min(group_start + concurrency, len(workload.conversations))))
+        histories: dict[int, list[tuple[str, str]]] = {c: [] for c in group}
+        for turn in range(max(len(workload.conversations[c]) for c in group)):
+            yield turn, [c for c in group if turn < len(workload.conversations[c])], histories

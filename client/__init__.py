@@ -8,6 +8,7 @@ from client.errors import (
     InvalidArgumentError,
     RadixServeError,
     ResourceExhaustedError,
+    UnauthenticatedError,
     UnavailableError,
 )
 from client.results import Chunk, GenerateResult, ModelInfo, TokenLogprob, TopLogprob, Usage
@@ -16,5 +17,6 @@ from client.sync_client import Client
 __all__ = [
     "AsyncClient", "CancelledError", "Chunk", "Client", "DeadlineExceededError",
     "GenerateResult", "InternalError", "InvalidArgumentError", "ModelInfo", "RadixServeError",
-    "ResourceExhaustedError", "TokenLogprob", "TopLogprob", "UnavailableError", "Usage",
+    "ResourceExhaustedError", "TokenLogprob", "TopLogprob", "UnauthenticatedError",
+    "UnavailableError", "Usage",
 ]

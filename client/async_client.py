@@ -7,6 +7,7 @@ from typing import Any
 
 import grpc
 
+from client.connection import Endpoint
 from client.errors import from_rpc_error
 from client.request import Message, chat_messages, generate_request
 from client.results import (
@@ -17,21 +18,17 @@ from client.results import (
     chunk_from_proto,
     model_info_from_proto,
 )
-from client.sync_client import DEFAULT_ADDRESS
-from radixserve.v1 import generation_pb2, generation_pb2_grpc
+from radixserve.v1 import generation_pb2
 
 
-class AsyncClient:
+class AsyncClient(Endpoint):
     """`async with AsyncClient(address) as c: result = await c.generate(prompt="Hi")`.
 
     Cancelling the awaiting task, or leaving an `async for` over `stream` early, cancels
-    the request on the server.
+    the request on the server. TLS and token options are those of `Client`.
     """
 
-    def __init__(self, address: str = DEFAULT_ADDRESS) -> None:
-        self.address = address
-        self._channel = grpc.aio.insecure_channel(address)
-        self._stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
+    asynchronous = True
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -51,7 +48,7 @@ class AsyncClient:
         **options: Any,
     ) -> AsyncIterator[Chunk]:
         request = generate_request(prompt, messages, **options)
-        call = self._stub.Generate(request, timeout=timeout)
+        call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             async for response in call:
                 yield chunk_from_proto(response)
@@ -81,14 +78,16 @@ class AsyncClient:
             prompt=prompt or "", messages=chat_messages(messages or ())
         )
         try:
-            reply = await self._stub.Tokenize(request, timeout=timeout)
+            reply = await self._stub.Tokenize(request, timeout=timeout, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
         return list(reply.token_ids)
 
     async def model_info(self, *, timeout: float | None = None) -> ModelInfo:
         try:
-            reply = await self._stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=timeout)
+            reply = await self._stub.GetModelInfo(
+                generation_pb2.GetModelInfoRequest(), timeout=timeout, metadata=self._metadata
+            )
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
         return model_info_from_proto(reply)

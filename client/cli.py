@@ -30,6 +30,11 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "address", default=DEFAULT_ADDRESS, help="gateway address")
     add_flag(parser, "max-tokens", type=int, help="most tokens to generate")
     add_flag(parser, "timeout-s", type=float, help="deadline of the call in seconds")
+    add_flag(parser, "tls", type=bool, default=False, help="TLS with the system's root certificates")
+    add_flag(parser, "tls-ca", help="CA bundle that verifies the gateway (turns TLS on)")
+    add_flag(parser, "tls-cert", help="client certificate, for a gateway that asks for one")
+    add_flag(parser, "tls-key", help="key of --tls-cert")
+    add_flag(parser, "api-token", help="public API bearer token (prefer the environment variable)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep going past end of sequence")
     parser.add_argument("--temperature", type=float, help="0 = greedy; server default 1.0")
@@ -89,7 +94,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         target = {"messages": messages}
     last = None
     try:
-        with Client(args.address) as client:
+        client = Client(
+            args.address, tls=args.tls, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
+            tls_key=args.tls_key, api_token=args.api_token,
+        )
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with client:
             for chunk in client.stream(timeout=args.timeout_s, **target, **_options(args)):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()

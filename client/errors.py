@@ -43,11 +43,17 @@ class InternalError(RadixServeError):
     code = grpc.StatusCode.INTERNAL
 
 
+class UnauthenticatedError(RadixServeError):
+    """No API token, or one the gateway does not accept."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
 _BY_CODE: dict[grpc.StatusCode, type[RadixServeError]] = {
     cls.code: cls
     for cls in (
         InvalidArgumentError, UnavailableError, ResourceExhaustedError,
-        DeadlineExceededError, CancelledError, InternalError,
+        DeadlineExceededError, CancelledError, InternalError, UnauthenticatedError,
     )
 }
 

@@ -7,6 +7,7 @@ from typing import Any
 
 import grpc
 
+from client.connection import DEFAULT_ADDRESS, Endpoint
 from client.errors import from_rpc_error
 from client.request import Message, chat_messages, generate_request
 from client.results import (
@@ -17,23 +18,21 @@ from client.results import (
     chunk_from_proto,
     model_info_from_proto,
 )
-from radixserve.v1 import generation_pb2, generation_pb2_grpc
+from radixserve.v1 import generation_pb2
 
-DEFAULT_ADDRESS = "localhost:50051"
+__all__ = ["DEFAULT_ADDRESS", "Client"]
 
 
-class Client:
+class Client(Endpoint):
     """`Client("localhost:50051").generate(prompt="Hello", max_tokens=16).text`.
 
     Options of `generate` / `stream` are those of `client.request.generate_request`
     (max_tokens, stop, temperature, top_p, ..., logprobs); `timeout` is in seconds.
     Failures raise `RadixServeError` subclasses (`InvalidArgumentError`, `UnavailableError`, ...).
-    """
 
-    def __init__(self, address: str = DEFAULT_ADDRESS) -> None:
-        self.address = address
-        self._channel = grpc.insecure_channel(address)
-        self._stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
+    TLS: `tls=True` (system roots) or `tls_ca="ca.pem"`; `tls_cert/tls_key` for a server that asks
+    for a client certificate. `api_token` is sent as `authorization: Bearer ...` on every call.
+    """
 
     def __enter__(self) -> "Client":
         return self
@@ -54,7 +53,7 @@ class Client:
     ) -> Iterator[Chunk]:
         """Yield chunks as they are generated. Closing the iterator early cancels the request."""
         request = generate_request(prompt, messages, **options)
-        call = self._stub.Generate(request, timeout=timeout)
+        call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             for response in call:
                 yield chunk_from_proto(response)
@@ -85,13 +84,15 @@ class Client:
             prompt=prompt or "", messages=chat_messages(messages or ())
         )
         try:
-            return list(self._stub.Tokenize(request, timeout=timeout).token_ids)
+            return list(self._stub.Tokenize(request, timeout=timeout, metadata=self._metadata).token_ids)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
 
     def model_info(self, *, timeout: float | None = None) -> ModelInfo:
         try:
-            reply = self._stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=timeout)
+            reply = self._stub.GetModelInfo(
+                generation_pb2.GetModelInfoRequest(), timeout=timeout, metadata=self._metadata
+            )
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
         return model_info_from_proto(reply)

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from gateway_service.config import GatewayConfig, config_from_args
 from gateway_service.server import Gateway
+from radixserve.security import SecurityError
 from radixserve.serving import install_stop_handlers
 
 log = logging.getLogger("gateway_service")
@@ -37,7 +38,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    sys.exit(asyncio.run(serve(config)))
+    try:
+        sys.exit(asyncio.run(serve(config)))
+    except SecurityError as exc:
+        raise SystemExit(f"gateway_service: {exc}") from None
 
 
 if __name__ == "__main__":

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from gateway_service.validation import RequestLimits
 from radixserve.flags import add_flag
+from radixserve.security import (
+    SecurityConfig,
+    SecurityError,
+    add_security_flags,
+    security_from_args,
+)
 
 DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
 
@@ -35,6 +42,16 @@ class GatewayConfig:
     max_choices: int = 16
     # Prometheus /metrics port (0: off). The launcher's convention: the gRPC port + 100.
     metrics_port: int = 50151
+    # A constraint that takes longer to compile is rejected (INVALID_ARGUMENT).
+    constraint_timeout_s: float = 2.0
+    # Distinct constraints kept compiled.
+    constraint_cache_size: int = 256
+    # Threads that compile constraints (off the event loop).
+    constraint_threads: int = 2
+    # Threads that tokenize, apply chat templates and detokenize, off the event loop.
+    tokenizer_threads: int = 2
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,6 +81,27 @@ def build_parser() -> argparse.ArgumentParser:
              help="choices one HTTP request may ask for (n x prompts)")
     add_flag(parser, "metrics-port", type=int, default=d.metrics_port,
              help="port of the Prometheus /metrics endpoint (0: off)")
+    add_flag(parser, "constraint-timeout-s", type=float, default=d.constraint_timeout_s,
+             help="a constraint that takes longer to compile is rejected as invalid")
+    add_flag(parser, "constraint-cache-size", type=int, default=d.constraint_cache_size,
+             help="distinct constraints kept compiled (least recently used go first)")
+    add_flag(parser, "constraint-threads", type=int, default=d.constraint_threads,
+             help="threads that compile constraints, off the event loop")
+    add_flag(parser, "tokenizer-threads", type=int, default=d.tokenizer_threads,
+             help="threads for tokenization and detokenization (each pool), off the event loop")
+    limits = d.limits
+    add_flag(parser, "max-request-bytes", type=int, default=limits.max_request_bytes,
+             help="largest request message accepted (gRPC's receive limit; larger ones get "
+             "RESOURCE_EXHAUSTED before they are read)")
+    add_flag(parser, "max-prompt-chars", type=int, default=limits.max_prompt_chars,
+             help="characters of a prompt, or of all messages together (Generate and Tokenize)")
+    add_flag(parser, "max-prompt-tokens", type=int, default=limits.max_prompt_tokens,
+             help="prompt tokens after the chat template (0: the model's context length)")
+    add_flag(parser, "max-messages", type=int, default=limits.max_messages,
+             help="messages in one chat request")
+    add_flag(parser, "max-request-id-len", type=int, default=limits.max_request_id_len,
+             help="characters of a caller's request_id")
+    add_security_flags(parser, public=True)
     return parser
 
 
@@ -81,6 +119,19 @@ def config_from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
     for flag, port in (("--http-port", args.http_port), ("--metrics-port", args.metrics_port)):
         if not 0 <= port < 65536:
             parser.error(f"{flag} must be in [0, 65535] (0: off), got {port}")
+    if args.constraint_timeout_s <= 0:
+        parser.error("--constraint-timeout-s must be > 0")
+    if args.constraint_cache_size < 1 or args.constraint_threads < 1:
+        parser.error("--constraint-cache-size and --constraint-threads must be >= 1")
+    if args.tokenizer_threads < 1:
+        parser.error("--tokenizer-threads must be >= 1")
+    try:
+        # Each limit's flag is named after its field.
+        names = RequestLimits.__dataclass_fields__
+        limits = RequestLimits(**{name: getattr(args, name) for name in names})
+        security = security_from_args(args)
+    except (ValueError, SecurityError) as exc:
+        parser.error(str(exc))
     return GatewayConfig(
         host=args.host,
         port=args.port,
@@ -95,4 +146,10 @@ def config_from_args(argv: Sequence[str] | None = None) -> GatewayConfig:
         http_port=args.http_port,
         max_choices=args.max_choices,
         metrics_port=args.metrics_port,
+        constraint_timeout_s=args.constraint_timeout_s,
+        constraint_cache_size=args.constraint_cache_size,
+        constraint_threads=args.constraint_threads,
+        tokenizer_threads=args.tokenizer_threads,
+        limits=limits,
+        security=security,
     )

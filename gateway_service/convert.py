@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from radixserve import sampling
+from radixserve import constraints, sampling
 from radixserve.v1 import generation_pb2, router_pb2
 
 from gateway_service.values import (
@@ -56,6 +56,7 @@ def generate_input(request: generation_pb2.GenerateRequest) -> GenerateInput:
         logprobs=request.logprobs,
         top_logprobs=request.top_logprobs,
         request_id=request.request_id,
+        constraint=constraints.from_proto(request.constraint),
     )
 
 
@@ -71,6 +72,7 @@ def router_request(request: RouterRequest) -> router_pb2.RouterGenerateRequest:
         max_tokens=request.max_tokens,
         stop_token_ids=list(request.stop_token_ids),
         ignore_eos=request.ignore_eos,
+        constraint=constraints.to_proto(request.constraint),
     )
 
 

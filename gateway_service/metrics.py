@@ -78,7 +78,7 @@ class GatewayMetrics:
                     self.e2e.labels(model, api).observe(now - start)
                 yield chunk
         except Exception as exc:
-            status = status_of(exc)[0].name
+            status = status_of(exc).name
             raise
         finally:
             self.requests.labels(model, api, status, finish).inc()

@@ -58,10 +58,11 @@ class OutputAssembler:
             if not self._matcher.stopped:
                 tail = self._matcher.feed(self._detokenizer.flush())
                 pieces.append(tail.text)
+                if not tail.stopped:
+                    tail = self._matcher.flush()
+                    pieces.append(tail.text)
                 if tail.stopped:
                     finish_reason = FinishReason.STOP
-                else:
-                    pieces.append(self._matcher.flush())
             self.finished = True
             usage = Usage(
                 prompt_tokens=self._prompt_len,

@@ -18,7 +18,8 @@ import grpc
 
 from gateway_service import convert
 from gateway_service.values import ServerInfo
-from radixserve.serving import CHANNEL_OPTIONS
+from radixserve.security import Security
+from radixserve.serving import CHANNEL_OPTIONS, NO_SECURITY
 from radixserve.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -52,16 +53,22 @@ class RouterPool:
 
     A router counts as up after it answers GetServerInfo and as down after a probe or a
     Generate call finds it UNAVAILABLE. Down routers stay in the failover order, last.
+    Channels use TLS and every call carries the internal token as `security` says
+    (`call_metadata` is what callers of `stub` pass on).
     """
 
-    def __init__(self, addresses: Sequence[str], affinity_tokens: int, probe_timeout_s: float) -> None:
+    def __init__(
+        self, addresses: Sequence[str], affinity_tokens: int, probe_timeout_s: float,
+        security: Security = NO_SECURITY,
+    ) -> None:
         if not addresses:
             raise ValueError("at least one router address is needed")
         self.addresses = tuple(addresses)
         self._affinity_tokens = affinity_tokens
         self._probe_timeout_s = probe_timeout_s
+        self.call_metadata = security.call_metadata()
         self._channels = {
-            a: grpc.aio.insecure_channel(a, options=ROUTER_CHANNEL_OPTIONS) for a in self.addresses
+            a: security.aio_channel(a, ROUTER_CHANNEL_OPTIONS) for a in self.addresses
         }
         self._stubs = {a: router_pb2_grpc.RouterServiceStub(c) for a, c in self._channels.items()}
         self._up = dict.fromkeys(self.addresses, False)
@@ -95,7 +102,8 @@ class RouterPool:
     async def probe(self, address: str) -> bool:
         try:
             reply = await self._stubs[address].GetServerInfo(
-                router_pb2.GetServerInfoRequest(), timeout=self._probe_timeout_s
+                router_pb2.GetServerInfoRequest(), timeout=self._probe_timeout_s,
+                metadata=self.call_metadata,
             )
         except grpc.aio.AioRpcError as exc:
             if self._up[address]:

@@ -13,12 +13,15 @@ import logging
 import grpc
 
 from gateway_service.config import GatewayConfig
+from gateway_service.constraint_check import ConstraintChecker
 from gateway_service.openai_api.app import TokenCheck, build_app
 from gateway_service.openai_api.server import HttpServer
 from gateway_service.router_choice import RouterPool
 from gateway_service.service import GenerationServicer
 from gateway_service.tokenizer import Tokenizer
+from radixserve.guard import token_accepted
 from radixserve.metrics import MetricsServer, serve_metrics
+from radixserve.security import load_security
 from radixserve.serving import Health, start_server
 from radixserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -52,16 +55,23 @@ class Gateway:
     ) -> "Gateway":
         """Listen at once; load the tokenizer (unless given) off the event loop; then probe.
 
-        `token_check`, when given, guards the HTTP API's `/v1/` routes (401 without a token
-        it accepts).
+        The HTTP API's `/v1/` routes answer 401 without a token the gRPC API accepts too
+        (`token_check` replaces that check, for tests). Raises `SecurityError` when a TLS or
+        token file cannot be used.
         """
-        pool = RouterPool(config.routers, config.affinity_tokens, config.probe_timeout_s)
+        security = load_security(config.security, public=True)
+        if token_check is None and security.accepted_tokens:
+            accepted = tuple(token.encode() for token in security.accepted_tokens)
+            token_check = lambda presented: token_accepted(presented, accepted)  # noqa: E731
+        pool = RouterPool(config.routers, config.affinity_tokens, config.probe_timeout_s, security)
         servicer = GenerationServicer(config, pool)
         server, health, port = await start_server(
             config.host,
             config.port,
             [lambda s: generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, s)],
             [SERVICE_NAME],
+            security=security,
+            max_receive_bytes=config.limits.max_request_bytes,
         )
         gateway = cls(config, server, health, port, pool, servicer)
         log.info("gateway listening on %s:%d (NOT_SERVING until ready)", config.host, port)
@@ -70,6 +80,9 @@ class Gateway:
             tokenizer = await asyncio.to_thread(Tokenizer.load, config.model)
             log.info("tokenizer loaded from %s", config.model)
         servicer.tokenizer = tokenizer
+        servicer.constraints = ConstraintChecker(
+            tokenizer.hf, config.constraint_timeout_s, config.constraint_cache_size, config.constraint_threads
+        )
         await gateway.probe_once()
         gateway._probing = asyncio.create_task(gateway._probe_loop())
         gateway._probing.add_done_callback(gateway._probe_loop_ended)
@@ -82,7 +95,8 @@ class Gateway:
         if config.http_port:
             app = build_app(self.servicer, config.max_choices, lambda: bool(self._serving), token_check)
             self.http = await HttpServer.start(
-                app, config.host, config.http_port, config.log_level, config.shutdown_grace_s)
+                app, config.host, config.http_port, config.log_level, config.shutdown_grace_s,
+                tls_cert=config.security.tls_cert, tls_key=config.security.tls_key)
 
     async def probe_once(self) -> bool:
         """Probe every router and update health; True when serving."""
@@ -109,6 +123,7 @@ class Gateway:
     async def stop(self) -> None:
         """Drain: NOT_SERVING at once, new calls refused, in-flight streams get
         `shutdown_grace_s` to finish; then the router channels close."""
+        self.servicer.draining = True
         self._serving = False  # the HTTP API's /health follows too
         await self._health.set(False)
         if self._probing is not None:
@@ -123,4 +138,7 @@ class Gateway:
         await asyncio.gather(*stopping)
         if self.metrics is not None:
             self.metrics.stop()
+        if self.servicer.constraints is not None:
+            self.servicer.constraints.close()
         await self.pool.close()
+        self.servicer.close()

@@ -17,13 +17,16 @@ import grpc
 
 from gateway_service import convert
 from gateway_service.config import GatewayConfig
-from gateway_service.errors import GatewayError, NoRouterAvailable, to_status
+from gateway_service.constraint_check import ConstraintChecker
+from gateway_service.errors import GatewayError, NoRouterAvailable, ShuttingDown, to_status
 from gateway_service.metrics import API_GRPC, GatewayMetrics
 from gateway_service.output import OutputAssembler
 from gateway_service.router_choice import RouterPool
+from gateway_service.text_pool import TextPool
 from gateway_service.tokenizer import Tokenizer
 from gateway_service.validation import (
     check_input,
+    check_prompt_tokens,
     check_text_input,
     resolve_max_tokens,
     resolve_sampling,
@@ -37,10 +40,17 @@ log = logging.getLogger(__name__)
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def __init__(self, config: GatewayConfig, pool: RouterPool) -> None:
         self._config = config
+        self._limits = config.limits
         self._pool = pool
         self.metrics = GatewayMetrics(lambda: pool.info.model_name if pool.info else "")
+        self._text = TextPool(config.tokenizer_threads)
         # Set once the tokenizer is loaded (the server answers NOT_SERVING until then).
         self.tokenizer: Tokenizer | None = None
+        # Set with the tokenizer; compiles constraints to check them.
+        self.constraints: ConstraintChecker | None = None
+        # Set when the gateway starts to drain: calls that arrive from then on are refused
+        # here, whatever the gRPC server's own shutdown does with them.
+        self.draining = False
 
     # --- RPCs -----------------------------------------------------------------------------
 
@@ -57,9 +67,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     async def Tokenize(self, request, context) -> generation_pb2.TokenizeResponse:
         try:
+            self._refuse_if_draining()
             request_input = convert.tokenize_input(request)
-            check_text_input(request_input)
-            return generation_pb2.TokenizeResponse(token_ids=self._encode(request_input))
+            check_text_input(request_input, self._limits)
+            token_ids = await self._text.encode(self._encode, request_input)
+            info = self._pool.info  # without a router yet, the character limit bounds the cost
+            check_prompt_tokens(len(token_ids), info.context_len if info else None, self._limits)
+            return generation_pb2.TokenizeResponse(token_ids=token_ids)
         except Exception as exc:
             await context.abort(*to_status(exc))
 
@@ -86,17 +100,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         return await self._server_info()
 
     async def _generate(self, request: GenerateInput, deadline: float | None) -> AsyncIterator[OutputChunk]:
+        self._refuse_if_draining()
         info = await self._server_info()
         tokenizer = self._require_tokenizer()
         vocab_size = info.vocab_size or tokenizer.vocab_size
-        check_input(request, vocab_size)
+        check_input(request, vocab_size, self._limits)
         sampling = resolve_sampling(
             request.sampling, vocab_size, request.logprobs, request.top_logprobs
         )
-        prompt_ids = self._encode(request)
+        prompt_ids = await self._text.encode(self._encode, request)
+        # The context length is checked next, with a message that names max_tokens too.
+        check_prompt_tokens(len(prompt_ids), None, self._limits)
         max_tokens = resolve_max_tokens(
             request.max_tokens, len(prompt_ids), info.context_len, self._config.default_max_tokens
         )
+        if request.constraint is not None:
+            await self._require_constraints().check(request.constraint)
         # The router sees a unique id even when callers reuse theirs; logs keep the caller's.
         suffix = uuid.uuid4().hex[:12]
         request_id = f"{request.request_id}-{suffix}" if request.request_id else suffix
@@ -107,12 +126,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             sampling=sampling,
             stop_token_ids=request.stop_token_ids,
             ignore_eos=request.ignore_eos,
+            constraint=request.constraint,
         )
         assembler = OutputAssembler(tokenizer, request.stop, len(prompt_ids))
         log.debug("request %s: %d prompt tokens, max_tokens %d", request_id, len(prompt_ids), max_tokens)
         async with contextlib.aclosing(self._router_stream(routed, deadline)) as stream:
             async for response in stream:
-                chunk = assembler.add(
+                chunk = await self._text.decode(
+                    assembler.add,
                     response.token_ids,
                     convert.raw_logprobs(response.logprobs),
                     convert.finish_reason(response.finish_reason),
@@ -133,7 +154,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         failures: list[str] = []
         for address in self._pool.order(request.prompt_token_ids):
             timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            call = self._pool.stub(address).Generate(message, timeout=timeout)
+            call = self._pool.stub(address).Generate(
+                message, timeout=timeout, metadata=self._pool.call_metadata
+            )
             streamed = False
             try:
                 async for response in call:
@@ -147,7 +170,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 failures.append(f"{address}: {exc.details() or exc.code().name}")
             finally:
                 call.cancel()  # no-op once finished; frees the router's pages otherwise
-        raise NoRouterAvailable("no router could take the request (" + "; ".join(failures) + ")")
+        # Router addresses and their errors are for the operator, not for the caller.
+        log.warning("request %s: no router could take it (%s)", request.request_id, "; ".join(failures))
+        raise NoRouterAvailable("no router could take the request")
 
     # --- helpers ----------------------------------------------------------------------------
 
@@ -156,11 +181,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             raise GatewayError("the gateway is still loading its tokenizer", grpc.StatusCode.UNAVAILABLE)
         return self.tokenizer
 
+    def _require_constraints(self) -> ConstraintChecker:
+        if self.constraints is None:
+            raise GatewayError("the gateway is still loading its tokenizer", grpc.StatusCode.UNAVAILABLE)
+        return self.constraints
+
     def _encode(self, request: GenerateInput) -> list[int]:
         tokenizer = self._require_tokenizer()
         if request.messages:
             return tokenizer.encode_chat(request.messages)
         return tokenizer.encode_prompt(request.prompt or "")
+
+    def _refuse_if_draining(self) -> None:
+        if self.draining:
+            raise ShuttingDown("the gateway is shutting down; retry on another replica")
+
+    def close(self) -> None:
+        self._text.close()
 
     async def _server_info(self) -> ServerInfo:
         info = self._pool.info

@@ -3,7 +3,10 @@
 Text is fed as it is detokenized. The matcher emits text only once it can no longer be the
 start of a stop string: a tail of the text that is a prefix of some stop string is held back
 until later text settles it. When a stop string appears, the text before its first occurrence
-is emitted and the rest (the stop string included) is dropped.
+is emitted and the rest (the stop string included) is dropped. "First" means the earliest
+*start*: a complete stop string does not end the output while an earlier-starting one may
+still complete (stops `b` and `XbX` over `XXb` + `X` cut after the first `X`), so its text is
+held until later text or the end of the output decides.
 """
 
 from __future__ import annotations
@@ -37,27 +40,37 @@ class StopStringMatcher:
             return StopResult("", True)
         buffer = self._held + text
         cut = self._first_stop(buffer)
+        limit = len(buffer) if cut is None else cut
+        pending = self._first_partial_stop(buffer, limit)
+        if pending is not None:  # may still become a stop that starts before `cut`
+            self._held = buffer[pending:]
+            return StopResult(buffer[:pending], False)
+        self._held = ""
         if cut is not None:
-            self._held = ""
             self.stopped = True
             return StopResult(buffer[:cut], True)
-        keep = self._partial_stop_len(buffer)
-        self._held = buffer[len(buffer) - keep:] if keep else ""
-        return StopResult(buffer[:len(buffer) - keep], False)
+        return StopResult(buffer, False)
 
-    def flush(self) -> str:
-        """The held-back text at the end of the output (it turned out not to be a stop)."""
+    def flush(self) -> StopResult:
+        """The end of the output: the held-back text up to the first stop string in it."""
+        if self.stopped:
+            return StopResult("", True)
         held, self._held = self._held, ""
-        return "" if self.stopped else held
+        cut = self._first_stop(held)
+        if cut is None:
+            return StopResult(held, False)
+        self.stopped = True
+        return StopResult(held[:cut], True)
 
     def _first_stop(self, text: str) -> int | None:
         positions = [i for i in (text.find(s) for s in self._stop) if i >= 0]
         return min(positions) if positions else None
 
-    def _partial_stop_len(self, text: str) -> int:
-        """Length of the longest tail of `text` that is a proper prefix of a stop string."""
-        for length in range(min(len(text), self._max_len - 1), 0, -1):
-            tail = text[-length:]
-            if any(s.startswith(tail) for s in self._stop):
-                return length
-        return 0
+    def _first_partial_stop(self, text: str, limit: int) -> int | None:
+        """The earliest position before `limit` where a tail of `text` is a proper prefix of a
+        stop string (a stop that later text may complete), or None."""
+        for start in range(max(0, len(text) - self._max_len + 1), limit):
+            tail = text[start:]
+            if any(len(s) > len(tail) and s.startswith(tail) for s in self._stop):
+                return start
+        return None

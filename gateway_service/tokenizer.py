@@ -26,6 +26,11 @@ class Tokenizer:
 
         return cls(AutoTokenizer.from_pretrained(str(model_dir)))
 
+    @property
+    def hf(self):
+        """The Hugging Face tokenizer itself (the grammar compiler indexes its vocabulary)."""
+        return self._hf
+
     def encode_prompt(self, text: str) -> list[int]:
         """A plain prompt, with the special tokens the model's tokenizer adds by itself."""
         return list(self._hf.encode(text))

@@ -2,12 +2,14 @@
 the field, before anything reaches a router. Ranges follow the comments in generation.proto.
 
 Validation runs in two steps because some limits need the tokenized prompt: `check_input`
-before tokenization, `resolve_max_tokens` after it.
+before tokenization (cheap checks on sizes first, so an oversized request costs nothing more),
+`resolve_max_tokens` after it.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from gateway_service.errors import InvalidRequest
 from gateway_service.values import GenerateInput, SamplingInput
@@ -21,10 +23,42 @@ MAX_STOP_STRINGS = 32
 MAX_STOP_LEN = 512
 # Seeds are uint64 (generation.proto); the HTTP API's JSON can carry any integer.
 SEED_LIMIT = 1 << 64
+# Stop token ids are checked against every sampled token.
+MAX_STOP_TOKEN_IDS = 64
 
 
-def check_text_input(request: GenerateInput) -> None:
-    """Exactly one of prompt and messages; a well-formed chat."""
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """Bounds on what one public request may hold (the gateway's flags; README documents them).
+
+    `max_request_bytes` is enforced by gRPC itself (its maximum receive size); the others here.
+    """
+
+    max_request_bytes: int = 4 * 1024 * 1024
+    # Characters of the prompt, or of all messages' roles and contents together.
+    max_prompt_chars: int = 131072
+    # Prompt tokens after the chat template (0: the model's context length bounds it).
+    max_prompt_tokens: int = 0
+    max_messages: int = 256
+    max_request_id_len: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_bytes", "max_prompt_chars", "max_messages", "max_request_id_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_prompt_tokens < 0:
+            raise ValueError("max_prompt_tokens must be >= 0")
+
+
+def check_text_input(request: GenerateInput, limits: RequestLimits) -> None:
+    """Exactly one of prompt and messages, within the size limits; a well-formed chat."""
+    if len(request.messages) > limits.max_messages:
+        raise InvalidRequest(f"at most {limits.max_messages} messages, got {len(request.messages)}")
+    num_chars = len(request.prompt or "") + sum(len(t.role) + len(t.content) for t in request.messages)
+    if num_chars > limits.max_prompt_chars:
+        raise InvalidRequest(
+            f"the prompt has {num_chars} characters, more than the limit of {limits.max_prompt_chars}"
+        )
     if request.prompt is not None and request.messages:
         raise InvalidRequest("give either prompt or messages, not both")
     if request.prompt is None and not request.messages:
@@ -38,9 +72,26 @@ def check_text_input(request: GenerateInput) -> None:
             raise InvalidRequest(f"messages[{index}].content: empty content in a {turn.role} message")
 
 
-def check_input(request: GenerateInput, vocab_size: int) -> None:
-    """Everything that can be checked before tokenizing."""
-    check_text_input(request)
+def check_request_id(request_id: str, limits: RequestLimits) -> None:
+    """Short printable ASCII: it is echoed in logs, and travels with the request to the router."""
+    if len(request_id) > limits.max_request_id_len:
+        raise InvalidRequest(f"request_id is longer than {limits.max_request_id_len} characters")
+    if request_id and not (request_id.isascii() and request_id.isprintable()):
+        raise InvalidRequest("request_id must be printable ASCII")
+
+
+def check_prompt_tokens(num_tokens: int, context_len: int | None, limits: RequestLimits) -> None:
+    """The tokenized prompt (or Tokenize input) within --max-prompt-tokens, else the context
+    (when known)."""
+    limit = limits.max_prompt_tokens or context_len
+    if limit is not None and num_tokens > limit:
+        raise InvalidRequest(f"the prompt has {num_tokens} tokens, more than the limit of {limit}")
+
+
+def check_input(request: GenerateInput, vocab_size: int, limits: RequestLimits) -> None:
+    """Everything that can be checked before tokenizing, sizes first."""
+    check_request_id(request.request_id, limits)
+    check_text_input(request, limits)
     if request.max_tokens is not None and request.max_tokens < 1:
         raise InvalidRequest(f"max_tokens must be >= 1, got {request.max_tokens}")
     if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
@@ -56,6 +107,10 @@ def check_input(request: GenerateInput, vocab_size: int) -> None:
             raise InvalidRequest(f"stop[{index}] is empty")
         if len(stop) > MAX_STOP_LEN:
             raise InvalidRequest(f"stop[{index}] is longer than {MAX_STOP_LEN} characters")
+    if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(
+            f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(request.stop_token_ids)}"
+        )
     for index, token_id in enumerate(request.stop_token_ids):
         if not 0 <= token_id < vocab_size:
             raise InvalidRequest(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from radixserve.constraints import Constraint
 from radixserve.sampling import SamplingParams
 
 
@@ -51,6 +52,7 @@ class GenerateInput:
     logprobs: bool = False
     top_logprobs: int = 0
     request_id: str = ""
+    constraint: Constraint | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +65,7 @@ class RouterRequest:
     sampling: SamplingParams  # logprobs and top_logprobs included
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
+    constraint: Constraint | None = None  # checked: it compiles
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,16 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from radixserve.flags import add_flag
+from radixserve.flags import add_flag, env_name
+from radixserve.security import (
+    Security,
+    SecurityError,
+    add_security_flags,
+    load_security,
+    security_args,
+    security_from_args,
+)
+from radixserve.serving import NO_SECURITY
 
 DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
 ROUTER_PORT_OFFSET = 1
@@ -79,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag(up, "metrics-port", type=int, default=50151,
              help="gateway's /metrics port M; router M+1, worker rank r M+9+r (0: all off)")
     add_flag(up, "device", choices=["cpu", "cuda"], help="worker device (worker default when unset)")
-    add_flag(up, "dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-             help="weight and KV dtype")
+    add_flag(up, "dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+             help="weight and KV dtype; auto: each worker picks bfloat16 on CUDA or a CPU with "
+             "AVX512-BF16/AMX, else float32")
     add_flag(up, "kv-cache-mb", type=int, default=1024, help="KV page pool budget per rank, MiB")
     add_flag(up, "startup-timeout-s", type=float, default=300.0,
              help="how long each stage may take to report SERVING")
@@ -91,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
              help="times the worker group is restarted after a rank exits, in a row without "
              "the group serving again; past it the stack stops")
     add_flag(up, "log-level", default="INFO", help="log level of every service")
+    # Passed down to every service (the API tokens to the gateway only).
+    add_security_flags(up, public=True)
     return parser
 
 
@@ -113,11 +125,12 @@ def plan_stack(args: argparse.Namespace, python: str = sys.executable) -> StackP
     worker_ports = [args.port + WORKER_PORT_OFFSET + rank for rank in range(args.tp)]
     gateway_metrics, router_metrics, _ = metrics_ports(args.metrics_port, args.tp)
     workers = plan_workers(args, python)
+    secure = security_args(security_from_args(args))
     router = ChildSpec(
         "router",
         [python, "-m", "router_service", "--host", INTERNAL_HOST, "--port", str(router_port),
          "--workers", ",".join(f"{INTERNAL_HOST}:{p}" for p in worker_ports),
-         "--log-level", args.log_level, "--metrics-port", str(router_metrics)],
+         "--log-level", args.log_level, "--metrics-port", str(router_metrics), *secure],
         f"{INTERNAL_HOST}:{router_port}",
     )
     gateway = ChildSpec(
@@ -125,8 +138,12 @@ def plan_stack(args: argparse.Namespace, python: str = sys.executable) -> StackP
         [python, "-m", "gateway_service", "--host", args.host, "--port", str(args.port),
          "--model", args.model, "--routers", f"{INTERNAL_HOST}:{router_port}",
          "--log-level", args.log_level, "--http-port", str(args.http_port),
-         "--metrics-port", str(gateway_metrics)],
+         "--metrics-port", str(gateway_metrics), *secure,
+         *(["--api-token-file", args.api_token_file] if args.api_token_file else [])],
         f"{_reachable(args.host)}:{args.port}",
+        # Tokens given on the launcher's command line reach the gateway in its environment,
+        # not on a command line that other users can read.
+        {env_name("api-tokens"): ",".join(args.api_tokens)} if args.api_tokens else {},
     )
     return StackPlan([workers, [router], [gateway]], gateway.health_address,
                      args.http_port, _reachable(args.host), os.path.basename(os.path.normpath(args.model)))
@@ -142,7 +159,8 @@ def plan_workers(args: argparse.Namespace, python: str = sys.executable) -> list
         port = args.port + WORKER_PORT_OFFSET + rank
         cmd = [python, "-m", "worker_service", "--model", args.model, "--host", INTERNAL_HOST,
                "--port", str(port), "--dtype", args.dtype, "--kv-cache-mb", str(args.kv_cache_mb),
-               "--log-level", args.log_level, "--metrics-port", str(worker_metrics[rank])]
+               "--log-level", args.log_level, "--metrics-port", str(worker_metrics[rank]),
+               *security_args(security_from_args(args))]
         if args.device:
             cmd += ["--device", args.device]
         env = {"RANK": str(rank), "WORLD_SIZE": str(args.tp), "MASTER_ADDR": INTERNAL_HOST,
@@ -236,8 +254,10 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
             pass
 
 
-def is_serving(address: str, timeout_s: float = 1.0) -> bool:
-    with grpc.insecure_channel(address) as channel:
+def is_serving(address: str, timeout_s: float = 1.0, security: Security = NO_SECURITY) -> bool:
+    """Health over TLS (and with a client certificate) when `security` says so; the health
+    service asks for no token."""
+    with security.channel(address) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
@@ -247,7 +267,9 @@ def is_serving(address: str, timeout_s: float = 1.0) -> bool:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def _wait_healthy(stack: Stack, specs: list[ChildSpec], timeout_s: float, stop: threading.Event) -> None:
+def _wait_healthy(
+    stack: Stack, specs: list[ChildSpec], timeout_s: float, stop: threading.Event, security: Security
+) -> None:
     pending = {spec.name: spec.health_address for spec in specs}
     deadline = time.monotonic() + timeout_s
     while pending:
@@ -255,7 +277,7 @@ def _wait_healthy(stack: Stack, specs: list[ChildSpec], timeout_s: float, stop: 
         if stop.is_set():
             return
         for name, address in list(pending.items()):
-            if is_serving(address):
+            if is_serving(address, security=security):
                 stack.say(f"{name} is serving on {address}")
                 del pending[name]
         if pending and time.monotonic() > deadline:
@@ -277,6 +299,10 @@ def run_up(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: stop.set())
+    try:
+        security = load_security(security_from_args(args), public=True)
+    except SecurityError as exc:
+        raise SystemExit(f"radixserve up: {exc}") from None
     plan = plan_stack(args)
     stack = Stack(args.shutdown_timeout_s)
     try:
@@ -284,12 +310,12 @@ def run_up(args: argparse.Namespace) -> int:
             for spec in group:
                 stack.start(spec)
                 stack.say(f"started {spec.name} (pid {stack.children[spec.name].pid}): {' '.join(spec.cmd)}")
-            _wait_healthy(stack, group, args.startup_timeout_s, stop)
+            _wait_healthy(stack, group, args.startup_timeout_s, stop, security)
             if stop.is_set():
                 break
         else:
-            _print_usage(stack, plan)
-            _supervise(stack, args, plan.groups[0], stop)
+            _print_usage(stack, plan, args)
+            _supervise(stack, args, plan.groups[0], stop, security)
     except StackFailed as exc:
         stack.say(f"{exc}; stopping the stack")
         _stop_in_order(stack, plan)
@@ -308,7 +334,10 @@ def _stop_in_order(stack: Stack, plan: StackPlan) -> None:
     stack.stop()
 
 
-def _supervise(stack: Stack, args: argparse.Namespace, workers: list[ChildSpec], stop: threading.Event) -> None:
+def _supervise(
+    stack: Stack, args: argparse.Namespace, workers: list[ChildSpec], stop: threading.Event,
+    security: Security,
+) -> None:
     """Watch the serving stack until `stop`: restart the worker group when a rank exits."""
     worker_names = [spec.name for spec in workers]
     restarts = 0  # in a row, without the group serving in between
@@ -329,27 +358,34 @@ def _supervise(stack: Stack, args: argparse.Namespace, workers: list[ChildSpec],
                 stack.start(spec)
                 stack.say(f"started {spec.name} (pid {stack.children[spec.name].pid})")
             recovering = True
-        elif recovering and all(is_serving(spec.health_address) for spec in workers):
+        elif recovering and all(is_serving(s.health_address, security=security) for s in workers):
             stack.say("worker group is serving again")
             recovering, restarts = False, 0
 
 
-def _print_usage(stack: Stack, plan: StackPlan) -> None:
+def _print_usage(stack: Stack, plan: StackPlan, args: argparse.Namespace) -> None:
     address = plan.gateway_address
     stack.say(f"ready: GenerationService on {address}")
     if plan.http_port:
         stack.say(f"ready: OpenAI-compatible HTTP API on http://{plan.http_host}:{plan.http_port}/v1")
     stack.say("try:")
+    transport = f"-cacert {args.tls_ca}" if args.tls_ca else "-plaintext"
+    client_tls = f" --tls-ca {args.tls_ca}" if args.tls_ca else ""
+    token = curl_auth = ""
+    if args.api_token_file or args.api_tokens:
+        transport += " -H \"authorization: Bearer $TOKEN\""
+        client_tls += " --api-token $TOKEN"
+        curl_auth = " -H \"Authorization: Bearer $TOKEN\""
+        token = " (TOKEN: one of the API tokens)"
     if plan.http_port:
-        base = f"http://{plan.http_host}:{plan.http_port}/v1"
-        stack.say(f"  curl {base}/chat/completions -H 'Content-Type: application/json' -d "
-                  f"'{{\"model\": \"{plan.model_id}\", \"messages\": [{{\"role\": \"user\", "
-                  "\"content\": \"Hello\"}]}'")
-        stack.say(f"  curl {base}/models")
-    stack.say(f"  grpcurl -plaintext -d '{{\"prompt\": \"Hello\", \"max_tokens\": 16}}' {address} "
-              "radixserve.v1.GenerationService/Generate")
-    stack.say(f"  python -m client generate \"Hello\" --max-tokens 16 --address {address}")
-    stack.say(f"  python -m client chat \"What is a radix tree?\" --address {address}")
+        scheme, curl_tls = ("https", f" --cacert {args.tls_ca}") if args.tls_cert else ("http", "")
+        base = f"{scheme}://{plan.http_host}:{plan.http_port}/v1"
+        body = f'{{"model": "{plan.model_id}", "messages": [{{"role": "user", "content": "Hello"}}]}}'
+        stack.say(f"  curl{curl_tls}{curl_auth} {base}/chat/completions -H 'Content-Type: application/json' -d '{body}'")
+    stack.say(f"  grpcurl {transport} -d '{{\"prompt\": \"Hello\", \"max_tokens\": 16}}' {address} "
+              f"radixserve.v1.GenerationService/Generate{token}")
+    stack.say(f"  python -m client generate \"Hello\" --max-tokens 16 --address {address}{client_tls}")
+    stack.say(f"  python -m client chat \"What is a radix tree?\" --address {address}{client_tls}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from radixserve.metrics import serve_metrics
+from radixserve.security import SecurityError, load_security
 from radixserve.serving import install_stop_handlers, start_server
 from radixserve.v1 import router_pb2, router_pb2_grpc
 from router_service.config import RouterConfig, config_from_args
@@ -32,12 +33,13 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
     loop dies on its own: a router that cannot step must not look alive.
     """
     health_handle = None
+    security = load_security(config.security)
 
     async def on_health(serving: bool) -> None:
         if health_handle is not None:
             await health_handle.set(serving)
 
-    engine = Engine(config, on_health)
+    engine = Engine(config, on_health, security)
     servicer = RouterService(engine)
     metrics = serve_metrics(engine.metrics.registry, config.host, config.metrics_port, "router")
     server, health_handle, port = await start_server(
@@ -45,6 +47,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event) -> None:
         config.port,
         [lambda server: router_pb2_grpc.add_RouterServiceServicer_to_server(servicer, server)],
         [SERVICE_NAME],
+        security=security,
     )
     log.info("router listening on %s:%d, workers %s", config.host, port, ",".join(config.workers))
     # The engine keeps stepping through the grace period, so in-flight streams can finish.
@@ -81,6 +84,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         asyncio.run(_main(config))
     except EngineCrashed:
         sys.exit(1)  # already logged; a restart policy brings the router back
+    except SecurityError as exc:
+        raise SystemExit(f"router_service: {exc}") from None
 
 
 if __name__ == "__main__":

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from radixserve.flags import add_flag
+from radixserve.security import (
+    SecurityConfig,
+    SecurityError,
+    add_security_flags,
+    security_from_args,
+)
 from router_service.queue_order import Policy
 
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
@@ -37,6 +43,7 @@ class RouterConfig:
     log_level: str = "INFO"
     # Prometheus /metrics port (0: off). The launcher's convention: the gRPC port + 100.
     metrics_port: int = 50152
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -112,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
         parser, "metrics-port", type=int, default=defaults.metrics_port,
         help="port of the Prometheus /metrics endpoint (0: off)",
     )
+    add_security_flags(parser)
     return parser
 
 
@@ -120,7 +128,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
     args = parser.parse_args(argv)
     try:
         return _config(args)
-    except ValueError as exc:
+    except (ValueError, SecurityError) as exc:
         parser.error(str(exc))
 
 
@@ -140,4 +148,5 @@ def _config(args: argparse.Namespace) -> RouterConfig:
         max_request_id_bytes=args.max_request_id_bytes,
         log_level=args.log_level,
         metrics_port=args.metrics_port,
+        security=security_from_args(args),
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import grpc
 
-from radixserve import sampling
+from radixserve import constraints, sampling
 from radixserve.sampling import SamplingParams
 from radixserve.v1 import generation_pb2, router_pb2, worker_pb2
 from router_service.errors import InvalidRequest, QueueFull, RouterError, WorkersUnavailable
@@ -53,6 +53,9 @@ def request_from_proto(msg: router_pb2.RouterGenerateRequest, max_request_id_byt
     problems = params.problems()
     if problems:
         raise InvalidRequest(f"sampling: {'; '.join(problems)}")
+    constraint = constraints.from_proto(msg.constraint)
+    if constraint is not None and constraint.problems():
+        raise InvalidRequest("; ".join(constraint.problems()))
     return Request(
         request_id=msg.request_id,
         prompt_ids=list(msg.prompt_token_ids),
@@ -60,6 +63,7 @@ def request_from_proto(msg: router_pb2.RouterGenerateRequest, max_request_id_byt
         sampling=params,
         stop_token_ids=frozenset(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        constraint=constraint,
     )
 
 
@@ -79,6 +83,7 @@ def task_to_proto(plan: StepPlan, task_id: int) -> worker_pb2.DecodeTask:
                 sampling=sampling.to_proto(request.sampling),
                 cached_token_ids=entry.cached_token_ids,
                 num_prompt_tokens=request.num_prompt,
+                constraint=constraints.to_proto(request.constraint),
             ))
     return task
 

@@ -19,6 +19,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from radixserve.security import Security
+from radixserve.serving import NO_SECURITY
 from radixserve.v1 import generation_pb2, worker_pb2
 from router_service import convert
 from router_service.config import RouterConfig
@@ -68,9 +70,10 @@ class Engine:
         self,
         config: RouterConfig,
         on_health: Callable[[bool], Awaitable[None]] | None = None,
+        security: Security = NO_SECURITY,
     ) -> None:
         self.config = config
-        self.group = WorkerGroup(config.workers, config.connect_timeout_s)
+        self.group = WorkerGroup(config.workers, config.connect_timeout_s, security)
         self.summary: GroupSummary | None = None
         self.scheduler: Scheduler | None = None
         self._on_health = on_health

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from radixserve.constraints import Constraint
 from radixserve.sampling import SamplingParams
 from router_service.radix_cache import RadixNode
 
@@ -38,6 +39,7 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    constraint: Constraint | None = None  # structured output: carried to rank 0, never read here
     arrival: int = 0
     token_ids: list[int] = field(default_factory=list)
     num_output: int = 0

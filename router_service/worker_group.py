@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from radixserve.serving import CHANNEL_OPTIONS
+from radixserve.security import Security
+from radixserve.serving import CHANNEL_OPTIONS, NO_SECURITY
 from radixserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -62,9 +63,15 @@ def _info_from_proto(address: str, reply: worker_pb2.GetWorkerInfoResponse) -> W
 
 
 class WorkerGroup:
-    def __init__(self, addresses: tuple[str, ...], connect_timeout_s: float) -> None:
+    """Channels use TLS and calls carry the internal token as `security` says."""
+
+    def __init__(
+        self, addresses: tuple[str, ...], connect_timeout_s: float, security: Security = NO_SECURITY
+    ) -> None:
         self.addresses = addresses
         self.connect_timeout_s = connect_timeout_s
+        self._security = security
+        self._metadata = security.call_metadata()
         self.infos: list[WorkerInfo] = []
         # Set when any rank's stream ends while connected (e.g. the process died while idle).
         self.broken = asyncio.Event()
@@ -80,12 +87,13 @@ class WorkerGroup:
         await self.close()
         self.broken.clear()
         self._channels = [
-            grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) for address in self.addresses
+            self._security.aio_channel(address, CHANNEL_OPTIONS) for address in self.addresses
         ]
         try:
             replies = await asyncio.gather(*(
                 worker_pb2_grpc.WorkerServiceStub(channel).GetWorkerInfo(
-                    worker_pb2.GetWorkerInfoRequest(), timeout=self.connect_timeout_s
+                    worker_pb2.GetWorkerInfoRequest(), timeout=self.connect_timeout_s,
+                    metadata=self._metadata,
                 )
                 for channel in self._channels
             ))
@@ -99,7 +107,7 @@ class WorkerGroup:
             raise WorkerFault(problem)
         self.infos = infos
         for channel in self._channels:
-            call = worker_pb2_grpc.WorkerServiceStub(channel).Execute()
+            call = worker_pb2_grpc.WorkerServiceStub(channel).Execute(metadata=self._metadata)
             call.add_done_callback(lambda _call: self.broken.set())
             self._calls.append(call)
         return infos

@@ -34,8 +34,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def is_serving(address: str, timeout_s: float = 1.0) -> bool:
-    with grpc.insecure_channel(address) as channel:
+def is_serving(
+    address: str, timeout_s: float = 1.0, credentials: grpc.ChannelCredentials | None = None
+) -> bool:
+    """Health over TLS when `credentials` are given."""
+    channel = (
+        grpc.insecure_channel(address) if credentials is None
+        else grpc.secure_channel(address, credentials)
+    )
+    with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
@@ -85,11 +92,14 @@ class ServiceProcesses:
             if proc.poll() is not None:
                 raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.tail(name)}")
 
-    def wait_healthy(self, address: str, timeout_s: float = 120.0) -> None:
+    def wait_healthy(
+        self, address: str, timeout_s: float = 120.0,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             self.check_alive()
-            if is_serving(address):
+            if is_serving(address, credentials=credentials):
                 return
             time.sleep(0.2)
         logs = "\n".join(f"--- {n} ---\n{self.tail(n)}" for n in self.procs)

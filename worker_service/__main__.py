@@ -19,12 +19,14 @@ import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 
 from radixserve.metrics import serve_metrics
+from radixserve.security import SecurityError, load_security
 from radixserve.serving import install_stop_handlers, start_server
 from radixserve.v1 import worker_pb2_grpc
 from worker_service.config import WorkerConfig, parse_config
 from worker_service.distributed import init_distributed
 from worker_service.executor import Executor
 from worker_service.metrics import WorkerMetrics
+from worker_service.grammar import ConstraintMasks
 from worker_service.model_runner import ModelRunner, RunnerConfig
 from worker_service.peer_watch import PeerWatch, leave_group
 from worker_service.service import SERVICE_NAME, WorkerService
@@ -59,7 +61,13 @@ def load_executor(config: WorkerConfig, metrics_registry: CollectorRegistry | No
         config.rank, runner.weight_bytes() / BYTES_PER_MIB, runner.info.num_pages, num_pages,
     )
     metrics = WorkerMetrics(runner.info.model_name, config.rank, metrics_registry)
-    return Executor(runner, num_pages=num_pages, metrics=metrics)
+    constraints = None
+    if config.rank == 0:  # only rank 0 samples
+        constraints = ConstraintMasks.load(
+            Path(config.model), runner.info.vocab_size, list(runner.info.eos_token_ids),
+            config.constraint_cache_size, config.constraint_threads,
+        )
+    return Executor(runner, num_pages=num_pages, metrics=metrics, constraints=constraints)
 
 
 def group_num_pages(own: int, config: WorkerConfig) -> int:
@@ -104,6 +112,7 @@ async def serve(config: WorkerConfig) -> int:
         config.host, config.port,
         [lambda server: worker_pb2_grpc.add_WorkerServiceServicer_to_server(service, server)],
         [SERVICE_NAME],
+        security=load_security(config.security),
     )
     log.info("rank %d/%d listening on %s:%d, loading %s", config.rank, config.world_size, config.host, port, config.model)
     registry = CollectorRegistry()
@@ -159,7 +168,11 @@ async def serve(config: WorkerConfig) -> int:
 def main() -> None:
     config = parse_config()
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    raise SystemExit(asyncio.run(serve(config)))
+    try:
+        status = asyncio.run(serve(config))
+    except SecurityError as exc:
+        raise SystemExit(f"worker_service: {exc}") from None
+    raise SystemExit(status)
 
 
 if __name__ == "__main__":

@@ -15,9 +15,15 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.flags import add_flag
+from radixserve.security import (
+    SecurityConfig,
+    SecurityError,
+    add_security_flags,
+    security_from_args,
+)
+from worker_service.dtypes import AUTO, DTYPE_CHOICES
 
 DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
-DTYPES = ["float32", "bfloat16", "float16"]
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 
 
@@ -40,7 +46,10 @@ class WorkerConfig:
     peer_timeout_s: float
     shutdown_grace_s: float
     log_level: str
-    metrics_port: int
+    metrics_port: int = 50160
+    constraint_cache_size: int = 256
+    constraint_threads: int = 1
+    security: SecurityConfig = SecurityConfig()
 
     @property
     def address(self) -> str:
@@ -66,7 +75,8 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     flag("host", default="127.0.0.1", help="address to listen on")
     flag("port", type=int, default=50060, help="port to listen on")
     flag("device", default=default_device(), choices=["cpu", "cuda"], help="where weights and KV pages live")
-    flag("dtype", default="float32", choices=DTYPES, help="weight and KV dtype")
+    flag("dtype", default=AUTO, choices=DTYPE_CHOICES,
+         help="weight and KV dtype; auto: bfloat16 on CUDA or a CPU with AVX512-BF16/AMX, else float32")
     flag("page-size", type=int, default=16, help="tokens per KV page (must match the router's view)")
     flag("kv-cache-mb", type=int, default=1024, help="KV page pool memory budget of this rank, in MiB")
     flag("num-threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
@@ -97,9 +107,14 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
         "leaves the group, exiting with status 3 for its restart policy",
     )
     flag("shutdown-grace-s", type=float, default=5.0, help="seconds in-flight calls get on SIGTERM")
+    flag("constraint-cache-size", type=int, default=256,
+         help="distinct constraints rank 0 keeps compiled (least recently used go first)")
+    flag("constraint-threads", type=int, default=1,
+         help="threads rank 0 fills constraint masks with (1: on the step's own thread)")
     flag("log-level", type=str.upper, default="INFO", choices=LOG_LEVELS, help="logging level")
     flag("metrics-port", type=int, default=50160,
          help="port of the Prometheus /metrics endpoint (0: off; the launcher gives rank r its gRPC port + 100)")
+    add_security_flags(parser, env=environ)
     return parser
 
 
@@ -118,6 +133,15 @@ def parse_config(argv: Sequence[str] | None = None, env: Mapping[str, str] | Non
     for name in ("rendezvous_timeout_s", "collective_timeout_s", "peer_timeout_s"):
         if getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be > 0")
+    if args.constraint_cache_size < 1:
+        parser.error(f"--constraint-cache-size must be >= 1, got {args.constraint_cache_size}")
+    if args.constraint_threads < 1:
+        parser.error(f"--constraint-threads must be >= 1, got {args.constraint_threads}")
     if not 0 <= args.rank < args.world_size:
         parser.error(f"--rank {args.rank} is outside --world-size {args.world_size}")
-    return WorkerConfig(**vars(args))
+    try:
+        security = security_from_args(args)
+    except SecurityError as exc:
+        parser.error(str(exc))
+    values = {k: v for k, v in vars(args).items() if k in WorkerConfig.__dataclass_fields__}
+    return WorkerConfig(**values, security=security)

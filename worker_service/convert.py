@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from radixserve import sampling
+from radixserve import constraints, sampling
 from radixserve.v1 import generation_pb2, worker_pb2
 from worker_service.executor import NewRequest, Task, TaskEntry, TaskResult
 from worker_service.forward_batch import ModelInfo
@@ -17,6 +17,7 @@ def task_from_proto(message: worker_pb2.DecodeTask) -> Task:
                 sampling=sampling.from_proto(entry.new_request.sampling),
                 cached_token_ids=list(entry.new_request.cached_token_ids),
                 num_prompt_tokens=entry.new_request.num_prompt_tokens,
+                constraint=constraints.from_proto(entry.new_request.constraint),
             )
         entries.append(
             TaskEntry(

@@ -6,6 +6,7 @@ at all and every collective is the identity, so single-rank code never touches t
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -15,6 +16,8 @@ import torch.distributed as dist
 DEFAULT_INIT_TIMEOUT_S = 300.0
 # Without a separate setting, a collective waits for its peers as long as the rendezvous does.
 DEFAULT_COLLECTIVE_TIMEOUT_S = DEFAULT_INIT_TIMEOUT_S
+# Pending connections the rendezvous socket queues (ranks connect more than once each).
+STORE_BACKLOG = 128
 
 
 @dataclass(slots=True, frozen=True)
@@ -51,10 +54,10 @@ def init_distributed(
     if is_cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     if not dist.is_initialized():
-        # Our own store, so that the rendezvous and the collectives get their own deadlines.
-        store = dist.TCPStore(
-            master_addr, master_port, world_size, is_master=rank == 0,
-            timeout=timedelta(seconds=timeout_s), wait_for_workers=True,
+        # Our own store (listening on master_addr only), so that the rendezvous and the
+        # collectives get their own deadlines.
+        store = rendezvous_store(
+            rank, world_size, master_addr, master_port, timedelta(seconds=timeout_s)
         )
         dist.init_process_group(
             backend="nccl" if is_cuda else "gloo",
@@ -64,6 +67,38 @@ def init_distributed(
             timeout=timedelta(seconds=collective_timeout_s),
         )
     return TPGroup(rank, world_size)
+
+
+def rendezvous_store(
+    rank: int, world_size: int, master_addr: str, master_port: int, timeout: timedelta
+) -> dist.TCPStore:
+    """The group's key-value store; rank 0 serves it on `master_addr` only.
+
+    torch's `tcp://` init (and `TCPStore(is_master=True)`) listens on every interface. Instead
+    rank 0 binds the socket itself, to the address `master_addr` resolves to (the pod's or
+    container's own), and hands it to the store as `master_listen_fd`, which the libuv store
+    (torch's default) accepts. `master_addr` must therefore name an address of rank 0's own host.
+    """
+    if rank != 0:
+        return dist.TCPStore(master_addr, master_port, world_size, False, timeout)
+    family, kind, proto, _, address = socket.getaddrinfo(
+        master_addr, master_port, type=socket.SOCK_STREAM
+    )[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(STORE_BACKLOG)
+    except OSError as exc:
+        listener.close()
+        raise OSError(
+            f"rank 0 cannot listen for the rendezvous on {master_addr}:{master_port} "
+            f"({exc.strerror}); MASTER_ADDR must be an address of rank 0's own host"
+        ) from exc
+    # The store owns the socket from here on (it closes it).
+    return dist.TCPStore(
+        master_addr, master_port, world_size, True, timeout, master_listen_fd=listener.detach()
+    )
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: TPGroup) -> torch.Tensor:

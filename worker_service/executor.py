@@ -15,9 +15,12 @@ from typing import Protocol
 
 import torch
 
+from radixserve.constraints import Constraint
+from radixserve.grammar_compiler import InvalidConstraint
 from radixserve.sampling import SamplingParams
 from worker_service.forward_batch import ForwardEntry, ModelInfo
 from worker_service.metrics import WorkerMetrics
+from worker_service.grammar import ConstraintMasks, RequestMatcher
 from worker_service.request_state import RequestState, RequestTable
 from worker_service.sampler import Sampler, SampleRow
 
@@ -35,6 +38,7 @@ class NewRequest:
     sampling: SamplingParams
     cached_token_ids: list[int]
     num_prompt_tokens: int
+    constraint: Constraint | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -101,11 +105,13 @@ class Executor:
     def __init__(
         self, runner: Runner, sampler: Sampler | None = None, num_pages: int | None = None,
         metrics: WorkerMetrics | None = None,
+        constraints: ConstraintMasks | None = None,
     ) -> None:
         """`num_pages`: the page count the whole TP group holds (the smallest over its ranks).
 
         Ranks with fewer KV heads fit more pages in the same budget; validating page ids against
         the group's count, not the rank's own, keeps every rank's verdict the same.
+        `constraints`: rank 0's grammar masks (None: constrained requests are refused).
         """
         self.runner = runner
         self.info = runner.info if num_pages is None else replace(runner.info, num_pages=num_pages)
@@ -115,6 +121,7 @@ class Executor:
         self.sampler: Sampler | None = None
         if self.info.rank == 0:
             self.sampler = sampler if sampler is not None else Sampler(self.info.device)
+        self.constraints = constraints if self.info.rank == 0 else None
 
     def execute(self, task: Task) -> TaskResult:
         """Apply `task`; a malformed one comes back with an INVALID_ARGUMENT error, unapplied."""
@@ -132,7 +139,9 @@ class Executor:
         return TaskResult(task.task_id, self.info.rank, tokens=tokens)
 
     def _run(self, task: Task, states: list[RequestState]) -> list[SampledToken]:
-        """Forward the entries and, on rank 0, sample; reads the states but changes nothing."""
+        """Forward the entries and, on rank 0, sample; reads the states and changes nothing but
+        the constrained requests' matchers, which follow their sampled tokens (a matcher is
+        synced to the output before each use, so it never depends on a task being committed)."""
         forward_entries = [
             ForwardEntry(
                 token_ids=list(entry.token_ids),
@@ -157,10 +166,17 @@ class Executor:
             SampleRow(state.sampling, state.token_ids + list(entry.token_ids), state.num_prompt_tokens)
             for entry, state in sampled
         ]
+        constrained = [(row, state.matcher) for row, (_, state) in enumerate(sampled) if state.matcher]
+        if constrained:
+            for row, matcher in constrained:
+                matcher.sync(rows[row].output_ids)
+            logits = self.constraints.mask(logits, constrained)
         started = time.monotonic()
         samples = self.sampler.sample(logits, rows)
         if self.metrics is not None:
             self.metrics.sampler_done(time.monotonic() - started)
+        for row, matcher in constrained:
+            matcher.advance(samples[row].token_id)
         return [
             SampledToken(entry.request_id, sample.token_id, sample.logprob, sample.top_logprobs)
             for (entry, _), sample in zip(sampled, samples)
@@ -210,7 +226,21 @@ class Executor:
             sampling=new.sampling,
             num_prompt_tokens=new.num_prompt_tokens,
             token_ids=list(new.cached_token_ids),
+            matcher=self._new_matcher(request_id, new.constraint, where),
         )
+
+    def _new_matcher(self, request_id: str, constraint: Constraint | None, where: str) -> RequestMatcher | None:
+        """Rank 0's matcher for a constrained request. Only rank 0 looks: the gateway has
+        validated the constraint with the same library, so a refusal here means a misconfigured
+        stack (no tokenizer in rank 0's model folder), and the router resets the group."""
+        if constraint is None or self.info.rank != 0:
+            return None
+        if self.constraints is None:
+            raise InvalidTask(f"{where}: constrained, but rank 0 has no tokenizer to apply constraints with")
+        try:
+            return self.constraints.new_matcher(request_id, constraint)
+        except InvalidConstraint as exc:
+            raise InvalidTask(f"{where}: {exc}") from exc
 
     def _check_entry(self, entry: TaskEntry, state: RequestState, where: str) -> None:
         info = self.info

@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from worker_service.attention import AttentionBatch, PrefillSpan, additive_mask
+from worker_service.attention import AttentionBatch, PrefillSpan, additive_mask, plan_decode
 from worker_service.distributed import TPGroup
+from worker_service.dtypes import DTYPES, resolve_dtype
 from worker_service.forward_batch import ForwardEntry, ModelInfo
 from worker_service.kv_pool import KVPool
 from worker_service.layers.linear import pack_linear_weights
@@ -26,17 +27,12 @@ from worker_service.loader import load_weights
 from worker_service.models import model_class
 from worker_service.models.llama import StepContext, head_dim_of
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-
 
 @dataclass(slots=True, frozen=True)
 class RunnerConfig:
     """What a rank runs: the checkpoint folder, where and in which dtype, and its KV budget.
 
+    `dtype` may be `auto` (see `worker_service.dtypes`); `info.dtype` says what it resolved to.
     `kv_cache_bytes` is this rank's budget for its KV pages (K and V, all layers, its own KV
     heads); the page count follows from it. `rank` / `world_size` place it in the TP group, which
     the caller has already joined when `world_size > 1`.
@@ -81,11 +77,10 @@ class ModelRunner:
     """
 
     def __init__(self, config: RunnerConfig) -> None:
-        if config.dtype not in DTYPES:
-            raise ValueError(f"unsupported dtype {config.dtype!r}; choose from {sorted(DTYPES)}")
+        dtype_name = resolve_dtype(config.dtype, config.device)
         self.config = config
         self.device = torch.device(config.device)
-        self.dtype = DTYPES[config.dtype]
+        self.dtype = DTYPES[dtype_name]
         self.page_size = config.page_size
         model_dir = Path(config.model_dir)
         self.hf_config = AutoConfig.from_pretrained(model_dir)
@@ -103,7 +98,7 @@ class ModelRunner:
                            self.dtype, self.device)
         self.info = ModelInfo(
             model_name=model_dir.name,
-            dtype=config.dtype,
+            dtype=dtype_name,
             device=str(self.device),
             page_size=config.page_size,
             num_pages=num_pages,
@@ -147,17 +142,11 @@ class ModelRunner:
             [entries[i].page_table[p // page_size] * page_size + p % page_size
              for i, p in zip(decode, positions)], dtype=torch.int64)]
 
-        decode_pages = decode_mask = None
+        decode_plan = None
         if decode:
-            context_lens = torch.tensor(positions) + 1
-            num_pages = (int(context_lens.max()) + page_size - 1) // page_size
-            # Padding pages point at page 0: read, then masked out.
-            decode_pages = torch.tensor(
-                [(entries[i].page_table + [0] * num_pages)[:num_pages] for i in decode]
-            )
-            allowed = torch.arange(num_pages * page_size) < context_lens.unsqueeze(1)
-            decode_mask = additive_mask(allowed.view(len(decode), 1, 1, -1).to(device), self.dtype)
-            decode_pages = decode_pages.to(device)
+            decode_plan = plan_decode([entries[i].page_table for i in decode],
+                                      [position + 1 for position in positions], page_size,
+                                      self.dtype, device)
 
         spans: list[PrefillSpan] = []
         for i in prefill:
@@ -179,9 +168,7 @@ class ModelRunner:
         attention = AttentionBatch(
             page_size=page_size,
             write_slots=torch.cat(write_slots).to(device),
-            num_decode=len(decode),
-            decode_pages=decode_pages,
-            decode_mask=decode_mask,
+            decode=decode_plan,
             prefills=spans,
         )
         sample_indices = [last_token_index[i] for i, entry in enumerate(entries) if entry.sample]

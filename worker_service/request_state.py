@@ -12,8 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from radixserve.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from worker_service.grammar import RequestMatcher
 
 
 @dataclass(slots=True)
@@ -31,6 +35,8 @@ class RequestState:
     num_prompt_tokens: int
     page_table: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    # Rank 0, constrained requests only: the constraint's matcher (see grammar.py).
+    matcher: RequestMatcher | None = None
 
     @property
     def num_written(self) -> int:

@@ -10,7 +10,8 @@ the row's own logits, its seed and its step, never on what else shares the batch
 request's steps were batched (or retracted and resumed). Unseeded rows share one generator.
 
 Logprobs are the log-softmax of the RAW logits: the model's own distribution, before penalties,
-temperature and truncation change it.
+temperature and truncation change it. A constrained row's logits arrive already masked (see
+grammar.py), so its logprobs are of the constrained distribution.
 """
 
 from __future__ import annotations

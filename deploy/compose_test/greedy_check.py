@@ -4,7 +4,8 @@
 
 `make compose-test` pipes this file into the gateway container (`python - < greedy_check.py`),
 where the image has the client, transformers and the model volume; the defaults are that
-container's own settings (127.0.0.1:$RADIXSERVE_PORT, $RADIXSERVE_MODEL). It asks the gateway
+container's own settings (127.0.0.1:$RADIXSERVE_PORT, $RADIXSERVE_MODEL, and TLS with its
+$RADIXSERVE_TLS_CA and the first token of $RADIXSERVE_API_TOKEN_FILE when set). It asks the gateway
 to tokenize the chat, generates with temperature 0, runs `generate(do_sample=False)` on the
 same prompt ids and prints one JSON line with both. Exit 0 when they agree, 1 when not.
 While the gateway answers UNAVAILABLE (a TP group still forming) it retries for `--wait-s`.
@@ -30,8 +31,12 @@ def served(address: str, max_tokens: int, wait_s: float) -> tuple[list[int], lis
     from client import Client
     from client.errors import UnavailableError
 
+    from radixserve.security import read_tokens
+
+    token_file = os.environ.get("RADIXSERVE_API_TOKEN_FILE")
+    token = read_tokens(token_file)[0] if token_file else None
     deadline = time.monotonic() + wait_s
-    with Client(address) as client:
+    with Client(address, tls_ca=os.environ.get("RADIXSERVE_TLS_CA") or None, api_token=token) as client:
         while True:
             try:
                 prompt_ids = client.tokenize(messages=CHAT, timeout=CALL_TIMEOUT_S)

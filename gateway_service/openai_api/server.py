@@ -41,10 +41,12 @@ class HttpServer:
 
     @classmethod
     async def start(
-        cls, app: FastAPI, host: str, port: int, log_level: str, shutdown_grace_s: float
+        cls, app: FastAPI, host: str, port: int, log_level: str, shutdown_grace_s: float,
+        tls_cert: str = "", tls_key: str = "",
     ) -> "HttpServer":
         """Listen on host:port; on `stop`, open responses get `shutdown_grace_s` to finish,
-        then uvicorn cancels them (which cancels their router calls)."""
+        then uvicorn cancels them (which cancels their router calls). With `tls_cert` /
+        `tls_key` (the gateway's own, as on its gRPC port) it speaks HTTPS."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -57,6 +59,7 @@ class HttpServer:
         config = uvicorn.Config(
             app, lifespan="off", log_level=log_level.lower(), access_log=False,
             timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=shutdown_grace_s,
+            ssl_certfile=tls_cert or None, ssl_keyfile=tls_key or None,
         )
         server = _Server(config)
         task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -66,7 +69,8 @@ class HttpServer:
                 raise RuntimeError("the HTTP server stopped while starting")
             await asyncio.sleep(STARTUP_POLL_S)
         bound = sock.getsockname()[1]
-        log.info("OpenAI-compatible HTTP API on http://%s:%d/v1", host, bound)
+        scheme = "https" if tls_cert else "http"
+        log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", scheme, host, bound)
         return cls(server, task, bound)
 
     async def stop(self) -> None:

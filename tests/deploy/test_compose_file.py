@@ -11,7 +11,7 @@ from deploy_checks import ROOT, compose_binary, compose_errors, compose_model
 from topology_checks import compose_topology_errors
 
 COMPOSE_FILE = ROOT / "docker-compose.yml"
-DEFAULT_SERVICES = {"model", "worker-0", "worker-1", "router", "gateway"}
+DEFAULT_SERVICES = {"model", "certs", "worker-0", "worker-1", "router", "gateway"}
 GPU_SERVICES = {"worker-0-gpu", "worker-1-gpu", "router-gpu", "gateway-gpu"}
 # The model service, the one that builds the image the others use.
 MODEL_BUILD = "  model:\n    <<: *image\n    build: *build\n"
@@ -75,8 +75,14 @@ def test_compose_config_rejects_broken_copies(
         ("  RADIXSERVE_HOST: 0.0.0.0\n  RADIXSERVE_PORT: \"50052\"",
          "  RADIXSERVE_HOST: 127.0.0.1\n  RADIXSERVE_PORT: \"50052\"", "0.0.0.0"),
         ("  networks: [backend]\n", "  networks: [backend, frontend]\n", "non-internal"),
+        ('  RADIXSERVE_MTLS: "true"', '  RADIXSERVE_MTLS: "false"', "mTLS is not on"),
+        ("  RADIXSERVE_API_TOKEN_FILE: /certs/api-token",
+         "  RADIXSERVE_API_TOKEN_FILE: /etc/api-token", "not in a mounted volume"),
+        ("    depends_on:\n      certs:\n        condition: service_completed_successfully\n      worker-0:",
+         "    depends_on:\n      worker-0:", "does not wait for a one-shot"),
     ],
-    ids=["wrong-port", "rank-order", "world-size", "router-port", "loopback-host", "network"],
+    ids=["wrong-port", "rank-order", "world-size", "router-port", "loopback-host", "network",
+         "no-mtls", "token-outside-volume", "no-wait-for-certs"],
 )
 def test_topology_check_rejects_miswired_copies(
     tmp_path: Path, old: str, new: str, message: str

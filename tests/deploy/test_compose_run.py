@@ -7,7 +7,8 @@ service host names resolve to 127.0.0.1, each container port becomes a free loop
 model. Services start in `depends_on` order with the file's conditions (completed, started, or
 healthy, judged by running the file's own health check command), and a Generate call goes
 through the gateway, as does `make compose-test`'s greedy check against transformers (piped
-into python the way that test runs it in the gateway container). So a wrong command, port,
+into python the way that test runs it in the gateway container), both over TLS with the API
+token that the file's one-shot `certs` service wrote into its volume. So a wrong command, port,
 host name or variable in the file fails this test.
 """
 
@@ -130,8 +131,19 @@ def _awaited_healthy(services: dict[str, dict[str, Any]]) -> set[str]:
             if spec.get("condition") == "service_healthy"}
 
 
+def _tls(certs: Path, client_cert: bool = False) -> grpc.ChannelCredentials:
+    """Trusting the file's CA; with the services' own certificate as a client one (mTLS)."""
+    if not client_cert:
+        return grpc.ssl_channel_credentials((certs / "ca.pem").read_bytes())
+    return grpc.ssl_channel_credentials(*(
+        (certs / name).read_bytes() for name in ("ca.pem", "server-key.pem", "server.pem")
+    ))
+
+
 def _check_healthy(procs: ServiceProcesses, topology: LocalTopology, name: str) -> None:
-    procs.wait_healthy(topology.address(name), timeout_s=STARTUP_TIMEOUT_S)
+    certs = topology.volume_root / "certs"  # written by the file's one-shot `certs` service
+    procs.wait_healthy(topology.address(name), timeout_s=STARTUP_TIMEOUT_S,
+                       credentials=_tls(certs, client_cert=True))
     check = _run_health_check(topology, name)
     assert check.returncode == 0, f"{name} health check failed: {check.stderr}"
 
@@ -144,16 +156,19 @@ def _run_health_check(topology: LocalTopology, name: str) -> subprocess.Complete
                           capture_output=True, text=True, timeout=30)
 
 
-def _generate(address: str) -> tuple[list[Any], Any]:
-    with grpc.insecure_channel(address) as channel:
+def _generate(address: str, certs: Path) -> tuple[list[Any], Any]:
+    token = (certs / "api-token").read_text().strip()
+    metadata = (("authorization", f"Bearer {token}"),)
+    with grpc.secure_channel(address, _tls(certs)) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
-        info = stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=CALL_TIMEOUT_S)
+        info = stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=CALL_TIMEOUT_S,
+                                 metadata=metadata)
         request = generation_pb2.GenerateRequest(
             messages=[generation_pb2.ChatMessage(role="user", content="Name a colour.")],
             max_tokens=MAX_TOKENS, ignore_eos=True,
             sampling=generation_pb2.SamplingParams(temperature=0.0),
         )
-        return list(stub.Generate(request, timeout=CALL_TIMEOUT_S)), info
+        return list(stub.Generate(request, timeout=CALL_TIMEOUT_S, metadata=metadata)), info
 
 
 @pytest.mark.skipif(compose_binary() is None, reason="no docker-compose binary")
@@ -186,7 +201,7 @@ def test_compose_services_serve_generate(smollm2_dir: Path, tmp_path: Path) -> N
             if not _is_one_shot(svc):
                 _check_healthy(procs, topology, name)
 
-        responses, info = _generate(topology.address("gateway"))
+        responses, info = _generate(topology.address("gateway"), topology.volume_root / "certs")
         procs.check_alive()
         greedy = _greedy_check(topology)
         procs.check_alive()
@@ -208,8 +223,14 @@ def test_compose_services_serve_generate(smollm2_dir: Path, tmp_path: Path) -> N
         assert shown["token_ids"] and shown["text"] == shown["reference_text"]
 
         # The HTTP API and every service's /metrics are wired as the file says.
-        http = f"http://{topology.address('gateway', 'RADIXSERVE_HTTP_PORT')}"
-        models = httpx.get(f"{http}/v1/models", timeout=CALL_TIMEOUT_S).json()
+        # The HTTP API speaks TLS with the gateway's certificate and wants the API token too.
+        certs = topology.volume_root / "certs"
+        http = f"https://{topology.address('gateway', 'RADIXSERVE_HTTP_PORT')}"
+        token = (certs / "api-token").read_text().strip()
+        unauthenticated = httpx.get(f"{http}/v1/models", verify=str(certs / "ca.pem"), timeout=CALL_TIMEOUT_S)
+        assert unauthenticated.status_code == 401
+        models = httpx.get(f"{http}/v1/models", verify=str(certs / "ca.pem"), timeout=CALL_TIMEOUT_S,
+                           headers={"Authorization": f"Bearer {token}"}).json()
         assert [m["id"] for m in models["data"]] == [smollm2_dir.name]
         for name in ("gateway", "router", "worker-0", "worker-1"):
             url = f"http://{topology.address(name, 'RADIXSERVE_METRICS_PORT')}/metrics"

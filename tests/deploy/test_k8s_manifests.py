@@ -104,9 +104,9 @@ def _break(doc: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
     [
         ("Deployment", "radixserve-gateway",
          "spec.template.spec.containers.0.ports.0.containerPort", "fifty-thousand"),
-        # gRPC probes take a port number only, not a port name.
+        # An exec probe's command is a list of strings.
         ("Deployment", "radixserve-router",
-         "spec.template.spec.containers.0.readinessProbe.grpc.port", "grpc"),
+         "spec.template.spec.containers.0.readinessProbe.exec.command", "python"),
         ("Deployment", "radixserve-router", "spec.selector", None),
         ("Deployment", "radixserve-router", "spec.replica", 1),
         ("Service", "radixserve-gateway", "spec.ports.0.port", "50051"),
@@ -115,7 +115,7 @@ def _break(doc: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
         ("NetworkPolicy", "radixserve-worker", "spec.ingress.0.ports.0.protocol", 6),
         ("ConfigMap", "radixserve-router", "data.RADIXSERVE_MAX_QUEUE", 512),
     ],
-    ids=["port-type", "grpc-probe-port-name", "no-selector", "unknown-field", "service-port-type",
+    ids=["port-type", "probe-command-type", "no-selector", "unknown-field", "service-port-type",
          "pdb-type", "command-type", "protocol-type", "configmap-value-type"],
 )
 def test_schema_check_rejects_broken_copies(kind: str, name: str, path: str, value: Any) -> None:
@@ -195,19 +195,59 @@ def test_network_policies_keep_router_and_workers_private(
     assert any("every source" in error for error in network_policy_errors(docs))
 
 
-def test_probes_and_shutdown(layout_docs: list[dict[str, Any]]) -> None:
-    """Every long-running container has gRPC startup, readiness and liveness probes on its port."""
-    for doc in layout_docs:
+def _pod_specs(docs: list[dict[str, Any]]):
+    for doc in docs:
         if doc["kind"] not in {"Deployment", "StatefulSet", "LeaderWorkerSet"}:
             continue
         spec = doc["spec"]
         pod = (spec["leaderWorkerTemplate"]["workerTemplate"] if doc["kind"] == "LeaderWorkerSet"
                else spec["template"])["spec"]
-        assert pod.get("enableServiceLinks") is False, doc["metadata"]["name"]
+        yield doc["metadata"]["name"], pod
+
+
+def test_probes_and_shutdown(layout_docs: list[dict[str, Any]]) -> None:
+    """Every long-running container has startup, readiness and liveness probes that run the
+    health probe module (kubelet's own gRPC probes cannot speak TLS), on its own port."""
+    configs = {d["metadata"]["name"]: d["data"] for d in layout_docs if d["kind"] == "ConfigMap"}
+    for name, pod in _pod_specs(layout_docs):
+        assert pod.get("enableServiceLinks") is False, name
         for container in pod["containers"]:
             port = container["ports"][0]["containerPort"]
+            env = configs[container["envFrom"][0]["configMapRef"]["name"]]
+            assert env["RADIXSERVE_PORT"] == str(port), name  # the probe checks that port
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-                assert container[probe]["grpc"]["port"] == port, (doc["metadata"]["name"], probe)
+                command = container[probe]["exec"]["command"]
+                assert command[:3] == ["python", "-m", "radixserve.health_probe"], (name, probe)
+
+
+def test_tls_is_on_everywhere(layout_docs: list[dict[str, Any]]) -> None:
+    """Every service mounts the TLS Secret at /certs, its settings point there, and the Job that
+    makes a development Secret names every host that one service calls another by."""
+    configs = {d["metadata"]["name"]: d["data"] for d in layout_docs if d["kind"] == "ConfigMap"}
+    for name, pod in _pod_specs(layout_docs):
+        secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+        assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsUser"], name
+        container = pod["containers"][0]
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        assert secrets.get(mounts.get("/certs")) == "radixserve-tls", name
+        env = configs[container["envFrom"][0]["configMapRef"]["name"]]
+        assert env["RADIXSERVE_MTLS"] == "true", name
+        for key in ("RADIXSERVE_TLS_CERT", "RADIXSERVE_TLS_KEY", "RADIXSERVE_TLS_CA",
+                    "RADIXSERVE_INTERNAL_TOKEN_FILE"):
+            assert env[key].startswith("/certs/"), (name, key)
+    assert configs["radixserve-gateway"]["RADIXSERVE_API_TOKEN_FILE"].startswith("/certs/")
+    job = find(layout_docs, "Job", "radixserve-certs")
+    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[:3] == ["python", "-m", "radixserve.k8s_secret"]
+    names = {h.strip() for h in command[command.index("--hosts") + 1].split(",")}
+    called = [
+        *configs["radixserve-router"]["RADIXSERVE_WORKERS"].split(","),
+        *configs["radixserve-gateway"]["RADIXSERVE_ROUTERS"].split(","),
+    ]
+    for address in called:
+        host = address.rpartition(":")[0]
+        wildcard = "*." + host.partition(".")[2]
+        assert host in names or wildcard in names, f"no certificate name covers {host}"
 
 
 # --- pods: security context and start-up probes ------------------------------------------------

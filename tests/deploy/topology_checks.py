@@ -11,6 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 PROBE_MODULE = "radixserve.health_probe"
+# Every service's TLS settings (files) and the gateway's API tokens: on by default.
+TLS_FILE_VARIABLES = ("RADIXSERVE_TLS_CERT", "RADIXSERVE_TLS_KEY", "RADIXSERVE_TLS_CA",
+                      "RADIXSERVE_INTERNAL_TOKEN_FILE")
+API_TOKEN_VARIABLE = "RADIXSERVE_API_TOKEN_FILE"
 
 
 def _split_address(address: str) -> tuple[str, int | None]:
@@ -52,6 +56,8 @@ def compose_topology_errors(project: dict[str, Any]) -> list[str]:
         outside = set(services[name].get("networks") or {}) - backend
         if outside:
             errors.append(f"{name}: on non-internal networks {sorted(outside)}")
+    for name in routers + gateways + workers:
+        errors += _compose_tls_errors(project, name, gateway=name in gateways)
     for router in routers:
         errors += _router_errors(project, router)
     for gateway in gateways:
@@ -62,6 +68,32 @@ def compose_topology_errors(project: dict[str, Any]) -> list[str]:
                 errors.append(f"{gateway}: router address {address!r} matches no router")
             elif _condition(services[gateway], host) is None:
                 errors.append(f"{gateway}: must depend on {host}")
+    return errors
+
+
+def _compose_tls_errors(project: dict[str, Any], name: str, gateway: bool) -> list[str]:
+    """TLS, mTLS and tokens on, from files in a volume that a one-shot service the service waits
+    for has written."""
+    services = project["services"]
+    svc = services[name]
+    env = svc.get("environment") or {}
+    if str(env.get("RADIXSERVE_MTLS", "")).lower() != "true":
+        return [f"{name}: mTLS is not on (RADIXSERVE_MTLS)"]
+    errors = []
+    for variable in TLS_FILE_VARIABLES + ((API_TOKEN_VARIABLE,) if gateway else ()):
+        path = str(env.get(variable, ""))
+        mounts = [v for v in svc.get("volumes") or [] if path.startswith(v["target"].rstrip("/") + "/")]
+        if not mounts:
+            errors.append(f"{name}: {variable}={path!r} is not in a mounted volume")
+            continue
+        writers = [
+            other for other, o in services.items()
+            if o.get("restart", "no") == "no"
+            and any(v["source"] == mounts[0]["source"] and not v.get("read_only")
+                    for v in o.get("volumes") or [])
+        ]
+        if not any(_condition(svc, w) == "service_completed_successfully" for w in writers):
+            errors.append(f"{name}: does not wait for a one-shot service that writes {path}")
     return errors
 
 

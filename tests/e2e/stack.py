@@ -7,8 +7,11 @@ import re
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import grpc
 
 from procs import ServiceProcesses
 from radixserve.launcher import ROUTER_PORT_OFFSET, WORKER_PORT_OFFSET
@@ -75,10 +78,12 @@ class LaunchedStack:
 
 def launch(
     procs: ServiceProcesses, model_dir: Path, tp: int, default_max_tokens: int = 16,
-    env: dict[str, str] | None = None,
+    env: dict[str, str] | None = None, extra_args: Sequence[str] = (),
+    credentials: grpc.ChannelCredentials | None = None,
     with_http: bool = False,
 ) -> LaunchedStack:
-    """`with_http`: also the HTTP API and every /metrics endpoint, on free ports."""
+    """`extra_args` go to `radixserve up`; `credentials` are for its health (TLS stacks);
+    `with_http`: also the HTTP API and every /metrics endpoint, on free ports."""
     port = free_port_block(tp)
     http_port = metrics_port = 0
     if with_http:
@@ -87,9 +92,9 @@ def launch(
     procs.start(
         "stack",
         [sys.executable, "-m", "radixserve.launcher", "up", "--model", str(model_dir),
-         "--tp", str(tp), "--port", str(port), "--device", "cpu", "--kv-cache-mb", "64",
+         "--tp", str(tp), "--port", str(port), "--device", "cpu", "--dtype", "float32", "--kv-cache-mb", "64",
          "--shutdown-timeout-s", "20", "--http-port", str(http_port),
-         "--metrics-port", str(metrics_port)],
+         "--metrics-port", str(metrics_port), *extra_args],
         # The launcher passes its environment on: the gateway reads the first; one torch
         # thread per worker, since the test session sets OMP_NUM_THREADS=2 for itself and
         # ranks spinning against each other on two busy cores are many times slower.
@@ -97,7 +102,7 @@ def launch(
              **(env or {})},
     )
     stack = LaunchedStack(procs, port, tp, http_port, metrics_port)
-    procs.wait_healthy(stack.gateway, timeout_s=STARTUP_TIMEOUT_S)
+    procs.wait_healthy(stack.gateway, timeout_s=STARTUP_TIMEOUT_S, credentials=credentials)
     return stack
 
 

@@ -29,3 +29,20 @@ def test_flags_come_from_the_environment_too(monkeypatch):
     monkeypatch.setenv("RADIXSERVE_TP", "3")
     args = build_parser().parse_args(["up"])
     assert args.tp == 3 and args.port == 50051
+
+
+def test_security_flags_are_passed_down():
+    args = build_parser().parse_args([
+        "up", "--tls-cert", "s.pem", "--tls-key", "k.pem", "--tls-ca", "ca.pem", "--mtls",
+        "--internal-token-file", "it", "--api-token-file", "at", "--api-tokens", "t" * 20,
+    ])
+    workers, (router,), (gateway,) = plan_stack(args, python="py").groups
+    shared = ["--tls-cert", "s.pem", "--tls-key", "k.pem", "--tls-ca", "ca.pem",
+              "--internal-token-file", "it", "--mtls"]
+    for child in (*workers, router, gateway):
+        assert child.cmd[-len(shared):] == shared or child.cmd[-len(shared) - 2:-2] == shared
+    assert gateway.cmd[-2:] == ["--api-token-file", "at"]
+    assert "--api-token-file" not in router.cmd + workers[0].cmd
+    # API tokens travel in the gateway's environment, never on a command line.
+    assert gateway.env["RADIXSERVE_API_TOKENS"] == "t" * 20
+    assert all("t" * 20 not in " ".join(c.cmd) for c in (*workers, router, gateway))

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -66,6 +67,21 @@ def wait_for(predicate, timeout_s: float = 20.0) -> bool:
 @pytest.mark.parametrize("index", range(len(CHATS)))
 def test_greedy_chat_matches_transformers(stack, references, index):
     check_greedy_parity(stack.gateway, index, references[index])
+
+
+@pytest.mark.timeout(300)
+def test_concurrent_chats_sharing_a_prefix_match_transformers(stack, references):
+    """The chats share their template's leading pages: decoding them in one batch takes the
+    cascade (shared-prefix) attention path, and greedy output is still transformers' own."""
+
+    def ask(index: int) -> list[int]:
+        with Client(stack.gateway) as client:
+            return client.generate(messages=CHATS[index], max_tokens=MAX_NEW_TOKENS, temperature=0,
+                                   timeout=240).token_ids
+
+    with ThreadPoolExecutor(max_workers=len(CHATS)) as pool:
+        outputs = list(pool.map(ask, range(len(CHATS))))
+    assert outputs == [reference.output_ids for reference in references]
 
 
 @pytest.mark.timeout(120)

@@ -17,8 +17,9 @@ def run(stop: list[str], pieces: list[str]) -> tuple[list[str], bool]:
         emitted.append(result.text)
         if result.stopped:
             return emitted, True
-    emitted.append(matcher.flush())
-    return emitted, False
+    tail = matcher.flush()
+    emitted.append(tail.text)
+    return emitted, tail.stopped
 
 
 def test_stop_split_over_pieces_cuts_before_it():
@@ -41,6 +42,17 @@ def test_held_text_comes_out_at_the_end():
 def test_earliest_of_several_stops_wins():
     emitted, stopped = run(["world", "lo w"], ["hello world"])
     assert stopped and "".join(emitted) == "hel"
+
+
+def test_a_stop_that_starts_earlier_wins_over_one_that_completed_first():
+    # "b" is complete after "XXb", but "XbX" starts one character earlier and completes next.
+    emitted, stopped = run(["b", "XbX"], ["XXb", "X"])
+    assert stopped and "".join(emitted) == "X"
+
+
+def test_a_complete_stop_held_behind_a_partial_one_ends_the_output_at_flush():
+    emitted, stopped = run(["b", "XbX"], ["XXb"])
+    assert stopped and "".join(emitted) == "XX"
 
 
 def test_empty_stop_string_is_refused():

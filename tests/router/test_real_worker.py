@@ -53,7 +53,7 @@ def test_shared_500_token_prefix_is_served_from_cache(smollm2_dir) -> None:
     with ServiceProcesses() as procs:
         procs.start("worker", [
             PYTHON, "-m", "worker_service", "--model", str(smollm2_dir), "--port", str(worker_port),
-            "--device", "cpu", "--kv-cache-mb", str(KV_CACHE_MB), "--log-level", "WARNING",
+            "--device", "cpu", "--dtype", "float32", "--kv-cache-mb", str(KV_CACHE_MB), "--log-level", "WARNING",
         ])
         procs.wait_healthy(worker_address, timeout_s=180)
         procs.start("router", [

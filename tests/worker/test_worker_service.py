@@ -86,7 +86,7 @@ def start_worker(
         f"worker{rank}",
         [PYTHON, "-m", "worker_service", "--model", str(model), "--port", str(port),
          "--page-size", str(PAGE_SIZE), "--kv-cache-mb", str(KV_CACHE_MB), "--num-threads", "1",
-         "--device", "cpu"],
+         "--device", "cpu", "--dtype", "float32"],
         env={"RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
              "MASTER_PORT": str(master_port or free_port())},
     )

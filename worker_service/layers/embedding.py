@@ -2,9 +2,9 @@
 
 Each rank holds a contiguous range of vocabulary rows. The embedding looks up the ids it owns,
 leaves zeros for the rest, and the group sums; the LM head computes logits for its own range and
-rank 0 gathers the full row. With tied embeddings both use one parameter, except that on CPU in
-bfloat16/float16 the LM head keeps a oneDNN-packed copy (`pack`): one decode token's LM head is
-then ~2.5x faster, for 1/vocab_shards of the embedding's bytes more memory.
+rank 0 gathers the full row. With tied embeddings both use one parameter, except that on CPU the LM
+head keeps a oneDNN-packed copy (`pack`, any dtype `can_pack` accepts): one decode token's LM head
+is then 2.5-5x faster, for 1/vocab_shards of the embedding's bytes more memory.
 """
 
 from __future__ import annotations

@@ -5,10 +5,12 @@ communication); row-parallel splits input features and sums the partial products
 A column-parallel layer may merge several checkpoint projections (q, k, v or gate, up) into one
 matrix so that a rank runs one matmul instead of several.
 
-On CPU, bfloat16/float16 weights can be repacked once, after loading, into oneDNN's blocked layout
-(`pack_linear_weights`): PyTorch's default half-precision CPU matmul is no faster than float32 for
-one decode token, while the packed oneDNN kernel (AMX/AVX-512) is 1.5-2x faster at one row and
-2-4x at 32. Results are the same kernel family's (fp32 accumulation).
+On CPU, weights are repacked once, after loading, into oneDNN's blocked layout
+(`pack_linear_weights`). For bfloat16/float16, PyTorch's default CPU matmul is no faster than
+float32 for one decode token, while the packed oneDNN kernel (AMX/AVX-512) is 1.5-2x faster at one
+row and 2-4x at 32. For float32, plain `aten::mm` (MKL, unpacked) reached 30-150 GFLOP/s on this
+project's 2-core machine where the packed oneDNN kernel reached 300-400 at 32-512 rows, and about
+1.5x at one row. Results are the same kernel family's (fp32 accumulation).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ def can_pack(weight: torch.Tensor) -> bool:
         return torch.ops.mkldnn._is_mkldnn_bf16_supported()
     if weight.dtype == torch.float16:
         return torch.ops.mkldnn._is_mkldnn_fp16_supported()
-    return False
+    return weight.dtype == torch.float32
 
 
 class _Linear(torch.nn.Module):
@@ -54,6 +56,19 @@ class _Linear(torch.nn.Module):
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+class Linear(_Linear):
+    """A single-rank linear layer over a given weight: the worker's kernel without a checkpoint
+    (the benchmark times GEMM throughput with it)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x)
 
 
 def pack_linear_weights(model: torch.nn.Module) -> None:

@@ -4,16 +4,13 @@ A forward pass lays its tokens out decode-first: the single-token entries (decod
 first, one token each, then each prefill chunk as a contiguous span. Per layer:
 
 1. the new tokens' K/V are written into their slots with one `index_copy_`;
-2. all decode tokens attend in ONE padded `scaled_dot_product_attention` call: each one's pages
-   are gathered into `[B, pages * page_size]` positions and what lies past its context is masked;
-   the query heads of a KV group ride in the query-length axis, so K/V are never repeated;
+2. the decode tokens attend by the step's `DecodePlan` (`cascade.py`): shared prefixes once per
+   group, each entry's own suffix in length buckets, merged by log-sum-exp;
 3. each prefill chunk attends on its own: a chunk starting at position 0 uses its fresh K/V with
    the plain causal kernel (the fast path); a chunk starting later gathers its context's pages
    from the pool and uses a causal mask shifted by its start position.
 
-Pages, not slots, are gathered: `index_select` over rows of one page (page_size * heads * dim
-values) copies about twice as fast as over rows of one token. Which physical pages hold a
-sequence cannot change the result: only gather indices differ.
+Which physical pages hold a sequence cannot change the result: only gather indices differ.
 """
 
 from __future__ import annotations
@@ -22,6 +19,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from worker_service.attention.cascade import decode_attention
+from worker_service.attention.decode_plan import DecodePlan
+from worker_service.attention.kernels import gather_pages
 
 
 @dataclass(slots=True)
@@ -42,28 +43,14 @@ class PrefillSpan:
 class AttentionBatch:
     """Where one forward pass writes and reads K/V; built once per step, used by every layer.
 
-    Masks are additive (0 where a query may attend, -inf elsewhere) in the model dtype, made once
-    so that SDPA need not convert a boolean mask in every layer.
+    The first `decode.num_rows` tokens of the flat layout are single-token decode entries
+    (`decode` is None when there are none); `prefills` follow.
     """
 
     page_size: int
     write_slots: torch.Tensor  # [T]: slot of each token of the flat layout
-    num_decode: int  # the first num_decode tokens are single-token entries
-    decode_pages: torch.Tensor | None  # [B, P]: each decode entry's pages, padded with page 0
-    decode_mask: torch.Tensor | None  # [B, 1, 1, P * page_size]
+    decode: DecodePlan | None
     prefills: list[PrefillSpan]
-
-
-def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """0 where `allowed`, -inf elsewhere."""
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return mask.masked_fill_(~allowed, float("-inf"))
-
-
-def _gather_pages(slots: torch.Tensor, pages: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Rows of whole pages: `[num_slots, H, D]` pool, pages `[...]` -> `[numel(pages) * page_size, H, D]`."""
-    by_page = slots.view(slots.shape[0] // page_size, -1)
-    return by_page.index_select(0, pages.flatten()).view(-1, *slots.shape[1:])
 
 
 def paged_attention(
@@ -81,20 +68,12 @@ def paged_attention(
     """
     k_slots.index_copy_(0, batch.write_slots, k)
     v_slots.index_copy_(0, batch.write_slots, v)
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    group_size = q.shape[1] // num_kv_heads
-    page_size = batch.page_size
+    group_size = q.shape[1] // k.shape[1]
     parts: list[torch.Tensor] = []  # outputs in flat-layout order: decode block, then each span
 
-    if batch.num_decode:
-        num_decode = batch.num_decode
-        context_len = batch.decode_pages.shape[1] * page_size
-        shape = (num_decode, context_len, num_kv_heads, head_dim)
-        keys = _gather_pages(k_slots, batch.decode_pages, page_size).view(shape).transpose(1, 2)
-        values = _gather_pages(v_slots, batch.decode_pages, page_size).view(shape).transpose(1, 2)
-        queries = q[:num_decode].view(num_decode, num_kv_heads, group_size, head_dim)
-        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=batch.decode_mask)
-        parts.append(attended.view(num_decode, -1, head_dim))
+    if batch.decode is not None:
+        parts.append(decode_attention(q[: batch.decode.num_rows], k_slots, v_slots, batch.decode,
+                                      batch.page_size))
 
     for span in batch.prefills:
         queries = q[span.token_start:span.token_stop].transpose(0, 1).unsqueeze(0)
@@ -102,8 +81,8 @@ def paged_attention(
             keys = k[span.token_start:span.token_stop]
             values = v[span.token_start:span.token_stop]
         else:
-            keys = _gather_pages(k_slots, span.context_pages, page_size)
-            values = _gather_pages(v_slots, span.context_pages, page_size)
+            keys = gather_pages(k_slots, span.context_pages, batch.page_size)
+            values = gather_pages(v_slots, span.context_pages, batch.page_size)
         keys = keys.transpose(0, 1).unsqueeze(0)
         values = values.transpose(0, 1).unsqueeze(0)
         attended = F.scaled_dot_product_attention(

@@ -1,0 +1,105 @@
+"""This machine's bounds, measured in the same run, and what they allow a decode step.
+
+- memory bandwidth: bytes/s of reading a buffer much larger than the caches (`tensor.sum`), the
+  access pattern of decode (weights and K/V streamed once per step);
+- GEMM throughput per dtype: FLOP/s of a large matmul through the same packed linear kernel the
+  worker uses for that dtype.
+
+A step's bound is the larger of (bytes it must read / bandwidth) and (FLOPs / GEMM throughput);
+a figure divided by its bound's tokens/s says how close the code comes to the machine.
+Each measurement is the best of a few tries: the machine is shared, and the best shows the
+hardware rather than the neighbours.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from worker_service.layers.linear import Linear
+
+BANDWIDTH_BYTES = 512 << 20  # far past any last-level cache
+GEMM_SIZE = 1024  # M = N = K: large enough to reach a kernel's steady state
+TRIES = 5
+
+
+@dataclass(frozen=True)
+class MachineBounds:
+    bandwidth_bytes_per_s: float
+    gemm_flops_per_s: dict[str, float]  # by dtype name
+
+
+def _best_seconds(fn, tries: int = TRIES) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(tries):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def memory_bandwidth() -> float:
+    """Read bandwidth in bytes/s."""
+    buffer = torch.ones(BANDWIDTH_BYTES // 4, dtype=torch.float32)
+    return BANDWIDTH_BYTES / _best_seconds(buffer.sum)
+
+
+def gemm_throughput(dtype: torch.dtype) -> float:
+    """FLOP/s of a GEMM_SIZE^3 matmul through the worker's (packed, where it packs) linear layer."""
+    layer = Linear(torch.randn(GEMM_SIZE, GEMM_SIZE).to(dtype))
+    layer.pack()
+    x = torch.randn(GEMM_SIZE, GEMM_SIZE).to(dtype)
+    with torch.inference_mode():
+        return 2 * GEMM_SIZE ** 3 / _best_seconds(lambda: layer(x))
+
+
+def measure(dtype_names: list[str]) -> MachineBounds:
+    return MachineBounds(memory_bandwidth(), {name: gemm_throughput(getattr(torch, name)) for name in dtype_names})
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one step of a model reads and computes, per token and per context position."""
+
+    weight_bytes: int  # every parameter, read once per step
+    matmul_params: int  # parameters that multiply each token (embedding lookups excluded)
+    kv_bytes_per_position: int  # K and V of one position, all layers
+    attention_flops_per_position: int  # q·k and p·v of one query token against one position
+
+
+def step_shape(runner) -> StepShape:
+    """The shape of `runner`'s model (a worker_service ModelRunner)."""
+    config, pool = runner.hf_config, runner.pool
+    element = pool.buffer.element_size()
+    head_dim = pool.head_dim
+    embedding = config.vocab_size * config.hidden_size
+    params = sum(p.numel() for p in runner.model.parameters())
+    # The LM head multiplies each sampled token; a tied one is the embedding, counted once above.
+    matmul_params = params - embedding + (embedding if config.tie_word_embeddings else 0)
+    return StepShape(
+        weight_bytes=runner.weight_bytes(),
+        matmul_params=matmul_params,
+        kv_bytes_per_position=2 * pool.num_layers * pool.num_kv_heads * head_dim * element,
+        attention_flops_per_position=4 * config.num_hidden_layers * config.num_attention_heads * head_dim,
+    )
+
+
+def decode_bound_tokens_per_s(
+    shape: StepShape, bounds: MachineBounds, dtype: str, batch: int, context: int, shared: int = 0
+) -> float:
+    """Tokens/s of a step of `batch` decode tokens at `context` positions each, `shared` of them
+    shared by all (read once), if it ran at the machine's bandwidth or GEMM throughput."""
+    positions_read = shared + batch * (context - shared)
+    read_s = (shape.weight_bytes + positions_read * shape.kv_bytes_per_position) / bounds.bandwidth_bytes_per_s
+    flops = batch * (2 * shape.matmul_params + context * shape.attention_flops_per_position)
+    compute_s = flops / bounds.gemm_flops_per_s[dtype]
+    return batch / max(read_s, compute_s)
+
+
+def prefill_bound_tokens_per_s(shape: StepShape, bounds: MachineBounds, dtype: str, length: int) -> float:
+    """Tokens/s of one causal prefill of `length` tokens at the GEMM bound (it is compute-bound)."""
+    flops = length * 2 * shape.matmul_params + length * length / 2 * shape.attention_flops_per_position
+    return length / (flops / bounds.gemm_flops_per_s[dtype])

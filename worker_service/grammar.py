@@ -1,0 +1,125 @@
+"""Rank 0's constraint masks: a matcher per constrained request, one batched bitmask per step.
+
+Each constrained request's state holds a `RequestMatcher`. Before sampling, every constrained row
+of the step brings its matcher up to the request's output so far (`sync`: a resumed request, or
+one whose output arrived as a cached prefix, replays it into a fresh matcher), then one call
+fills the bitmasks of all those rows, and the tokens a row's constraint forbids get -inf logits.
+After sampling each matcher consumes the chosen token (`advance`). Unconstrained rows are never
+touched: a step without constrained rows does no work here at all.
+
+EOS is in the mask exactly when the constraint is complete (the matcher knows the model's EOS
+ids). A matcher that errs (the library's per-step limits, or a token it cannot take, as after
+`ignore_eos` ran past the end) allows only EOS from then on, so its request ends.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import llguidance
+import llguidance.torch
+import numpy as np
+import torch
+
+from radixserve.constraints import Constraint
+from radixserve.grammar_compiler import GrammarCompiler
+
+log = logging.getLogger(__name__)
+
+BITS_PER_WORD = 32
+# The bit pattern of float32 -inf: AND-ed with (allowed - 1), it gives 0.0 for an allowed token
+# and -inf for a forbidden one, without branches (masked_fill branches per element and is
+# several times slower on CPU).
+_NEG_INF_BITS = torch.tensor(float("-inf"), dtype=torch.float32).view(torch.int32)
+
+
+class RequestMatcher:
+    """One request's matcher and how many of its output tokens it has consumed."""
+
+    def __init__(self, request_id: str, matcher: llguidance.LLMatcher) -> None:
+        self.request_id = request_id
+        self.matcher = matcher
+        self.num_consumed = 0
+
+    def sync(self, output_ids: list[int]) -> None:
+        """Consume the output tokens not yet consumed (the whole output for a fresh matcher)."""
+        if len(output_ids) < self.num_consumed:  # never in the protocol; stay consistent anyway
+            self.matcher.rollback(self.num_consumed - len(output_ids))
+            self.num_consumed = len(output_ids)
+        pending = output_ids[self.num_consumed:]
+        if pending:
+            self._consume(pending)
+
+    def advance(self, token_id: int) -> None:
+        """Consume the token just sampled."""
+        self._consume([token_id])
+
+    def _consume(self, token_ids: list[int]) -> None:
+        # A stopped matcher (complete, or erred) takes nothing more, not even the EOS that
+        # ends its request; it keeps allowing only EOS.
+        if not self.matcher.is_stopped() and not self.matcher.consume_tokens(token_ids):
+            log.warning("request %s: its constraint stopped: %s", self.request_id, self.matcher.get_error().strip())
+        self.num_consumed += len(token_ids)
+
+
+class ConstraintMasks:
+    """Rank 0's grammar work: builds matchers and masks the logits of constrained rows."""
+
+    def __init__(self, compiler: GrammarCompiler, vocab_size: int, eos_token_ids: list[int], num_threads: int) -> None:
+        """`vocab_size` is the logits width. `num_threads` 1 fills the rows one after the other
+        on the calling thread (no hand-off to a pool: the cheapest on a small CPU that the
+        forward pass keeps busy); more fill them in parallel on llguidance's pool."""
+        self.compiler = compiler
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._num_words = (vocab_size + BITS_PER_WORD - 1) // BITS_PER_WORD
+        self._executor = llguidance.LLExecutor(num_threads) if num_threads > 1 else None
+        eos = np.zeros(self._num_words * BITS_PER_WORD, dtype=np.uint8)
+        eos[self.eos_token_ids] = 1
+        self._eos_only = torch.from_numpy(np.packbits(eos, bitorder="little").view(np.int32))
+
+    @classmethod
+    def load(cls, model_dir: Path, vocab_size: int, eos_token_ids: list[int], cache_size: int,
+             num_threads: int) -> ConstraintMasks | None:
+        """From the tokenizer in the model folder; None (constraints refused) when it has none."""
+        from transformers import AutoTokenizer
+
+        try:
+            hf_tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        except (OSError, ValueError) as exc:
+            log.warning("no tokenizer in %s, so constrained requests are refused: %s", model_dir, exc)
+            return None
+        compiler = GrammarCompiler.from_hf(hf_tokenizer, cache_size, vocab_size, eos_token_ids)
+        return cls(compiler, vocab_size, eos_token_ids, num_threads)
+
+    def new_matcher(self, request_id: str, constraint: Constraint) -> RequestMatcher:
+        """Raises `InvalidConstraint` (the gateway checks first, so only a misconfigured stack)."""
+        return RequestMatcher(request_id, self.compiler.matcher(constraint))
+
+    def mask(self, logits: torch.Tensor, rows: list[tuple[int, RequestMatcher]]) -> torch.Tensor:
+        """Forbidden tokens of each (row index, synced matcher) get -inf; other rows are untouched.
+
+        Works in place on `logits` (the runner's fresh float32 output) and returns it.
+        """
+        bitmask = torch.zeros((len(rows), self._num_words), dtype=torch.int32)
+        if self._executor is None:
+            for slot, (_, row) in enumerate(rows):
+                llguidance.torch.fill_next_token_bitmask(row.matcher, bitmask, slot)
+        else:
+            llguidance.torch.fill_next_token_bitmask_par(
+                self._executor, [(row.matcher, slot) for slot, (_, row) in enumerate(rows)], bitmask
+            )
+        self._allow_eos_where_empty(bitmask)
+        allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
+        allowed = torch.from_numpy(allowed[:, : self.vocab_size]).to(torch.int32)
+        bias = allowed.sub_(1).bitwise_and_(_NEG_INF_BITS).view(torch.float32).to(logits.device)
+        index = torch.tensor([row for row, _ in rows], device=logits.device)
+        with torch.inference_mode():  # the runner's logits are inference tensors
+            return logits.index_add_(0, index, bias)
+
+    def _allow_eos_where_empty(self, bitmask: torch.Tensor) -> None:
+        """A row with nothing allowed (its matcher erred) may only end: allow EOS."""
+        empty = (bitmask == 0).all(dim=1)
+        if bool(empty.any()):
+            bitmask[empty] = self._eos_only
