@@ -1,18 +1,23 @@
 """OpenAI request bodies and their mapping onto the gateway's `GenerateInput`.
 
 pydantic checks only the JSON types here; every range and rule (temperature in [0, 2], stop
-strings, top_logprobs, chat roles...) is checked by `gateway_service.validation`, the same code
-the gRPC API goes through. Unknown fields are ignored, as OpenAI does.
+strings, top_logprobs, chat roles, constraints...) is checked by `gateway_service.validation`
+and the constraint checker, the same code the gRPC API goes through. Unknown fields are
+ignored, as OpenAI does. Structured output comes as OpenAI's `response_format` (`json_schema`,
+`json_object`; `text` is no constraint) or as the `guided_*` extras other servers accept; at
+most one of them per request.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from gateway_service.errors import InvalidRequest
 from gateway_service.values import ChatTurn, GenerateInput, SamplingInput
+from radixserve.constraints import Constraint, ConstraintKind
 
 # OpenAI's newer name for the system role.
 ROLE_ALIASES = {"developer": "system"}
@@ -24,6 +29,20 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Body):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    # `schema` would shadow a pydantic method name.
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class TextPart(_Body):
@@ -56,6 +75,11 @@ class _Common(_Body):
     repetition_penalty: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -128,8 +152,35 @@ def _input(body: _Common, max_tokens: int | None, **text) -> GenerateInput:
             seed=body.seed,
         ),
         request_id=body.user or "",
+        constraint=constraint_of(body),
         **text,
     )
+
+
+def constraint_of(body: _Common) -> Constraint | None:
+    """The request's output constraint, from `response_format` or one `guided_*` extra."""
+    found: list[Constraint] = []
+    response_format = body.response_format
+    if response_format is not None and response_format.type == "json_object":
+        found.append(Constraint(ConstraintKind.JSON_OBJECT))
+    elif response_format is not None and response_format.type == "json_schema":
+        spec = response_format.json_schema
+        if spec is None or spec.schema_ is None:
+            raise InvalidRequest("response_format.json_schema.schema is required")
+        found.append(Constraint(ConstraintKind.JSON_SCHEMA, text=json.dumps(spec.schema_)))
+    if body.guided_json is not None:
+        schema = body.guided_json if isinstance(body.guided_json, str) else json.dumps(body.guided_json)
+        found.append(Constraint(ConstraintKind.JSON_SCHEMA, text=schema))
+    if body.guided_regex is not None:
+        found.append(Constraint(ConstraintKind.REGEX, text=body.guided_regex))
+    if body.guided_choice is not None:
+        found.append(Constraint(ConstraintKind.CHOICE, choices=tuple(body.guided_choice)))
+    if body.guided_grammar is not None:
+        found.append(Constraint(ConstraintKind.GRAMMAR, text=body.guided_grammar))
+    if len(found) > 1:
+        raise InvalidRequest("give at most one of response_format (json_object, json_schema), "
+                             "guided_json, guided_regex, guided_choice and guided_grammar")
+    return found[0] if found else None
 
 
 def _text(content: str | list[TextPart] | None, index: int) -> str:

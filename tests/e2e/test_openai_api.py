@@ -257,3 +257,32 @@ def test_metrics_match_requests_and_getstats(api, grpc_client, stack) -> None:
             == delta(gateway, gateway_before, "radixserve:cached_prompt_tokens_total"))
     assert delta(router, router_before, "radixserve:request_queue_time_seconds_count") == 3
     assert total(router, "radixserve:num_requests_running") == 0
+
+
+@pytest.mark.timeout(120)
+def test_structured_output_through_response_format_and_guided_extras(api) -> None:
+    """`response_format` and the `guided_*` extras map onto the gRPC API's constraint."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+              "required": ["city"], "additionalProperties": False}
+    chat = api.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=32, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    assert chat.choices[0].finish_reason == "stop"
+    answer = json.loads(chat.choices[0].message.content)
+    assert set(answer) == {"city"} and isinstance(answer["city"], str)
+
+    anything = api.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=48, temperature=0,
+                                           response_format={"type": "json_object"})
+    if anything.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(anything.choices[0].message.content), dict)
+
+    picked = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=7,
+                                    extra_body={"guided_choice": ["yes", "no", "maybe"]})
+    assert picked.choices[0].text in {"yes", "no", "maybe"}
+
+    with pytest.raises(openai.BadRequestError):  # an invalid regex is the library's 400
+        api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
+                               extra_body={"guided_regex": "(unclosed"})
+    with pytest.raises(openai.BadRequestError):  # two constraints at once
+        api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
+                               extra_body={"guided_regex": "a+", "guided_choice": ["a"]})
