@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import ssl
 from pathlib import Path
 from typing import Any
 
@@ -227,9 +228,9 @@ def test_compose_services_serve_generate(smollm2_dir: Path, tmp_path: Path) -> N
         certs = topology.volume_root / "certs"
         http = f"https://{topology.address('gateway', 'RADIXSERVE_HTTP_PORT')}"
         token = (certs / "api-token").read_text().strip()
-        unauthenticated = httpx.get(f"{http}/v1/models", verify=str(certs / "ca.pem"), timeout=CALL_TIMEOUT_S)
+        unauthenticated = httpx.get(f"{http}/v1/models", verify=ssl.create_default_context(cafile=str(certs / "ca.pem")), timeout=CALL_TIMEOUT_S)
         assert unauthenticated.status_code == 401
-        models = httpx.get(f"{http}/v1/models", verify=str(certs / "ca.pem"), timeout=CALL_TIMEOUT_S,
+        models = httpx.get(f"{http}/v1/models", verify=ssl.create_default_context(cafile=str(certs / "ca.pem")), timeout=CALL_TIMEOUT_S,
                            headers={"Authorization": f"Bearer {token}"}).json()
         assert [m["id"] for m in models["data"]] == [smollm2_dir.name]
         for name in ("gateway", "router", "worker-0", "worker-1"):
