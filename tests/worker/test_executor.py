@@ -1,125 +1,33 @@
-"""The executor over a fake runner: state, page tables, validation, seeded sampling.
+"""The executor over a fake runner: state, page tables, validation and the task protocol.
 
-The fake runner keeps a slot -> (position, token) map as its "KV pages" and computes each sampled
-entry's logits from the whole context it reads back through the page table, so a wrong page
-table, a wrong start position or a skipped write changes the logits or raises.
+The fake runner (`executor_fakes`) reads every sampled entry's context back through its page
+table, so a wrong page table, start position or skipped write changes the logits or raises.
 """
 
 from __future__ import annotations
 
-import zlib
 from dataclasses import replace
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixserve.sampling import SamplingParams
-from worker_service.executor import (
-    INTERNAL,
-    INVALID_ARGUMENT,
-    Executor,
-    NewRequest,
-    Task,
-    TaskEntry,
-    TaskResult,
+from worker.executor_fakes import (
+    CONTEXT_LEN,
+    GREEDY,
+    NUM_PAGES,
+    PAGE_SIZE,
+    VOCAB,
+    Driver,
+    FakeRunner,
+    first,
+    greedy_reference,
+    step,
 )
-from worker.tiny_models import make_tiny_llama
-from worker_service.forward_batch import ForwardEntry, ModelInfo
-from worker_service.model_runner import ModelRunner, RunnerConfig
+from worker_service.executor import INTERNAL, INVALID_ARGUMENT, Executor, NewRequest, Task, TaskEntry
+from worker_service.forward_batch import ForwardEntry
 from worker_service.sampler import Sampler
-
-VOCAB = 64
-PAGE_SIZE = 4
-NUM_PAGES = 32
-CONTEXT_LEN = 96
-GREEDY = SamplingParams()
-
-
-def fake_logits(context: list[int]) -> torch.Tensor:
-    """Deterministic logits that depend on every token of the context and its order."""
-    seed = zlib.crc32(bytes(str(context), "ascii"))
-    return torch.randn(VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
-
-
-class FakeRunner:
-    def __init__(self, rank: int = 0, fail: bool = False) -> None:
-        self.info = ModelInfo(
-            model_name="fake", dtype="float32", device="cpu", page_size=PAGE_SIZE, num_pages=NUM_PAGES,
-            context_len=CONTEXT_LEN, vocab_size=VOCAB, eos_token_ids=[0], rank=rank, world_size=2,
-        )
-        self.slots: dict[int, tuple[int, int]] = {}
-        self.calls: list[list[ForwardEntry]] = []
-        self.fail = fail
-
-    def _slot(self, table: list[int], position: int) -> int:
-        return table[position // PAGE_SIZE] * PAGE_SIZE + position % PAGE_SIZE
-
-    def forward(self, entries: list[ForwardEntry]) -> torch.Tensor | None:
-        if self.fail:
-            raise RuntimeError("device fell over")
-        self.calls.append(entries)
-        rows = []
-        for entry in entries:
-            for offset, token in enumerate(entry.token_ids):
-                position = entry.start_position + offset
-                self.slots[self._slot(entry.page_table, position)] = (position, token)
-            if entry.sample:
-                context = []
-                for position in range(entry.start_position + len(entry.token_ids)):
-                    written_position, token = self.slots[self._slot(entry.page_table, position)]
-                    assert written_position == position, "page table points at another sequence's K/V"
-                    context.append(token)
-                rows.append(fake_logits(context))
-        if self.info.rank != 0 or not rows:
-            return None
-        return torch.stack(rows)
-
-
-def first(
-    request_id: str, token_ids: list[int], page_ids: list[int], *, params: SamplingParams = GREEDY,
-    cached: list[int] | None = None, num_prompt: int | None = None, sample: bool = True,
-) -> TaskEntry:
-    cached = cached or []
-    prompt_len = len(cached) + len(token_ids) if num_prompt is None else num_prompt
-    return TaskEntry(
-        request_id=request_id, token_ids=token_ids, start_position=len(cached), page_ids=page_ids,
-        sample=sample, new_request=NewRequest(params, cached, prompt_len),
-    )
-
-
-def step(request_id: str, token_ids: list[int], start: int, page_ids: list[int] = (), sample: bool = True) -> TaskEntry:
-    return TaskEntry(request_id, list(token_ids), start, list(page_ids), sample)
-
-
-class Driver:
-    """Numbers tasks and keeps the executor at hand."""
-
-    def __init__(self, rank: int = 0, runner: FakeRunner | None = None) -> None:
-        self.runner = runner or FakeRunner(rank)
-        self.executor = Executor(self.runner, Sampler(seed=0) if rank == 0 else None)
-        self.task_id = 0
-
-    def run(self, *entries: TaskEntry, reset: bool = False, release: list[str] = ()) -> TaskResult:
-        self.task_id += 1
-        result = self.executor.execute(Task(self.task_id, list(entries), reset, list(release)))
-        assert result.task_id == self.task_id
-        return result
-
-    def ok(self, *entries: TaskEntry, **kwargs) -> list[int]:
-        result = self.run(*entries, **kwargs)
-        assert result.error is None, result.error
-        return [token.token_id for token in result.tokens]
-
-
-def greedy_reference(prompt: list[int], num_tokens: int) -> list[int]:
-    context, out = list(prompt), []
-    for _ in range(num_tokens):
-        token = int(fake_logits(context).argmax())
-        out.append(token)
-        context.append(token)
-    return out
 
 
 def test_prefill_then_decodes_follow_the_page_table() -> None:
@@ -239,62 +147,6 @@ def test_runner_failure_is_internal_and_applies_nothing() -> None:
     assert driver.executor.requests.get("a").num_written == 5 and "b" not in driver.executor.requests
 
 
-SEEDED = SamplingParams(temperature=1.0, top_k=20, seed=2024)
-
-
-def seeded_run(prompt: list[int], num_tokens: int, chunk: int, companions: bool) -> list[int]:
-    """Generate from `prompt` with SEEDED, prefilling `chunk` tokens a step, maybe with others."""
-    driver = Driver()
-    driver.executor.sampler = Sampler()  # a fresh shared generator with an unknown seed
-    pages = list(range(NUM_PAGES - 1, NUM_PAGES - 1 - 8, -1))
-    extras = [first(f"x{i}", [i + 1] * (i + 2), [i], params=SamplingParams(temperature=1.3)) for i in range(3)]
-    tokens: list[int] = []
-    position = 0
-    while len(tokens) < num_tokens:
-        if position < len(prompt):
-            token_ids = prompt[position : position + chunk]
-            done = position + len(token_ids) == len(prompt)
-        else:
-            token_ids, done = [tokens[-1]], True
-        needed = -(-(position + len(token_ids)) // PAGE_SIZE) - -(-position // PAGE_SIZE)
-        new_pages, pages = pages[:needed], pages[needed:]
-        if position == 0:
-            entry = first("s", token_ids, new_pages, params=SEEDED, num_prompt=len(prompt), sample=done)
-        else:
-            entry = step("s", token_ids, position, new_pages, sample=done)
-        batch = [*extras, entry] if companions and position == 0 else [entry]
-        result = driver.ok(*batch)
-        if done:
-            tokens.append(result[-1])
-        position += len(token_ids)
-    return tokens
-
-
-def test_seeded_request_reproduces_alone_batched_and_chunked() -> None:
-    prompt = [5, 17, 33, 2, 8, 60, 11]
-    alone = seeded_run(prompt, 8, chunk=len(prompt), companions=False)
-    assert seeded_run(prompt, 8, chunk=3, companions=True) == alone
-    assert seeded_run(prompt, 8, chunk=1, companions=False) == alone
-    assert len(set(alone)) > 1
-
-
-def test_seeded_request_survives_retraction() -> None:
-    prompt = [5, 17, 33, 2, 8, 60, 11]
-    straight = seeded_run(prompt, 6, chunk=len(prompt), companions=False)
-    driver = Driver()
-    tokens = driver.ok(first("s", prompt, [0, 1], params=SEEDED))
-    tokens += driver.ok(step("s", [tokens[-1]], 7))
-    tokens += driver.ok(step("s", [tokens[-1]], 8, [2]))
-    # Retracted, then resumed: only page 0 (prompt[:4]) survived in the prefix cache, so the rest of
-    # the prompt and the three output tokens are computed again on fresh pages.
-    resumed = first("s", prompt[4:] + tokens, [0, 5, 6], params=SEEDED, cached=prompt[:4], num_prompt=len(prompt))
-    tokens += driver.ok(resumed, release=["s"])
-    assert driver.executor.requests.get("s").num_output_tokens == 3
-    while len(tokens) < 6:
-        tokens += driver.ok(step("s", [tokens[-1]], len(prompt) + len(tokens) - 1))
-    assert tokens == straight
-
-
 def test_group_page_count_bounds_page_ids() -> None:
     runner = FakeRunner()
     executor = Executor(runner, Sampler(seed=0), num_pages=8)
@@ -302,35 +154,6 @@ def test_group_page_count_bounds_page_ids() -> None:
     result = executor.execute(Task(1, [first("a", [1], [8])]))
     assert result.error.code == INVALID_ARGUMENT and "page id 8 is outside [0, 8)" in result.error.message
     assert executor.execute(Task(2, [first("a", [1], [7])])).error is None
-
-
-def test_seeded_tokens_with_a_real_model_do_not_depend_on_the_batch(tmp_path) -> None:
-    runner = ModelRunner(RunnerConfig(make_tiny_llama(tmp_path / "llama"), page_size=4, kv_cache_bytes=1 << 20))
-    params = SamplingParams(temperature=1.0, top_p=0.95, seed=77)
-    prompt = [5, 17, 33, 2, 8, 60, 11]
-
-    def generate(companions: bool, chunk: int) -> list[int]:
-        executor = Executor(runner, Sampler())
-        extras = [first(f"x{i}", [9 + i] * (3 + i), [20 + 3 * i, 21 + 3 * i, 22 + 3 * i], params=SamplingParams(temperature=0.9))
-                  for i in range(2)] if companions else []
-        head = first("s", prompt[:chunk], [0], params=params, num_prompt=len(prompt), sample=False)
-        assert executor.execute(Task(1, [*extras, head], reset=True)).error is None
-        result = executor.execute(Task(2, [step("s", prompt[chunk:], chunk, [1, 2])]))
-        tokens = [result.tokens[0].token_id]
-        extra_positions = {f"x{i}": 3 + i for i in range(2)} if companions else {}
-        for task_id in range(3, 8):
-            entries = [step("s", [tokens[-1]], len(prompt) + len(tokens) - 1)]
-            for request_id, position in extra_positions.items():
-                entries.insert(0, step(request_id, [1], position))
-                extra_positions[request_id] += 1
-            result = executor.execute(Task(task_id, entries))
-            assert result.error is None, result.error
-            tokens.append(result.tokens[-1].token_id)
-        return tokens
-
-    alone = generate(companions=False, chunk=4)
-    assert generate(companions=True, chunk=2) == alone
-    assert len(set(alone)) > 1
 
 
 def snapshot(executor: Executor) -> dict[str, tuple[list[int], list[int]]]:

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from procs import PYTHON, ServiceProcesses, free_port
 from radixserve.serving import CHANNEL_OPTIONS, start_server
 from radixserve.v1 import worker_pb2, worker_pb2_grpc
-from worker.test_executor import FakeRunner
+from worker.executor_fakes import FakeRunner
 from worker_service.config import parse_config
 from worker_service.executor import Executor
 from worker_service.service import SERVICE_NAME, WorkerService
