@@ -273,8 +273,10 @@ def test_structured_output_through_response_format_and_guided_extras(api) -> Non
 
     anything = api.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=48, temperature=0,
                                            response_format={"type": "json_object"})
+    content = anything.choices[0].message.content
+    assert content.startswith("{")  # the constraint holds even when max_tokens cuts it short
     if anything.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(anything.choices[0].message.content), dict)
+        assert isinstance(json.loads(content), dict)
 
     picked = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=7,
                                     extra_body={"guided_choice": ["yes", "no", "maybe"]})
