@@ -384,8 +384,8 @@ def _print_usage(stack: Stack, plan: StackPlan, args: argparse.Namespace) -> Non
         stack.say(f"  curl{curl_tls}{curl_auth} {base}/chat/completions -H 'Content-Type: application/json' -d '{body}'")
     stack.say(f"  grpcurl {transport} -d '{{\"prompt\": \"Hello\", \"max_tokens\": 16}}' {address} "
               f"radixserve.v1.GenerationService/Generate{token}")
-    stack.say(f"  python -m client generate \"Hello\" --max-tokens 16 --address {address}{client_tls}")
-    stack.say(f"  python -m client chat \"What is a radix tree?\" --address {address}{client_tls}")
+    stack.say(f"  python -m radixserve_client generate \"Hello\" --max-tokens 16 --address {address}{client_tls}")
+    stack.say(f"  python -m radixserve_client chat \"What is a radix tree?\" --address {address}{client_tls}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

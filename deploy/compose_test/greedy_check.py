@@ -28,8 +28,8 @@ RETRY_INTERVAL_S = 2.0
 
 def served(address: str, max_tokens: int, wait_s: float) -> tuple[list[int], list[int], str]:
     """(prompt ids, generated ids, text) from the gateway, retrying while it is unavailable."""
-    from client import Client
-    from client.errors import UnavailableError
+    from radixserve_client import Client
+    from radixserve_client.errors import UnavailableError
 
     from radixserve.security import read_tokens
 

@@ -7,7 +7,7 @@ import asyncio
 import grpc
 import pytest
 
-from client import (
+from radixserve_client import (
     AsyncClient,
     Client,
     DeadlineExceededError,
@@ -16,7 +16,7 @@ from client import (
     ResourceExhaustedError,
     UnavailableError,
 )
-from client.cli import main as cli_main
+from radixserve_client.cli import main as cli_main
 from gateway.harness import CONTEXT_LEN, EOS_TOKEN_ID
 from gateway_service.values import ChatTurn
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from client import Client
+from radixserve_client import Client
 from e2e.reference import CHATS, MAX_NEW_TOKENS, Reference
 
 

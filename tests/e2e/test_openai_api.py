@@ -15,7 +15,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from client import Client
+from radixserve_client import Client
 from e2e.stack import LaunchedStack, launch
 from procs import ServiceProcesses
 from radixserve.v1 import router_pb2, router_pb2_grpc

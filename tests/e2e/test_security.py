@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from client import Client, UnauthenticatedError
+from radixserve_client import Client, UnauthenticatedError
 from e2e.stack import launch
 from procs import ServiceProcesses
 from radixserve.dev_certs import write_dev_certs

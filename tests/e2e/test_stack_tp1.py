@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from client import Client
+from radixserve_client import Client
 from e2e.faults import RecordedStream, greedy, wait_until
 from e2e.parity import check_greedy_parity
 from e2e.reference import CHATS, MAX_NEW_TOKENS

@@ -1,7 +1,7 @@
 """Python client of radixserve's public GenerationService (blocking and asyncio)."""
 
-from client.async_client import AsyncClient
-from client.errors import (
+from radixserve_client.async_client import AsyncClient
+from radixserve_client.errors import (
     CancelledError,
     DeadlineExceededError,
     InternalError,
@@ -11,8 +11,8 @@ from client.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from client.results import Chunk, GenerateResult, ModelInfo, TokenLogprob, TopLogprob, Usage
-from client.sync_client import Client
+from radixserve_client.results import Chunk, GenerateResult, ModelInfo, TokenLogprob, TopLogprob, Usage
+from radixserve_client.sync_client import Client
 
 __all__ = [
     "AsyncClient", "CancelledError", "Chunk", "Client", "DeadlineExceededError",

@@ -1,8 +1,8 @@
-"""`python -m client`: generate or chat from the terminal, streaming the text as it comes.
+"""`python -m radixserve_client`: generate or chat from the terminal, streaming the text as it comes.
 
-    python -m client generate "Once upon a time" --max-tokens 64
-    python -m client chat --system "Answer briefly." "What is a radix tree?"
-    python -m client chat --message user:Hi --message assistant:Hello! --message "user:Tell a joke"
+    python -m radixserve_client generate "Once upon a time" --max-tokens 64
+    python -m radixserve_client chat --system "Answer briefly." "What is a radix tree?"
+    python -m radixserve_client chat --message user:Hi --message assistant:Hello! --message "user:Tell a joke"
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from client.errors import RadixServeError
-from client.sync_client import DEFAULT_ADDRESS, Client
+from radixserve_client.errors import RadixServeError
+from radixserve_client.sync_client import DEFAULT_ADDRESS, Client
 from radixserve.flags import add_flag
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -49,7 +49,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m client", description="radixserve client")
+    parser = argparse.ArgumentParser(prog="python -m radixserve_client", description="radixserve client")
     commands = parser.add_subparsers(dest="command", required=True)
     generate = commands.add_parser("generate", help="complete a plain text prompt")
     generate.add_argument("prompt", help="the prompt text")

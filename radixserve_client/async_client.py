@@ -7,10 +7,10 @@ from typing import Any
 
 import grpc
 
-from client.connection import Endpoint
-from client.errors import from_rpc_error
-from client.request import Message, chat_messages, generate_request
-from client.results import (
+from radixserve_client.connection import Endpoint
+from radixserve_client.errors import from_rpc_error
+from radixserve_client.request import Message, chat_messages, generate_request
+from radixserve_client.results import (
     Chunk,
     GenerateResult,
     ModelInfo,
