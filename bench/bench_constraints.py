@@ -30,9 +30,11 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+from radixserve import constraints, sampling  # noqa: E402
 from radixserve.constraints import Constraint, ConstraintKind  # noqa: E402
 from radixserve.sampling import SamplingParams  # noqa: E402
-from worker_service.executor import Executor, NewRequest, Task, TaskEntry  # noqa: E402
+from radixserve.v1 import worker_pb2 as pb  # noqa: E402
+from worker_service.executor import Executor  # noqa: E402
 from worker_service.grammar import ConstraintMasks  # noqa: E402
 from worker_service.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from worker_service.sampler import Sampler  # noqa: E402
@@ -79,23 +81,27 @@ class Batch:
         constraint = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(SCHEMA))
         self.ids = [f"{tag}-{i}" for i in range(BATCH)]
         entries = [
-            TaskEntry(rid, prompt_ids, 0, list(range(i * pages_each, (i + 1) * pages_each)), True,
-                      NewRequest(SamplingParams(), [], len(prompt_ids), constraint if i < num_constrained else None))
+            pb.TaskEntry(
+                request_id=rid, token_ids=prompt_ids, page_ids=range(i * pages_each, (i + 1) * pages_each),
+                sample=True, new_request=pb.NewRequest(
+                    sampling=sampling.to_proto(SamplingParams()), num_prompt_tokens=len(prompt_ids),
+                    constraint=constraints.to_proto(constraint if i < num_constrained else None)))
             for i, rid in enumerate(self.ids)
         ]
         self.position = len(prompt_ids)
         self.last = self._run(entries)
 
-    def _run(self, entries: list[TaskEntry]) -> list[int]:
+    def _run(self, entries: list[pb.TaskEntry]) -> list[int]:
         self.task_id += 1
-        result = self.executor.execute(Task(self.task_id, entries))
-        if result.error is not None:
+        result = self.executor.execute(pb.DecodeTask(task_id=self.task_id, entries=entries))
+        if result.HasField("error"):
             raise RuntimeError(result.error.message)
         return [token.token_id for token in result.tokens]
 
     def step(self) -> float:
         """One decode step of the whole batch; its wall time in seconds."""
-        entries = [TaskEntry(rid, [token], self.position, [], True) for rid, token in zip(self.ids, self.last)]
+        entries = [pb.TaskEntry(request_id=rid, token_ids=[token], start_position=self.position, sample=True)
+                   for rid, token in zip(self.ids, self.last)]
         start = time.perf_counter()
         self.last = self._run(entries)
         elapsed = time.perf_counter() - start
@@ -104,7 +110,7 @@ class Batch:
 
     def release(self) -> None:
         self.task_id += 1
-        self.executor.execute(Task(self.task_id, [], release_request_ids=self.ids))
+        self.executor.execute(pb.DecodeTask(task_id=self.task_id, release_request_ids=self.ids))
 
 
 def measure(executor: Executor, prompt_ids: list[int], counts: list[int], steps: int, rounds: int

@@ -1,26 +1,33 @@
-"""Applies DecodeTasks on one rank: validate, update request state, run the model, sample.
+"""Applies DecodeTasks on one rank: validate, grow request state, run the model, sample.
 
-Every rank runs the same executor over the same tasks. Validation reads only the task and the
-rank's request table, which are identical on every rank, so all ranks reach the same verdict
-without entering a collective: a malformed task is rejected whole on every rank, nothing of it
-is applied, and no rank is left waiting in an all-reduce for the others.
+The executor works on the wire messages themselves (`worker_pb2.DecodeTask` in,
+`worker_pb2.TaskResult` out); there is no second copy of them. A task goes through three steps:
+
+1. `_validate` reads the task and the rank's request table, which are identical on every rank,
+   so all ranks reach the same verdict without entering a collective: a malformed task is
+   rejected whole on every rank, nothing of it is applied, and no rank is left waiting in an
+   all-reduce for the others. New requests get a fresh (not yet registered) `RequestState`.
+2. `_grow` appends each entry's new tokens and pages to its state in place, so the step costs
+   what is new, never the request's whole length; `_forward` builds the `ForwardEntry` batch
+   over those states, runs the model and, on rank 0, samples.
+3. On success the reset, releases and new states are committed; if the forward pass fails, the
+   states are cut back to where they were, so a failed task changes nothing either.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
 
-from radixserve.constraints import Constraint
+from radixserve import constraints, sampling
 from radixserve.grammar_compiler import InvalidConstraint
-from radixserve.sampling import SamplingParams
-from worker_service.forward_batch import ForwardEntry, ModelInfo
-from worker_service.metrics import WorkerMetrics
+from radixserve.v1 import worker_pb2
+from worker_service.forward_batch import ForwardEntry
 from worker_service.grammar import ConstraintMasks, RequestMatcher
+from worker_service.metrics import WorkerMetrics
 from worker_service.request_state import RequestState, RequestTable
 from worker_service.sampler import Sampler, SampleRow
 
@@ -31,66 +38,10 @@ INVALID_ARGUMENT = 3
 INTERNAL = 13
 
 
-@dataclass(slots=True, frozen=True)
-class NewRequest:
-    """Sent with a request's first entry: its sampling settings and cached prefix."""
-
-    sampling: SamplingParams
-    cached_token_ids: list[int]
-    num_prompt_tokens: int
-    constraint: Constraint | None = None
-
-
-@dataclass(slots=True, frozen=True)
-class TaskEntry:
-    """One request's work in a step (see worker.proto TaskEntry)."""
-
-    request_id: str
-    token_ids: list[int]
-    start_position: int
-    page_ids: list[int]
-    sample: bool
-    new_request: NewRequest | None = None
-
-
-@dataclass(slots=True, frozen=True)
-class Task:
-    """One step, the same on every rank: reset and releases first, then the entries."""
-
-    task_id: int
-    entries: list[TaskEntry]
-    reset: bool = False
-    release_request_ids: list[str] = field(default_factory=list)
-
-
-@dataclass(slots=True, frozen=True)
-class SampledToken:
-    request_id: str
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
-
-
-@dataclass(slots=True, frozen=True)
-class TaskError:
-    code: int
-    message: str
-
-
-@dataclass(slots=True, frozen=True)
-class TaskResult:
-    """Rank 0: one token per `sample=True` entry, in entry order. Other ranks: none."""
-
-    task_id: int
-    rank: int
-    tokens: list[SampledToken] = field(default_factory=list)
-    error: TaskError | None = None
-
-
 class Runner(Protocol):
     """What the executor needs of a model runner (see forward_batch.py)."""
 
-    info: ModelInfo
+    info: worker_pb2.GetWorkerInfoResponse
 
     def forward(self, entries: list[ForwardEntry]) -> torch.Tensor | None: ...
 
@@ -114,7 +65,10 @@ class Executor:
         `constraints`: rank 0's grammar masks (None: constrained requests are refused).
         """
         self.runner = runner
-        self.info = runner.info if num_pages is None else replace(runner.info, num_pages=num_pages)
+        self.info = worker_pb2.GetWorkerInfoResponse()
+        self.info.CopyFrom(runner.info)
+        if num_pages is not None:
+            self.info.num_pages = num_pages
         self.requests = RequestTable()
         self.metrics = metrics
         # Only rank 0 samples; the other ranks never see logits.
@@ -123,49 +77,51 @@ class Executor:
             self.sampler = sampler if sampler is not None else Sampler(self.info.device)
         self.constraints = constraints if self.info.rank == 0 else None
 
-    def execute(self, task: Task) -> TaskResult:
+    def execute(self, task: worker_pb2.DecodeTask) -> worker_pb2.TaskResult:
         """Apply `task`; a malformed one comes back with an INVALID_ARGUMENT error, unapplied."""
+        result = worker_pb2.TaskResult(task_id=task.task_id, rank=self.info.rank)
         try:
             states = self._validate(task)
         except InvalidTask as exc:
             log.warning("task %d rejected: %s", task.task_id, exc)
-            return TaskResult(task.task_id, self.info.rank, error=TaskError(INVALID_ARGUMENT, str(exc)))
+            result.error.code, result.error.message = INVALID_ARGUMENT, str(exc)
+            return result
+        marks = [(state.num_written, len(state.page_table)) for state in states]
+        for entry, state in zip(task.entries, states):
+            state.append(entry.token_ids, entry.page_ids)
         try:
-            tokens = self._run(task, states)
+            self._forward(task, states, result)
         except Exception as exc:  # a broken runner, not a bad task: report it, apply nothing
             log.exception("task %d failed", task.task_id)
-            return TaskResult(task.task_id, self.info.rank, error=TaskError(INTERNAL, f"forward failed: {exc}"))
+            for state, (num_tokens, num_pages) in zip(states, marks):
+                state.truncate(num_tokens, num_pages)
+            del result.tokens[:]
+            result.error.code, result.error.message = INTERNAL, f"forward failed: {exc}"
+            return result
         self._commit(task, states)
-        return TaskResult(task.task_id, self.info.rank, tokens=tokens)
+        return result
 
-    def _run(self, task: Task, states: list[RequestState]) -> list[SampledToken]:
-        """Forward the entries and, on rank 0, sample; reads the states and changes nothing but
-        the constrained requests' matchers, which follow their sampled tokens (a matcher is
-        synced to the output before each use, so it never depends on a task being committed)."""
-        forward_entries = [
-            ForwardEntry(
-                token_ids=list(entry.token_ids),
-                start_position=entry.start_position,
-                page_table=state.page_table + list(entry.page_ids),
-                sample=entry.sample,
-            )
+    def _forward(self, task: worker_pb2.DecodeTask, states: list[RequestState], result: worker_pb2.TaskResult) -> None:
+        """Forward the entries over their grown states and, on rank 0, add the sampled tokens to
+        `result`. Changes nothing else but the constrained requests' matchers, which follow
+        their sampled tokens (a matcher is synced to the output before each use, so it never
+        depends on a task being committed)."""
+        batch = [
+            ForwardEntry(list(entry.token_ids), entry.start_position, state.page_table, entry.sample)
             for entry, state in zip(task.entries, states)
         ]
         started = time.monotonic()
-        logits = self.runner.forward(forward_entries) if forward_entries else None
-        if self.metrics is not None and forward_entries:
-            self.metrics.forward_done([len(e.token_ids) for e in forward_entries], time.monotonic() - started)
+        logits = self.runner.forward(batch) if batch else None
+        if self.metrics is not None and batch:
+            self.metrics.forward_done([len(e.token_ids) for e in batch], time.monotonic() - started)
         sampled = [(entry, state) for entry, state in zip(task.entries, states) if entry.sample]
         if self.sampler is None or not sampled:
-            return []
+            return
         if logits is None or logits.dim() != 2 or logits.shape[0] != len(sampled):
             shape = None if logits is None else tuple(logits.shape)
             raise RuntimeError(f"runner returned logits {shape} for {len(sampled)} sampled entries")
-        # The sampler sees the sequence including this step's tokens, before it is committed.
-        rows = [
-            SampleRow(state.sampling, state.token_ids + list(entry.token_ids), state.num_prompt_tokens)
-            for entry, state in sampled
-        ]
+        # The states already hold this step's tokens: penalties and seeds see the sequence so far.
+        rows = [SampleRow(state.sampling, state.token_ids, state.num_prompt_tokens) for _, state in sampled]
         constrained = [(row, state.matcher) for row, (_, state) in enumerate(sampled) if state.matcher]
         if constrained:
             for row, matcher in constrained:
@@ -177,12 +133,14 @@ class Executor:
             self.metrics.sampler_done(time.monotonic() - started)
         for row, matcher in constrained:
             matcher.advance(samples[row].token_id)
-        return [
-            SampledToken(entry.request_id, sample.token_id, sample.logprob, sample.top_logprobs)
-            for (entry, _), sample in zip(sampled, samples)
-        ]
+        for (entry, _), sample in zip(sampled, samples):
+            token = result.tokens.add(request_id=entry.request_id, token_id=sample.token_id)
+            if sample.logprob is not None:
+                token.logprob = sample.logprob
+            for token_id, logprob in sample.top_logprobs or ():
+                token.top_logprobs.add(token_id=token_id, logprob=logprob)
 
-    def _validate(self, task: Task) -> list[RequestState]:
+    def _validate(self, task: worker_pb2.DecodeTask) -> list[RequestState]:
         """Check every entry against the table as it will be after reset and releases.
 
         Returns, per entry, the state the entry extends: the existing one, or a fresh (not
@@ -199,7 +157,7 @@ class Executor:
                 raise InvalidTask(f"{where}: request appears more than once in the task")
             seen.add(entry.request_id)
             known = None if task.reset or entry.request_id in released else self.requests.get(entry.request_id)
-            if entry.new_request is not None:
+            if entry.HasField("new_request"):
                 if known is not None:
                     raise InvalidTask(f"{where}: new_request for a request this rank already knows")
                 state = self._new_state(entry.request_id, entry.new_request, where)
@@ -211,8 +169,9 @@ class Executor:
             states.append(state)
         return states
 
-    def _new_state(self, request_id: str, new: NewRequest, where: str) -> RequestState:
-        problems = new.sampling.problems()
+    def _new_state(self, request_id: str, new: worker_pb2.NewRequest, where: str) -> RequestState:
+        params = sampling.from_proto(new.sampling)
+        problems = params.problems()
         if problems:
             raise InvalidTask(f"{where}: bad sampling: {'; '.join(problems)}")
         if not 0 <= new.num_prompt_tokens <= self.info.context_len:
@@ -221,18 +180,16 @@ class Executor:
                 f"[0, context length {self.info.context_len}]"
             )
         self._check_token_ids(new.cached_token_ids, f"{where}: cached_token_ids")
-        return RequestState(
-            request_id=request_id,
-            sampling=new.sampling,
-            num_prompt_tokens=new.num_prompt_tokens,
-            token_ids=list(new.cached_token_ids),
-            matcher=self._new_matcher(request_id, new.constraint, where),
-        )
+        state = RequestState(request_id, params, new.num_prompt_tokens)
+        state.append(new.cached_token_ids, ())
+        state.matcher = self._new_matcher(request_id, new, where)
+        return state
 
-    def _new_matcher(self, request_id: str, constraint: Constraint | None, where: str) -> RequestMatcher | None:
+    def _new_matcher(self, request_id: str, new: worker_pb2.NewRequest, where: str) -> RequestMatcher | None:
         """Rank 0's matcher for a constrained request. Only rank 0 looks: the gateway has
         validated the constraint with the same library, so a refusal here means a misconfigured
         stack (no tokenizer in rank 0's model folder), and the router resets the group."""
+        constraint = constraints.from_proto(new.constraint)
         if constraint is None or self.info.rank != 0:
             return None
         if self.constraints is None:
@@ -242,13 +199,14 @@ class Executor:
         except InvalidConstraint as exc:
             raise InvalidTask(f"{where}: {exc}") from exc
 
-    def _check_entry(self, entry: TaskEntry, state: RequestState, where: str) -> None:
+    def _check_entry(self, entry: worker_pb2.TaskEntry, state: RequestState, where: str) -> None:
+        """Costs what the entry adds (its tokens and pages), not what the state holds."""
         info = self.info
         if not entry.token_ids:
             raise InvalidTask(f"{where}: token_ids is empty")
         self._check_token_ids(entry.token_ids, f"{where}: token_ids")
         if entry.start_position != state.num_written:
-            written = "cached_token_ids holds" if entry.new_request is not None else "K/V is written for"
+            written = "cached_token_ids holds" if entry.HasField("new_request") else "K/V is written for"
             raise InvalidTask(
                 f"{where}: start_position {entry.start_position} does not follow the KV written: "
                 f"{written} {state.num_written} tokens"
@@ -261,26 +219,24 @@ class Executor:
         for page_id in entry.page_ids:
             if not 0 <= page_id < info.num_pages:
                 raise InvalidTask(f"{where}: page id {page_id} is outside [0, {info.num_pages})")
-        table = state.page_table + list(entry.page_ids)
-        if len(set(table)) != len(table):
-            duplicated = sorted({page for page in table if table.count(page) > 1})
-            raise InvalidTask(f"{where}: page table repeats page ids {duplicated}")
-        if len(table) * info.page_size < end:
-            raise InvalidTask(
-                f"{where}: {len(table)} pages of {info.page_size} tokens do not cover {end} tokens"
-            )
+        new_pages = set(entry.page_ids)
+        if len(new_pages) != len(entry.page_ids) or not state.page_set.isdisjoint(new_pages):
+            repeated = sorted(p for p in new_pages if p in state.page_set or list(entry.page_ids).count(p) > 1)
+            raise InvalidTask(f"{where}: page table repeats page ids {repeated}")
+        num_pages = len(state.page_table) + len(entry.page_ids)
+        if num_pages * info.page_size < end:
+            raise InvalidTask(f"{where}: {num_pages} pages of {info.page_size} tokens do not cover {end} tokens")
 
-    def _check_token_ids(self, token_ids: list[int], what: str) -> None:
+    def _check_token_ids(self, token_ids, what: str) -> None:
         vocab = self.info.vocab_size
         for token_id in token_ids:
             if not 0 <= token_id < vocab:
                 raise InvalidTask(f"{what}: token id {token_id} is outside the vocab [0, {vocab})")
 
-    def _commit(self, task: Task, states: list[RequestState]) -> None:
+    def _commit(self, task: worker_pb2.DecodeTask, states: list[RequestState]) -> None:
         if task.reset:
             self.requests.clear()
         self.requests.release(task.release_request_ids)
         for entry, state in zip(task.entries, states):
-            if entry.new_request is not None:
+            if entry.HasField("new_request"):
                 self.requests.add(state)
-            state.append(list(entry.token_ids), list(entry.page_ids))

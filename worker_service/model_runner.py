@@ -17,10 +17,11 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
+from radixserve.v1 import worker_pb2
 from worker_service.attention import AttentionBatch, PrefillSpan, additive_mask, plan_decode
 from worker_service.distributed import TPGroup
 from worker_service.dtypes import DTYPES, resolve_dtype
-from worker_service.forward_batch import ForwardEntry, ModelInfo
+from worker_service.forward_batch import ForwardEntry
 from worker_service.kv_pool import KVPool
 from worker_service.layers.linear import pack_linear_weights
 from worker_service.loader import load_weights
@@ -96,7 +97,8 @@ class ModelRunner:
         num_pages = KVPool.pages_for_budget(config.kv_cache_bytes, *shape, dtype=self.dtype)
         self.pool = KVPool(shape[0], num_pages, config.page_size, shape[2], shape[3],
                            self.dtype, self.device)
-        self.info = ModelInfo(
+        # What this rank reports (GetWorkerInfo); the executor copies it with the group's page count.
+        self.info = worker_pb2.GetWorkerInfoResponse(
             model_name=model_dir.name,
             dtype=dtype_name,
             device=str(self.device),

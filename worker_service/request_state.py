@@ -2,15 +2,16 @@
 
 Every rank keeps the same states, because every rank applies the same tasks in the same order.
 Invariants a state keeps:
-  - `num_written == len(token_ids)`: every token in the history has its K/V in the pages;
-  - `len(page_table) * page_size >= num_written`;
+  - `num_written == len(token_ids)`: every token in the history has its K/V in the pages
+    (while a step runs, its tokens are already appended; a failed step cuts them off again);
+  - `len(page_table) * page_size >= num_written`; `page_set` holds the same ids as `page_table`;
   - page ids are router-owned; the worker never allocates or frees them, it only remembers
     which ones hold this request's sequence.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -27,7 +28,8 @@ class RequestState:
     `token_ids` is the request's sequence so far: the cached prefix it arrived with plus every
     token computed since (prompt chunks, then the sampled tokens fed back as decode tokens).
     Positions `[0, num_prompt_tokens)` are prompt; the rest are output, which the presence and
-    frequency penalties count and which step the seeded generator is on.
+    frequency penalties count and which step the seeded generator is on. The lists grow in
+    place, so a step costs its new tokens and pages, not the request's length.
     """
 
     request_id: str
@@ -35,6 +37,8 @@ class RequestState:
     num_prompt_tokens: int
     page_table: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
+    # The ids of `page_table`, so that a step checks its new pages without scanning the table.
+    page_set: set[int] = field(default_factory=set)
     # Rank 0, constrained requests only: the constraint's matcher (see grammar.py).
     matcher: RequestMatcher | None = None
 
@@ -48,10 +52,17 @@ class RequestState:
         """Output tokens computed so far: the seeded generator's step number."""
         return max(0, len(self.token_ids) - self.num_prompt_tokens)
 
-    def append(self, token_ids: list[int], page_ids: list[int]) -> None:
-        """Record tokens whose K/V was just written and the pages that were added for them."""
+    def append(self, token_ids: Iterable[int], page_ids: Iterable[int]) -> None:
+        """Record tokens whose K/V this step writes and the pages that were added for them."""
         self.page_table.extend(page_ids)
+        self.page_set.update(self.page_table[len(self.page_set):])
         self.token_ids.extend(token_ids)
+
+    def truncate(self, num_tokens: int, num_pages: int) -> None:
+        """Undo `append`s back to `num_tokens` tokens and `num_pages` pages (a failed step)."""
+        self.page_set.difference_update(self.page_table[num_pages:])
+        del self.page_table[num_pages:]
+        del self.token_ids[num_tokens:]
 
 
 class RequestTable:

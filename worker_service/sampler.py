@@ -42,6 +42,11 @@ class SampleRow:
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
+    @property
+    def num_output_tokens(self) -> int:
+        """The seeded generator's step (counted, not sliced: a step costs no copy of the output)."""
+        return max(0, len(self.token_ids) - self.num_prompt_tokens)
+
 
 @dataclass(slots=True, frozen=True)
 class Sample:
@@ -115,7 +120,7 @@ class Sampler:
                 unseeded.append(index)
             else:
                 generator = torch.Generator(device=device)
-                generator.manual_seed(seed_for_step(row.params.seed, len(row.output_ids)))
+                generator.manual_seed(seed_for_step(row.params.seed, row.num_output_tokens))
                 uniform[index] = torch.rand(1, dtype=torch.float64, generator=generator, device=device)
         if unseeded:
             uniform[torch.tensor(unseeded, device=device)] = torch.rand(

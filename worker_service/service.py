@@ -2,7 +2,8 @@
 
 Tasks run on one dedicated thread, strictly in arrival order (also across streams), so that the
 event loop stays free to answer health checks and GetWorkerInfo during a forward pass, and so that
-every rank applies the same tasks in the same order.
+every rank applies the same tasks in the same order. The executor takes and returns the wire
+messages themselves.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from radixserve.v1 import worker_pb2, worker_pb2_grpc
-from worker_service import convert
 from worker_service.executor import INVALID_ARGUMENT, Executor
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
         self, request: worker_pb2.GetWorkerInfoRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.GetWorkerInfoResponse:
         executor = await self._ready(context)
-        return convert.info_to_proto(executor.info)
+        return executor.info
 
     async def Execute(
         self, request_iterator: AsyncIterator[worker_pb2.DecodeTask], context: grpc.aio.ServicerContext
@@ -62,13 +62,12 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
         log.info("Execute stream opened by %s", peer)
         try:
             async for message in request_iterator:
-                task = convert.task_from_proto(message)
                 # If the caller goes away mid-task the task still completes on its thread: a task
                 # is applied whole or not at all, never half.
-                result = await loop.run_in_executor(self._thread, executor.execute, task)
-                if result.error is not None and result.error.code != INVALID_ARGUMENT and self._on_broken:
-                    self._on_broken(f"task {task.task_id} failed: {result.error.message}")
+                result = await loop.run_in_executor(self._thread, executor.execute, message)
+                if result.HasField("error") and result.error.code != INVALID_ARGUMENT and self._on_broken:
+                    self._on_broken(f"task {message.task_id} failed: {result.error.message}")
                 num_tasks += 1
-                yield convert.result_to_proto(result)
+                yield result
         finally:
             log.info("Execute stream from %s ended after %d tasks", peer, num_tasks)

@@ -11,9 +11,13 @@ import zlib
 
 import torch
 
+from radixserve import constraints as constraint_values
+from radixserve import sampling
+from radixserve.constraints import Constraint
 from radixserve.sampling import SamplingParams
-from worker_service.executor import Executor, NewRequest, Task, TaskEntry, TaskResult
-from worker_service.forward_batch import ForwardEntry, ModelInfo
+from radixserve.v1 import worker_pb2
+from worker_service.executor import Executor
+from worker_service.forward_batch import ForwardEntry
 from worker_service.sampler import Sampler
 
 VOCAB = 64
@@ -31,7 +35,7 @@ def fake_logits(context: list[int]) -> torch.Tensor:
 
 class FakeRunner:
     def __init__(self, rank: int = 0, fail: bool = False) -> None:
-        self.info = ModelInfo(
+        self.info = worker_pb2.GetWorkerInfoResponse(
             model_name="fake", dtype="float32", device="cpu", page_size=PAGE_SIZE, num_pages=NUM_PAGES,
             context_len=CONTEXT_LEN, vocab_size=VOCAB, eos_token_ids=[0], rank=rank, world_size=2,
         )
@@ -63,20 +67,49 @@ class FakeRunner:
         return torch.stack(rows)
 
 
+def new_request(
+    params: SamplingParams, cached: list[int], num_prompt: int, constraint: Constraint | None = None
+) -> worker_pb2.NewRequest:
+    return worker_pb2.NewRequest(
+        sampling=sampling.to_proto(params), cached_token_ids=cached, num_prompt_tokens=num_prompt,
+        constraint=constraint_values.to_proto(constraint),
+    )
+
+
+def entry(
+    request_id: str, token_ids: list[int], start: int, page_ids: list[int], sample: bool,
+    new: worker_pb2.NewRequest | None = None,
+) -> worker_pb2.TaskEntry:
+    return worker_pb2.TaskEntry(
+        request_id=request_id, token_ids=token_ids, start_position=start, page_ids=page_ids, sample=sample,
+        new_request=new,
+    )
+
+
+def task(
+    task_id: int, entries: list[worker_pb2.TaskEntry], reset: bool = False, release_request_ids: list[str] = (),
+) -> worker_pb2.DecodeTask:
+    return worker_pb2.DecodeTask(task_id=task_id, entries=entries, reset=reset, release_request_ids=release_request_ids)
+
+
+def error_of(result: worker_pb2.TaskResult) -> worker_pb2.TaskError | None:
+    """The result's error, None when the task was applied."""
+    return result.error if result.HasField("error") else None
+
+
 def first(
     request_id: str, token_ids: list[int], page_ids: list[int], *, params: SamplingParams = GREEDY,
     cached: list[int] | None = None, num_prompt: int | None = None, sample: bool = True,
 ) -> TaskEntry:
     cached = cached or []
     prompt_len = len(cached) + len(token_ids) if num_prompt is None else num_prompt
-    return TaskEntry(
-        request_id=request_id, token_ids=token_ids, start_position=len(cached), page_ids=page_ids,
-        sample=sample, new_request=NewRequest(params, cached, prompt_len),
-    )
+    return entry(request_id, token_ids, len(cached), page_ids, sample, new_request(params, cached, prompt_len))
 
 
-def step(request_id: str, token_ids: list[int], start: int, page_ids: list[int] = (), sample: bool = True) -> TaskEntry:
-    return TaskEntry(request_id, list(token_ids), start, list(page_ids), sample)
+def step(
+    request_id: str, token_ids: list[int], start: int, page_ids: list[int] = (), sample: bool = True,
+) -> worker_pb2.TaskEntry:
+    return entry(request_id, list(token_ids), start, list(page_ids), sample)
 
 
 class Driver:
@@ -87,15 +120,15 @@ class Driver:
         self.executor = Executor(self.runner, Sampler(seed=0) if rank == 0 else None)
         self.task_id = 0
 
-    def run(self, *entries: TaskEntry, reset: bool = False, release: list[str] = ()) -> TaskResult:
+    def run(self, *entries: worker_pb2.TaskEntry, reset: bool = False, release: list[str] = ()) -> worker_pb2.TaskResult:
         self.task_id += 1
-        result = self.executor.execute(Task(self.task_id, list(entries), reset, list(release)))
+        result = self.executor.execute(task(self.task_id, list(entries), reset, list(release)))
         assert result.task_id == self.task_id
         return result
 
-    def ok(self, *entries: TaskEntry, **kwargs) -> list[int]:
+    def ok(self, *entries: worker_pb2.TaskEntry, **kwargs) -> list[int]:
         result = self.run(*entries, **kwargs)
-        assert result.error is None, result.error
+        assert error_of(result) is None, result.error
         return [token.token_id for token in result.tokens]
 
 

@@ -22,7 +22,8 @@ from transformers import AutoTokenizer
 from constrained_model import make_constrained_model
 from radixserve.constraints import Constraint, ConstraintKind
 from radixserve.sampling import SamplingParams
-from worker_service.executor import Executor, NewRequest, Task, TaskEntry
+from worker.executor_fakes import entry, error_of, new_request, task
+from worker_service.executor import Executor
 from worker_service.grammar import ConstraintMasks
 from worker_service.model_runner import ModelRunner, RunnerConfig
 from worker_service.sampler import Sampler
@@ -96,8 +97,8 @@ class Generator:
         ids = [f"q{self.next_id + i}" for i in range(len(constraints))]
         self.next_id += len(ids)
         entries = [
-            TaskEntry(rid, prompt, 0, list(range(i * pages_each, (i + 1) * pages_each)), True,
-                      NewRequest(params, [], len(prompt), constraint))
+            entry(rid, prompt, 0, list(range(i * pages_each, (i + 1) * pages_each)), True,
+                      new_request(params, [], len(prompt), constraint))
             for i, (rid, constraint, params) in enumerate(zip(ids, constraints, sampling))
         ]
         runs = {rid: Run([], False, []) for rid in ids}
@@ -109,15 +110,15 @@ class Generator:
                 run.logprobs.append(token.logprob if token.logprob is not None else math.nan)
                 run.finished = token.token_id == EOS
             live = [rid for rid in ids if not runs[rid].finished and len(runs[rid].token_ids) < max_tokens]
-            entries = [TaskEntry(rid, [runs[rid].token_ids[-1]], position, [], True) for rid in live]
+            entries = [entry(rid, [runs[rid].token_ids[-1]], position, [], True) for rid in live]
             position += 1
         self._execute([], release=ids)
         return [runs[rid] for rid in ids]
 
-    def _execute(self, entries: list[TaskEntry], release: list[str] = ()):
+    def _execute(self, entries: list, release: list[str] = ()):
         self.task_id += 1
-        result = self.executor.execute(Task(self.task_id, entries, release_request_ids=list(release)))
-        assert result.error is None, result.error
+        result = self.executor.execute(task(self.task_id, entries, release_request_ids=list(release)))
+        assert error_of(result) is None, result.error
         return result.tokens
 
 
@@ -212,15 +213,15 @@ def test_resumed_request_replays_its_output_into_a_new_matcher(generator, tokeni
     sequence = prompt + first
     table = list(range(0, (len(sequence) + MAX_TOKENS) // generator.page_size + 1))
     cached = len(prompt) + 2  # the prompt and two output tokens come from the prefix cache
-    new = NewRequest(SamplingParams(), sequence[:cached], len(prompt), schema)
+    new = new_request(SamplingParams(), sequence[:cached], len(prompt), schema)
     generator.task_id += 1
-    result = executor.execute(Task(generator.task_id, [TaskEntry("resumed", sequence[cached:], cached, table, True, new)]))
-    assert result.error is None, result.error
+    result = executor.execute(task(generator.task_id, [entry("resumed", sequence[cached:], cached, table, True, new)]))
+    assert error_of(result) is None, result.error
     tokens = [result.tokens[0].token_id]
     while tokens[-1] != EOS:
         generator.task_id += 1
-        step = TaskEntry("resumed", [tokens[-1]], len(sequence) + len(tokens) - 1, [], True)
-        tokens.append(executor.execute(Task(generator.task_id, [step])).tokens[0].token_id)
+        step = entry("resumed", [tokens[-1]], len(sequence) + len(tokens) - 1, [], True)
+        tokens.append(executor.execute(task(generator.task_id, [step])).tokens[0].token_id)
     generator.task_id += 1
-    executor.execute(Task(generator.task_id, [], release_request_ids=["resumed"]))
+    executor.execute(task(generator.task_id, [], release_request_ids=["resumed"]))
     assert first + tokens == whole.token_ids

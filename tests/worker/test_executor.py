@@ -6,13 +6,12 @@ table, so a wrong page table, start position or skipped write changes the logits
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from radixserve.sampling import SamplingParams
+from radixserve.v1 import worker_pb2
 from worker.executor_fakes import (
     CONTEXT_LEN,
     GREEDY,
@@ -21,11 +20,15 @@ from worker.executor_fakes import (
     VOCAB,
     Driver,
     FakeRunner,
+    entry,
+    error_of,
     first,
     greedy_reference,
+    new_request,
     step,
+    task,
 )
-from worker_service.executor import INTERNAL, INVALID_ARGUMENT, Executor, NewRequest, Task, TaskEntry
+from worker_service.executor import INTERNAL, INVALID_ARGUMENT, Executor
 from worker_service.forward_batch import ForwardEntry
 from worker_service.sampler import Sampler
 
@@ -76,7 +79,7 @@ BAD_ENTRIES = {
     "start behind the KV written": (step("a", [7], 4), "start_position 4 does not follow the KV written"),
     "start past the KV written": (step("a", [7], 6), "start_position 6 does not follow"),
     "start not after the cached prefix": (
-        TaskEntry("b", [9], 0, [2], True, NewRequest(GREEDY, [1, 2], 3)), "cached_token_ids holds 2 tokens"
+        entry("b", [9], 0, [2], True, new_request(GREEDY, [1, 2], 3)), "cached_token_ids holds 2 tokens"
     ),
     "pages do not cover the tokens": (first("b", list(range(9)), [2, 3]), "2 pages of 4 tokens do not cover 9"),
     "empty token_ids": (step("a", [], 5), "token_ids is empty"),
@@ -98,9 +101,9 @@ def test_malformed_task_is_rejected_whole_and_the_next_one_runs(case: str) -> No
     bad, needle = BAD_ENTRIES[case]
     # A good entry for a new request rides along: it must not be applied either.
     result = driver.run(first("good", [8, 8], [9]), bad, release=["a"] if case == "unknown request" else [])
-    assert result.error is not None and result.error.code == INVALID_ARGUMENT
+    assert error_of(result) is not None and result.error.code == INVALID_ARGUMENT
     assert needle in result.error.message
-    assert result.tokens == []
+    assert list(result.tokens) == []
     assert len(driver.runner.calls) == num_calls, "a rejected task must not reach the model"
     assert "good" not in driver.executor.requests
     # Nothing changed: 'a' (even when the bad task released it) continues where it was.
@@ -130,7 +133,7 @@ def test_release_and_reset_apply_before_entries() -> None:
 def test_other_ranks_acknowledge_without_tokens() -> None:
     driver = Driver(rank=1)
     result = driver.run(first("a", [1, 2, 3], [0]))
-    assert result.error is None and result.tokens == [] and result.rank == 1
+    assert error_of(result) is None and list(result.tokens) == [] and result.rank == 1
     assert driver.runner.calls == [[ForwardEntry([1, 2, 3], 0, [0], True)]]
     assert driver.executor.requests.get("a").num_written == 3
     bad = driver.run(step("a", [1], 0))
@@ -151,9 +154,9 @@ def test_group_page_count_bounds_page_ids() -> None:
     runner = FakeRunner()
     executor = Executor(runner, Sampler(seed=0), num_pages=8)
     assert executor.info.num_pages == 8 and runner.info.num_pages == NUM_PAGES
-    result = executor.execute(Task(1, [first("a", [1], [8])]))
+    result = executor.execute(task(1, [first("a", [1], [8])]))
     assert result.error.code == INVALID_ARGUMENT and "page id 8 is outside [0, 8)" in result.error.message
-    assert executor.execute(Task(2, [first("a", [1], [7])])).error is None
+    assert error_of(executor.execute(task(2, [first("a", [1], [7])]))) is None
 
 
 def snapshot(executor: Executor) -> dict[str, tuple[list[int], list[int]]]:
@@ -207,10 +210,10 @@ def test_random_task_sequences_keep_state_consistent(data: st.DataObject) -> Non
         before = snapshot(driver.executor)
         result = driver.run(*entries, release=release)
         if corruption is not None:
-            assert result.error is not None and result.error.code == INVALID_ARGUMENT, corruption
+            assert error_of(result) is not None and result.error.code == INVALID_ARGUMENT, corruption
             assert snapshot(driver.executor) == before
             continue
-        assert result.error is None, result.error
+        assert error_of(result) is None, result.error
         assert len(result.tokens) == sum(entry.sample for entry in entries)
         for request_id in release:
             free += pages.pop(request_id)
@@ -222,7 +225,19 @@ def test_random_task_sequences_keep_state_consistent(data: st.DataObject) -> Non
         assert {r: len(t) for r, (t, _) in snapshot(driver.executor).items()} == written
 
 
-def _corrupt(entries: list[TaskEntry], index: int, corruption: str, live: list[str]) -> list[TaskEntry]:
+def _changed(entry: worker_pb2.TaskEntry, **fields) -> worker_pb2.TaskEntry:
+    changed = worker_pb2.TaskEntry()
+    changed.CopyFrom(entry)
+    for name, value in fields.items():
+        if isinstance(value, list):
+            changed.ClearField(name)
+            getattr(changed, name).extend(value)
+        else:
+            setattr(changed, name, value)
+    return changed
+
+
+def _corrupt(entries: list[worker_pb2.TaskEntry], index: int, corruption: str, live: list[str]) -> list[worker_pb2.TaskEntry]:
     entries = list(entries)
     if corruption == "unknown id":
         return [*entries, step("never-started", [1], 0)]
@@ -234,11 +249,11 @@ def _corrupt(entries: list[TaskEntry], index: int, corruption: str, live: list[s
         return [*entries, first(request_id, [1], [])]
     entry = entries[index]
     if corruption == "start ahead":
-        entries[index] = replace(entry, start_position=entry.start_position + 1)
+        entries[index] = _changed(entry, start_position=entry.start_position + 1)
     elif corruption == "token outside vocab":
-        entries[index] = replace(entry, token_ids=[*entry.token_ids[:-1], VOCAB])
+        entries[index] = _changed(entry, token_ids=[*entry.token_ids[:-1], VOCAB])
     elif corruption == "page outside pool":
-        entries[index] = replace(entry, page_ids=[*entry.page_ids, NUM_PAGES])
+        entries[index] = _changed(entry, page_ids=[*entry.page_ids, NUM_PAGES])
     elif corruption == "empty":
-        entries[index] = replace(entry, token_ids=[])
+        entries[index] = _changed(entry, token_ids=[])
     return entries

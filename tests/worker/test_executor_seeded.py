@@ -4,9 +4,9 @@ retraction, with the fake runner and with a real tiny model."""
 from __future__ import annotations
 
 from radixserve.sampling import SamplingParams
-from worker.executor_fakes import NUM_PAGES, PAGE_SIZE, Driver, first, step
+from worker.executor_fakes import NUM_PAGES, PAGE_SIZE, Driver, error_of, first, step, task
 from worker.tiny_models import make_tiny_llama
-from worker_service.executor import Executor, Task
+from worker_service.executor import Executor
 from worker_service.model_runner import ModelRunner, RunnerConfig
 from worker_service.sampler import Sampler
 
@@ -77,8 +77,8 @@ def test_seeded_tokens_with_a_real_model_do_not_depend_on_the_batch(tmp_path) ->
         extras = [first(f"x{i}", [9 + i] * (3 + i), [20 + 3 * i, 21 + 3 * i, 22 + 3 * i], params=SamplingParams(temperature=0.9))
                   for i in range(2)] if companions else []
         head = first("s", prompt[:chunk], [0], params=params, num_prompt=len(prompt), sample=False)
-        assert executor.execute(Task(1, [*extras, head], reset=True)).error is None
-        result = executor.execute(Task(2, [step("s", prompt[chunk:], chunk, [1, 2])]))
+        assert error_of(executor.execute(task(1, [*extras, head], reset=True))) is None
+        result = executor.execute(task(2, [step("s", prompt[chunk:], chunk, [1, 2])]))
         tokens = [result.tokens[0].token_id]
         extra_positions = {f"x{i}": 3 + i for i in range(2)} if companions else {}
         for task_id in range(3, 8):
@@ -86,8 +86,8 @@ def test_seeded_tokens_with_a_real_model_do_not_depend_on_the_batch(tmp_path) ->
             for request_id, position in extra_positions.items():
                 entries.insert(0, step(request_id, [1], position))
                 extra_positions[request_id] += 1
-            result = executor.execute(Task(task_id, entries))
-            assert result.error is None, result.error
+            result = executor.execute(task(task_id, entries))
+            assert error_of(result) is None, result.error
             tokens.append(result.tokens[-1].token_id)
         return tokens
 
