@@ -3,17 +3,49 @@
 The gateway resolves the public API's optional fields into these (see generation.proto for the
 documented defaults); the router passes them through untouched; rank 0's sampler applies them.
 On the wire they are `radixserve.v1.ResolvedSamplingParams`; `to_proto` / `from_proto` are the
-only mapping.
+only mapping. `RANGES` and `SamplingParams.problems` are the one declaration of what a value may
+be: the gateway (public requests), the router (its callers) and the workers (their tasks) all
+check with them, so the three can never disagree.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from radixserve.v1 import worker_pb2
 
 MAX_TOP_LOGPROBS = 20
 SEED_MASK = (1 << 64) - 1  # seeds are unsigned 64-bit on the wire
+
+
+@dataclass(frozen=True, slots=True)
+class Range:
+    """A closed interval, or half-open at the bottom when `low_open`."""
+
+    low: float
+    high: float
+    low_open: bool = False
+
+    def problem(self, name: str, value: float) -> str | None:
+        """What is wrong with `value` for the field `name`; None when it is in range."""
+        if not math.isfinite(value):
+            return f"{name} must be a finite number, got {value}"
+        below = value <= self.low if self.low_open else value < self.low
+        if below or value > self.high:
+            return f"{name} must be in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}], got {value:g}"
+        return None
+
+
+# The ranges generation.proto documents for the public SamplingParams.
+RANGES = {
+    "temperature": Range(0.0, 2.0),
+    "top_p": Range(0.0, 1.0, low_open=True),
+    "min_p": Range(0.0, 1.0),
+    "repetition_penalty": Range(0.0, 2.0, low_open=True),
+    "presence_penalty": Range(-2.0, 2.0),
+    "frequency_penalty": Range(-2.0, 2.0),
+}
 
 
 @dataclass(slots=True, frozen=True)
@@ -36,32 +68,22 @@ class SamplingParams:
     top_logprobs: int = 0
 
     def problems(self) -> list[str]:
-        """What is wrong with these values (empty when they are usable)."""
-        found = []
-        finite = {
-            "temperature": self.temperature, "top_p": self.top_p, "min_p": self.min_p,
-            "repetition_penalty": self.repetition_penalty,
-            "presence_penalty": self.presence_penalty,
-            "frequency_penalty": self.frequency_penalty,
-        }
-        for name, value in finite.items():
-            if value != value or value in (float("inf"), float("-inf")):
-                found.append(f"{name} must be finite, got {value}")
-        if self.temperature < 0:
-            found.append(f"temperature must be >= 0, got {self.temperature}")
+        """What is wrong with these values, one message per field (empty when they are usable)."""
+        found = [problem for name, bounds in RANGES.items() if (problem := bounds.problem(name, getattr(self, name)))]
         if self.top_k < 0:
             found.append(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            found.append(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p <= 1:
-            found.append(f"min_p must be in [0, 1], got {self.min_p}")
-        if not self.repetition_penalty > 0:
-            found.append(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             found.append(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
-        if self.seed is not None and not 0 <= self.seed <= SEED_MASK:
-            found.append(f"seed must fit in 64 unsigned bits, got {self.seed}")
+        if (problem := seed_problem(self.seed)) is not None:
+            found.append(problem)
         return found
+
+
+def seed_problem(seed: int | None) -> str | None:
+    """Seeds are unsigned 64-bit on the wire; the HTTP API's JSON can carry any integer."""
+    if seed is not None and not 0 <= seed <= SEED_MASK:
+        return f"seed must be in [0, 2^64), got {seed}"
+    return None
 
 
 def from_proto(message: worker_pb2.ResolvedSamplingParams) -> SamplingParams:
