@@ -31,10 +31,6 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = 0
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self._token_ids
-
     def add(self, token_id: int) -> str:
         """Append one token; return the text that is now final (possibly empty)."""
         self._token_ids.append(token_id)

@@ -15,8 +15,9 @@ from collections.abc import AsyncIterator, Callable
 from prometheus_client import CollectorRegistry
 
 from gateway_service.errors import status_of
-from gateway_service.values import OutputChunk
+from gateway_service.output import FINISH_REASON_TEXT
 from radixserve.metrics import counter, latency_histogram
+from radixserve.v1 import generation_pb2
 
 # Values of the `api` label.
 API_GRPC = "grpc"
@@ -46,7 +47,7 @@ class GatewayMetrics:
         self.e2e = latency_histogram(
             r, "e2e_request_latency_seconds", "From request arrival to its last token.", api)
 
-    async def observe(self, api: str, stream: AsyncIterator[OutputChunk]) -> AsyncIterator[OutputChunk]:
+    async def observe(self, api: str, stream: AsyncIterator[generation_pb2.GenerateResponse]) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """Yield `stream`'s chunks unchanged, recording the request's metrics on the way.
 
         The caller must close this generator (`contextlib.aclosing`) or drain it; a stream
@@ -69,12 +70,12 @@ class GatewayMetrics:
                             self.itl.labels(model, api).observe(gap)
                     num_tokens += len(chunk.token_ids)
                     last = now
-                if chunk.usage is not None:
+                if chunk.HasField("usage"):
                     self.prompt_tokens.labels(model, api).inc(chunk.usage.prompt_tokens)
                     self.generation_tokens.labels(model, api).inc(chunk.usage.completion_tokens)
                     self.cached_prompt_tokens.labels(model, api).inc(chunk.usage.cached_tokens)
-                if chunk.finish_reason is not None:
-                    status, finish = STATUS_OK, chunk.finish_reason.value
+                if chunk.finish_reason:
+                    status, finish = STATUS_OK, FINISH_REASON_TEXT[chunk.finish_reason]
                     self.e2e.labels(model, api).observe(now - start)
                 yield chunk
         except Exception as exc:

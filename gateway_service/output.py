@@ -4,6 +4,10 @@ For each router response: detokenize token by token, cut at stop strings, attach
 logprobs. The tokens after the one that completed a stop string are dropped, and so is the
 stop string itself; the caller then cancels the router stream.
 
+Chunks are the public `GenerateResponse` message itself; its finish reason is the proto enum
+(`FINISH_REASON_UNSPECIFIED`, 0, while the request runs), and `FINISH_REASON_TEXT` is the one
+mapping to the words the HTTP API and the metrics use.
+
 Usage counts the prompt and the tokens passed to the client. `cached_tokens` comes from the
 router, which reports it on every response, so it is right even when a stop string ends the
 request early.
@@ -12,12 +16,18 @@ request early.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 
 from gateway_service.detokenizer import IncrementalDetokenizer
 from gateway_service.stop_strings import StopStringMatcher
 from gateway_service.tokenizer import Tokenizer
-from gateway_service.values import FinishReason, OutputChunk, TokenLogprob, Usage
+from radixserve.v1 import generation_pb2
+
+STOP = generation_pb2.FINISH_REASON_STOP
+FINISH_REASON_TEXT = {
+    generation_pb2.FINISH_REASON_STOP: "stop",
+    generation_pb2.FINISH_REASON_LENGTH: "length",
+    generation_pb2.FINISH_REASON_CANCELLED: "cancelled",
+}
 
 
 class OutputAssembler:
@@ -36,10 +46,11 @@ class OutputAssembler:
     def add(
         self,
         token_ids: Sequence[int],
-        logprobs: Sequence[TokenLogprob] = (),
-        finish_reason: FinishReason | None = None,
+        logprobs: Sequence[generation_pb2.TokenLogprob] = (),
+        finish_reason: int = generation_pb2.FINISH_REASON_UNSPECIFIED,
         cached_tokens: int = 0,
-    ) -> OutputChunk | None:
+    ) -> generation_pb2.GenerateResponse | None:
+        """`logprobs` come without token text; the chunk's have it."""
         if self.finished:
             raise RuntimeError("output already finished")
         self.num_cached_tokens = max(self.num_cached_tokens, cached_tokens)
@@ -50,11 +61,12 @@ class OutputAssembler:
             result = self._matcher.feed(self._detokenizer.add(token_id))
             pieces.append(result.text)
             if result.stopped:
-                finish_reason = FinishReason.STOP
+                finish_reason = STOP
                 break
         self.num_completion_tokens += len(taken)
-        token_logprobs = [self._with_text(lp) for lp in logprobs[:len(taken)]]
-        if finish_reason is not None:
+        chunk = generation_pb2.GenerateResponse(token_ids=taken, logprobs=logprobs[:len(taken)])
+        self._add_token_text(chunk.logprobs)
+        if finish_reason:
             if not self._matcher.stopped:
                 tail = self._matcher.feed(self._detokenizer.flush())
                 pieces.append(tail.text)
@@ -62,23 +74,21 @@ class OutputAssembler:
                     tail = self._matcher.flush()
                     pieces.append(tail.text)
                 if tail.stopped:
-                    finish_reason = FinishReason.STOP
+                    finish_reason = STOP
             self.finished = True
-            usage = Usage(
-                prompt_tokens=self._prompt_len,
-                completion_tokens=self.num_completion_tokens,
-                cached_tokens=self.num_cached_tokens,
-            )
-            return OutputChunk("".join(pieces), taken, token_logprobs, finish_reason, usage)
-        text = "".join(pieces)
-        if not taken and not text:
+            chunk.text, chunk.finish_reason = "".join(pieces), finish_reason
+            chunk.usage.prompt_tokens = self._prompt_len
+            chunk.usage.completion_tokens = self.num_completion_tokens
+            chunk.usage.cached_tokens = self.num_cached_tokens
+            return chunk
+        chunk.text = "".join(pieces)
+        if not taken and not chunk.text:
             return None
-        return OutputChunk(text, taken, token_logprobs)
+        return chunk
 
-    def _with_text(self, logprob: TokenLogprob) -> TokenLogprob:
+    def _add_token_text(self, logprobs: Sequence[generation_pb2.TokenLogprob]) -> None:
         text = self._tokenizer.token_text
-        return replace(
-            logprob,
-            token=text(logprob.token_id),
-            top_logprobs=tuple(replace(t, token=text(t.token_id)) for t in logprob.top_logprobs),
-        )
+        for logprob in logprobs:
+            logprob.token = text(logprob.token_id)
+            for top in logprob.top_logprobs:
+                top.token = text(top.token_id)

@@ -16,8 +16,6 @@ from collections.abc import Sequence
 
 import grpc
 
-from gateway_service import convert
-from gateway_service.values import ServerInfo
 from radixserve.security import Security
 from radixserve.serving import CHANNEL_OPTIONS, NO_SECURITY
 from radixserve.v1 import router_pb2, router_pb2_grpc
@@ -72,14 +70,10 @@ class RouterPool:
         }
         self._stubs = {a: router_pb2_grpc.RouterServiceStub(c) for a, c in self._channels.items()}
         self._up = dict.fromkeys(self.addresses, False)
-        self._info: dict[str, ServerInfo] = {}
+        self._info: dict[str, router_pb2.GetServerInfoResponse] = {}
 
     @property
-    def any_up(self) -> bool:
-        return any(self._up.values())
-
-    @property
-    def info(self) -> ServerInfo | None:
+    def info(self) -> router_pb2.GetServerInfoResponse | None:
         """The model as the first reachable router describes it (replicas serve one model)."""
         for address in self.addresses:
             if self._up[address] and address in self._info:
@@ -112,7 +106,7 @@ class RouterPool:
             return False
         if not self._up[address]:
             log.info("router %s is up (%s)", address, reply.model_name)
-        self._info[address] = convert.server_info(reply)
+        self._info[address] = reply
         self._up[address] = True
         return True
 

@@ -1,7 +1,8 @@
 """The GenerationService servicer: validate, tokenize, stream from a router, assemble text.
 
-Protobuf is converted at the edges (`convert`); every failure becomes a status in
-`errors.to_status`. A request's router call lives exactly as long as the client's stream:
+Requests and responses are the public messages themselves (the HTTP API builds and reads the
+same ones); the router is asked with its own `RouterGenerateRequest`. Every failure becomes a
+status in `errors.to_status`. A request's router call lives exactly as long as the client's stream:
 it is cancelled when the client cancels, when a stop string ends the output, or on error.
 """
 
@@ -15,7 +16,6 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from gateway_service import convert
 from gateway_service.config import GatewayConfig
 from gateway_service.constraint_check import ConstraintChecker
 from gateway_service.errors import GatewayError, NoRouterAvailable, ShuttingDown, to_status
@@ -31,7 +31,7 @@ from gateway_service.validation import (
     resolve_max_tokens,
     resolve_sampling,
 )
-from gateway_service.values import GenerateInput, OutputChunk, RouterRequest, ServerInfo
+from radixserve import constraints, sampling
 from radixserve.v1 import generation_pb2, generation_pb2_grpc, router_pb2
 
 log = logging.getLogger(__name__)
@@ -60,17 +60,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         try:
             remaining = context.time_remaining()
             deadline = None if remaining is None else time.monotonic() + remaining
-            async for chunk in self.generate(convert.generate_input(request), deadline, API_GRPC):
-                yield convert.generate_response(chunk)
+            async for chunk in self.generate(request, deadline, API_GRPC):
+                yield chunk
         except Exception as exc:
             await context.abort(*to_status(exc))
 
     async def Tokenize(self, request, context) -> generation_pb2.TokenizeResponse:
         try:
             self._refuse_if_draining()
-            request_input = convert.tokenize_input(request)
-            check_text_input(request_input, self._limits)
-            token_ids = await self._text.encode(self._encode, request_input)
+            check_text_input(request, self._limits)
+            token_ids = await self._text.encode(self._encode, request)
             info = self._pool.info  # without a router yet, the character limit bounds the cost
             check_prompt_tokens(len(token_ids), info.context_len if info else None, self._limits)
             return generation_pb2.TokenizeResponse(token_ids=token_ids)
@@ -79,15 +78,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     async def GetModelInfo(self, request, context) -> generation_pb2.GetModelInfoResponse:
         try:
-            return convert.model_info_reply(await self._server_info())
+            info = await self._server_info()
+            return generation_pb2.GetModelInfoResponse(
+                model_name=info.model_name, context_len=info.context_len, tp_size=info.tp_size,
+                page_size=info.page_size, dtype=info.dtype, num_pages=info.num_pages,
+            )
         except Exception as exc:
             await context.abort(*to_status(exc))
 
     # --- Generate ---------------------------------------------------------------------------
 
     def generate(
-        self, request: GenerateInput, deadline: float | None, api: str
-    ) -> AsyncIterator[OutputChunk]:
+        self, request: generation_pb2.GenerateRequest, deadline: float | None, api: str
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """One request's output, validated and measured; `deadline` is on `time.monotonic()`.
 
         Every API (gRPC, the HTTP API's `api` routes) comes through here; errors are raised
@@ -95,48 +98,47 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         """
         return self.metrics.observe(api, self._generate(request, deadline))
 
-    async def model_info(self) -> ServerInfo:
+    async def model_info(self) -> router_pb2.GetServerInfoResponse:
         """What the routers serve; raises `NoRouterAvailable` while none answers."""
         return await self._server_info()
 
-    async def _generate(self, request: GenerateInput, deadline: float | None) -> AsyncIterator[OutputChunk]:
+    async def _generate(
+        self, request: generation_pb2.GenerateRequest, deadline: float | None
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         self._refuse_if_draining()
         info = await self._server_info()
         tokenizer = self._require_tokenizer()
         vocab_size = info.vocab_size or tokenizer.vocab_size
         check_input(request, vocab_size, self._limits)
-        sampling = resolve_sampling(
-            request.sampling, vocab_size, request.logprobs, request.top_logprobs
-        )
+        params = resolve_sampling(request.sampling, vocab_size, request.logprobs, request.top_logprobs)
         prompt_ids = await self._text.encode(self._encode, request)
         # The context length is checked next, with a message that names max_tokens too.
         check_prompt_tokens(len(prompt_ids), None, self._limits)
         max_tokens = resolve_max_tokens(
-            request.max_tokens, len(prompt_ids), info.context_len, self._config.default_max_tokens
+            request.max_tokens if request.HasField("max_tokens") else None, len(prompt_ids),
+            info.context_len, self._config.default_max_tokens,
         )
-        if request.constraint is not None:
-            await self._require_constraints().check(request.constraint)
+        constraint = constraints.from_proto(request.constraint)
+        if constraint is not None:
+            await self._require_constraints().check(constraint)
         # The router sees a unique id even when callers reuse theirs; logs keep the caller's.
         suffix = uuid.uuid4().hex[:12]
         request_id = f"{request.request_id}-{suffix}" if request.request_id else suffix
-        routed = RouterRequest(
+        routed = router_pb2.RouterGenerateRequest(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
             max_tokens=max_tokens,
-            sampling=sampling,
+            sampling=sampling.to_proto(params),
             stop_token_ids=request.stop_token_ids,
             ignore_eos=request.ignore_eos,
-            constraint=request.constraint,
+            constraint=constraints.to_proto(constraint),
         )
         assembler = OutputAssembler(tokenizer, request.stop, len(prompt_ids))
         log.debug("request %s: %d prompt tokens, max_tokens %d", request_id, len(prompt_ids), max_tokens)
         async with contextlib.aclosing(self._router_stream(routed, deadline)) as stream:
             async for response in stream:
                 chunk = await self._text.decode(
-                    assembler.add,
-                    response.token_ids,
-                    convert.raw_logprobs(response.logprobs),
-                    convert.finish_reason(response.finish_reason),
+                    assembler.add, response.token_ids, response.logprobs, response.finish_reason,
                     response.usage.cached_tokens,
                 )
                 if chunk is not None:
@@ -146,16 +148,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         raise GatewayError("the router's stream ended without a finish reason")
 
     async def _router_stream(
-        self, request: RouterRequest, deadline: float | None
+        self, request: router_pb2.RouterGenerateRequest, deadline: float | None
     ) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
         """The router's responses, failing over to the next router in rendezvous order when
         one is UNAVAILABLE before it streamed anything."""
-        message = convert.router_request(request)
         failures: list[str] = []
         for address in self._pool.order(request.prompt_token_ids):
             timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             call = self._pool.stub(address).Generate(
-                message, timeout=timeout, metadata=self._pool.call_metadata
+                request, timeout=timeout, metadata=self._pool.call_metadata
             )
             streamed = False
             try:
@@ -186,11 +187,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             raise GatewayError("the gateway is still loading its tokenizer", grpc.StatusCode.UNAVAILABLE)
         return self.constraints
 
-    def _encode(self, request: GenerateInput) -> list[int]:
+    def _encode(self, request: generation_pb2.GenerateRequest | generation_pb2.TokenizeRequest) -> list[int]:
         tokenizer = self._require_tokenizer()
         if request.messages:
             return tokenizer.encode_chat(request.messages)
-        return tokenizer.encode_prompt(request.prompt or "")
+        return tokenizer.encode_prompt(request.prompt)
 
     def _refuse_if_draining(self) -> None:
         if self.draining:
@@ -199,7 +200,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def close(self) -> None:
         self._text.close()
 
-    async def _server_info(self) -> ServerInfo:
+    async def _server_info(self) -> router_pb2.GetServerInfoResponse:
         info = self._pool.info
         if info is None:
             await self._pool.probe_all()

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gateway_service.errors import InvalidRequest
-from gateway_service.values import ChatTurn
+from radixserve.v1 import generation_pb2
 
 
 class Tokenizer:
@@ -35,7 +35,7 @@ class Tokenizer:
         """A plain prompt, with the special tokens the model's tokenizer adds by itself."""
         return list(self._hf.encode(text))
 
-    def encode_chat(self, turns: Sequence[ChatTurn]) -> list[int]:
+    def encode_chat(self, turns: Sequence[generation_pb2.ChatMessage]) -> list[int]:
         """The chat template applied with the generation prompt, then tokenized.
 
         The rendered template already holds its special tokens, so none are added again

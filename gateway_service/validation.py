@@ -1,5 +1,7 @@
 """Request validation: every mistake a caller can make becomes an `InvalidRequest` that names
-the field, before anything reaches a router. Ranges follow the comments in generation.proto.
+the field, before anything reaches a router. Requests are the `GenerateRequest` message itself
+(the HTTP API builds one too); sampling ranges are `radixserve.sampling.RANGES`, the same
+declaration the router and the workers check with.
 
 Validation runs in two steps because some limits need the tokenized prompt: `check_input`
 before tokenization (cheap checks on sizes first, so an oversized request costs nothing more),
@@ -8,12 +10,11 @@ before tokenization (cheap checks on sizes first, so an oversized request costs 
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from gateway_service.errors import InvalidRequest
-from gateway_service.values import GenerateInput, SamplingInput
 from radixserve.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from radixserve.v1 import generation_pb2
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 # Roles whose message is pointless without content; an assistant turn may be empty.
@@ -21,8 +22,6 @@ CONTENT_REQUIRED_ROLES = ("system", "user", "tool")
 # Stop strings are matched against every new piece of text: bound the work per token.
 MAX_STOP_STRINGS = 32
 MAX_STOP_LEN = 512
-# Seeds are uint64 (generation.proto); the HTTP API's JSON can carry any integer.
-SEED_LIMIT = 1 << 64
 # Stop token ids are checked against every sampled token.
 MAX_STOP_TOKEN_IDS = 64
 
@@ -50,18 +49,18 @@ class RequestLimits:
             raise ValueError("max_prompt_tokens must be >= 0")
 
 
-def check_text_input(request: GenerateInput, limits: RequestLimits) -> None:
+def check_text_input(request: generation_pb2.GenerateRequest, limits: RequestLimits) -> None:
     """Exactly one of prompt and messages, within the size limits; a well-formed chat."""
     if len(request.messages) > limits.max_messages:
         raise InvalidRequest(f"at most {limits.max_messages} messages, got {len(request.messages)}")
-    num_chars = len(request.prompt or "") + sum(len(t.role) + len(t.content) for t in request.messages)
+    num_chars = len(request.prompt) + sum(len(t.role) + len(t.content) for t in request.messages)
     if num_chars > limits.max_prompt_chars:
         raise InvalidRequest(
             f"the prompt has {num_chars} characters, more than the limit of {limits.max_prompt_chars}"
         )
-    if request.prompt is not None and request.messages:
+    if request.prompt and request.messages:
         raise InvalidRequest("give either prompt or messages, not both")
-    if request.prompt is None and not request.messages:
+    if not request.prompt and not request.messages:
         raise InvalidRequest("prompt or messages is required (both are empty)")
     for index, turn in enumerate(request.messages):
         if turn.role not in CHAT_ROLES:
@@ -88,11 +87,11 @@ def check_prompt_tokens(num_tokens: int, context_len: int | None, limits: Reques
         raise InvalidRequest(f"the prompt has {num_tokens} tokens, more than the limit of {limit}")
 
 
-def check_input(request: GenerateInput, vocab_size: int, limits: RequestLimits) -> None:
+def check_input(request: generation_pb2.GenerateRequest, vocab_size: int, limits: RequestLimits) -> None:
     """Everything that can be checked before tokenizing, sizes first."""
     check_request_id(request.request_id, limits)
     check_text_input(request, limits)
-    if request.max_tokens is not None and request.max_tokens < 1:
+    if request.HasField("max_tokens") and request.max_tokens < 1:
         raise InvalidRequest(f"max_tokens must be >= 1, got {request.max_tokens}")
     if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidRequest(
@@ -118,68 +117,25 @@ def check_input(request: GenerateInput, vocab_size: int, limits: RequestLimits) 
             )
 
 
-def _check_range(
-    name: str, value: float, low: float, high: float, *, low_open: bool = False
-) -> None:
-    if not math.isfinite(value):
-        raise InvalidRequest(f"sampling.{name} must be a finite number, got {value}")
-    below = value <= low if low_open else value < low
-    if below or value > high:
-        bracket = "(" if low_open else "["
-        high_text = "inf" if math.isinf(high) else f"{high:g}"
-        raise InvalidRequest(f"sampling.{name} must be in {bracket}{low:g}, {high_text}], got {value:g}")
-
-
 # The public API's defaults (generation.proto): temperature 1, everything else off.
 PUBLIC_DEFAULTS = SamplingParams(temperature=1.0)
+# The optional fields of the public SamplingParams; each has a SamplingParams field of its name.
+SAMPLING_FIELDS = tuple(field.name for field in generation_pb2.SamplingParams.DESCRIPTOR.fields)
 
 
 def resolve_sampling(
-    sampling: SamplingInput, vocab_size: int, logprobs: bool = False, top_logprobs: int = 0
+    sampling: generation_pb2.SamplingParams, vocab_size: int, logprobs: bool = False, top_logprobs: int = 0
 ) -> SamplingParams:
-    """Check every set field against its range and fill in the public defaults.
+    """Fill the unset fields with the public defaults and check every value's range.
 
     top_k larger than the vocabulary means "keep everything", so it is clamped.
     """
-    defaults = PUBLIC_DEFAULTS
-    temperature = defaults.temperature if sampling.temperature is None else sampling.temperature
-    top_p = defaults.top_p if sampling.top_p is None else sampling.top_p
-    top_k = defaults.top_k if sampling.top_k is None else sampling.top_k
-    min_p = defaults.min_p if sampling.min_p is None else sampling.min_p
-    repetition = (
-        defaults.repetition_penalty if sampling.repetition_penalty is None
-        else sampling.repetition_penalty
-    )
-    presence = (
-        defaults.presence_penalty if sampling.presence_penalty is None
-        else sampling.presence_penalty
-    )
-    frequency = (
-        defaults.frequency_penalty if sampling.frequency_penalty is None
-        else sampling.frequency_penalty
-    )
-    _check_range("temperature", temperature, 0.0, 2.0)
-    _check_range("top_p", top_p, 0.0, 1.0, low_open=True)
-    if top_k < 0:
-        raise InvalidRequest(f"sampling.top_k must be >= 0, got {top_k}")
-    _check_range("min_p", min_p, 0.0, 1.0)
-    _check_range("repetition_penalty", repetition, 0.0, 2.0, low_open=True)
-    _check_range("presence_penalty", presence, -2.0, 2.0)
-    _check_range("frequency_penalty", frequency, -2.0, 2.0)
-    if sampling.seed is not None and not 0 <= sampling.seed < SEED_LIMIT:
-        raise InvalidRequest(f"sampling.seed must be in [0, 2^64), got {sampling.seed}")
-    return SamplingParams(
-        temperature=temperature,
-        top_p=top_p,
-        top_k=min(top_k, vocab_size),
-        min_p=min_p,
-        repetition_penalty=repetition,
-        presence_penalty=presence,
-        frequency_penalty=frequency,
-        seed=sampling.seed,
-        logprobs=logprobs,
-        top_logprobs=top_logprobs,
-    )
+    given = {name: getattr(sampling, name) for name in SAMPLING_FIELDS if sampling.HasField(name)}
+    params = replace(PUBLIC_DEFAULTS, **given, logprobs=logprobs, top_logprobs=top_logprobs)
+    problems = params.problems()
+    if problems:
+        raise InvalidRequest(f"sampling.{problems[0]}")
+    return replace(params, top_k=min(params.top_k, vocab_size))
 
 
 def resolve_max_tokens(

@@ -36,7 +36,7 @@ from gateway_service.openai_api.protocol import (
     completion_inputs,
 )
 from gateway_service.service import GenerationServicer
-from gateway_service.values import GenerateInput, OutputChunk
+from radixserve.v1 import generation_pb2
 
 # Checks a bearer token (None when the request sent none): True lets the request through.
 TokenCheck = Callable[[str | None], bool]
@@ -176,7 +176,7 @@ async def _disconnected(request: Request) -> None:
 
 
 # An event formatter turns (index, chunk) into SSE payloads; None marks the end of all choices.
-Events = Callable[[int | None, OutputChunk | None], list[dict]]
+Events = Callable[[int | None, generation_pb2.GenerateResponse | None], list[dict]]
 
 
 async def _event_stream(streams: ChoiceStreams, events: Events) -> Response:
@@ -219,8 +219,8 @@ class _UsageTotals:
     def __init__(self, num_choices: int) -> None:
         self.usages: list = [None] * num_choices
 
-    def add(self, index: int, chunk: OutputChunk) -> None:
-        if chunk.usage is not None:
+    def add(self, index: int, chunk: generation_pb2.GenerateResponse) -> None:
+        if chunk.HasField("usage"):
             self.usages[index] = chunk.usage
 
     def body(self, num_prompts: int) -> dict:
@@ -232,7 +232,7 @@ def _chat_events(header: bodies.ResponseHeader, body: ChatCompletionRequest, num
     totals = _UsageTotals(num_choices)
     extra = {"usage": None} if body.include_usage else {}
 
-    def events(index: int | None, chunk: OutputChunk | None) -> list[dict]:
+    def events(index: int | None, chunk: generation_pb2.GenerateResponse | None) -> list[dict]:
         if index is None:
             return [header.body(choices=[], usage=totals.body(1))] if body.include_usage else []
         totals.add(index, chunk)
@@ -244,13 +244,13 @@ def _chat_events(header: bodies.ResponseHeader, body: ChatCompletionRequest, num
 
 
 def _completion_events(header: bodies.ResponseHeader, body: CompletionRequest,
-                       inputs: Sequence[GenerateInput], num_prompts: int) -> Events:
+                       inputs: Sequence[generation_pb2.GenerateRequest], num_prompts: int) -> Events:
     offsets = [0] * len(inputs)
     totals = _UsageTotals(len(inputs))
     extra = {"usage": None} if body.include_usage else {}
     with_logprobs = body.logprobs is not None
 
-    def events(index: int | None, chunk: OutputChunk | None) -> list[dict]:
+    def events(index: int | None, chunk: generation_pb2.GenerateResponse | None) -> list[dict]:
         if index is None:
             return [header.body(choices=[], usage=totals.body(num_prompts))] if body.include_usage else []
         totals.add(index, chunk)

@@ -10,23 +10,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import replace
 
-from gateway_service.validation import SEED_LIMIT
-from gateway_service.values import GenerateInput, OutputChunk
+from radixserve.sampling import SEED_MASK
+from radixserve.v1 import generation_pb2
+
+GenerateRequest = generation_pb2.GenerateRequest
+Chunk = generation_pb2.GenerateResponse
 
 
-def with_choice_seeds(inputs: Sequence[GenerateInput], n: int) -> list[GenerateInput]:
+def with_choice_seeds(inputs: Sequence[GenerateRequest], n: int) -> list[GenerateRequest]:
     """Each input repeated `n` times, in order; choice j of a seeded request samples with
     seed + j, so that choices differ from each other yet the response is reproducible."""
     out = []
     for request in inputs:
-        seed = request.sampling.seed
+        seeded = request.sampling.HasField("seed")
         for j in range(n):
-            if seed is None or j == 0:
+            if not seeded or j == 0:
                 out.append(request)
             else:
-                out.append(replace(request, sampling=replace(request.sampling, seed=(seed + j) % SEED_LIMIT)))
+                choice = GenerateRequest()
+                choice.CopyFrom(request)
+                choice.sampling.seed = (request.sampling.seed + j) & SEED_MASK
+                out.append(choice)
     return out
 
 
@@ -38,16 +43,16 @@ class ChoiceStreams:
     which cancels their router calls.
     """
 
-    def __init__(self, start: Callable[[GenerateInput], AsyncIterator[OutputChunk]],
-                 inputs: Sequence[GenerateInput]) -> None:
-        self._queue: asyncio.Queue[tuple[int, OutputChunk | None, BaseException | None]] = asyncio.Queue()
+    def __init__(self, start: Callable[[GenerateRequest], AsyncIterator[Chunk]],
+                 inputs: Sequence[GenerateRequest]) -> None:
+        self._queue: asyncio.Queue[tuple[int, Chunk | None, BaseException | None]] = asyncio.Queue()
         self._tasks = [
             asyncio.create_task(self._pump(index, start(request)))
             for index, request in enumerate(inputs)
         ]
         self._num_running = len(self._tasks)
 
-    async def _pump(self, index: int, stream: AsyncIterator[OutputChunk]) -> None:
+    async def _pump(self, index: int, stream: AsyncIterator[Chunk]) -> None:
         try:
             async with contextlib.aclosing(stream) as chunks:
                 async for chunk in chunks:
@@ -57,7 +62,7 @@ class ChoiceStreams:
         else:
             self._queue.put_nowait((index, None, None))
 
-    async def __aiter__(self) -> AsyncIterator[tuple[int, OutputChunk]]:
+    async def __aiter__(self) -> AsyncIterator[tuple[int, Chunk]]:
         while self._num_running:
             index, chunk, error = await self._queue.get()
             if error is not None:

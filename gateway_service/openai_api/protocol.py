@@ -1,4 +1,4 @@
-"""OpenAI request bodies and their mapping onto the gateway's `GenerateInput`.
+"""OpenAI request bodies and their mapping onto the public `GenerateRequest` message.
 
 pydantic checks only the JSON types here; every range and rule (temperature in [0, 2], stop
 strings, top_logprobs, chat roles, constraints...) is checked by `gateway_service.validation`
@@ -16,8 +16,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway_service.errors import InvalidRequest
-from gateway_service.values import ChatTurn, GenerateInput, SamplingInput
+from radixserve import constraints
 from radixserve.constraints import Constraint, ConstraintKind
+from radixserve.sampling import seed_problem
+from radixserve.v1 import generation_pb2
+
+# JSON integers are unbounded; the message's int32 fields are not. A value past int32 is out of
+# every range validation allows (top_k past the vocabulary means "all"), so clamping keeps the
+# verdict and the message naming the field.
+INT32_MIN, INT32_MAX = -(1 << 31), (1 << 31) - 1
 
 # OpenAI's newer name for the system role.
 ROLE_ALIASES = {"developer": "system"}
@@ -103,18 +110,18 @@ class CompletionRequest(_Common):
 Endpoint = Literal["chat", "completions"]
 
 
-def chat_input(body: ChatCompletionRequest, max_choices: int) -> GenerateInput:
+def chat_input(body: ChatCompletionRequest, max_choices: int) -> generation_pb2.GenerateRequest:
     check_choices(body.n, max_choices)
-    turns = tuple(
-        ChatTurn(role=ROLE_ALIASES.get(m.role, m.role), content=_text(m.content, index))
+    turns = [
+        generation_pb2.ChatMessage(role=ROLE_ALIASES.get(m.role, m.role), content=_text(m.content, index))
         for index, m in enumerate(body.messages)
-    )
+    ]
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return _input(body, max_tokens, messages=turns, logprobs=body.logprobs,
                   top_logprobs=body.top_logprobs or 0)
 
 
-def completion_inputs(body: CompletionRequest, max_choices: int) -> list[GenerateInput]:
+def completion_inputs(body: CompletionRequest, max_choices: int) -> list[generation_pb2.GenerateRequest]:
     """One input per prompt (a list of prompts is a batch; choices come prompt by prompt)."""
     if body.echo:
         raise InvalidRequest("echo is not supported")
@@ -123,7 +130,7 @@ def completion_inputs(body: CompletionRequest, max_choices: int) -> list[Generat
         raise InvalidRequest("prompt is empty")
     check_choices(body.n * len(prompts), max_choices)
     return [
-        _input(body, body.max_tokens, prompt=prompt or None, logprobs=body.logprobs is not None,
+        _input(body, body.max_tokens, prompt=prompt, logprobs=body.logprobs is not None,
                top_logprobs=body.logprobs or 0)
         for prompt in prompts
     ]
@@ -134,27 +141,29 @@ def check_choices(num_choices: int, max_choices: int) -> None:
         raise InvalidRequest(f"n must give between 1 and {max_choices} choices, got {num_choices}")
 
 
-def _input(body: _Common, max_tokens: int | None, **text) -> GenerateInput:
+def _input(body: _Common, max_tokens: int | None, *, top_logprobs: int, **text) -> generation_pb2.GenerateRequest:
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
-    return GenerateInput(
-        max_tokens=max_tokens,
-        stop=tuple(stop),
-        stop_token_ids=tuple(body.stop_token_ids or ()),
+    if (problem := seed_problem(body.seed)) is not None:
+        raise InvalidRequest(f"sampling.{problem}")
+    sampling = {name: getattr(body, name) for name in generation_pb2.SamplingParams.DESCRIPTOR.fields_by_name}
+    sampling["top_k"] = _int32(sampling["top_k"])
+    request = generation_pb2.GenerateRequest(
+        stop=stop,
+        stop_token_ids=[_int32(token_id) for token_id in body.stop_token_ids or ()],
         ignore_eos=body.ignore_eos,
-        sampling=SamplingInput(
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            min_p=body.min_p,
-            repetition_penalty=body.repetition_penalty,
-            presence_penalty=body.presence_penalty,
-            frequency_penalty=body.frequency_penalty,
-            seed=body.seed,
-        ),
+        sampling=generation_pb2.SamplingParams(**{k: v for k, v in sampling.items() if v is not None}),
+        top_logprobs=_int32(top_logprobs),
         request_id=body.user or "",
-        constraint=constraint_of(body),
+        constraint=constraints.to_proto(constraint_of(body)),
         **text,
     )
+    if max_tokens is not None:
+        request.max_tokens = _int32(max_tokens)
+    return request
+
+
+def _int32(value: int | None) -> int | None:
+    return None if value is None else min(max(value, INT32_MIN), INT32_MAX)
 
 
 def constraint_of(body: _Common) -> Constraint | None:

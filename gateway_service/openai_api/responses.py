@@ -1,4 +1,5 @@
-"""OpenAI response bodies (plain dicts, serialized by the app) built from the gateway's chunks.
+"""OpenAI response bodies (plain dicts, serialized by the app) built from the gateway's chunks
+(`GenerateResponse` messages; finish reasons become OpenAI's words through `FINISH_REASON_TEXT`).
 
 Chat and completion bodies differ in the choice's payload (`message`/`delta` vs `text`) and in
 the shape of logprobs; everything else (ids, usage, finish reasons) is shared here.
@@ -11,7 +12,12 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from gateway_service.values import FinishReason, OutputChunk, TokenLogprob, Usage
+from gateway_service.output import FINISH_REASON_TEXT
+from radixserve.v1 import generation_pb2
+
+Chunk = generation_pb2.GenerateResponse
+TokenLogprob = generation_pb2.TokenLogprob
+Usage = generation_pb2.Usage
 
 CHAT_OBJECT = "chat.completion"
 CHAT_CHUNK_OBJECT = "chat.completion.chunk"
@@ -42,13 +48,13 @@ class ChoiceOutput:
 
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
+    finish_reason: int = generation_pb2.FINISH_REASON_UNSPECIFIED
     usage: Usage | None = None
 
-    def add(self, chunk: OutputChunk) -> None:
+    def add(self, chunk: Chunk) -> None:
         self.text.append(chunk.text)
         self.logprobs.extend(chunk.logprobs)
-        if chunk.finish_reason is not None:
+        if chunk.finish_reason:
             self.finish_reason = chunk.finish_reason
             self.usage = chunk.usage
 
@@ -67,8 +73,9 @@ def usage_body(usages: Sequence[Usage], num_prompts: int = 1) -> dict:
     }
 
 
-def finish_reason(reason: FinishReason | None) -> str | None:
-    return None if reason is None else reason.value
+def finish_reason(reason: int) -> str | None:
+    """OpenAI's word for a finish reason; None while the choice runs."""
+    return FINISH_REASON_TEXT.get(reason)
 
 
 # --- chat ------------------------------------------------------------------------------------
@@ -95,7 +102,7 @@ def chat_choice(index: int, choice: ChoiceOutput, with_logprobs: bool) -> dict:
     }
 
 
-def chat_delta(index: int, chunk: OutputChunk | None, with_logprobs: bool, first: bool) -> dict:
+def chat_delta(index: int, chunk: Chunk | None, with_logprobs: bool, first: bool) -> dict:
     """A streamed choice; the first one of each choice carries the role, as OpenAI's does."""
     delta: dict = {"role": "assistant", "content": ""} if first else {}
     if chunk is not None and chunk.text:
@@ -121,7 +128,7 @@ def completion_logprobs(logprobs: Sequence[TokenLogprob], text_offset: int = 0) 
 
 
 def completion_choice(index: int, text: str, logprobs: Sequence[TokenLogprob] | None,
-                      reason: FinishReason | None, text_offset: int = 0) -> dict:
+                      reason: int, text_offset: int = 0) -> dict:
     return {
         "index": index,
         "text": text,

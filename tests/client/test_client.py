@@ -18,7 +18,7 @@ from radixserve_client import (
 )
 from radixserve_client.cli import main as cli_main
 from gateway.harness import CONTEXT_LEN, EOS_TOKEN_ID
-from gateway_service.values import ChatTurn
+from radixserve.v1.generation_pb2 import ChatMessage
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -114,8 +114,8 @@ def test_cli_generate_and_chat_stream_to_stdout(harness, client_tokenizer, capsy
     assert cli_main(["chat", "--address", harness.address, "--system", "Be brief.",
                      "--message", "user:Hi", "--message", "assistant:Hello!", "Tell me more"]) == 0
     assert capsys.readouterr().out == TEXT + "\n"
-    turns = [ChatTurn("system", "Be brief."), ChatTurn("user", "Hi"),
-             ChatTurn("assistant", "Hello!"), ChatTurn("user", "Tell me more")]
+    turns = [ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="Hi"),
+             ChatMessage(role="assistant", content="Hello!"), ChatMessage(role="user", content="Tell me more")]
     # The fake routers sit on random ports, so which one got the chat varies from run to run.
     sent = [list(r.prompt_token_ids) for r in harness.all_requests()]
     assert client_tokenizer.encode_chat(turns) in sent
