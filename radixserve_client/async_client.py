@@ -10,14 +10,7 @@ import grpc
 from radixserve_client.connection import Endpoint
 from radixserve_client.errors import from_rpc_error
 from radixserve_client.request import Message, chat_messages, generate_request
-from radixserve_client.results import (
-    Chunk,
-    GenerateResult,
-    ModelInfo,
-    ResultBuilder,
-    chunk_from_proto,
-    model_info_from_proto,
-)
+from radixserve_client.results import Chunk, GenerateResult, ModelInfo, chunk_from_proto, join_chunks
 from radixserve.v1 import generation_pb2
 
 
@@ -65,10 +58,7 @@ class AsyncClient(Endpoint):
         timeout: float | None = None,
         **options: Any,
     ) -> GenerateResult:
-        builder = ResultBuilder()
-        async for chunk in self.stream(prompt, messages, timeout=timeout, **options):
-            builder.add(chunk)
-        return builder.result()
+        return join_chunks([chunk async for chunk in self.stream(prompt, messages, timeout=timeout, **options)])
 
     async def tokenize(
         self, prompt: str | None = None, messages: Iterable[Message] | None = None,
@@ -90,4 +80,4 @@ class AsyncClient(Endpoint):
             )
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
-        return model_info_from_proto(reply)
+        return reply

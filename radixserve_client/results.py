@@ -1,38 +1,29 @@
-"""What the client returns: plain dataclasses, no protobuf."""
+"""What the client returns.
+
+`Chunk` and `GenerateResult` are the client's own: the finish reason as a string ("stop",
+"length", "cancelled"; None before the last chunk, where the proto has an enum whose 0 means
+"not yet"), usage None until the last chunk, and a whole result joined from the stream. Everything
+inside them that the public proto already describes is the proto message itself: `TokenLogprob`,
+`TopLogprob`, `Usage` and `ModelInfo` are `radixserve.v1.generation_pb2` classes, read like
+dataclasses (attribute access), so there is no second declaration of their fields.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from radixserve.v1 import generation_pb2
+
+TokenLogprob = generation_pb2.TokenLogprob
+TopLogprob = generation_pb2.TopLogprob
+Usage = generation_pb2.Usage
+ModelInfo = generation_pb2.GetModelInfoResponse
 
 _FINISH_NAMES = {
     generation_pb2.FINISH_REASON_STOP: "stop",
     generation_pb2.FINISH_REASON_LENGTH: "length",
     generation_pb2.FINISH_REASON_CANCELLED: "cancelled",
 }
-
-
-@dataclass(frozen=True, slots=True)
-class TopLogprob:
-    token_id: int
-    token: str
-    logprob: float
-
-
-@dataclass(frozen=True, slots=True)
-class TokenLogprob:
-    token_id: int
-    token: str
-    logprob: float
-    top_logprobs: list[TopLogprob] = field(default_factory=list)
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,76 +46,23 @@ class GenerateResult:
     logprobs: list[TokenLogprob]
 
 
-@dataclass(frozen=True, slots=True)
-class ModelInfo:
-    model_name: str
-    context_len: int
-    tp_size: int
-    page_size: int
-    dtype: str
-    num_pages: int
-
-
 def chunk_from_proto(response: generation_pb2.GenerateResponse) -> Chunk:
     return Chunk(
         text=response.text,
         token_ids=list(response.token_ids),
-        logprobs=[
-            TokenLogprob(
-                token_id=lp.token_id,
-                token=lp.token,
-                logprob=lp.logprob,
-                top_logprobs=[TopLogprob(t.token_id, t.token, t.logprob) for t in lp.top_logprobs],
-            )
-            for lp in response.logprobs
-        ],
+        logprobs=list(response.logprobs),
         finish_reason=_FINISH_NAMES.get(response.finish_reason),
-        usage=(
-            Usage(
-                response.usage.prompt_tokens,
-                response.usage.completion_tokens,
-                response.usage.cached_tokens,
-            )
-            if response.HasField("usage") else None
-        ),
+        usage=response.usage if response.HasField("usage") else None,
     )
 
 
-class ResultBuilder:
-    """Joins chunks into one result."""
-
-    def __init__(self) -> None:
-        self._texts: list[str] = []
-        self._token_ids: list[int] = []
-        self._logprobs: list[TokenLogprob] = []
-        self._finish_reason: str | None = None
-        self._usage = Usage()
-
-    def add(self, chunk: Chunk) -> None:
-        self._texts.append(chunk.text)
-        self._token_ids.extend(chunk.token_ids)
-        self._logprobs.extend(chunk.logprobs)
-        if chunk.finish_reason is not None:
-            self._finish_reason = chunk.finish_reason
-        if chunk.usage is not None:
-            self._usage = chunk.usage
-
-    def result(self) -> GenerateResult:
-        return GenerateResult(
-            text="".join(self._texts),
-            token_ids=self._token_ids,
-            finish_reason=self._finish_reason,
-            usage=self._usage,
-            logprobs=self._logprobs,
-        )
-
-
-def model_info_from_proto(reply: generation_pb2.GetModelInfoResponse) -> ModelInfo:
-    return ModelInfo(
-        model_name=reply.model_name,
-        context_len=reply.context_len,
-        tp_size=reply.tp_size,
-        page_size=reply.page_size,
-        dtype=reply.dtype,
-        num_pages=reply.num_pages,
+def join_chunks(chunks: list[Chunk]) -> GenerateResult:
+    """The whole result of a finished stream."""
+    last = next((chunk for chunk in reversed(chunks) if chunk.usage is not None), None)
+    return GenerateResult(
+        text="".join(chunk.text for chunk in chunks),
+        token_ids=[token for chunk in chunks for token in chunk.token_ids],
+        finish_reason=next((c.finish_reason for c in reversed(chunks) if c.finish_reason is not None), None),
+        usage=last.usage if last is not None else Usage(),
+        logprobs=[logprob for chunk in chunks for logprob in chunk.logprobs],
     )

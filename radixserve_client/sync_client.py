@@ -10,14 +10,7 @@ import grpc
 from radixserve_client.connection import DEFAULT_ADDRESS, Endpoint
 from radixserve_client.errors import from_rpc_error
 from radixserve_client.request import Message, chat_messages, generate_request
-from radixserve_client.results import (
-    Chunk,
-    GenerateResult,
-    ModelInfo,
-    ResultBuilder,
-    chunk_from_proto,
-    model_info_from_proto,
-)
+from radixserve_client.results import Chunk, GenerateResult, ModelInfo, chunk_from_proto, join_chunks
 from radixserve.v1 import generation_pb2
 
 __all__ = ["DEFAULT_ADDRESS", "Client"]
@@ -71,10 +64,7 @@ class Client(Endpoint):
         **options: Any,
     ) -> GenerateResult:
         """The whole completion at once."""
-        builder = ResultBuilder()
-        for chunk in self.stream(prompt, messages, timeout=timeout, **options):
-            builder.add(chunk)
-        return builder.result()
+        return join_chunks(list(self.stream(prompt, messages, timeout=timeout, **options)))
 
     def tokenize(
         self, prompt: str | None = None, messages: Iterable[Message] | None = None,
@@ -95,4 +85,4 @@ class Client(Endpoint):
             )
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
-        return model_info_from_proto(reply)
+        return reply
