@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from radixserve.security import Security
 from radixserve.serving import NO_SECURITY
-from radixserve.v1 import generation_pb2, worker_pb2
+from radixserve.v1 import generation_pb2, router_pb2, worker_pb2
 from router_service import convert
 from router_service.config import RouterConfig
 from router_service.errors import InvalidRequest, QueueFull, RouterError, WorkersUnavailable
@@ -29,7 +29,7 @@ from router_service.metrics import RouterMetrics
 from router_service.request import FinishReason, Request
 from router_service.scheduler import Scheduler
 from router_service.step_plan import SchedulerStats
-from router_service.worker_group import TaskRejected, WorkerFault, WorkerGroup, WorkerInfo
+from router_service.worker_group import TaskRejected, WorkerFault, WorkerGroup
 
 log = logging.getLogger(__name__)
 
@@ -42,20 +42,6 @@ class StreamEvent:
     logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)
     finished: bool = False
     error: RouterError | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class GroupSummary:
-    """What the router serves, as learned from the workers at connection time."""
-
-    model_name: str
-    dtype: str
-    context_len: int
-    vocab_size: int
-    page_size: int
-    num_pages: int
-    tp_size: int
-    eos_token_ids: tuple[int, ...]
 
 
 class Engine:
@@ -74,7 +60,8 @@ class Engine:
     ) -> None:
         self.config = config
         self.group = WorkerGroup(config.workers, config.connect_timeout_s, security)
-        self.summary: GroupSummary | None = None
+        # What the router serves, as learned from the workers at connection time (GetServerInfo).
+        self.summary: router_pb2.GetServerInfoResponse | None = None
         self.scheduler: Scheduler | None = None
         self._on_health = on_health
         self._streams: dict[str, asyncio.Queue[StreamEvent]] = {}
@@ -265,12 +252,12 @@ class Engine:
             await self._on_health(serving)
 
 
-def _summarize(infos: list[WorkerInfo], max_pages: int) -> GroupSummary:
+def _summarize(infos: list[worker_pb2.GetWorkerInfoResponse], max_pages: int) -> router_pb2.GetServerInfoResponse:
     first = infos[0]
     num_pages = min(info.num_pages for info in infos)
     if max_pages:
         num_pages = min(num_pages, max_pages)
-    return GroupSummary(
+    return router_pb2.GetServerInfoResponse(
         model_name=first.model_name,
         dtype=first.dtype,
         context_len=min(info.context_len for info in infos),

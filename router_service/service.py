@@ -78,13 +78,4 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         summary = self.engine.summary
         if summary is None or self.engine.scheduler is None:
             await context.abort(*convert.status_of(WorkersUnavailable("the workers are not connected")))
-        return router_pb2.GetServerInfoResponse(
-            model_name=summary.model_name,
-            context_len=summary.context_len,
-            tp_size=summary.tp_size,
-            page_size=summary.page_size,
-            dtype=summary.dtype,
-            num_pages=summary.num_pages,
-            eos_token_ids=summary.eos_token_ids,
-            vocab_size=summary.vocab_size,
-        )
+        return summary

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
 
 import grpc
 
@@ -31,37 +30,6 @@ class TaskRejected(Exception):
     """Every rank answered the task with an error: none of them applied it."""
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerInfo:
-    address: str
-    rank: int
-    world_size: int
-    model_name: str
-    dtype: str
-    device: str
-    page_size: int
-    num_pages: int
-    context_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-
-
-def _info_from_proto(address: str, reply: worker_pb2.GetWorkerInfoResponse) -> WorkerInfo:
-    return WorkerInfo(
-        address=address,
-        rank=reply.rank,
-        world_size=reply.world_size,
-        model_name=reply.model_name,
-        dtype=reply.dtype,
-        device=reply.device,
-        page_size=reply.page_size,
-        num_pages=reply.num_pages,
-        context_len=reply.context_len,
-        vocab_size=reply.vocab_size,
-        eos_token_ids=tuple(reply.eos_token_ids),
-    )
-
-
 class WorkerGroup:
     """Channels use TLS and calls carry the internal token as `security` says."""
 
@@ -72,7 +40,7 @@ class WorkerGroup:
         self.connect_timeout_s = connect_timeout_s
         self._security = security
         self._metadata = security.call_metadata()
-        self.infos: list[WorkerInfo] = []
+        self.infos: list[worker_pb2.GetWorkerInfoResponse] = []
         # Set when any rank's stream ends while connected (e.g. the process died while idle).
         self.broken = asyncio.Event()
         self._channels: list[grpc.aio.Channel] = []
@@ -82,7 +50,7 @@ class WorkerGroup:
     def connected(self) -> bool:
         return bool(self._calls)
 
-    async def connect(self) -> list[WorkerInfo]:
+    async def connect(self) -> list[worker_pb2.GetWorkerInfoResponse]:
         """Ask every rank for its info, check they form one group, open their streams."""
         await self.close()
         self.broken.clear()
@@ -100,7 +68,7 @@ class WorkerGroup:
         except grpc.aio.AioRpcError as exc:
             await self.close()
             raise WorkerFault(f"a worker did not answer: {exc.code().name} {exc.details()}") from exc
-        infos = [_info_from_proto(a, r) for a, r in zip(self.addresses, replies)]
+        infos = list(replies)
         problem = self._check_group(infos)
         if problem:
             await self.close()
@@ -112,19 +80,18 @@ class WorkerGroup:
             self._calls.append(call)
         return infos
 
-    @staticmethod
-    def _check_group(infos: list[WorkerInfo]) -> str | None:
+    def _check_group(self, infos: list[worker_pb2.GetWorkerInfoResponse]) -> str | None:
         """Why these ranks do not form one TP group, or None when they do."""
-        for rank, info in enumerate(infos):
+        for rank, (address, info) in enumerate(zip(self.addresses, infos)):
             if info.rank != rank or info.world_size != len(infos):
                 return (
-                    f"worker {info.address} reports rank {info.rank} of {info.world_size}, "
+                    f"worker {address} reports rank {info.rank} of {info.world_size}, "
                     f"expected {rank} of {len(infos)}"
                 )
             if info.page_size != infos[0].page_size:
-                return f"worker {info.address} has page size {info.page_size}, rank 0 {infos[0].page_size}"
+                return f"worker {address} has page size {info.page_size}, rank 0 {infos[0].page_size}"
             if info.num_pages < 1:
-                return f"worker {info.address} has no KV pages"
+                return f"worker {address} has no KV pages"
         return None
 
     async def execute(self, task: worker_pb2.DecodeTask, timeout_s: float) -> worker_pb2.TaskResult:
