@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from prometheus_client import CollectorRegistry
 
 from gateway_service.errors import status_of
-from gateway_service.output import FINISH_REASON_TEXT
+from radixserve.finish_reason import finish_reason_text
 from radixserve.metrics import counter, latency_histogram
 from radixserve.v1 import generation_pb2
 
@@ -75,7 +75,7 @@ class GatewayMetrics:
                     self.generation_tokens.labels(model, api).inc(chunk.usage.completion_tokens)
                     self.cached_prompt_tokens.labels(model, api).inc(chunk.usage.cached_tokens)
                 if chunk.finish_reason:
-                    status, finish = STATUS_OK, FINISH_REASON_TEXT[chunk.finish_reason]
+                    status, finish = STATUS_OK, finish_reason_text(chunk.finish_reason)
                     self.e2e.labels(model, api).observe(now - start)
                 yield chunk
         except Exception as exc:

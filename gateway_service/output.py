@@ -5,8 +5,8 @@ logprobs. The tokens after the one that completed a stop string are dropped, and
 stop string itself; the caller then cancels the router stream.
 
 Chunks are the public `GenerateResponse` message itself; its finish reason is the proto enum
-(`FINISH_REASON_UNSPECIFIED`, 0, while the request runs), and `FINISH_REASON_TEXT` is the one
-mapping to the words the HTTP API and the metrics use.
+(`FINISH_REASON_UNSPECIFIED`, 0, while the request runs; `radixserve.finish_reason` has its
+words).
 
 Usage counts the prompt and the tokens passed to the client. `cached_tokens` comes from the
 router, which reports it on every response, so it is right even when a stop string ends the
@@ -23,11 +23,6 @@ from gateway_service.tokenizer import Tokenizer
 from radixserve.v1 import generation_pb2
 
 STOP = generation_pb2.FINISH_REASON_STOP
-FINISH_REASON_TEXT = {
-    generation_pb2.FINISH_REASON_STOP: "stop",
-    generation_pb2.FINISH_REASON_LENGTH: "length",
-    generation_pb2.FINISH_REASON_CANCELLED: "cancelled",
-}
 
 
 class OutputAssembler:

@@ -75,9 +75,8 @@ class AsyncClient(Endpoint):
 
     async def model_info(self, *, timeout: float | None = None) -> ModelInfo:
         try:
-            reply = await self._stub.GetModelInfo(
+            return await self._stub.GetModelInfo(
                 generation_pb2.GetModelInfoRequest(), timeout=timeout, metadata=self._metadata
             )
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
-        return reply

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from radixserve.finish_reason import finish_reason_text
 from radixserve.v1 import generation_pb2
 
 TokenLogprob = generation_pb2.TokenLogprob
@@ -19,11 +20,6 @@ TopLogprob = generation_pb2.TopLogprob
 Usage = generation_pb2.Usage
 ModelInfo = generation_pb2.GetModelInfoResponse
 
-_FINISH_NAMES = {
-    generation_pb2.FINISH_REASON_STOP: "stop",
-    generation_pb2.FINISH_REASON_LENGTH: "length",
-    generation_pb2.FINISH_REASON_CANCELLED: "cancelled",
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +47,7 @@ def chunk_from_proto(response: generation_pb2.GenerateResponse) -> Chunk:
         text=response.text,
         token_ids=list(response.token_ids),
         logprobs=list(response.logprobs),
-        finish_reason=_FINISH_NAMES.get(response.finish_reason),
+        finish_reason=finish_reason_text(response.finish_reason),
         usage=response.usage if response.HasField("usage") else None,
     )
 

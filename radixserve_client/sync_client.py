@@ -80,9 +80,8 @@ class Client(Endpoint):
 
     def model_info(self, *, timeout: float | None = None) -> ModelInfo:
         try:
-            reply = self._stub.GetModelInfo(
+            return self._stub.GetModelInfo(
                 generation_pb2.GetModelInfoRequest(), timeout=timeout, metadata=self._metadata
             )
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
-        return reply

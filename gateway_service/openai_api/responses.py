@@ -1,5 +1,5 @@
 """OpenAI response bodies (plain dicts, serialized by the app) built from the gateway's chunks
-(`GenerateResponse` messages; finish reasons become OpenAI's words through `FINISH_REASON_TEXT`).
+(`GenerateResponse` messages; finish reasons in words from `radixserve.finish_reason`).
 
 Chat and completion bodies differ in the choice's payload (`message`/`delta` vs `text`) and in
 the shape of logprobs; everything else (ids, usage, finish reasons) is shared here.
@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from gateway_service.output import FINISH_REASON_TEXT
+from radixserve.finish_reason import finish_reason_text
 from radixserve.v1 import generation_pb2
 
 Chunk = generation_pb2.GenerateResponse
@@ -73,11 +73,6 @@ def usage_body(usages: Sequence[Usage], num_prompts: int = 1) -> dict:
     }
 
 
-def finish_reason(reason: int) -> str | None:
-    """OpenAI's word for a finish reason; None while the choice runs."""
-    return FINISH_REASON_TEXT.get(reason)
-
-
 # --- chat ------------------------------------------------------------------------------------
 
 def chat_logprobs(logprobs: Sequence[TokenLogprob]) -> dict:
@@ -98,7 +93,7 @@ def chat_choice(index: int, choice: ChoiceOutput, with_logprobs: bool) -> dict:
         "index": index,
         "message": {"role": "assistant", "content": "".join(choice.text)},
         "logprobs": chat_logprobs(choice.logprobs) if with_logprobs else None,
-        "finish_reason": finish_reason(choice.finish_reason),
+        "finish_reason": finish_reason_text(choice.finish_reason),
     }
 
 
@@ -108,7 +103,7 @@ def chat_delta(index: int, chunk: Chunk | None, with_logprobs: bool, first: bool
     if chunk is not None and chunk.text:
         delta["content"] = chunk.text
     logprobs = chat_logprobs(chunk.logprobs) if with_logprobs and chunk is not None else None
-    reason = None if chunk is None else finish_reason(chunk.finish_reason)
+    reason = None if chunk is None else finish_reason_text(chunk.finish_reason)
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
 
@@ -133,5 +128,5 @@ def completion_choice(index: int, text: str, logprobs: Sequence[TokenLogprob] | 
         "index": index,
         "text": text,
         "logprobs": None if logprobs is None else completion_logprobs(logprobs, text_offset),
-        "finish_reason": finish_reason(reason),
+        "finish_reason": finish_reason_text(reason),
     }
