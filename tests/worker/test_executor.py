@@ -150,6 +150,21 @@ def test_runner_failure_is_internal_and_applies_nothing() -> None:
     assert driver.executor.requests.get("a").num_written == 5 and "b" not in driver.executor.requests
 
 
+def test_failed_step_cuts_the_grown_state_back() -> None:
+    """State grows in place before the forward pass; a failure must take the tokens and pages
+    back, so the same step can be sent again (its new page is not "repeated")."""
+    runner = FakeRunner()
+    driver = Driver(runner=runner)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    token = driver.ok(first("a", prompt, [0, 1]))[0]
+    runner.fail = True
+    assert error_of(driver.run(step("a", [token], 8, [6]))).code == INTERNAL
+    state = driver.executor.requests.get("a")
+    assert (state.token_ids, state.page_table, state.page_set) == (prompt, [0, 1], {0, 1})
+    runner.fail = False
+    assert [token, *driver.ok(step("a", [token], 8, [6]))] == greedy_reference(prompt, 2)
+
+
 def test_group_page_count_bounds_page_ids() -> None:
     runner = FakeRunner()
     executor = Executor(runner, Sampler(seed=0), num_pages=8)
