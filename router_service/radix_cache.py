@@ -19,6 +19,9 @@ Contract for users:
   duplicates).
 - `evict(num_pages)` removes least recently used unlocked leaf pages and returns their ids;
   the caller gives them back to the page allocator.
+The evictable leaves (no lock, no children) wait in a queue ordered by last access, kept up to
+date on every match, lock, unlock, insert, split and eviction, so that one eviction costs
+O(log n) in the number of leaves rather than a walk over all of them.
 Matching never changes which pages a key maps to (it only refreshes access times); inserting
 may split a node in two, and extending may lengthen a leaf in place; both keep every lock valid
 (a lock may come to protect more pages than its holder uses, never fewer).
@@ -28,7 +31,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Iterator
 from typing import NamedTuple
+
+# The leaf queue is rebuilt from its live entries when stale ones outnumber them this many times
+# over: rebuilding is O(n), paid for by the n stale pushes before it (O(1) amortized each).
+STALE_ENTRY_RATIO = 2
 
 
 class RadixNode:
@@ -62,6 +70,45 @@ class MatchResult(NamedTuple):
     num_last_node_pages: int = 0
 
 
+class LeafQueue:
+    """The tree's evictable leaves, least recently used first (ties: first queued first).
+
+    A heap with lazy invalidation: a node's one live entry is the one `_live` maps it to, so
+    re-queueing a node (its access time changed) or dropping it only changes `_live`; stale
+    entries are skipped when they reach the top. Every operation is O(log n) amortized.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, RadixNode]] = []
+        self._live: dict[RadixNode, tuple[int, int, RadixNode]] = {}
+        self._order = itertools.count()
+
+    def __contains__(self, node: RadixNode) -> bool:
+        return node in self._live
+
+    def nodes(self) -> list[RadixNode]:
+        return list(self._live)
+
+    def push(self, node: RadixNode) -> None:
+        """Queue `node` at its `last_access`, replacing its entry if it had one."""
+        entry = (node.last_access, next(self._order), node)
+        self._live[node] = entry
+        heapq.heappush(self._heap, entry)
+        if len(self._heap) > STALE_ENTRY_RATIO * len(self._live) + 1:
+            self._heap = list(self._live.values())
+            heapq.heapify(self._heap)
+
+    def discard(self, node: RadixNode) -> None:
+        self._live.pop(node, None)
+
+    def first(self) -> RadixNode | None:
+        """The least recently used leaf (it stays queued), or None when there is none."""
+        heap = self._heap
+        while heap and self._live.get(heap[0][2]) is not heap[0]:
+            heapq.heappop(heap)
+        return heap[0][2] if heap else None
+
+
 class RadixCache:
     def __init__(self, page_size: int) -> None:
         if page_size < 1:
@@ -72,6 +119,7 @@ class RadixCache:
         self._clock = itertools.count(1)
         self._num_evictable = 0
         self._num_protected = 0
+        self._leaves = LeafQueue()
 
     @property
     def evictable_size(self) -> int:
@@ -118,7 +166,7 @@ class RadixCache:
             child = node.children.get(self._page_key(token_ids, start))
             if child is None:
                 break
-            child.last_access = now
+            self._touch(child, now)
             count = self._common_pages(child, token_ids, start)
             page_ids.extend(child.page_ids[:count])
             start += count * size
@@ -169,7 +217,7 @@ class RadixCache:
             new_page_ids = page_ids[num_own_pages:]
             node.key.extend(token_ids[own_len:])
             node.page_ids.extend(new_page_ids)
-            node.last_access = next(self._clock)
+            self._touch(node, next(self._clock))
             if node.lock_ref > 0:
                 self._num_protected += len(new_page_ids)
             else:
@@ -215,10 +263,12 @@ class RadixCache:
                 leaf = RadixNode(token_ids[start:], page_ids[start // size :], node)
                 leaf.last_access = now
                 node.children[key] = leaf
+                self._leaves.discard(node)  # no longer a leaf
                 # No holder sits below a new leaf, so its pages start out evictable.
                 self._num_evictable += len(leaf.page_ids)
+                self._leaves.push(leaf)
                 return start, leaf
-            child.last_access = now
+            self._touch(child, now)
             count = self._common_pages(child, token_ids, start)
             if start + count * size > max_cached_len:
                 return start + count * size, child  # refused: no need to split anything
@@ -247,12 +297,19 @@ class RadixCache:
         upper.children[self._page_key(node.key, 0)] = node
         return upper
 
+    def _touch(self, node: RadixNode, now: int) -> None:
+        """`node` was used at `now`: an evictable leaf moves to the back of the queue."""
+        node.last_access = now
+        if node in self._leaves:
+            self._leaves.push(node)
+
     def inc_lock_ref(self, node: RadixNode) -> None:
         """Protect `node` and its ancestors from eviction (one more holder)."""
         while node is not self.root:
             if node.lock_ref == 0:
                 self._num_evictable -= len(node.page_ids)
                 self._num_protected += len(node.page_ids)
+                self._leaves.discard(node)
             node.lock_ref += 1
             assert node.parent is not None
             node = node.parent
@@ -266,6 +323,8 @@ class RadixCache:
             if node.lock_ref == 0:
                 self._num_protected -= len(node.page_ids)
                 self._num_evictable += len(node.page_ids)
+                if not node.children:
+                    self._leaves.push(node)
             assert node.parent is not None
             node = node.parent
 
@@ -274,57 +333,41 @@ class RadixCache:
 
         A leaf loses pages from its tail first; a leaf left empty is removed, and its parent may
         become an evictable leaf in turn. Returns the freed page ids (fewer than asked when
-        nothing else is evictable).
+        nothing else is evictable). O(log n) per leaf it touches.
         """
-        heap = [
-            (leaf.last_access, id(leaf), leaf) for leaf in self._leaves() if leaf.lock_ref == 0
-        ]
-        heapq.heapify(heap)
         freed: list[int] = []
-        while heap and len(freed) < num_pages:
-            _, _, leaf = heapq.heappop(heap)
+        while len(freed) < num_pages:
+            leaf = self._leaves.first()
+            if leaf is None:
+                break
             take = min(num_pages - len(freed), len(leaf.page_ids))
+            self._num_evictable -= take
             if take < len(leaf.page_ids):
                 freed.extend(leaf.page_ids[-take:])
                 del leaf.page_ids[-take:]
                 del leaf.key[-take * self.page_size :]
-                self._num_evictable -= take
-                break
+                break  # the leaf stays, shorter, at the same place in the queue
             freed.extend(leaf.page_ids)
-            self._num_evictable -= len(leaf.page_ids)
+            self._leaves.discard(leaf)
             parent = leaf.parent
             assert parent is not None
             del parent.children[self._page_key(leaf.key, 0)]
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, id(parent), parent))
+                self._leaves.push(parent)
         return freed
 
-    def _leaves(self) -> list[RadixNode]:
-        leaves: list[RadixNode] = []
+    def nodes(self) -> Iterator[RadixNode]:
+        """Every node but the root (for checks and tests; walks the whole tree)."""
         stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
-            if node.children:
-                stack.extend(node.children.values())
-            else:
-                leaves.append(node)
-        return leaves
+            yield node
+            stack.extend(node.children.values())
 
     def all_page_ids(self) -> list[int]:
         """Every page the tree holds (for checks and tests; walks the whole tree)."""
-        page_ids: list[int] = []
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            page_ids.extend(node.page_ids)
-            stack.extend(node.children.values())
-        return page_ids
+        return [page_id for node in self.nodes() for page_id in node.page_ids]
 
-    def reset(self) -> list[int]:
-        """Drop everything (no lock may be held); returns the pages the tree held."""
-        if self._num_protected:
-            raise ValueError("cannot reset a radix cache while locks are held")
-        page_ids = self.all_page_ids()
-        self.root.children.clear()
-        self._num_evictable = 0
-        return page_ids
+    def evictable_leaves(self) -> list[RadixNode]:
+        """The leaves `evict` may take from, as its queue holds them (for checks and tests)."""
+        return self._leaves.nodes()

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from router.fake_model import EOS_TOKEN_ID, FakeModel, expected_tokens
 from router.harness import collect, generate_request, running_router
+from router.test_radix_cache import check_leaf_queue
 from router.test_scheduler import check_no_leak, to_fake
 from router_service.config import RouterConfig
 from router_service.page_allocator import PageAllocator
@@ -267,6 +268,7 @@ def test_extend_keeps_tree_locks_and_pages_consistent(ops: list[tuple]) -> None:
         assert not set(tree_pages) & set(own_pages)
         assert allocator.num_used == len(tree_pages) + len(own_pages)
         assert cache.total_size == len(tree_pages)
+        check_leaf_queue(cache)
         for holder in holders:  # a holder's tree pages are still cached, and still its own
             match = cache.match_prefix(holder.tokens[: holder.num_tree_pages * size])
             assert match.page_ids == holder.page_table[: holder.num_tree_pages]

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router_service.page_allocator import PageAllocator
-from router_service.radix_cache import RadixCache
+from router_service.radix_cache import RadixCache, RadixNode
 
 PAGE_SIZE = 2
 NUM_PAGES = 24
@@ -17,6 +17,7 @@ sequences = st.lists(st.integers(0, 2), min_size=0, max_size=14)
 operations = st.lists(
     st.one_of(
         st.tuples(st.just("insert"), sequences),
+        st.tuples(st.just("insert_unlocked"), sequences),
         st.tuples(st.just("match"), sequences),
         st.tuples(st.just("lock"), sequences),
         st.tuples(st.just("unlock"), st.integers(0, 100)),
@@ -46,6 +47,25 @@ def whole_pages(tokens: list[int]) -> list[int]:
     return tokens[: len(tokens) // PAGE_SIZE * PAGE_SIZE]
 
 
+def scan_evictable_leaves(cache: RadixCache) -> list[RadixNode]:
+    """Brute force: every node with no lock and no children (what eviction may take from)."""
+    leaves = []
+    stack = list(cache.root.children.values())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        if node.lock_ref == 0 and not node.children:
+            leaves.append(node)
+    return leaves
+
+
+def check_leaf_queue(cache: RadixCache) -> None:
+    """The cache's ordered leaf queue holds exactly the evictable leaves, each once."""
+    queued = cache.evictable_leaves()
+    assert len(queued) == len(set(queued))
+    assert set(queued) == set(scan_evictable_leaves(cache))
+
+
 def check_invariants(cache: RadixCache, allocator: PageAllocator, ref: Reference) -> None:
     tree_pages = cache.all_page_ids()
     free = [page for page in range(NUM_PAGES) if allocator.is_free(page)]
@@ -59,6 +79,7 @@ def check_invariants(cache: RadixCache, allocator: PageAllocator, ref: Reference
     assert set(tree_pages) == set(ref.pages.values())
     for prefix in ref.pages:  # the cache is closed under taking whole-page prefixes
         assert len(prefix) == PAGE_SIZE or prefix[:-PAGE_SIZE] in ref.pages
+    check_leaf_queue(cache)
 
 
 @settings(max_examples=300, deadline=None)
@@ -95,10 +116,24 @@ def test_radix_cache_matches_reference(ops: list[tuple]) -> None:
                 for k in range(num_cached // PAGE_SIZE, len(table)):
                     ref.pages[tuple(tokens[: (k + 1) * PAGE_SIZE])] = table[k]
             cache.dec_lock_ref(match.last_node)
+        elif op == "insert_unlocked":
+            # No lock held: the insert may hang a child below an evictable leaf.
+            tokens = whole_pages(arg)
+            need = len(tokens) // PAGE_SIZE - len(cache.match_prefix(tokens).page_ids)
+            if allocator.num_free >= need:
+                table = cache.match_prefix(tokens).page_ids + allocator.alloc(need)
+                num_cached = cache.insert(tokens, table)
+                for k in range(num_cached // PAGE_SIZE, len(table)):
+                    ref.pages[tuple(tokens[: (k + 1) * PAGE_SIZE])] = table[k]
         elif op == "evict":
             evictable_before = cache.evictable_size
+            # LRU: the first pages taken are from a least recently used leaf.
+            leaves = scan_evictable_leaves(cache)
+            oldest = min((leaf.last_access for leaf in leaves), default=0)
+            lru_pages = {page for leaf in leaves if leaf.last_access == oldest for page in leaf.page_ids}
             freed = cache.evict(arg)
             assert len(freed) == min(arg, evictable_before)
+            assert not freed or freed[0] in lru_pages
             locked = set().union(*(pages for _, pages in held))
             assert not set(freed) & locked, "evicted a locked page"
             allocator.free(freed)
@@ -138,3 +173,20 @@ def test_split_keeps_locks_and_lru_evicts_oldest() -> None:
     assert cache.insert([7, 7], [30]) == 0
     cache.match_prefix([7, 7])  # refresh: [7, 7] is now the most recently used
     assert cache.evict(1) == [12]  # the tail page of the least recently used leaf
+
+
+def test_eviction_order_follows_every_access() -> None:
+    cache = RadixCache(2)
+    cache.insert([1, 1], [10])
+    cache.insert([2, 2, 2, 2], [20, 21])
+    cache.insert([3, 3], [30])
+    cache.match_prefix([1, 1])  # [1, 1] is now the most recently used, [2, 2, 2, 2] the least
+    assert cache.evict(1) == [21]  # a leaf loses its tail first and keeps its place
+    assert cache.evict(1) == [20]
+    cache.insert([3, 3, 4, 4], [30, 40])  # [3, 3] gains a child: only [3, 3, 4, 4] is a leaf
+    assert set(cache.evictable_leaves()) == set(scan_evictable_leaves(cache))
+    locked = cache.match_prefix([1, 1]).last_node
+    cache.inc_lock_ref(locked)
+    assert cache.evict(1) == [40]  # the locked [1, 1] is skipped, not lost
+    cache.dec_lock_ref(locked)
+    assert cache.evict(2) == [30, 10]  # [3, 3] became a leaf when its child went
