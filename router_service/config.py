@@ -13,7 +13,7 @@ from radixserve.security import (
     add_security_flags,
     security_from_args,
 )
-from router_service.queue_order import Policy
+from router_service.admission import Policy
 
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 

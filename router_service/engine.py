@@ -27,8 +27,7 @@ from router_service.config import RouterConfig
 from router_service.errors import InvalidRequest, QueueFull, RouterError, WorkersUnavailable
 from router_service.metrics import RouterMetrics
 from router_service.request import FinishReason, Request
-from router_service.scheduler import Scheduler
-from router_service.step_plan import SchedulerStats
+from router_service.scheduler import Scheduler, SchedulerStats
 from router_service.worker_group import TaskRejected, WorkerFault, WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -107,14 +106,7 @@ class Engine:
         self._wakeup.set()
 
     def stats(self) -> SchedulerStats:
-        now = self.scheduler.stats if self.scheduler else SchedulerStats()
-        past = self._past
-        return SchedulerStats(
-            num_steps=past.num_steps + now.num_steps,
-            num_retractions=past.num_retractions + now.num_retractions,
-            cache_hit_tokens=past.cache_hit_tokens + now.cache_hit_tokens,
-            prompt_tokens=past.prompt_tokens + now.prompt_tokens,
-        )
+        return self._past + (self.scheduler.stats if self.scheduler else SchedulerStats())
 
     # ---- the loop ------------------------------------------------------------------------
 
@@ -179,7 +171,7 @@ class Engine:
         plan = scheduler.schedule()
         self._send_ended(plan.ended)
         if plan.is_empty:
-            # Idle: the moment to check the scheduler's bookkeeping whole (see `page_audit`).
+            # Idle: the moment to check the scheduler's bookkeeping whole (see `PageManager.audit`).
             failed = scheduler.audit_when_idle()
             if failed:
                 self._send_ended(failed)
@@ -234,14 +226,10 @@ class Engine:
         """End every request with `error` and drop the connection (it reconnects and resets)."""
         log.error("failing all requests: %s", error)
         await self._set_health(False)
+        self._past = self.stats()
         scheduler = self.scheduler
         self.scheduler = None
         if scheduler is not None:
-            stats = scheduler.stats
-            self._past.num_steps += stats.num_steps
-            self._past.num_retractions += stats.num_retractions
-            self._past.cache_hit_tokens += stats.cache_hit_tokens
-            self._past.prompt_tokens += stats.prompt_tokens
             for request in scheduler.fail_all():
                 self._send(request, StreamEvent(error=error))
         self._cancelled.clear()

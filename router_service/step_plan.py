@@ -1,5 +1,5 @@
-"""What one scheduler step runs, and the scheduler's counters: plain values the engine turns
-into a `DecodeTask` (in `convert`) and into GetStats."""
+"""What one step runs: the scheduler's plain values for a step, free of grpc. `convert.task_to_proto`
+is the one place they become the wire's `DecodeTask` and `TaskEntry`."""
 
 from __future__ import annotations
 
@@ -26,19 +26,10 @@ class StepPlan:
     entries: list[ScheduledEntry] = field(default_factory=list)
     # Requests the workers should forget (ended or retracted since the last step).
     release_request_ids: list[str] = field(default_factory=list)
-    # Requests that ended while planning, `finish_reason` set: FAILED when the scheduler found
-    # its own bookkeeping broken (see `page_audit`).
+    # Requests that ended while planning, with `finish_reason` FAILED: the scheduler found
+    # its own bookkeeping broken (a request running alone found no page for its next token).
     ended: list[Request] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         return not self.entries and not self.release_request_ids and not self.ended
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    num_steps: int = 0
-    num_retractions: int = 0
-    cache_hit_tokens: int = 0
-    prompt_tokens: int = 0
-    num_audit_failures: int = 0

@@ -42,6 +42,10 @@ class Reference:
     def page_ids(self, tokens: list[int], length: int) -> list[int]:
         return [self.pages[tuple(tokens[: (k + 1) * PAGE_SIZE])] for k in range(length // PAGE_SIZE)]
 
+    def forget(self, page_ids: list[int]) -> None:
+        gone = set(page_ids)
+        self.pages = {key: page for key, page in self.pages.items() if page not in gone}
+
 
 def whole_pages(tokens: list[int]) -> list[int]:
     return tokens[: len(tokens) // PAGE_SIZE * PAGE_SIZE]
@@ -106,7 +110,9 @@ def test_radix_cache_matches_reference(ops: list[tuple]) -> None:
             cache.inc_lock_ref(match.last_node)
             need = len(tokens) // PAGE_SIZE - len(match.page_ids)
             if allocator.num_free < need:
-                allocator.free(cache.evict(need - allocator.num_free))
+                freed = cache.evict(need - allocator.num_free)
+                allocator.free(freed)
+                ref.forget(freed)
             if allocator.num_free >= need:
                 table = match.page_ids + allocator.alloc(need)
                 expected_cached = ref.match_len(tokens)
@@ -137,8 +143,7 @@ def test_radix_cache_matches_reference(ops: list[tuple]) -> None:
             locked = set().union(*(pages for _, pages in held))
             assert not set(freed) & locked, "evicted a locked page"
             allocator.free(freed)
-            gone = set(freed)
-            ref.pages = {key: page for key, page in ref.pages.items() if page not in gone}
+            ref.forget(freed)
         check_invariants(cache, allocator, ref)
     for node, _ in held:
         cache.dec_lock_ref(node)

@@ -1,5 +1,11 @@
-"""Which waiting request the scheduler admits next: the queue policy, and deferral behind a
-running prefill that is about to cache what the waiting request needs."""
+"""Admission: which waiting request the step builder admits next.
+
+The queue policy orders the waiting requests (`lpm`: longest cached prefix first, then arrival;
+`fcfs`: arrival), and deferral holds back a request whose prompt a running prefill is about to
+cache, so that a burst sharing an uncached prefix computes it once. Whether the pages and the
+budget allow a request in is the step builder's and the page manager's business; admission only
+says in which order to try, and whom to skip for now.
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,146 @@
+"""The step builder: which tokens of which requests run in the next step.
+
+`StepBuilder(scheduler).build()` fills one `StepPlan` within `max_batch_tokens`, in this order:
+1. running requests that decode (one pending token), in admission order (when there are more
+   than the budget, the oldest go first; the others wait for them to end). A decode that needs a
+   page it cannot get even after eviction retracts the most recently admitted request (the one
+   that loses the least work) back to the queue;
+2. running requests in the middle of a chunked prefill, as far as budget and pages allow;
+3. waiting requests in admission order (see `admission`), while running slots, budget and pages
+   last. A prefill longer than the remaining budget is cut into chunks computed over several
+   steps. If deferral left the step empty, it admits again without deferring: the prefill it
+   waits on may be stuck for pages.
+If the plan is still empty while requests run, every one of them is stuck in a prefill with no
+page to grow into: the newest is retracted so that the others can go on next step.
+
+Invariants: a request is in a plan at most once; only requests not (yet) in the plan are
+retracted while building it; every entry is made by `_add`, which advances the request's
+`num_computed` and `num_pages_sent` as if the step had already run (the workers apply tasks in
+order; a task every rank rejects fails its requests, see `Scheduler.fail_step`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from router_service.admission import defers, in_policy_order
+from router_service.request import FinishReason, Request
+from router_service.step_plan import ScheduledEntry, StepPlan
+
+if TYPE_CHECKING:
+    from router_service.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+class StepBuilder:
+    """Builds one plan over the scheduler's requests; the scheduler makes one per step."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.pages = scheduler.pages
+        self.plan = StepPlan()
+        self.budget = scheduler.max_batch_tokens
+
+    def build(self) -> StepPlan:
+        running = self.scheduler.running
+        # Requests whose prefill runs in this step or later: their pages are not cached yet.
+        prefilling = [request for request in running if request.num_pending > 1]
+        self._add_decodes()
+        self._add_prefill_chunks()
+        if self._admit_waiting(prefilling) and not self.plan.entries:
+            self._admit_waiting(None)
+        if not self.plan.entries and running:
+            self.scheduler.retract(running[-1])
+        return self.plan
+
+    def _add_decodes(self) -> None:
+        for request in list(self.scheduler.running):
+            if self.budget == 0:
+                break
+            # Skip requests retracted just now, and those still prefilling.
+            if request.admitted_at >= 0 and request.num_pending == 1 and self._grow_for_decode(request):
+                self._add(request, 1, new_request=False)
+
+    def _add_prefill_chunks(self) -> None:
+        for request in list(self.scheduler.running):
+            if self.budget == 0:
+                break
+            if request.num_pending <= 1:
+                continue  # its decode is in the plan already
+            num_tokens = min(request.num_pending, self.budget, self.pages.room(request))
+            if num_tokens > 0:
+                self.pages.grow(request, num_tokens)  # fits: within `room`
+                self._add(request, num_tokens, new_request=False)
+
+    def _grow_for_decode(self, request: Request) -> bool:
+        """Give `request` a page for its next token, retracting others if need be.
+
+        False when `request` itself was retracted (or ended because it cannot fit alone).
+        """
+        running = self.scheduler.running
+        while not self.pages.grow(request, 1):
+            victim = running[-1]
+            if victim is request and len(running) == 1:
+                # `Scheduler.add` let in only requests that fit the pool alone: pages went missing.
+                log.error("BUG: %s runs alone and finds no page for position %d; failing it",
+                          request.request_id, request.num_computed)
+                request.finish_reason = FinishReason.FAILED
+                self.scheduler.end(request)
+                self.plan.ended.append(request)
+                return False
+            self.scheduler.retract(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _admit_waiting(self, prefilling: list[Request] | None) -> bool:
+        """Admit waiting requests within the budget; True when one was deferred.
+
+        `prefilling` (None: defer nothing) are the running requests whose prefill is not cached
+        yet; requests admitted here join it, since their pages are cached only after the step.
+        """
+        scheduler = self.scheduler
+        deferred = False
+        if self.budget == 0 or not scheduler.waiting or not self._has_slot():
+            return deferred
+        for request in in_policy_order(scheduler.waiting, scheduler.policy, self.pages.cache):
+            if self.budget == 0 or not self._has_slot():
+                break
+            tokens = request.token_ids
+            # Leave at least the last token to compute: its logits give the next token.
+            match = self.pages.cache.match_prefix(tokens[: len(tokens) - 1])
+            if prefilling is not None and defers(request, match.matched_len, prefilling, self.pages.page_size):
+                deferred = True
+                continue  # not short of pages: the ones behind it may go
+            num_tokens = min(len(tokens) - match.matched_len, self.budget)
+            # Keep a page of headroom per running request, so that admitting does not make the
+            # running ones retract at their next page boundary.
+            if not self.pages.admit(request, match, num_tokens, num_spare_pages=len(scheduler.running)):
+                break  # keep the order: nothing behind it jumps ahead for pages
+            scheduler.start(request, match.matched_len)
+            self._add(request, num_tokens, new_request=True)
+            if prefilling is not None:
+                prefilling.append(request)
+        return deferred
+
+    def _has_slot(self) -> bool:
+        return len(self.scheduler.running) < self.scheduler.max_running_requests
+
+    def _add(self, request: Request, num_tokens: int, *, new_request: bool) -> None:
+        """Put `request`'s next `num_tokens` tokens in the plan (its pages already hold them)."""
+        start = request.num_computed
+        self.plan.entries.append(ScheduledEntry(
+            request=request,
+            token_ids=request.token_ids[start : start + num_tokens],
+            start_position=start,
+            new_page_ids=request.page_table[request.num_pages_sent :],
+            sample=start + num_tokens == len(request.token_ids),
+            new_request=new_request,
+            cached_token_ids=request.token_ids[:start] if new_request else [],
+        ))
+        request.num_pages_sent = len(request.page_table)
+        request.num_computed = start + num_tokens
+        request.on_workers = True
+        self.budget -= num_tokens
