@@ -40,15 +40,10 @@ class WorkerGroup:
         self.connect_timeout_s = connect_timeout_s
         self._security = security
         self._metadata = security.call_metadata()
-        self.infos: list[worker_pb2.GetWorkerInfoResponse] = []
-        # Set when any rank's stream ends while connected (e.g. the process died while idle).
+        # Set when a stream of the current connection ends (e.g. a rank died while idle).
         self.broken = asyncio.Event()
         self._channels: list[grpc.aio.Channel] = []
         self._calls: list[grpc.aio.StreamStreamCall] = []
-
-    @property
-    def connected(self) -> bool:
-        return bool(self._calls)
 
     async def connect(self) -> list[worker_pb2.GetWorkerInfoResponse]:
         """Ask every rank for its info, check they form one group, open their streams."""
@@ -73,12 +68,17 @@ class WorkerGroup:
         if problem:
             await self.close()
             raise WorkerFault(problem)
-        self.infos = infos
         for channel in self._channels:
             call = worker_pb2_grpc.WorkerServiceStub(channel).Execute(metadata=self._metadata)
-            call.add_done_callback(lambda _call: self.broken.set())
+            call.add_done_callback(self._stream_ended)
             self._calls.append(call)
         return infos
+
+    def _stream_ended(self, call: grpc.aio.StreamStreamCall) -> None:
+        # Only a stream of the current connection breaks it: one that `close` cancelled may
+        # report its end after the next `connect` began.
+        if call in self._calls:
+            self.broken.set()
 
     def _check_group(self, infos: list[worker_pb2.GetWorkerInfoResponse]) -> str | None:
         """Why these ranks do not form one TP group, or None when they do."""
