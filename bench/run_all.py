@@ -6,7 +6,9 @@
 2. Stops the stack and runs the same jobs through vLLM's CPU engine (offline `LLM.generate`) in
    its own virtualenv (`--vllm-python`, made by `make bench`), when that exists.
 3. Runs the same jobs through transformers' `generate` in a separate process.
-4. Writes `bench/results/latest.json`, `latest.md` and PNG plots (`bench.report`).
+4. Times one prefix-cache eviction with 100k cached pages, before and after the LRU leaf queue
+   (`bench.bench_eviction`; no model involved).
+5. Writes `bench/results/latest.json`, `latest.md` and PNG plots (`bench.report`).
 
 All engines run on the same machine in the same run, in the same dtype (`--dtype`, resolved as
 the worker resolves it), one after the other, never at once.
@@ -28,6 +30,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from bench import bench_eviction
 from bench import workloads as wl
 from bench.loadgen import run_workload
 from bench.http_overhead import paired
@@ -240,12 +243,15 @@ def main() -> None:
     if vllm_skipped:
         print(f"[bench] vLLM skipped: {vllm_skipped}", flush=True)
     peer = {"results": [], "peak_rss_mb": None} if args.skip_peer else run_peer_side(args, jobs, dtype)
+    eviction = bench_eviction.measure()
+    print("\n".join(f"[bench] {line}" for line in bench_eviction.report_lines(eviction)))
     report = {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.python_implementation()} "
                    f"{platform.python_version()}",
         "model": args.model, "tp": args.tp, "dtype": dtype,
         "radixserve": server, "vllm": vllm, "vllm_skipped": vllm_skipped, "transformers": peer,
+        "eviction_seconds_per_call": eviction,
     }
     write_report(report, args.out_dir)
     if args.update_readme and not update_readme(ROOT / "README.md", markdown(report)):
