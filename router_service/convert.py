@@ -10,6 +10,7 @@ from radixserve.sampling import SamplingParams
 from radixserve.v1 import generation_pb2, router_pb2, worker_pb2
 from router_service.errors import InvalidRequest, QueueFull, RouterError, WorkersUnavailable
 from router_service.request import FinishReason, Request
+from router_service.scheduler import Scheduler, SchedulerStats
 from router_service.step_plan import StepPlan
 
 _STATUS: dict[type[RouterError], grpc.StatusCode] = {
@@ -86,6 +87,26 @@ def task_to_proto(plan: StepPlan, task_id: int) -> worker_pb2.DecodeTask:
                 constraint=constraints.to_proto(request.constraint),
             ))
     return task
+
+
+def stats_to_proto(stats: SchedulerStats, scheduler: Scheduler | None) -> router_pb2.GetStatsResponse:
+    """GetStats' answer (also what the metrics read): counters, and the scheduler's state while
+    the workers are connected."""
+    response = router_pb2.GetStatsResponse(
+        cache_hit_tokens=stats.cache_hit_tokens,
+        prompt_tokens=stats.prompt_tokens,
+        num_steps=stats.num_steps,
+        num_retractions=stats.num_retractions,
+    )
+    if scheduler is not None:
+        allocator = scheduler.allocator
+        response.num_running = scheduler.num_running
+        response.num_waiting = scheduler.num_waiting
+        response.num_pages_total = allocator.num_pages
+        response.num_pages_free = allocator.num_free
+        response.num_pages_used = allocator.num_used
+        response.num_pages_evictable = scheduler.cache.evictable_size
+    return response
 
 
 def token_logprob(sampled: worker_pb2.SampledToken) -> generation_pb2.TokenLogprob:

@@ -1,8 +1,8 @@
 """The router's Prometheus metrics.
 
 State (running and waiting requests, KV pages, prefix-cache and retraction counters) is read
-from the engine when Prometheus scrapes, from the same numbers GetStats reports, so the two
-never disagree. Per-step and per-request timings (step duration, batch size, queue time) and
+from the engine when Prometheus scrapes, as GetStats' own answer (`convert.stats_to_proto`), so
+the two never disagree. Per-step and per-request timings (step duration, batch size, queue time) and
 worker reconnects are observed by the engine as they happen.
 """
 
@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from radixserve.metrics import MODEL_LABEL, count_histogram, counter, latency_histogram, name
+from router_service import convert
 
 if TYPE_CHECKING:
     from router_service.engine import Engine
@@ -79,37 +80,27 @@ class _StateCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         engine = self._engine
         model = engine.summary.model_name if engine.summary is not None else ""
-        stats = engine.stats()
-        scheduler = engine.scheduler
-        running = waiting = total = free = used = cached = 0
-        if scheduler is not None:
-            running, waiting = scheduler.num_running, scheduler.num_waiting
-            allocator = scheduler.allocator
-            total, free, used = allocator.num_pages, allocator.num_free, allocator.num_used
-            cached = scheduler.cache.evictable_size
+        stats = convert.stats_to_proto(engine.stats(), engine.scheduler)
 
-        def gauge_family(base: str, doc: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(name(base), doc, labels=[MODEL_LABEL])
-            family.add_metric([model], value)
-            return family
-
-        def counter_family(base: str, doc: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(name(base), doc, labels=[MODEL_LABEL])
-            family.add_metric([model], value)
-            return family
-
-        yield gauge_family("num_requests_running", "Requests in the running batch.", running)
-        yield gauge_family("num_requests_waiting", "Requests waiting to be scheduled.", waiting)
-        yield gauge_family("kv_pages_total", "KV pages in the pool.", total)
-        yield gauge_family("kv_pages_used", "KV pages held (by requests or the prefix cache).", used)
-        yield gauge_family("kv_pages_cached", "KV pages held only by the prefix cache (evictable).", cached)
-        yield gauge_family("kv_pages_free", "KV pages free.", free)
-        yield gauge_family("kv_cache_usage_perc", "Fraction of KV pages held by running requests (0 to 1).",
-                    (used - cached) / total if total else 0.0)
-        yield counter_family("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      stats.prompt_tokens)
-        yield counter_family("prefix_cache_hits", "Prompt tokens served from the prefix cache.",
-                      stats.cache_hit_tokens)
-        yield counter_family("num_retractions", "Running requests taken back to the queue for pages.",
-                      stats.num_retractions)
-        yield counter_family("scheduler_steps", "Scheduler steps run on the workers.", stats.num_steps)
+        total, used, cached = stats.num_pages_total, stats.num_pages_used, stats.num_pages_evictable
+        gauges = [
+            ("num_requests_running", "Requests in the running batch.", stats.num_running),
+            ("num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
+            ("kv_pages_total", "KV pages in the pool.", total),
+            ("kv_pages_used", "KV pages held (by requests or the prefix cache).", used),
+            ("kv_pages_cached", "KV pages held only by the prefix cache (evictable).", cached),
+            ("kv_pages_free", "KV pages free.", stats.num_pages_free),
+            ("kv_cache_usage_perc", "Fraction of KV pages held by running requests (0 to 1).",
+             (used - cached) / total if total else 0.0),
+        ]
+        counters = [
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prompt_tokens),
+            ("prefix_cache_hits", "Prompt tokens served from the prefix cache.", stats.cache_hit_tokens),
+            ("num_retractions", "Running requests taken back to the queue for pages.", stats.num_retractions),
+            ("scheduler_steps", "Scheduler steps run on the workers.", stats.num_steps),
+        ]
+        for kind, rows in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+            for base, doc, value in rows:
+                metric = kind(name(base), doc, labels=[MODEL_LABEL])
+                metric.add_metric([model], value)
+                yield metric

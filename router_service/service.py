@@ -54,23 +54,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
     async def GetStats(
         self, request: router_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.GetStatsResponse:
-        stats = self.engine.stats()
-        response = router_pb2.GetStatsResponse(
-            cache_hit_tokens=stats.cache_hit_tokens,
-            prompt_tokens=stats.prompt_tokens,
-            num_steps=stats.num_steps,
-            num_retractions=stats.num_retractions,
-        )
-        scheduler = self.engine.scheduler
-        if scheduler is not None:
-            allocator = scheduler.allocator
-            response.num_running = scheduler.num_running
-            response.num_waiting = scheduler.num_waiting
-            response.num_pages_total = allocator.num_pages
-            response.num_pages_free = allocator.num_free
-            response.num_pages_used = allocator.num_used
-            response.num_pages_evictable = scheduler.cache.evictable_size
-        return response
+        return convert.stats_to_proto(self.engine.stats(), self.engine.scheduler)
 
     async def GetServerInfo(
         self, request: router_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext
