@@ -224,7 +224,7 @@ def test_extend_keeps_tree_locks_and_pages_consistent(ops: list[tuple]) -> None:
     holders: list[Holder] = []
 
     def give_back(holder: Holder) -> None:
-        # What `Scheduler._give_back_pages` does with every written page.
+        # What `PageManager.give_back` does with every written page.
         num_full = len(holder.page_table)
         tokens = holder.tokens[: num_full * size]
         num_cached = cache.insert(tokens, holder.page_table) // size
