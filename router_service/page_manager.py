@@ -72,7 +72,7 @@ class PageManager:
         """Start `request` on the cache's pages for `match` and pages for its first `num_tokens`.
 
         `match` is the cache's match of all but the last token, fresh (nothing changed the tree
-        since), not yet locked. False, changing nothing, when the pool could not hold the rest
+        since), not yet locked. False, taking no page, when the pool could not hold the rest
         of its prompt plus `num_spare_pages`.
         """
         locked = self.cache.lock(match)

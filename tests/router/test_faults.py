@@ -122,7 +122,7 @@ def test_a_dead_engine_loop_turns_health_off_and_ends_serve(monkeypatch) -> None
 
         monkeypatch.setattr(router_main, "start_server", recording_start_server)
         monkeypatch.setattr(Engine, "run", crash)
-        config = RouterConfig(port=free_port(), workers=(f"127.0.0.1:{port}",))
+        config = RouterConfig(port=free_port(), workers=(f"127.0.0.1:{port}",), metrics_port=0)
         try:
             with pytest.raises(router_main.EngineCrashed):
                 await asyncio.wait_for(router_main.serve(config, asyncio.Event()), timeout=20)
