@@ -37,7 +37,7 @@ from bench.http_overhead import paired
 from bench.loadgen_http import run_workload_http
 from bench.records import summarize
 from bench.report import markdown, update_readme, write_report
-from radixserve.serving import check_health
+from radixserve.health import check_health
 from worker_service.dtypes import DTYPE_CHOICES, resolve_dtype
 
 ROOT = Path(__file__).resolve().parent.parent

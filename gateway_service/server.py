@@ -1,4 +1,5 @@
-"""A running gateway: the gRPC server, its router pool, and the probe loop that drives health.
+"""A running gateway: the gRPC server, the HTTP API, its router pool, and the probe loop that
+drives health (started and stopped by `radixserve.serving.run_service`).
 
 Health is NOT_SERVING until the tokenizer is loaded and at least one router answers
 GetServerInfo; it goes back to NOT_SERVING while no router answers.
@@ -22,7 +23,8 @@ from gateway_service.tokenizer import Tokenizer
 from radixserve.guard import token_accepted
 from radixserve.metrics import MetricsServer, serve_metrics
 from radixserve.security import load_security
-from radixserve.serving import Health, start_server
+from radixserve.health import Health
+from radixserve.serving import start_server
 from radixserve.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -43,7 +45,7 @@ class Gateway:
         self._health = health
         self._serving: bool | None = None
         self._probing: asyncio.Task | None = None
-        # Set when a background task died: the process should stop (see `__main__`).
+        # Set when a background task died: the process should stop (see `run_service`).
         self.crashed = asyncio.Event()
         self.http: HttpServer | None = None
         self.metrics: MetricsServer | None = None
@@ -123,6 +125,7 @@ class Gateway:
     async def stop(self) -> None:
         """Drain: NOT_SERVING at once, new calls refused, in-flight streams get
         `shutdown_grace_s` to finish; then the router channels close."""
+        log.info("stopping: draining in-flight streams for up to %gs", self.config.shutdown_grace_s)
         self.servicer.draining = True
         self._serving = False  # the HTTP API's /health follows too
         await self._health.set(False)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from gateway_service.errors import InvalidRequest
+from radixserve.flags import check, setting
 from radixserve.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from radixserve.v1 import generation_pb2
 
@@ -28,25 +29,24 @@ MAX_STOP_TOKEN_IDS = 64
 
 @dataclass(frozen=True, slots=True)
 class RequestLimits:
-    """Bounds on what one public request may hold (the gateway's flags; README documents them).
+    """Bounds on what one public request may hold (the gateway's flags, named after the fields).
 
     `max_request_bytes` is enforced by gRPC itself (its maximum receive size); the others here.
     """
 
-    max_request_bytes: int = 4 * 1024 * 1024
-    # Characters of the prompt, or of all messages' roles and contents together.
-    max_prompt_chars: int = 131072
-    # Prompt tokens after the chat template (0: the model's context length bounds it).
-    max_prompt_tokens: int = 0
-    max_messages: int = 256
-    max_request_id_len: int = 128
+    max_request_bytes: int = setting(4 * 1024 * 1024, "largest request message accepted (gRPC's "
+                                     "receive limit on the public port; larger ones get "
+                                     "RESOURCE_EXHAUSTED before they are read)", min=1)
+    max_prompt_chars: int = setting(131072, "characters of a prompt, or of all messages' roles and "
+                                    "contents together (Generate and Tokenize)", min=1)
+    max_prompt_tokens: int = setting(0, "prompt tokens after the chat template (0: the model's "
+                                     "context length); bounds Tokenize's result too", min=0)
+    max_messages: int = setting(256, "messages in one chat request", min=1)
+    max_request_id_len: int = setting(128, "characters of a caller's request_id (printable ASCII)",
+                                      min=1)
 
     def __post_init__(self) -> None:
-        for name in ("max_request_bytes", "max_prompt_chars", "max_messages", "max_request_id_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.max_prompt_tokens < 0:
-            raise ValueError("max_prompt_tokens must be >= 0")
+        check(self)
 
 
 def check_text_input(request: generation_pb2.GenerateRequest, limits: RequestLimits) -> None:

@@ -2,7 +2,7 @@
 
     python -m radixserve.health_probe [--address HOST:PORT] [--service NAME] [--timeout-s S]
 
-Used by docker-compose health checks and, with TLS on, by Kubernetes exec probes (its
+Used by docker-compose health checks and, with TLS on, by Kubernetes exec probes (their
 built-in `grpc:` probes speak plaintext only). Without `--address` it checks
 `127.0.0.1:$RADIXSERVE_PORT`, the port the service in the same container listens on, so one
 health check line fits every service. It takes the services' TLS flags (`--tls-ca`, and with
@@ -13,49 +13,18 @@ no token. It imports grpc only (not torch), so a probe costs a fraction of a sec
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from collections.abc import Mapping
+from dataclasses import dataclass
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from radixserve import flags
+from radixserve.flags import setting
+from radixserve.health import probe
+from radixserve.security import Security, SecurityConfig, client_credentials, security_settings
 
-from radixserve.security import (
-    SecurityError,
-    add_security_flags,
-    client_credentials,
-    security_from_args,
-)
-
-DEFAULT_TIMEOUT_S = 3.0
 PORT_ENV = "RADIXSERVE_PORT"
 PROBE_HOST = "127.0.0.1"
-
-
-def probe(
-    address: str,
-    service: str = "",
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    credentials: grpc.ChannelCredentials | None = None,
-) -> str:
-    """The health status name that `address` reports for `service` ("" is the whole server),
-    over TLS when `credentials` are given.
-
-    Returns "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN", ... or "UNREACHABLE" (with the gRPC
-    status code) when the call itself fails.
-    """
-    channel = (
-        grpc.insecure_channel(address) if credentials is None
-        else grpc.secure_channel(address, credentials)
-    )
-    with channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        try:
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
-        except grpc.RpcError as exc:
-            return f"UNREACHABLE ({exc.code().name})"
-    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
 
 def default_address(environ: Mapping[str, str]) -> str | None:
@@ -64,32 +33,31 @@ def default_address(environ: Mapping[str, str]) -> str | None:
     return f"{PROBE_HOST}:{port}" if port else None
 
 
+@dataclass(frozen=True, slots=True)
+class ProbeConfig:
+    address: str | None = setting(lambda: default_address(os.environ),
+                                  f"host:port to check (unset: {PROBE_HOST}:${PORT_ENV})")
+    service: str = setting("", "health service name to check (empty: the whole server)")
+    timeout_s: float = setting(3.0, "deadline of the check in seconds", above=0)
+    security: SecurityConfig = security_settings()
+
+    def __post_init__(self) -> None:
+        flags.check(self)
+        if not self.address:
+            raise ValueError(f"give --address or set {PORT_ENV}")
+
+
+PROGRAM = flags.Program(ProbeConfig, "python -m radixserve.health_probe", __doc__.splitlines()[0])
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--address",
-        default=default_address(os.environ),
-        help=f"host:port to check (default: {PROBE_HOST}:${PORT_ENV})",
-    )
-    parser.add_argument(
-        "--service", default="", help="health service name to check (default: the whole server)"
-    )
-    parser.add_argument(
-        "--timeout-s", type=float, default=DEFAULT_TIMEOUT_S,
-        help="deadline of the check in seconds (default: %(default)s)",
-    )
-    add_security_flags(parser)
-    args = parser.parse_args(argv)
-    if not args.address:
-        parser.error(f"give --address or set {PORT_ENV}")
-    if args.timeout_s <= 0:
-        parser.error("--timeout-s must be positive")
+    config = PROGRAM.parse(argv)
     try:
-        credentials = client_credentials(security_from_args(args))
-    except SecurityError as exc:
-        parser.error(str(exc))
-    status = probe(args.address, args.service, args.timeout_s, credentials)
-    print(f"{args.address} {args.service or '(server)'}: {status}", file=sys.stderr)
+        security = Security(channel_credentials=client_credentials(config.security))
+    except ValueError as exc:
+        raise SystemExit(f"health_probe: {exc}") from None
+    status = probe(config.address, config.service, config.timeout_s, security)
+    print(f"{config.address} {config.service or '(server)'}: {status}", file=sys.stderr)
     return 0 if status == "SERVING" else 1
 
 

@@ -19,16 +19,15 @@ start-up: a missing or unreadable file stops the service with a message that nam
 
 from __future__ import annotations
 
-import argparse
 import logging
 import string
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
-from radixserve.flags import add_flag
+from radixserve.flags import nested, setting
 
 log = logging.getLogger(__name__)
 
@@ -43,64 +42,43 @@ class SecurityError(ValueError):
     """A security setting is inconsistent, or a file it names cannot be used."""
 
 
+# Only the gateway (and the launcher, which hands them to it) takes the public API's tokens.
+API_TOKEN_FIELDS = ("api_token_file", "api_tokens")
+
+
 @dataclass(frozen=True, slots=True)
 class SecurityConfig:
     """The security flags of one process, as given (paths, not contents)."""
 
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_ca: str = ""
-    mtls: bool = False
-    internal_token_file: str = ""
-    # Gateway only: the public API's bearer tokens.
-    api_token_file: str = ""
-    api_tokens: tuple[str, ...] = ()
+    tls_cert: str = setting("", "PEM certificate of this service; TLS is on when set (with --tls-key)")
+    tls_key: str = setting("", "PEM private key of --tls-cert")
+    tls_ca: str = setting("", "PEM CA bundle that verifies the servers this process calls (TLS on "
+                          "internal channels when set); with --mtls, also the CA that client "
+                          "certificates must chain to")
+    mtls: bool = setting(False, "require client certificates signed by --tls-ca, and present "
+                         "--tls-cert as one")
+    internal_token_file: str = setting("", "file with the shared secret of gateway->router->worker "
+                                       "calls; router and workers reject callers without it")
+    api_token_file: str = setting("", "file of public API bearer tokens, one per line; callers "
+                                  "without one get UNAUTHENTICATED")
+    api_tokens: tuple[str, ...] = setting((), "comma-separated public API bearer tokens (prefer the "
+                                          "environment variable: command lines are visible to "
+                                          "other users)")
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise SecurityError("--tls-cert and --tls-key go together")
+        if self.mtls and not (self.tls_ca and self.tls_cert):
+            raise SecurityError("--mtls needs --tls-ca, --tls-cert and --tls-key")
 
     @property
     def tls(self) -> bool:
         return bool(self.tls_cert)
 
 
-def add_security_flags(
-    parser: argparse.ArgumentParser, *, public: bool = False, env: Mapping[str, str] | None = None
-) -> None:
-    """Add the TLS and token flags; `public=True` adds the gateway's API token flags too."""
-    add_flag(parser, "tls-cert", default="", env=env,
-             help="PEM certificate of this service; TLS is on when set (with --tls-key)")
-    add_flag(parser, "tls-key", default="", env=env, help="PEM private key of --tls-cert")
-    add_flag(parser, "tls-ca", default="", env=env,
-             help="PEM CA bundle that verifies the servers this process calls (TLS on internal "
-             "channels when set); with --mtls, also the CA that client certificates must chain to")
-    add_flag(parser, "mtls", type=bool, default=False, env=env,
-             help="require client certificates signed by --tls-ca, and present --tls-cert as one")
-    add_flag(parser, "internal-token-file", default="", env=env,
-             help="file with the shared secret of gateway->router->worker calls; router and "
-             "workers reject callers without it")
-    if public:
-        add_flag(parser, "api-token-file", default="", env=env,
-                 help="file of public API bearer tokens, one per line; callers without one get "
-                 "UNAUTHENTICATED")
-        add_flag(parser, "api-tokens", type=list, default=[], env=env,
-                 help="comma-separated public API bearer tokens (prefer the environment variable: "
-                 "command lines are visible to other users)")
-
-
-def security_from_args(args: argparse.Namespace) -> SecurityConfig:
-    """The config from parsed flags; raises `SecurityError` when they do not fit together."""
-    config = SecurityConfig(
-        tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
-        tls_ca=args.tls_ca,
-        mtls=args.mtls,
-        internal_token_file=args.internal_token_file,
-        api_token_file=getattr(args, "api_token_file", ""),
-        api_tokens=tuple(getattr(args, "api_tokens", ())),
-    )
-    if bool(config.tls_cert) != bool(config.tls_key):
-        raise SecurityError("--tls-cert and --tls-key go together")
-    if config.mtls and not (config.tls_ca and config.tls_cert):
-        raise SecurityError("--mtls needs --tls-ca, --tls-cert and --tls-key")
-    return config
+def security_settings(*, public: bool = False) -> SecurityConfig:
+    """The config field of a program's security settings; `public=True` adds the API tokens."""
+    return nested(SecurityConfig, skip=() if public else API_TOKEN_FIELDS)
 
 
 def security_args(config: SecurityConfig) -> list[str]:
@@ -173,6 +151,9 @@ class Security:
         if self.channel_credentials is None:
             return grpc.insecure_channel(address, options=list(options))
         return grpc.secure_channel(address, self.channel_credentials, options=list(options))
+
+
+NO_SECURITY = Security()
 
 
 def load_security(config: SecurityConfig, *, public: bool = False) -> Security:

@@ -1,24 +1,37 @@
-"""gRPC server plumbing shared by the services: health, reflection, the guard (TLS, tokens,
-strict decoding) and graceful stop."""
+"""What the three services share to run: one startup pattern (config -> core -> server ->
+serve until a signal), and the gRPC server every one of them gets (health, reflection, the
+guard for TLS, tokens and strict decoding, keepalive, message limits).
+
+    python -m router_service  ->  run_service(PROGRAM, Router.start)
+
+`run_service` builds the config from flags and environment, sets up logging, calls the
+service's `start(config)` (which builds its core and starts its servers, health NOT_SERVING
+until ready) and waits for SIGINT/SIGTERM, then calls `stop()` (each service drains in its own
+way) and exits 0; a service whose background task dies sets `crashed`, which stops it too and
+exits 1.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
-from collections.abc import Iterable
+import sys
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, Protocol
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from radixserve.flags import Program
 from radixserve.guard import Guard
-from radixserve.security import Security
+from radixserve.health import Health
+from radixserve.security import NO_SECURITY, Security, SecurityError
 
 log = logging.getLogger(__name__)
 
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 # Internal messages up to 64 MiB: a long prompt's token ids or a large batch fit comfortably.
 # The gateway's public port receives far less (its --max-request-bytes).
@@ -42,23 +55,18 @@ SERVER_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
     ("grpc.http2.min_time_between_pings_ms", MIN_PING_INTERVAL_MS),
 ]
-NO_SECURITY = Security()
+
+class Running(Protocol):
+    """A started service, as `serve_until` drives it."""
+
+    # Set when a background task died: the process must stop (and exit 1).
+    crashed: asyncio.Event
+
+    async def stop(self) -> None:
+        """Go NOT_SERVING, drain what is in flight, release everything."""
 
 
-class Health:
-    """The grpc.health.v1 servicer plus a one-call way to flip the whole server's status.
-
-    Status is reported both for the overall server ("") and for each named service.
-    """
-
-    def __init__(self, service_names: Iterable[str]) -> None:
-        self.servicer = health.aio.HealthServicer()
-        self._names = ["", *service_names]
-
-    async def set(self, serving: bool) -> None:
-        status = SERVING if serving else NOT_SERVING
-        for name in self._names:
-            await self.servicer.set(name, status)
+Start = Callable[[Any], Awaitable[Running]]
 
 
 async def start_server(
@@ -97,19 +105,37 @@ async def start_server(
     return server, health_handle, bound
 
 
+def run_service(program: Program, start: Start, argv: list[str] | None = None) -> None:
+    """A service's `main`: config from flags and environment, then `serve_until` a signal."""
+    config = program.parse(argv)
+    logging.basicConfig(level=config.log_level, format=LOG_FORMAT, stream=sys.stderr)
+    try:
+        status = asyncio.run(serve_until_signal(start, config))
+    except SecurityError as exc:
+        raise SystemExit(f"{program.prog}: {exc}") from None
+    raise SystemExit(status)
+
+
+async def serve_until_signal(start: Start, config: Any) -> int:
+    stop = asyncio.Event()
+    install_stop_handlers(stop)
+    return await serve_until(start, config, stop)
+
+
+async def serve_until(start: Start, config: Any, stop: asyncio.Event) -> int:
+    """Start the service and run it until `stop` is set (0) or it crashes (1); then stop it."""
+    running = await start(config)
+    stopping = asyncio.ensure_future(stop.wait())
+    crashed = asyncio.ensure_future(running.crashed.wait())
+    await asyncio.wait([stopping, crashed], return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    crashed.cancel()
+    await running.stop()
+    return 1 if running.crashed.is_set() else 0
+
+
 def install_stop_handlers(stop: asyncio.Event) -> None:
     """Set `stop` on SIGINT or SIGTERM, so the service can drain and exit cleanly."""
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-
-
-async def check_health(address: str, timeout_s: float, security: Security = NO_SECURITY) -> bool:
-    """True when the server at `address` answers SERVING for the overall server."""
-    async with security.aio_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        try:
-            reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
-        except grpc.aio.AioRpcError:
-            return False
-        return reply.status == SERVING

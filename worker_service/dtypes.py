@@ -17,12 +17,10 @@ from pathlib import Path
 
 import torch
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
-AUTO = "auto"
+from radixserve.shared_flags import AUTO_DTYPE as AUTO
+from radixserve.shared_flags import DTYPE_NAMES
+
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_NAMES}
 DTYPE_CHOICES = [AUTO, *DTYPES]
 NATIVE_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 CPUINFO = Path("/proc/cpuinfo")

@@ -18,7 +18,7 @@ import json
 import os
 import sys
 
-from radixserve.flags import ENV_PREFIX, env_name
+from radixserve.flags import ENV_PREFIX, flags_of
 
 
 def problems(module: str, env: dict[str, str]) -> list[str]:
@@ -29,13 +29,10 @@ def problems(module: str, env: dict[str, str]) -> list[str]:
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr):
-            parser = config.build_parser()
-            known = {env_name(option[2:]) for action in parser._actions
-                     for option in action.option_strings if option.startswith("--")}
+            known = {flag.env for flag in flags_of(config.PROGRAM.config)}
             errors += [f"{module}: {name} is no flag of the service"
                        for name in sorted(env) if name.startswith(ENV_PREFIX) and name not in known]
-            build = getattr(config, "parse_config", None) or config.config_from_args
-            build([])
+            config.PROGRAM.parse([])
     except SystemExit:
         errors.append(f"{module}: {stderr.getvalue().strip().splitlines()[-1]}")
     return errors

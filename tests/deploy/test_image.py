@@ -157,13 +157,14 @@ def test_build_steps_work_from_the_context(tmp_path: Path) -> None:
 def test_default_command_is_a_valid_launcher_call() -> None:
     """The image's default CMD (`radixserve up ...`) parses with the launcher's own flags and
     serves the gateway on every interface with the model from the /models volume."""
-    launcher = pytest.importorskip("radixserve.launcher")
+    launcher_config = pytest.importorskip("radixserve.launcher_config")
+    stack_plan = pytest.importorskip("radixserve.stack_plan")
     cmd = next(i.text for i in reversed(parse_dockerfile(DOCKERFILE.read_text()))
                if i.keyword == "CMD")
     words = json.loads(cmd)
     assert words[0] == "radixserve"
-    args = launcher.build_parser().parse_args(words[1:])
-    plan = launcher.plan_stack(args)
+    args = launcher_config.config_from_args(words[1:])
+    plan = stack_plan.plan_stack(args)
     gateway = plan.groups[-1][0].cmd
     assert gateway[gateway.index("--host") + 1] == "0.0.0.0"
     assert gateway[gateway.index("--model") + 1] == "/models/smollm2-135m-instruct"

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 
 from procs import ServiceProcesses
-from radixserve.launcher import ROUTER_PORT_OFFSET, WORKER_PORT_OFFSET
+from radixserve.stack_plan import ROUTER_PORT_OFFSET, WORKER_PORT_OFFSET
 
 STARTUP_TIMEOUT_S = 240.0
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from radixserve.launcher import build_parser, plan_stack
+from radixserve.launcher_config import config_from_args
+from radixserve.stack_plan import plan_stack
 
 
 def test_ports_ranks_and_order_follow_the_convention():
-    args = build_parser().parse_args(["up", "--tp", "2", "--port", "6000", "--host", "0.0.0.0",
+    args = config_from_args(["up", "--tp", "2", "--port", "6000", "--host", "0.0.0.0",
                                       "--model", "m", "--kv-cache-mb", "32", "--device", "cpu"])
     plan = plan_stack(args, python="py")
     workers, (router,), (gateway,) = plan.groups
@@ -27,12 +28,12 @@ def test_ports_ranks_and_order_follow_the_convention():
 
 def test_flags_come_from_the_environment_too(monkeypatch):
     monkeypatch.setenv("RADIXSERVE_TP", "3")
-    args = build_parser().parse_args(["up"])
+    args = config_from_args(["up"])
     assert args.tp == 3 and args.port == 50051
 
 
 def test_security_flags_are_passed_down():
-    args = build_parser().parse_args([
+    args = config_from_args([
         "up", "--tls-cert", "s.pem", "--tls-key", "k.pem", "--tls-ca", "ca.pem", "--mtls",
         "--internal-token-file", "it", "--api-token-file", "at", "--api-tokens", "t" * 20,
     ])

@@ -25,7 +25,7 @@ from radixserve_client import Client, UnauthenticatedError
 from e2e.stack import launch
 from procs import ServiceProcesses
 from radixserve.dev_certs import write_dev_certs
-from radixserve.launcher import WORKER_PORT_OFFSET
+from radixserve.stack_plan import WORKER_PORT_OFFSET
 from radixserve.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 GRPCURL = str(Path(sys.executable).parent / "grpcurl")

@@ -11,11 +11,12 @@ from dataclasses import dataclass
 import grpc
 
 from procs import free_port
-from radixserve.serving import CHANNEL_OPTIONS, check_health
+from radixserve.health import check_health
+from radixserve.serving import CHANNEL_OPTIONS, serve_until
 from radixserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
 from router.fake_worker import FakeWorker, start_fake_worker
-from router_service.__main__ import serve
 from router_service.config import RouterConfig
+from router_service.server import Router
 
 HEALTH_TIMEOUT_S = 20.0
 
@@ -63,7 +64,7 @@ async def running_router(
             reconnect_interval_s=0.2,
             metrics_port=0,
         )
-        engine_task = asyncio.create_task(serve(config, stop))
+        engine_task = asyncio.create_task(serve_until(Router.start, config, stop))
         address = f"127.0.0.1:{router_port}"
         await wait_serving(address)
         async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:

@@ -8,7 +8,7 @@ import asyncio
 import grpc
 import pytest
 
-from radixserve.serving import check_health
+from radixserve.health import check_health
 from radixserve.v1 import router_pb2
 from router.fake_model import expected_tokens
 from router.fake_worker import FakeWorker

@@ -9,7 +9,8 @@ import grpc
 import pytest
 
 from procs import PYTHON, ServiceProcesses, free_port, is_serving
-from radixserve.serving import CHANNEL_OPTIONS, check_health
+from radixserve.health import check_health
+from radixserve.serving import CHANNEL_OPTIONS, serve_until
 from radixserve.v1 import router_pb2_grpc
 from router.fake_model import expected_tokens
 from router.fake_worker import start_fake_worker
@@ -97,7 +98,7 @@ def test_worker_gone_while_idle_turns_health_off_until_it_is_back() -> None:
 
 @pytest.mark.timeout(60)
 def test_a_dead_engine_loop_turns_health_off_and_ends_serve(monkeypatch) -> None:
-    from router_service import __main__ as router_main
+    from router_service import server as router_server
     from router_service.config import RouterConfig
     from router_service.engine import Engine
 
@@ -107,7 +108,7 @@ def test_a_dead_engine_loop_turns_health_off_and_ends_serve(monkeypatch) -> None
     async def scenario() -> None:
         server, port, _ = await start_fake_worker(num_pages=8)
         health_states: list[bool] = []
-        original_set = router_main.start_server
+        original_set = router_server.start_server
 
         async def recording_start_server(*args, **kwargs):
             server_, health_, bound = await original_set(*args, **kwargs)
@@ -120,12 +121,14 @@ def test_a_dead_engine_loop_turns_health_off_and_ends_serve(monkeypatch) -> None
             health_.set = set_and_record
             return server_, health_, bound
 
-        monkeypatch.setattr(router_main, "start_server", recording_start_server)
+        monkeypatch.setattr(router_server, "start_server", recording_start_server)
         monkeypatch.setattr(Engine, "run", crash)
         config = RouterConfig(port=free_port(), workers=(f"127.0.0.1:{port}",), metrics_port=0)
         try:
-            with pytest.raises(router_main.EngineCrashed):
-                await asyncio.wait_for(router_main.serve(config, asyncio.Event()), timeout=20)
+            # The engine crash ends serving with a failure status.
+            status = await asyncio.wait_for(
+                serve_until(router_server.Router.start, config, asyncio.Event()), timeout=20)
+            assert status == 1
         finally:
             await server.stop(0)
         assert health_states and health_states[-1] is False

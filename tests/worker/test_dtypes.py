@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import worker_service.dtypes as dtypes
-from radixserve.launcher import build_parser as launcher_parser
+from radixserve.launcher_config import config_from_args as launcher_config
 from worker.tiny_models import make_tiny_llama
 from worker_service.config import parse_config
 from worker_service.model_runner import ModelRunner, RunnerConfig
@@ -51,7 +51,7 @@ def test_missing_cpuinfo_means_float32(tmp_path, monkeypatch) -> None:
 
 def test_auto_is_the_default_of_worker_and_launcher() -> None:
     assert parse_config([], env={}).dtype == "auto"
-    assert launcher_parser().parse_args(["up"]).dtype == "auto"
+    assert launcher_config(["up"]).dtype == "auto"
     assert parse_config([], env={"RADIXSERVE_DTYPE": "float32"}).dtype == "float32"
 
 

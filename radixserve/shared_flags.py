@@ -1,0 +1,34 @@
+"""The settings more than one program takes, declared once (see `radixserve.flags`).
+
+A program's config uses them as field defaults, giving its own default or help where it
+differs: `port: int = PORT(50052)`. Imports nothing heavy, so the launcher and the health probe
+can use them without torch.
+"""
+
+from __future__ import annotations
+
+from radixserve.flags import MAX_PORT, Setting
+
+DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+AUTO_DTYPE = "auto"
+# The dtypes a worker can hold weights and KV pages in (`worker_service.dtypes` maps them).
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda")
+
+HOST = Setting("127.0.0.1", "address to listen on")
+PORT = Setting(0, "port to listen on", min=0, max=MAX_PORT)
+METRICS_PORT = Setting(0, "port of the Prometheus /metrics endpoint, on --host (0: off)",
+                       min=0, max=MAX_PORT)
+HTTP_PORT = Setting(8000, "port of the OpenAI-compatible HTTP API, on --host (0: off)",
+                    min=0, max=MAX_PORT)
+MODEL = Setting(DEFAULT_MODEL_DIR, "model folder (config.json, safetensors, tokenizer)")
+DEVICE = Setting(None, "where weights and KV pages live", choices=DEVICES)
+DTYPE = Setting(AUTO_DTYPE, "weight and KV dtype; auto: bfloat16 on CUDA or on a CPU with "
+                "AVX512-BF16 or AMX, else float32 (the worker reports what it resolved to)",
+                choices=(AUTO_DTYPE, *DTYPE_NAMES))
+KV_CACHE_MB = Setting(1024, "KV page pool budget of each rank, in MiB (the page count follows)",
+                      min=1)
+LOG_LEVEL = Setting("INFO", "log level", choices=LOG_LEVELS, parse=str.upper)
+CONSTRAINT_CACHE_SIZE = Setting(256, "distinct constraints kept compiled (least recently used "
+                                "go first)", min=1)

@@ -1,0 +1,116 @@
+"""What `radixserve up` starts: each child's command line, environment and health address, in
+start order (a plan only; `radixserve.child_processes` runs it).
+
+Ports follow one convention: the gateway on P, the router on P+1, worker rank r on P+9+r;
+their Prometheus /metrics endpoints the same way from M (gateway M, router M+1, rank r M+9+r);
+the OpenAI-compatible HTTP API on its own port; the ranks rendezvous on a free MASTER_PORT.
+Internal services listen on loopback only; settings go down as flags, API tokens as the
+gateway's environment (command lines are visible to other users).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+
+from radixserve.flags import env_name
+from radixserve.launcher_config import UpConfig
+from radixserve.security import security_args
+
+ROUTER_PORT_OFFSET = 1
+WORKER_PORT_OFFSET = 9
+# Internal services listen on loopback only: only the gateway is public.
+INTERNAL_HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True, slots=True)
+class ChildSpec:
+    name: str
+    cmd: list[str]
+    health_address: str
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class StackPlan:
+    """Children in start order, grouped: a group starts once the previous one is SERVING."""
+
+    groups: list[list[ChildSpec]]
+    gateway_address: str
+    http_port: int = 0
+    http_host: str = "127.0.0.1"
+    # The id the HTTP API serves the model under (the workers report the folder's name).
+    model_id: str = ""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((INTERNAL_HOST, 0))
+        return sock.getsockname()[1]
+
+
+def metrics_ports(metrics_port: int, tp: int) -> tuple[int, int, list[int]]:
+    """Gateway, router and per-rank metrics ports from the gateway's (all 0 when it is 0)."""
+    if metrics_port == 0:
+        return 0, 0, [0] * tp
+    return (metrics_port, metrics_port + ROUTER_PORT_OFFSET,
+            [metrics_port + WORKER_PORT_OFFSET + rank for rank in range(tp)])
+
+
+def plan_stack(config: UpConfig, python: str = sys.executable) -> StackPlan:
+    router_port = config.port + ROUTER_PORT_OFFSET
+    worker_ports = [config.port + WORKER_PORT_OFFSET + rank for rank in range(config.tp)]
+    gateway_metrics, router_metrics, _ = metrics_ports(config.metrics_port, config.tp)
+    secure = security_args(config.security)
+    router = ChildSpec(
+        "router",
+        [python, "-m", "router_service", "--host", INTERNAL_HOST, "--port", str(router_port),
+         "--workers", ",".join(f"{INTERNAL_HOST}:{p}" for p in worker_ports),
+         "--log-level", config.log_level, "--metrics-port", str(router_metrics), *secure],
+        f"{INTERNAL_HOST}:{router_port}",
+    )
+    api_token_file = config.security.api_token_file
+    gateway = ChildSpec(
+        "gateway",
+        [python, "-m", "gateway_service", "--host", config.host, "--port", str(config.port),
+         "--model", config.model, "--routers", f"{INTERNAL_HOST}:{router_port}",
+         "--log-level", config.log_level, "--http-port", str(config.http_port),
+         "--metrics-port", str(gateway_metrics), *secure,
+         *(["--api-token-file", api_token_file] if api_token_file else [])],
+        f"{reachable(config.host)}:{config.port}",
+        {env_name("api-tokens"): ",".join(config.security.api_tokens)}
+        if config.security.api_tokens else {},
+    )
+    return StackPlan([plan_workers(config, python), [router], [gateway]], gateway.health_address,
+                     config.http_port, reachable(config.host),
+                     os.path.basename(os.path.normpath(config.model)))
+
+
+def plan_workers(config: UpConfig, python: str = sys.executable) -> list[ChildSpec]:
+    """The worker ranks, rendezvousing on a port free right now (a restarted group gets a new
+    one, so it never meets what is left of the old group's store)."""
+    master_port = free_port()
+    *_, worker_metrics = metrics_ports(config.metrics_port, config.tp)
+    workers = []
+    for rank in range(config.tp):
+        port = config.port + WORKER_PORT_OFFSET + rank
+        cmd = [python, "-m", "worker_service", "--model", config.model, "--host", INTERNAL_HOST,
+               "--port", str(port), "--dtype", config.dtype, "--kv-cache-mb",
+               str(config.kv_cache_mb), "--log-level", config.log_level, "--metrics-port",
+               str(worker_metrics[rank]), *security_args(config.security)]
+        if config.device:
+            cmd += ["--device", config.device]
+        env = {"RANK": str(rank), "WORLD_SIZE": str(config.tp), "MASTER_ADDR": INTERNAL_HOST,
+               "MASTER_PORT": str(master_port)}
+        if "OMP_NUM_THREADS" not in os.environ:
+            # Ranks share the machine's cores: more threads than cores makes them spin.
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // config.tp))
+        workers.append(ChildSpec(f"worker{rank}", cmd, f"{INTERNAL_HOST}:{port}", env))
+    return workers
+
+
+def reachable(host: str) -> str:
+    """Where to reach a server listening on `host` (loopback for a wildcard address)."""
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
