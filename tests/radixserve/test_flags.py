@@ -1,0 +1,104 @@
+"""Every setting of every program, from its one declaration: in `--help` with its default and
+its variable, settable from `RADIXSERVE_*`, and the command line wins over the environment."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from gateway_service.config import PROGRAM as GATEWAY
+from procs import ROOT
+from radixserve import launcher_config
+from radixserve.flags import Flag, flags_of, show
+from radixserve.health_probe import PROGRAM as PROBE
+from router_service.config import PROGRAM as ROUTER
+from worker_service.config import PROGRAM as WORKER
+
+# name -> (config class, parse(argv, env), the words before the flags)
+PROGRAMS: dict[str, tuple[type, Callable[..., Any], list[str]]] = {
+    "gateway": (GATEWAY.config, GATEWAY.parse, []),
+    "router": (ROUTER.config, ROUTER.parse, []),
+    "worker": (WORKER.config, WORKER.parse, []),
+    "health_probe": (PROBE.config, PROBE.parse, []),
+    "radixserve up": (launcher_config.UpConfig, launcher_config.config_from_args, ["up"]),
+}
+# Values that other settings need to be valid while one is changed (TLS pieces go together,
+# a rank must be below the world size, the probe needs an address).
+BASE_ENV = {
+    "RADIXSERVE_TLS_CERT": "cert.pem", "RADIXSERVE_TLS_KEY": "key.pem",
+    "RADIXSERVE_TLS_CA": "ca.pem", "RADIXSERVE_WORLD_SIZE": "100",
+    "RADIXSERVE_ADDRESS": "127.0.0.1:1",
+}
+
+
+def _value(config: Any, flag: Flag) -> Any:
+    for name in flag.path:
+        config = getattr(config, name)
+    return config
+
+
+def _two_values(flag: Flag) -> tuple[str, str]:
+    """Two texts, neither the default, that the setting accepts: for the env and the flag."""
+    declared = flag.setting
+    default = flag.shown_default
+    if declared.choices is not None:
+        texts = [show(c) for c in declared.choices if show(c).upper() != default.upper()]
+        return texts[0], texts[-1] if len(texts) > 1 else texts[0]
+    kind = type(flag.convert(default)) if default != "unset" else str
+    if kind in (int, float):
+        low = max(float(default), declared.min or 0, declared.above or 0)
+        first, second = low + 1, low + 2
+        if declared.max is not None:
+            first, second = declared.max - 2, declared.max - 1
+        return (str(int(first)), str(int(second))) if kind is int else (f"{first}", f"{second}")
+    if kind is tuple:
+        return "a:1,b:2", "c:3"
+    return "from-env", "from-flag"
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_every_flag_is_in_help_with_its_default_and_variable(program, capsys, monkeypatch):
+    cls, parse, words = PROGRAMS[program]
+    monkeypatch.setenv("COLUMNS", "10000")  # one line per flag: nothing wrapped mid-word
+    with pytest.raises(SystemExit):
+        parse([*words, "--help"], {})
+    text = " ".join(capsys.readouterr().out.split())
+    declared = list(flags_of(cls))
+    assert declared
+    for flag in declared:
+        names = ", else ".join([flag.env, *([flag.setting.also_env] if flag.setting.also_env else [])])
+        assert f"--{flag.name} " in text, flag.name
+        assert f"(env {names}; default: {flag.shown_default})" in text, flag.name
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_every_flag_is_settable_from_its_variable_and_the_flag_wins(program):
+    cls, parse, words = PROGRAMS[program]
+    for flag in flags_of(cls):
+        base = {k: v for k, v in BASE_ENV.items() if k != flag.env}
+        if flag.is_bool:
+            assert _value(parse(words, base | {flag.env: "1"}), flag) is True
+            assert _value(parse([*words, f"--no-{flag.name}"], base | {flag.env: "1"}), flag) is False
+            continue
+        from_env, from_flag = _two_values(flag)
+        expected_env, expected_flag = flag.convert(from_env), flag.convert(from_flag)
+        assert _value(parse(words, base | {flag.env: from_env}), flag) == expected_env, flag.name
+        config = parse([*words, f"--{flag.name}", from_flag], base | {flag.env: from_env})
+        assert _value(config, flag) == expected_flag, flag.name
+
+
+README_SECTIONS = {"gateway": "python -m gateway_service", "router": "python -m router_service",
+                   "worker": "python -m worker_service", "radixserve up": "radixserve up"}
+
+
+@pytest.mark.parametrize("program", README_SECTIONS)
+def test_readme_flag_tables_list_every_declared_flag_and_no_other(program):
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split(f"**`{README_SECTIONS[program]}`**", 1)[1].split("\n\n**", 1)[0]
+    section = section.split("\n\n", 2)[1]  # the table after the heading's paragraph
+    listed = set(re.findall(r"`--([a-z0-9-]+)`", section))
+    declared = {flag.name for flag in flags_of(PROGRAMS[program][0])}
+    assert listed == declared
