@@ -9,15 +9,7 @@ from gateway_service.validation import RequestLimits
 from radixserve import flags
 from radixserve.flags import nested, setting
 from radixserve.security import SecurityConfig, security_settings
-from radixserve.shared_flags import (
-    CONSTRAINT_CACHE_SIZE,
-    HOST,
-    HTTP_PORT,
-    LOG_LEVEL,
-    METRICS_PORT,
-    MODEL,
-    PORT,
-)
+from radixserve.shared_flags import CONSTRAINT_CACHE_SIZE, HOST, HTTP_PORT, LOG_LEVEL, METRICS_PORT, MODEL, PORT
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,30 +17,27 @@ class GatewayConfig:
     host: str = HOST()
     port: int = PORT(50051)
     model: str = MODEL(help="model folder (tokenizer and chat template)")
-    routers: tuple[str, ...] = setting(("127.0.0.1:50052",), "comma-separated router addresses, "
-                                       "one per model replica", min=1)
-    default_max_tokens: int = setting(256, "max_tokens when a request leaves it unset (capped by "
-                                      "what the context leaves)", min=1)
-    affinity_tokens: int = setting(64, "leading prompt tokens hashed to choose a router, so shared "
-                                   "prefixes meet their cache", min=0)
-    probe_interval_s: float = setting(2.0, "seconds between GetServerInfo probes of the routers "
-                                      "(health and failover order)", above=0)
+    routers: tuple[str, ...] = setting(("127.0.0.1:50052",), "comma-separated router addresses, one per "
+                                       "model replica", min=1)
+    default_max_tokens: int = setting(256, "max_tokens when a request leaves it unset (capped by what the "
+                                      "context leaves)", min=1)
+    affinity_tokens: int = setting(64, "leading prompt tokens hashed to choose a router, so shared prefixes "
+                                   "meet their cache", min=0)
+    probe_interval_s: float = setting(2.0, "seconds between GetServerInfo probes of the routers", above=0)
     probe_timeout_s: float = setting(2.0, "timeout of one router probe, in seconds", above=0)
-    shutdown_grace_s: float = setting(20.0, "on SIGTERM: NOT_SERVING at once, new calls refused, "
-                                      "open streams get this many seconds to finish", min=0)
+    shutdown_grace_s: float = setting(20.0, "on SIGTERM: NOT_SERVING at once, new calls refused, open "
+                                      "streams get this many seconds to finish", min=0)
     log_level: str = LOG_LEVEL()
     http_port: int = HTTP_PORT()
-    max_choices: int = setting(16, "choices one HTTP request may ask for (n times the prompts of "
-                               "a batch)", min=1)
+    max_choices: int = setting(16, "choices one HTTP request may ask for (n times the prompts of a batch)",
+                               min=1)
     metrics_port: int = METRICS_PORT(50151)
-    constraint_timeout_s: float = setting(2.0, "a constraint that takes longer to compile is "
-                                          "rejected (INVALID_ARGUMENT)", above=0)
+    constraint_timeout_s: float = setting(2.0, "a constraint that takes longer to compile is rejected "
+                                          "(INVALID_ARGUMENT)", above=0)
     constraint_cache_size: int = CONSTRAINT_CACHE_SIZE()
-    constraint_threads: int = setting(2, "threads that compile constraints, off the event loop",
-                                      min=1)
-    tokenizer_threads: int = setting(2, "threads of each of the two pools (encode: tokenization "
-                                     "and chat templates; decode: detokenization) that keep that "
-                                     "work off the event loop", min=1)
+    constraint_threads: int = setting(2, "threads that compile constraints, off the event loop", min=1)
+    tokenizer_threads: int = setting(2, "threads of each pool (encode: tokenization and chat templates; "
+                                     "decode: detokenization) that keep that work off the event loop", min=1)
     limits: RequestLimits = nested(RequestLimits)
     security: SecurityConfig = security_settings(public=True)
 

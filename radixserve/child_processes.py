@@ -21,9 +21,10 @@ import subprocess
 import sys
 import threading
 import time
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
-from radixserve.stack_plan import ChildSpec
+if TYPE_CHECKING:  # the exec wrapper below must start fast: no grpc
+    from radixserve.stack_plan import ChildSpec
 
 _PR_SET_PDEATHSIG = 1
 # Environment that would override the rank settings the launcher hands each worker.

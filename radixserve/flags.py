@@ -16,12 +16,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import operator
 import os
 import types
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 ENV_PREFIX = "RADIXSERVE_"
 MAX_PORT = 65535
@@ -30,7 +31,6 @@ _NESTED = "radixserve.nested"
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 _KEEP: Any = object()
-C = TypeVar("C")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,10 +58,9 @@ class Setting:
         declared = dataclasses.replace(
             self, default=self.default if default is _KEEP else default, help=help or self.help
         )
-        value = declared.default
-        if callable(value) and not isinstance(value, type):
-            return dataclasses.field(default_factory=value, metadata={_SETTING: declared})
-        return dataclasses.field(default=value, metadata={_SETTING: declared})
+        if _is_factory(declared.default):
+            return dataclasses.field(default_factory=declared.default, metadata={_SETTING: declared})
+        return dataclasses.field(default=declared.default, metadata={_SETTING: declared})
 
 
 def setting(default: Any, help: str, **bounds: Any) -> Any:
@@ -134,14 +133,13 @@ def check(config: Any) -> None:
         if bound.choices is not None and value is not None and value not in bound.choices:
             raise ValueError(f"--{flag.name} must be one of "
                              f"{', '.join(map(show, bound.choices))}, got {show(value)!r}")
-        size = len(value) if isinstance(value, tuple) else value
-        verb, what = ("have", " items") if isinstance(value, tuple) else ("be", "")
-        for broken, relation, limit in ((bound.min is not None and size < bound.min, ">=", bound.min),
-                                        (bound.max is not None and size > bound.max, "<=", bound.max),
-                                        (bound.above is not None and size <= bound.above, ">", bound.above)):
-            if broken:
+        size, (verb, what) = ((len(value), ("have", " items")) if isinstance(value, tuple)
+                              else (value, ("be", "")))
+        for limit, relation, holds in ((bound.min, ">=", operator.ge), (bound.max, "<=", operator.le),
+                                       (bound.above, ">", operator.gt)):
+            if limit is not None and not holds(size, limit):
                 raise ValueError(f"--{flag.name} must {verb} {relation} {limit:g}{what}, "
-                                 f"got {show(value)!r}")
+                                 f"got {show(value)}")
 
 
 def add_settings(
@@ -149,17 +147,19 @@ def add_settings(
 ) -> None:
     """Add a flag for every setting of `cls` (its default from the environment when set)."""
     for flag in flags_of(cls):
-        declared = flag.setting
         add_flag(parser, flag.name, type=bool if flag.is_bool else flag.convert,
-                 default=_default_value(declared.default), help=declared.help, env=env,
-                 also_env=declared.also_env, choices=declared.choices)
+                 default=_default_value(flag.setting.default), help=flag.setting.help, env=env,
+                 also_env=flag.setting.also_env, choices=flag.setting.choices)
 
 
-def config_from(cls: type[C], args: argparse.Namespace) -> C:
-    """Build `cls` from parsed flags (the config's `__post_init__` validates it)."""
-    values: dict[tuple[str, ...], Any] = {flag.path: getattr(args, flag.name.replace("-", "_"))
-                                          for flag in flags_of(cls)}
-    return _build(cls, values, ())
+def parse_into(cls: type, parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> Any:
+    """Parse `argv` with `parser` (which has `cls`'s settings) and build the config; a bad
+    value exits with a usage error that names its flag."""
+    args = parser.parse_args(argv)
+    try:
+        return _build(cls, args)
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,24 +170,11 @@ class Program:
     prog: str
     description: str
 
-    def parser(self, env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    def parse(self, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> Any:
+        """The config from `argv` (default: `sys.argv`) over `env` (default: `os.environ`)."""
         parser = argparse.ArgumentParser(prog=self.prog, description=self.description)
         add_settings(parser, self.config, env)
-        return parser
-
-    def parse(self, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> Any:
-        """The config from `argv` (default: `sys.argv`) over `env` (default: `os.environ`); a
-        bad value exits with a usage error that names its flag."""
-        return parse_into(self.config, self.parser(env), argv)
-
-
-def parse_into(cls: type[C], parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> C:
-    """Parse `argv` with `parser` (which has `cls`'s settings) and build the config."""
-    args = parser.parse_args(argv)
-    try:
-        return config_from(cls, args)
-    except ValueError as exc:
-        parser.error(str(exc))
+        return parse_into(self.config, parser, argv)
 
 
 def add_flag(
@@ -227,20 +214,21 @@ def add_flag(
                             metavar=metavar)
 
 
-def _build(cls: type, values: dict[tuple[str, ...], Any], path: tuple[str, ...]) -> Any:
+def _build(cls: type, args: argparse.Namespace) -> Any:
+    """`cls` from parsed flags (each named after its field); its `__post_init__` validates it."""
     hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for field in dataclasses.fields(cls):
-        key = (*path, field.name)
-        if _NESTED in field.metadata:
-            kwargs[field.name] = _build(hints[field.name], values, key)
-        elif key in values:
-            kwargs[field.name] = values[key]
-    return cls(**kwargs)
+    return cls(**{field.name: _build(hints[field.name], args) if _NESTED in field.metadata
+                  else getattr(args, field.name)
+                  for field in dataclasses.fields(cls)
+                  if _NESTED in field.metadata or hasattr(args, field.name)})
+
+
+def _is_factory(default: Any) -> bool:
+    return callable(default) and not isinstance(default, type)
 
 
 def _default_value(default: Any) -> Any:
-    return default() if callable(default) and not isinstance(default, type) else default
+    return default() if _is_factory(default) else default
 
 
 def _plain_type(hint: Any) -> Any:

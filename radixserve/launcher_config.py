@@ -21,19 +21,16 @@ class UpConfig:
     port: int = PORT(50051, help="gateway port; the router gets P+1, worker rank r gets P+9+r")
     host: str = setting("127.0.0.1", "address the gateway listens on")
     http_port: int = HTTP_PORT(help="the gateway's OpenAI-compatible HTTP API port (0: off)")
-    metrics_port: int = METRICS_PORT(50151, help="Prometheus /metrics of the gateway M; router "
-                                     "M+1, worker rank r M+9+r (0: all off)")
-    device: str | None = DEVICE(help="worker device (unset: the worker's default, cuda if "
-                                "available, else cpu)")
+    metrics_port: int = METRICS_PORT(50151, help="Prometheus /metrics of the gateway M; router M+1, worker "
+                                     "rank r M+9+r (0: all off)")
+    device: str | None = DEVICE(help="worker device (unset: the worker's default, cuda if available)")
     dtype: str = DTYPE()
     kv_cache_mb: int = KV_CACHE_MB()
-    startup_timeout_s: float = setting(300.0, "seconds each stage may take to report SERVING",
-                                       above=0)
-    shutdown_timeout_s: float = setting(30.0, "seconds each stage (gateway, router, workers) gets "
-                                        "to exit after SIGTERM before SIGKILL; the gateway drains "
-                                        "its streams meanwhile", min=0)
-    max_worker_restarts: int = setting(3, "worker group restarts in a row (without the group "
-                                       "serving again in between) before the stack stops", min=0)
+    startup_timeout_s: float = setting(300.0, "seconds each stage may take to report SERVING", above=0)
+    shutdown_timeout_s: float = setting(30.0, "seconds each stage (gateway, router, workers) gets to exit "
+                                        "after SIGTERM before SIGKILL", min=0)
+    max_worker_restarts: int = setting(3, "worker group restarts in a row (without the group serving again "
+                                       "in between) before the stack stops", min=0)
     log_level: str = LOG_LEVEL(help="log level of every service")
     # Passed down to every service (the API tokens to the gateway only).
     security: SecurityConfig = security_settings(public=True)

@@ -18,7 +18,7 @@ import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
@@ -55,18 +55,9 @@ SERVER_OPTIONS = [
     ("grpc.http2.min_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
     ("grpc.http2.min_time_between_pings_ms", MIN_PING_INTERVAL_MS),
 ]
-
-class Running(Protocol):
-    """A started service, as `serve_until` drives it."""
-
-    # Set when a background task died: the process must stop (and exit 1).
-    crashed: asyncio.Event
-
-    async def stop(self) -> None:
-        """Go NOT_SERVING, drain what is in flight, release everything."""
-
-
-Start = Callable[[Any], Awaitable[Running]]
+# `start(config)` returns the running service: its `crashed` event is set when a background task
+# died, and `await stop()` goes NOT_SERVING, drains what is in flight and releases everything.
+Start = Callable[[Any], Awaitable[Any]]
 
 
 async def start_server(

@@ -15,32 +15,25 @@ from router_service.admission import Policy
 class RouterConfig:
     host: str = HOST()
     port: int = PORT(50052)
-    workers: tuple[str, ...] = setting(("127.0.0.1:50060",), "comma-separated worker addresses, "
-                                       "in rank order", min=1)
+    workers: tuple[str, ...] = setting(("127.0.0.1:50060",), "comma-separated worker addresses, in rank order",
+                                       min=1)
     max_pages: int = setting(0, "cap on KV pages (0: the smallest count the workers report)", min=0)
-    max_batch_tokens: int = setting(2048, "token budget per step: decodes first, then prefill "
-                                    "chunks", min=1)
+    max_batch_tokens: int = setting(2048, "token budget per step: decodes first, then prefill chunks", min=1)
     max_running_requests: int = setting(64, "requests in the running batch at most", min=1)
     max_queue: int = setting(512, "waiting requests before new ones get RESOURCE_EXHAUSTED", min=1)
-    policy: Policy = setting(Policy.LPM, "queue order: lpm (longest cached prefix first) or fcfs "
-                             "(arrival)")
-    reconnect_interval_s: float = setting(1.0, "seconds between attempts to reach the workers "
-                                          "while they are down", above=0)
-    connect_timeout_s: float = setting(5.0, "seconds one worker may take to answer GetWorkerInfo "
-                                       "while connecting", above=0)
+    policy: Policy = setting(Policy.LPM, "queue order: lpm (longest cached prefix first) or fcfs (arrival)")
+    reconnect_interval_s: float = setting(1.0, "seconds between attempts to reach the workers while they are "
+                                          "down", above=0)
+    connect_timeout_s: float = setting(5.0, "seconds one worker may take to answer GetWorkerInfo while "
+                                       "connecting", above=0)
     # Generous: a full 2048-token prefill chunk on a slow CPU.
-    step_timeout_s: float = setting(60.0, "seconds every worker rank together may take to answer "
-                                    "one step; past it the in-flight requests fail with "
-                                    "UNAVAILABLE, health goes NOT_SERVING and the router "
-                                    "reconnects", above=0)
+    step_timeout_s: float = setting(60.0, "seconds every rank together may take to answer one step; past it "
+                                    "in-flight requests fail (UNAVAILABLE) and the router reconnects", above=0)
     # It travels in every DecodeTask entry. Its own name, so that the gateway's
     # RADIXSERVE_MAX_REQUEST_ID_LEN never tightens it under a shared environment.
-    max_request_id_bytes: int = setting(512, "longest request_id accepted, in UTF-8 bytes (keep it "
-                                        "above the gateway's limit plus the 13 characters it "
-                                        "appends)", min=0)
-    # Seconds in-flight calls get to finish when the router stops.
-    shutdown_grace_s: float = setting(5.0, "seconds in-flight streams get to finish on SIGTERM",
-                                      min=0)
+    max_request_id_bytes: int = setting(512, "longest request_id accepted, in UTF-8 bytes (above the gateway's "
+                                        "limit plus the 13 characters it appends)", min=0)
+    shutdown_grace_s: float = setting(5.0, "seconds in-flight streams get to finish on SIGTERM", min=0)
     log_level: str = LOG_LEVEL()
     metrics_port: int = METRICS_PORT(50152)
     security: SecurityConfig = security_settings()

@@ -15,17 +15,8 @@ import torch
 from radixserve import flags
 from radixserve.flags import MAX_PORT, setting
 from radixserve.security import SecurityConfig, security_settings
-from radixserve.shared_flags import (
-    CONSTRAINT_CACHE_SIZE,
-    DEVICE,
-    DTYPE,
-    HOST,
-    KV_CACHE_MB,
-    LOG_LEVEL,
-    METRICS_PORT,
-    MODEL,
-    PORT,
-)
+from radixserve.shared_flags import (CONSTRAINT_CACHE_SIZE, DEVICE, DTYPE, HOST, KV_CACHE_MB, LOG_LEVEL,
+                                     METRICS_PORT, MODEL, PORT)
 
 
 def default_device() -> str:
@@ -40,30 +31,23 @@ class WorkerConfig:
     device: str = DEVICE(default_device, help="where weights and KV pages live (cuda when available)")
     dtype: str = DTYPE()
     page_size: int = setting(16, "tokens per KV page (must match the router's view)", min=1)
-    kv_cache_mb: int = KV_CACHE_MB(help="this rank's KV page pool budget, in MiB (the page count "
-                                   "follows from it)")
+    kv_cache_mb: int = KV_CACHE_MB(help="this rank's KV page pool budget, in MiB (the page count follows)")
     num_threads: int = setting(0, "torch intra-op threads (0: torch's default)", min=0)
     rank: int = setting(0, "this rank", min=0, also_env="RANK")
     world_size: int = setting(1, "tensor-parallel size", min=1, also_env="WORLD_SIZE")
-    master_addr: str = setting("127.0.0.1", "rank 0's address for the process-group rendezvous",
-                               also_env="MASTER_ADDR")
+    master_addr: str = setting("127.0.0.1", "rank 0's address for the TP group's rendezvous", also_env="MASTER_ADDR")
     master_port: int = setting(29500, "rendezvous port", min=0, max=MAX_PORT, also_env="MASTER_PORT")
-    rendezvous_timeout_s: float = setting(300.0, "seconds to wait for every rank to join the TP "
-                                          "group", above=0)
-    collective_timeout_s: float = setting(60.0, "seconds a collective waits for a peer; past it "
-                                          "the group counts as broken and the rank exits with "
-                                          "status 3", above=0)
-    peer_timeout_s: float = setting(15.0, "seconds without a heartbeat from a peer rank (dead or "
-                                    "frozen), or without an answer from the group store, before "
-                                    "this rank leaves its group: exit status 3, for the restart "
-                                    "policy to re-form the group", above=0)
+    rendezvous_timeout_s: float = setting(300.0, "seconds to wait for every rank to join the TP group", above=0)
+    collective_timeout_s: float = setting(60.0, "seconds a collective waits for a peer; past it the group is "
+                                          "broken and the rank exits with status 3", above=0)
+    peer_timeout_s: float = setting(15.0, "seconds without a heartbeat from a peer rank, or an answer from the "
+                                    "group store, before this rank leaves its group (exit status 3)", above=0)
     shutdown_grace_s: float = setting(5.0, "seconds in-flight calls get on SIGTERM", min=0)
     log_level: str = LOG_LEVEL()
     metrics_port: int = METRICS_PORT(50160)
-    constraint_cache_size: int = CONSTRAINT_CACHE_SIZE(help="distinct constraints rank 0 keeps "
-                                                       "compiled (least recently used go first)")
-    constraint_threads: int = setting(1, "threads rank 0 fills constraint masks with (1: on the "
-                                      "step's own thread)", min=1)
+    constraint_cache_size: int = CONSTRAINT_CACHE_SIZE(help="distinct constraints rank 0 keeps compiled")
+    constraint_threads: int = setting(1, "threads rank 0 fills constraint masks with (1: on the step's own "
+                                      "thread)", min=1)
     security: SecurityConfig = security_settings()
 
     def __post_init__(self) -> None:

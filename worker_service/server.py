@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -80,31 +80,6 @@ def group_num_pages(own: int, config: WorkerConfig) -> int:
     return int(count.item())
 
 
-def _load_in_background(config: WorkerConfig, registry: CollectorRegistry) -> asyncio.Future[Executor]:
-    """Load on a daemon thread, so a stop signal during a long rendezvous can still exit."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[Executor] = loop.create_future()
-
-    def settle(result: Executor | None, error: BaseException | None) -> None:
-        if future.done():
-            return
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
-
-    def load() -> None:
-        try:
-            executor = load_executor(config, registry)
-        except BaseException as exc:  # handed to the event loop, which logs it and exits
-            loop.call_soon_threadsafe(settle, None, exc)
-        else:
-            loop.call_soon_threadsafe(settle, executor, None)
-
-    threading.Thread(target=load, name="load-model", daemon=True).start()
-    return future
-
-
 class Worker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
@@ -130,7 +105,9 @@ class Worker:
                  config.host, worker.port, config.model)
         worker._metrics = serve_metrics(worker.registry, config.host, config.metrics_port,
                                         f"rank {config.rank}")
-        worker._loading = _load_in_background(config, worker.registry)
+        # On a thread: a stop signal during a long rendezvous can still exit (see `stop`).
+        worker._loading = asyncio.ensure_future(
+            asyncio.to_thread(load_executor, config, worker.registry))
         worker._ready = asyncio.create_task(worker._serve_when_loaded())
         return worker
 
@@ -162,9 +139,7 @@ class Worker:
         if not self._loading.done():
             # The loading thread may sit in the rendezvous (C++) and cannot be joined: skip the
             # interpreter's teardown, which would abort on it ("terminate called...", status 134).
-            log.info("rank %d stopped while loading", config.rank)
-            logging.shutdown()
-            os._exit(0)
+            _exit_now(0, "rank %d stopped while loading", config.rank)
         await self._ready
         if self._watch is not None:
             self._watch.stop()  # peers stopping too are not a lost group
@@ -173,10 +148,15 @@ class Worker:
         if config.world_size > 1:
             # The task thread may sit in a collective whose peer is gone (it stops too, or was
             # lost): neither joining it nor tearing the group down would return. Leave at once.
-            log.info("rank %d stopped", config.rank)
-            logging.shutdown()
-            os._exit(1 if self.crashed.is_set() else 0)
+            _exit_now(1 if self.crashed.is_set() else 0, "rank %d stopped", config.rank)
         self.service.close()
         if self._metrics is not None:
             self._metrics.stop()
         log.info("rank %d stopped", config.rank)
+
+
+def _exit_now(status: int, message: str, *args: object) -> NoReturn:
+    """Log, flush the logs and leave without the interpreter's teardown."""
+    log.info(message, *args)
+    logging.shutdown()
+    os._exit(status)
