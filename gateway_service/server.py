@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 import grpc
 
@@ -134,8 +135,13 @@ class Gateway:
             # A loop that died has been logged already (`_probe_loop_ended`).
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._probing
-        # Both APIs drain at once, within one grace period.
-        stopping = [self._server.stop(self.config.shutdown_grace_s)]
+        # The servers keep accepting while in-flight streams finish, so a call that arrives
+        # now is refused by the servicer with UNAVAILABLE (retry elsewhere); a gRPC server
+        # that is stopping would cancel it instead. Both APIs share one grace period.
+        drain_until = time.monotonic() + self.config.shutdown_grace_s
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.servicer.wait_idle(), self.config.shutdown_grace_s)
+        stopping = [self._server.stop(max(0.0, drain_until - time.monotonic()))]
         if self.http is not None:
             stopping.append(self.http.stop())
         await asyncio.gather(*stopping)

@@ -8,6 +8,8 @@ it is cancelled when the client cancels, when a stop string ends the output, or 
 
 from __future__ import annotations
 
+import asyncio
+
 import contextlib
 import logging
 import time
@@ -49,8 +51,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         # Set with the tokenizer; compiles constraints to check them.
         self.constraints: ConstraintChecker | None = None
         # Set when the gateway starts to drain: calls that arrive from then on are refused
-        # here, whatever the gRPC server's own shutdown does with them.
+        # here with UNAVAILABLE while the servers still accept (see `wait_idle`).
         self.draining = False
+        # Generate calls (both APIs) between admission and their last chunk; `_idle` is set
+        # while there are none.
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     # --- RPCs -----------------------------------------------------------------------------
 
@@ -102,10 +109,28 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         """What the routers serve; raises `NoRouterAvailable` while none answers."""
         return await self._server_info()
 
+    async def wait_idle(self) -> None:
+        """Returns once no Generate call is in flight (drain waits on this before the servers
+        stop, so callers arriving meanwhile get this servicer's UNAVAILABLE, not CANCELLED)."""
+        await self._idle.wait()
+
     async def _generate(
         self, request: generation_pb2.GenerateRequest, deadline: float | None
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         self._refuse_if_draining()
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            async for chunk in self._generate_admitted(request, deadline):
+                yield chunk
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+    async def _generate_admitted(
+        self, request: generation_pb2.GenerateRequest, deadline: float | None
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         info = await self._server_info()
         tokenizer = self._require_tokenizer()
         vocab_size = info.vocab_size or tokenizer.vocab_size
