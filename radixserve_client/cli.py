@@ -16,13 +16,11 @@ from radixserve_client.errors import RadixServeError
 from radixserve_client.sync_client import DEFAULT_ADDRESS, Client
 from radixserve.flags import add_flag
 
-ROLES = ("system", "user", "assistant", "tool")
-
-
 def _message(text: str) -> tuple[str, str]:
+    """ROLE:CONTENT; the gateway checks the role (and names the valid ones when it is not)."""
     role, sep, content = text.partition(":")
-    if not sep or role not in ROLES:
-        raise argparse.ArgumentTypeError(f"expected ROLE:CONTENT with ROLE in {ROLES}, got {text!r}")
+    if not sep or not role:
+        raise argparse.ArgumentTypeError(f"expected ROLE:CONTENT, got {text!r}")
     return role, content
 
 
