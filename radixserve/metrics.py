@@ -30,6 +30,10 @@ LATENCY_BUCKETS_S = (
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )
+# Gaps between steps (worker idle time): overlap scheduling aims below a millisecond.
+GAP_BUCKETS_S = (
+    0.00005, 0.0001, 0.0002, 0.0003, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1,
+)
 # Count buckets (requests or tokens in a step), powers of two up to a large prefill batch.
 COUNT_BUCKETS = tuple(float(1 << i) for i in range(14))
 
@@ -42,6 +46,11 @@ def name(base: str) -> str:
 def latency_histogram(registry: CollectorRegistry, base: str, doc: str, labels: Sequence[str]) -> Histogram:
     """A histogram of seconds, `model_name` first among its labels."""
     return Histogram(name(base), doc, [MODEL_LABEL, *labels], buckets=LATENCY_BUCKETS_S, registry=registry)
+
+
+def gap_histogram(registry: CollectorRegistry, base: str, doc: str, labels: Sequence[str]) -> Histogram:
+    """A histogram of short gaps in seconds (sub-millisecond buckets), `model_name` first."""
+    return Histogram(name(base), doc, [MODEL_LABEL, *labels], buckets=GAP_BUCKETS_S, registry=registry)
 
 
 def count_histogram(registry: CollectorRegistry, base: str, doc: str, labels: Sequence[str]) -> Histogram:

@@ -29,6 +29,12 @@ class RouterConfig:
     # Generous: a full 2048-token prefill chunk on a slow CPU.
     step_timeout_s: float = setting(60.0, "seconds every rank together may take to answer one step; past it "
                                     "in-flight requests fail (UNAVAILABLE) and the router reconnects", above=0)
+    # Plan and send the next step while the workers run the current one (see `lookahead`).
+    # Off by default: on this project's 2-core CPU machine, where router, gateway and worker
+    # share the cores, it cut the workers' idle time between steps but not the inter-token
+    # latency (README, Overlap scheduling).
+    overlap: bool = setting(False, "overlap scheduling: plan and send the next step while the workers run "
+                            "the current one (--no-overlap: strictly one step at a time)")
     # It travels in every DecodeTask entry. Its own name, so that the gateway's
     # RADIXSERVE_MAX_REQUEST_ID_LEN never tightens it under a shared environment.
     max_request_id_bytes: int = setting(512, "longest request_id accepted, in UTF-8 bytes (above the gateway's "

@@ -11,6 +11,7 @@ from radixserve.v1 import generation_pb2, router_pb2, worker_pb2
 from router_service.errors import InvalidRequest, QueueFull, RouterError, WorkersUnavailable
 from router_service.request import FinishReason, Request
 from router_service.scheduler import Scheduler, SchedulerStats
+from router_service.step_costs import StepCosts
 from router_service.step_plan import StepPlan
 
 _STATUS: dict[type[RouterError], grpc.StatusCode] = {
@@ -68,7 +69,9 @@ def request_from_proto(msg: router_pb2.RouterGenerateRequest, max_request_id_byt
     )
 
 
-def task_to_proto(plan: StepPlan, task_id: int) -> worker_pb2.DecodeTask:
+def task_to_proto(plan: StepPlan, task_id: int, previous_task_id: int) -> worker_pb2.DecodeTask:
+    """`previous_task_id`: the task sent just before, whose sampled tokens entries planned
+    ahead of its result refer to."""
     task = worker_pb2.DecodeTask(task_id=task_id, release_request_ids=plan.release_request_ids)
     for entry in plan.entries:
         request = entry.request
@@ -78,6 +81,7 @@ def task_to_proto(plan: StepPlan, task_id: int) -> worker_pb2.DecodeTask:
             start_position=entry.start_position,
             page_ids=entry.new_page_ids,
             sample=entry.sample,
+            sampled_in_task=previous_task_id if entry.after_sampled else 0,
         )
         if entry.new_request:
             task_entry.new_request.CopyFrom(worker_pb2.NewRequest(
@@ -89,14 +93,21 @@ def task_to_proto(plan: StepPlan, task_id: int) -> worker_pb2.DecodeTask:
     return task
 
 
-def stats_to_proto(stats: SchedulerStats, scheduler: Scheduler | None) -> router_pb2.GetStatsResponse:
-    """GetStats' answer (also what the metrics read): counters, and the scheduler's state while
-    the workers are connected."""
+def stats_to_proto(
+    stats: SchedulerStats, scheduler: Scheduler | None, costs: StepCosts
+) -> router_pb2.GetStatsResponse:
+    """GetStats' answer (also what the metrics read): counters, step costs, and the scheduler's
+    state while the workers are connected."""
+    idle, cpu = costs.worker_idle.stats(), costs.router_cpu.stats()
     response = router_pb2.GetStatsResponse(
         cache_hit_tokens=stats.cache_hit_tokens,
         prompt_tokens=stats.prompt_tokens,
         num_steps=stats.num_steps,
         num_retractions=stats.num_retractions,
+        worker_idle_p50_s=idle.p50_s,
+        worker_idle_s_total=idle.total_s,
+        num_idle_measured_steps=idle.num_steps,
+        router_step_cpu_p50_s=cpu.p50_s,
     )
     if scheduler is not None:
         allocator = scheduler.allocator

@@ -3,11 +3,13 @@
 Each step the scheduler plans a batch; the engine turns it into one `DecodeTask` that carries
 only what changed (new tokens, new pages, `new_request` on a request's first entry, releases),
 sends it to every rank, applies rank 0's sampled tokens and streams them to the requests'
-callers. When any rank fails or misses the step deadline (`step_timeout_s`), every request ends
-with UNAVAILABLE, health goes NOT_SERVING and the engine reconnects every
-`reconnect_interval_s`; a new connection starts with `reset=True` and an empty cache (the
-workers' K/V can no longer be trusted). A task that every rank rejected (nothing applied) fails
-only its own requests.
+callers. With `overlap` on (the default) the next step is planned and sent while the workers
+run the current one (see `lookahead`). When any rank fails or misses the step deadline
+(`step_timeout_s`, counted for each step from when the engine starts waiting for it: after the
+step before it), every request ends with UNAVAILABLE, health goes NOT_SERVING and the engine
+reconnects every `reconnect_interval_s`; a new connection starts with `reset=True` and an empty
+cache (the workers' K/V can no longer be trusted). A task that every rank rejected (nothing
+applied) fails only its own requests (and those of the step sent on top of it).
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from radixserve.v1 import generation_pb2, router_pb2, worker_pb2
 from router_service import convert
 from router_service.config import RouterConfig
 from router_service.errors import InvalidRequest, QueueFull, RouterError, WorkersUnavailable
+from router_service.lookahead import InFlightStep
 from router_service.metrics import RouterMetrics
 from router_service.request import FinishReason, Request
 from router_service.scheduler import Scheduler, SchedulerStats
+from router_service.step_costs import StepCosts
 from router_service.worker_group import TaskRejected, WorkerFault, WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -65,7 +69,12 @@ class Engine:
         self._on_health = on_health
         self._streams: dict[str, asyncio.Queue[StreamEvent]] = {}
         self._cancelled: list[Request] = []
-        self._in_step = False
+        # Tasks sent whose results are not back, oldest first: at most two (one ahead).
+        self._in_flight: list[InFlightStep] = []
+        self._last_task_id = 0
+        # Whether the last step was sent with no idle wait since: the next one is back to back.
+        self._busy = False
+        self.costs = StepCosts()
         self._wakeup = asyncio.Event()
         self._request_ids = itertools.count()
         self._task_ids = itertools.count(1)
@@ -99,7 +108,7 @@ class Engine:
         if self._streams.pop(request.request_id, None) is None:
             return  # already ended
         self.metrics.ended(request.request_id)
-        if self._in_step:
+        if self._in_flight:
             self._cancelled.append(request)  # a task that names it is in flight
         elif self.scheduler is not None:
             self.scheduler.cancel(request)
@@ -132,6 +141,7 @@ class Engine:
             reset = worker_pb2.DecodeTask(task_id=next(self._task_ids), reset=True)
             try:
                 await self.group.execute(reset, self.config.step_timeout_s)
+                self._last_task_id = reset.task_id
             except TaskRejected as exc:
                 raise WorkerFault(str(exc)) from exc
         except WorkerFault as exc:
@@ -164,39 +174,80 @@ class Engine:
         assert scheduler is not None
         if self.group.broken.is_set():
             raise WorkerFault("a worker stream ended")
+        ahead = self._in_flight[-1] if self._in_flight else None
+        if ahead is not None and not ahead.may_run_ahead(self.config.overlap):
+            await self._finish_oldest()
+            return
         started = time.monotonic()
+        cpu_started = time.thread_time()
         for request in self._cancelled:
             scheduler.cancel(request)
         self._cancelled.clear()
         plan = scheduler.schedule()
         self._send_ended(plan.ended)
-        if plan.is_empty:
-            # Idle: the moment to check the scheduler's bookkeeping whole (see `PageManager.audit`).
-            failed = scheduler.audit_when_idle()
-            if failed:
-                self._send_ended(failed)
-                return  # their releases go with the next step
-            self._wakeup.clear()  # nothing to do until a request arrives or leaves
-            await _wait_any(self._wakeup.wait(), self.group.broken.wait(), stop.wait())
+        if not plan.sends_task:
+            if ahead is not None:
+                await self._finish_oldest()  # then plan again, with its tokens
+            elif plan.is_empty:
+                await self._idle(stop)
             return
-        if not plan.entries and not plan.release_request_ids:
-            return
-        task = convert.task_to_proto(plan, next(self._task_ids))
-        self._in_step = True
+        task = convert.task_to_proto(plan, next(self._task_ids), self._last_task_id)
+        flight = InFlightStep(plan, task, started, time.thread_time() - cpu_started, self._busy)
+        await self.group.send(task, self.config.step_timeout_s)
+        self._last_task_id = task.task_id
+        self._in_flight.append(flight)
+        self._busy = True
+        if ahead is not None:
+            # The workers run `task` right after `ahead`: apply ahead's tokens meanwhile.
+            await self._finish_oldest()
+        if not flight.may_run_ahead(self.config.overlap) and flight in self._in_flight:
+            await self._finish_oldest()
+
+    async def _idle(self, stop: asyncio.Event) -> None:
+        """Nothing to run and nothing in flight: check the bookkeeping, wait for work."""
+        scheduler = self.scheduler
+        assert scheduler is not None
+        # The moment to check the scheduler's bookkeeping whole (see `PageManager.audit`).
+        failed = scheduler.audit_when_idle()
+        if failed:
+            self._send_ended(failed)
+            return  # their releases go with the next step
+        self.costs.end_busy_period(self.config.overlap)
+        self._busy = False
+        self._wakeup.clear()  # nothing to do until a request arrives or leaves
+        await _wait_any(self._wakeup.wait(), self.group.broken.wait(), stop.wait())
+
+    async def _finish_oldest(self) -> None:
+        """Wait for the oldest task in flight (at most `step_timeout_s`) and apply its tokens."""
+        scheduler = self.scheduler
+        assert scheduler is not None
+        flight = self._in_flight[0]
         try:
-            result = await self.group.execute(task, self.config.step_timeout_s)
+            result = await self.group.receive(flight.task, self.config.step_timeout_s)
         except TaskRejected as exc:
             # The router validates all it sends, so this is a router bug; contain it to the
-            # requests of this task: no rank applied it, the rest is as it was.
-            log.error("BUG: %s; failing its %d request(s)", exc, len(plan.entries))
-            self._send_ended(scheduler.fail_step(plan))
+            # requests of this task and of the one sent on top of it (which refers to its
+            # tokens): no rank applied the first, the rest is as it was.
+            later, self._in_flight = self._in_flight[1:], []
+            log.error("BUG: %s; failing its %d request(s)", exc, len(flight.plan.entries))
+            failed = scheduler.fail_step(flight.plan)
+            for step in later:
+                try:
+                    await self.group.receive(step.task, self.config.step_timeout_s)
+                except TaskRejected:
+                    pass  # refused for want of the first one's tokens: nothing applied
+                failed += scheduler.fail_step(step.plan)
+            self._send_ended(failed)
             return
-        finally:
-            self._in_step = False
+        cpu_started = time.thread_time()
+        self._in_flight.pop(0)
+        plan = flight.plan
         sampling_ids = [entry.request.request_id for entry in plan.entries if entry.sample]
         if sampling_ids != [token.request_id for token in result.tokens]:
-            raise WorkerFault(f"rank 0 sampled for other requests than task {task.task_id} asked")
-        self.metrics.step(plan, started)
+            raise WorkerFault(
+                f"rank 0 sampled for other requests than task {flight.task.task_id} asked"
+            )
+        self.metrics.step(plan, flight.started)
         sampled = {token.request_id: token for token in result.tokens}
         for request in scheduler.complete(plan, [token.token_id for token in result.tokens]):
             token = sampled[request.request_id]
@@ -204,6 +255,10 @@ class Engine:
             self._send(request, StreamEvent(
                 [token.token_id], logprobs, finished=request.finish_reason is not None
             ))
+        cpu_s = flight.plan_cpu_s + time.thread_time() - cpu_started
+        idle_s = result.idle_before_s if flight.back_to_back else None
+        self.costs.step_done(cpu_s, idle_s)
+        self.metrics.step_costs(cpu_s, idle_s)
 
     def _send_ended(self, requests: list[Request]) -> None:
         """Tell the callers of requests the scheduler ended while planning."""
@@ -233,6 +288,8 @@ class Engine:
             for request in scheduler.fail_all():
                 self._send(request, StreamEvent(error=error))
         self._cancelled.clear()
+        self._in_flight.clear()
+        self._busy = False
         await self.group.close()
 
     async def _set_health(self, serving: bool) -> None:

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from radixserve.metrics import MODEL_LABEL, count_histogram, counter, latency_histogram, name
+from radixserve.metrics import MODEL_LABEL, count_histogram, counter, gap_histogram, latency_histogram, name
 from router_service import convert
 
 if TYPE_CHECKING:
@@ -34,12 +34,18 @@ class RouterMetrics:
         self._num_connects = 0
         r = self.registry
         self.step_duration = latency_histogram(
-            r, "step_duration_seconds", "One scheduler step: plan, execute on the workers, apply.", [])
+            r, "step_duration_seconds", "One scheduler step: plan, execute on the workers, apply (with overlap, also the step it ran behind).", [])
         self.batch_requests = count_histogram(
             r, "step_batch_requests", "Requests (prefill chunks and decodes) in one step.", [])
         self.batch_tokens = count_histogram(r, "step_batch_tokens", "Tokens computed in one step.", [])
         self.queue_time = latency_histogram(
             r, "request_queue_time_seconds", "From a request's arrival to its first scheduled step.", [])
+        self.worker_idle = gap_histogram(
+            r, "worker_idle_between_steps_seconds",
+            "Time the worker ranks (the slowest) idled between two steps sent back to back.", [])
+        self.router_cpu = gap_histogram(
+            r, "router_step_cpu_seconds",
+            "The router's CPU time per step on its event loop: planning it and applying its result.", [])
         self.reconnects = counter(r, "worker_reconnects", "Connections to the worker group after the first one.", [])
         self.registry.register(_StateCollector(engine))
 
@@ -59,11 +65,18 @@ class RouterMetrics:
         now = time.monotonic()
         self.step_duration.labels(model).observe(now - started)
         self.batch_requests.labels(model).observe(len(plan.entries))
-        self.batch_tokens.labels(model).observe(sum(len(e.token_ids) for e in plan.entries))
+        self.batch_tokens.labels(model).observe(sum(e.num_tokens for e in plan.entries))
         for entry in plan.entries:
             arrival = self._arrivals.pop(entry.request.request_id, None)
             if arrival is not None:  # the request's first step (a retracted one counts once)
                 self.queue_time.labels(model).observe(started - arrival)
+
+    def step_costs(self, router_cpu_s: float, worker_idle_s: float | None) -> None:
+        """After a step's result was applied (see `step_costs`); idle None: not back to back."""
+        model = self._model()
+        self.router_cpu.labels(model).observe(router_cpu_s)
+        if worker_idle_s is not None:
+            self.worker_idle.labels(model).observe(worker_idle_s)
 
     def connected(self) -> None:
         self._num_connects += 1
@@ -80,7 +93,7 @@ class _StateCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         engine = self._engine
         model = engine.summary.model_name if engine.summary is not None else ""
-        stats = convert.stats_to_proto(engine.stats(), engine.scheduler)
+        stats = convert.stats_to_proto(engine.stats(), engine.scheduler, engine.costs)
 
         total, used, cached = stats.num_pages_total, stats.num_pages_used, stats.num_pages_evictable
         gauges = [

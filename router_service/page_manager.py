@@ -96,7 +96,7 @@ class PageManager:
         them), nothing is inserted: the request keeps its duplicate pages (the workers read them
         through its page table) until it ends, when `give_back` frees them.
         """
-        num_full = request.num_computed // self.page_size
+        num_full = request.num_written // self.page_size
         if num_full <= request.num_tree_pages:
             return
         assert request.last_node is not None  # set at admission
@@ -119,8 +119,9 @@ class PageManager:
         """A request ends or is retracted: its written whole pages go to the cache, its lock is
         released, and the rest of its pages (unwritten tail, duplicates of cached ones) are
         freed. The caller tells the workers to forget the request."""
-        # Only positions whose K/V was written count; the last sampled token's was not.
-        num_full = request.num_computed // self.page_size
+        # Only positions whose K/V was written count (not the last sampled token's, not those of
+        # a step still in flight, which the request no longer owns).
+        num_full = request.num_written // self.page_size
         table = request.page_table
         free_ids = table[num_full:]
         if num_full > request.num_tree_pages:

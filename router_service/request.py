@@ -31,6 +31,11 @@ class Request:
       first; then the request keeps its own copies until it ends.
     - `num_pages_sent` pages of `page_table` are known to the workers (0 until the request's
       first entry after admission, which carries `new_request`).
+    - Overlap scheduling (see `lookahead`): `num_computed` counts the positions of every step
+      sent, `num_in_flight` those of steps whose result is not back yet, so `num_written` are
+      certainly written (only those may enter the cache). `num_unresolved` tokens were sampled
+      in steps still in flight: they follow `token_ids`, value unknown, and the next decode
+      entry refers to the first of them instead of carrying it.
     """
 
     request_id: str  # unique per router: it names the request on the workers
@@ -49,6 +54,8 @@ class Request:
     num_computed: int = 0
     num_pages_sent: int = 0
     on_workers: bool = False
+    num_in_flight: int = 0
+    num_unresolved: int = 0
     admitted_at: int = -1  # admission order while running; -1 while waiting
     num_cached_tokens: int = -1  # prompt tokens served from the cache, set at first admission
     finish_reason: FinishReason | None = None
@@ -63,8 +70,23 @@ class Request:
 
     @property
     def num_pending(self) -> int:
-        """Tokens known but not yet computed (1 while decoding)."""
-        return len(self.token_ids) - self.num_computed
+        """Tokens known (or sampled in a step in flight) but not yet computed (1 while decoding)."""
+        return len(self.token_ids) + self.num_unresolved - self.num_computed
+
+    @property
+    def num_written(self) -> int:
+        """Positions whose K/V steps already answered have written."""
+        return self.num_computed - self.num_in_flight
+
+    def ends_when_resolved(self, context_len: int) -> bool:
+        """The tokens sampled in flight certainly end it (`max_tokens` or the context), so no
+        step may compute past them: the pool need not hold that position (see `Scheduler.add`)."""
+        if not self.num_unresolved:
+            return False
+        return (
+            self.num_output + self.num_unresolved >= self.max_tokens
+            or len(self.token_ids) + self.num_unresolved >= context_len
+        )
 
     def append_token(self, token_id: int, eos_token_ids: frozenset[int], context_len: int) -> None:
         """Add a sampled token and decide whether the request is done."""

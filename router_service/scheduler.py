@@ -134,30 +134,36 @@ class Scheduler:
         """Apply the sampled tokens (one per sampling entry, in entry order).
 
         Returns the requests that got a token, in entry order; ended ones have their
-        `finish_reason` set and their pages already given back.
+        `finish_reason` set and their pages already given back. Entries that went stale while
+        the step was in flight (their request ended or was retracted since: the work planned
+        one step ahead under overlap) are discarded: their tokens are never emitted, and what
+        they wrote never enters the cache (their pages were given back by `num_written`).
         """
         sampling = [entry for entry in plan.entries if entry.sample]
         if len(sampling) != len(token_ids):
             raise ValueError(f"{len(token_ids)} tokens for {len(sampling)} sampling entries")
         self.stats.num_steps += 1
+        for entry in plan.entries:
+            if not entry.is_stale:
+                entry.request.num_in_flight -= entry.num_tokens
         updated: list[Request] = []
         for entry, token_id in zip(sampling, token_ids):
-            request = entry.request
-            if request.finish_reason is not None:
+            if entry.is_stale:
                 continue
+            request = entry.request
+            request.num_unresolved -= 1
             request.append_token(token_id, self.eos_token_ids, self.context_len)
             updated.append(request)
             if request.finish_reason is not None:
                 self.end(request)
         size = self.page_size
         for entry in plan.entries:
-            request = entry.request
-            if request.finish_reason is not None or request.admitted_at < 0:
+            if entry.is_stale:
                 continue  # ended (its pages are given back) or retracted
             # Only when this step filled a page: most decode steps cost one comparison here.
-            end = entry.start_position + len(entry.token_ids)
+            end = entry.start_position + entry.num_tokens
             if end // size > entry.start_position // size:
-                self.pages.cache_written(request)
+                self.pages.cache_written(entry.request)
         return updated
 
     # ---- moving requests between waiting and running -------------------------------------
@@ -186,7 +192,11 @@ class Scheduler:
         self.stats.num_retractions += 1
 
     def _give_back_pages(self, request: Request) -> None:
+        # Work still in flight for it is stale from here on (see `complete`).
         self.pages.give_back(request)
+        request.num_computed = request.num_written
+        request.num_in_flight = 0
+        request.num_unresolved = 0
         if request.on_workers:
             self._releases.append(request.request_id)
             request.on_workers = False
@@ -237,6 +247,7 @@ class Scheduler:
                 continue
             request.finish_reason = FinishReason.FAILED
             request.num_computed = request.num_tree_pages * self.page_size
+            request.num_in_flight = 0
             self.end(request)
             failed.append(request)
         return failed

@@ -16,7 +16,9 @@ page to grow into: the newest is retracted so that the others can go on next ste
 Invariants: a request is in a plan at most once; only requests not (yet) in the plan are
 retracted while building it; every entry is made by `_add`, which advances the request's
 `num_computed` and `num_pages_sent` as if the step had already run (the workers apply tasks in
-order; a task every rank rejects fails its requests, see `Scheduler.fail_step`).
+order; a task every rank rejects fails its requests, see `Scheduler.fail_step`), and counts its
+positions in flight and its token to be sampled until the step's result is applied (overlap
+scheduling, see `lookahead`).
 """
 
 from __future__ import annotations
@@ -45,13 +47,16 @@ class StepBuilder:
 
     def build(self) -> StepPlan:
         running = self.scheduler.running
-        # Requests whose prefill runs in this step or later: their pages are not cached yet.
-        prefilling = [request for request in running if request.num_pending > 1]
+        # Requests whose prefill runs in this step or later, or in the step in flight (overlap):
+        # their pages are not cached yet.
+        prefilling = [
+            request for request in running if request.num_pending > 1 or request.num_in_flight > 1
+        ]
         self._add_decodes()
         self._add_prefill_chunks()
         if self._admit_waiting(prefilling) and not self.plan.entries:
             self._admit_waiting(None)
-        if not self.plan.entries and running:
+        if not self.plan.entries and any(self._has_work(request) for request in running):
             self.scheduler.retract(running[-1])
         return self.plan
 
@@ -59,8 +64,14 @@ class StepBuilder:
         for request in list(self.scheduler.running):
             if self.budget == 0:
                 break
-            # Skip requests retracted just now, and those still prefilling.
-            if request.admitted_at >= 0 and request.num_pending == 1 and self._grow_for_decode(request):
+            # Skip requests retracted just now, those still prefilling, and those whose token in
+            # flight (overlap) is certainly their last: nothing more to compute.
+            if (
+                request.admitted_at >= 0
+                and request.num_pending == 1
+                and not request.ends_when_resolved(self.scheduler.context_len)
+                and self._grow_for_decode(request)
+            ):
                 self._add(request, 1, new_request=False)
 
     def _add_prefill_chunks(self) -> None:
@@ -125,22 +136,34 @@ class StepBuilder:
                 prefilling.append(request)
         return deferred
 
+    def _has_work(self, request: Request) -> bool:
+        """Whether a running request has positions to compute now (not: only its last token in
+        flight, which ends it)."""
+        return request.num_pending > 0 and not request.ends_when_resolved(self.scheduler.context_len)
+
     def _has_slot(self) -> bool:
         return len(self.scheduler.running) < self.scheduler.max_running_requests
 
     def _add(self, request: Request, num_tokens: int, *, new_request: bool) -> None:
         """Put `request`'s next `num_tokens` tokens in the plan (its pages already hold them)."""
         start = request.num_computed
-        self.plan.entries.append(ScheduledEntry(
+        num_known = len(request.token_ids)
+        entry = ScheduledEntry(
             request=request,
             token_ids=request.token_ids[start : start + num_tokens],
             start_position=start,
             new_page_ids=request.page_table[request.num_pages_sent :],
-            sample=start + num_tokens == len(request.token_ids),
+            sample=start + num_tokens == num_known + request.num_unresolved,
             new_request=new_request,
             cached_token_ids=request.token_ids[:start] if new_request else [],
-        ))
+            # A token sampled in the step in flight is referred to, not carried (`lookahead`).
+            after_sampled=start == num_known,
+            admitted_at=request.admitted_at,
+        )
+        self.plan.entries.append(entry)
         request.num_pages_sent = len(request.page_table)
         request.num_computed = start + num_tokens
+        request.num_in_flight += num_tokens
+        request.num_unresolved += entry.sample
         request.on_workers = True
         self.budget -= num_tokens

@@ -10,7 +10,13 @@ from router_service.request import Request
 
 @dataclass(slots=True)
 class ScheduledEntry:
-    """One request's work in a step. `cached_token_ids` is set only with `new_request`."""
+    """One request's work in a step. `cached_token_ids` is set only with `new_request`.
+
+    `after_sampled`: the entry's first token is the one sampled for the request in the step
+    before, still in flight (overlap scheduling); `token_ids` holds only the tokens after it.
+    `admitted_at` is the request's admission when planned: an entry whose request has since
+    ended, or been retracted (and maybe admitted again), is stale and its result is discarded.
+    """
 
     request: Request
     token_ids: list[int]
@@ -19,6 +25,26 @@ class ScheduledEntry:
     sample: bool
     new_request: bool
     cached_token_ids: list[int]
+    after_sampled: bool = False
+    admitted_at: int = -1
+
+    @property
+    def num_tokens(self) -> int:
+        """Positions this entry computes."""
+        return len(self.token_ids) + self.after_sampled
+
+    @property
+    def is_stale(self) -> bool:
+        request = self.request
+        return request.finish_reason is not None or request.admitted_at != self.admitted_at
+
+    @property
+    def next_position_known(self) -> bool:
+        """Where the request goes on after this entry is known before its result: the entry
+        computes its tokens and samples at most one, which the next step computes at the
+        following position. An entry that verifies draft tokens must say False: how many are
+        accepted decides the next positions and pages."""
+        return True
 
 
 @dataclass(slots=True)
@@ -33,3 +59,14 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         return not self.entries and not self.release_request_ids and not self.ended
+
+    @property
+    def sends_task(self) -> bool:
+        return bool(self.entries or self.release_request_ids)
+
+    @property
+    def allows_lookahead(self) -> bool:
+        """Whether the next step may be planned and sent before this one's result is back
+        (overlap scheduling): only when every request's next position is known already."""
+        return all(entry.next_position_known for entry in self.entries)
+

@@ -11,7 +11,9 @@ all of them are still where they were before it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import Iterator
 
 import grpc
 
@@ -95,18 +97,31 @@ class WorkerGroup:
         return None
 
     async def execute(self, task: worker_pb2.DecodeTask, timeout_s: float) -> worker_pb2.TaskResult:
-        """Send `task` to every rank and wait at most `timeout_s` for all answers; returns
-        rank 0's. Raises `TaskRejected` when every rank refused it, `WorkerFault` otherwise."""
+        """Send `task` and wait for it (see `send` and `receive`)."""
+        await self.send(task, timeout_s)
+        return await self.receive(task, timeout_s)
+
+    async def send(self, task: worker_pb2.DecodeTask, timeout_s: float) -> None:
+        """Write `task` to every rank without waiting for its result; a rank runs the tasks it
+        receives in order, so the next one can be sent while this one runs (overlap
+        scheduling). Raises `WorkerFault`."""
         if not self._calls:
             raise WorkerFault("not connected")
-        try:
-            results = await asyncio.wait_for(self._round_trip(task), timeout_s)
-        except TimeoutError as exc:
-            raise WorkerFault(
-                f"a worker did not answer task {task.task_id} within {timeout_s:g}s"
-            ) from exc
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, ConnectionError) as exc:
-            raise WorkerFault(f"worker stream failed: {exc}") from exc
+        with self._faults(task, timeout_s):
+            await asyncio.wait_for(
+                asyncio.gather(*(call.write(task) for call in self._calls)), timeout_s
+            )
+
+    async def receive(self, task: worker_pb2.DecodeTask, timeout_s: float) -> worker_pb2.TaskResult:
+        """Wait at most `timeout_s` for every rank's answer to `task`, the oldest one sent and
+        not yet received; returns rank 0's, with `idle_before_s` the largest over the ranks.
+        Raises `TaskRejected` when every rank refused it, `WorkerFault` otherwise."""
+        if not self._calls:
+            raise WorkerFault("not connected")
+        with self._faults(task, timeout_s):
+            results = await asyncio.wait_for(
+                asyncio.gather(*(call.read() for call in self._calls)), timeout_s
+            )
         errors = []
         for address, result in zip(self.addresses, results):
             if result is grpc.aio.EOF:
@@ -119,11 +134,21 @@ class WorkerGroup:
             raise TaskRejected(f"task {task.task_id} rejected: {'; '.join(errors)}")
         if errors:  # some ranks applied it, others did not: they no longer agree
             raise WorkerFault(f"ranks disagree on task {task.task_id}: {'; '.join(errors)}")
-        return results[0]
+        first = results[0]
+        first.idle_before_s = max(result.idle_before_s for result in results)
+        return first
 
-    async def _round_trip(self, task: worker_pb2.DecodeTask) -> list[worker_pb2.TaskResult]:
-        await asyncio.gather(*(call.write(task) for call in self._calls))
-        return await asyncio.gather(*(call.read() for call in self._calls))
+    @contextlib.contextmanager
+    def _faults(self, task: worker_pb2.DecodeTask, timeout_s: float) -> Iterator[None]:
+        """Turn a lost stream or a missed deadline into `WorkerFault`."""
+        try:
+            yield
+        except TimeoutError as exc:
+            raise WorkerFault(
+                f"a worker did not answer task {task.task_id} within {timeout_s:g}s"
+            ) from exc
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError, ConnectionError) as exc:
+            raise WorkerFault(f"worker stream failed: {exc}") from exc
 
     async def close(self) -> None:
         calls, channels = self._calls, self._channels

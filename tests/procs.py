@@ -131,3 +131,21 @@ class ServiceProcesses:
 
 
 PYTHON = sys.executable
+
+
+def start_worker_ranks(
+    procs: ServiceProcesses, model_dir: Path, world_size: int, flags: list[str]
+) -> list[str]:
+    """Start `world_size` real worker ranks of one TP group on free loopback ports (one
+    thread each, CPU); returns their addresses in rank order (not yet waited for)."""
+    master_port = free_port()
+    addresses = []
+    for rank in range(world_size):
+        port = free_port()
+        procs.start(f"worker{rank}", [
+            PYTHON, "-m", "worker_service", "--model", str(model_dir), "--port", str(port),
+            "--num-threads", "1", "--device", "cpu", *flags,
+        ], env={"RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(master_port)})
+        addresses.append(f"127.0.0.1:{port}")
+    return addresses

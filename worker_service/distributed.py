@@ -126,3 +126,12 @@ def gather_last_dim(tensor: torch.Tensor, sizes: list[int], group: TPGroup) -> t
     if not group.is_first:
         return None
     return torch.cat([buf[..., :size] for buf, size in zip(buffers, sizes)], dim=-1)
+
+
+def broadcast_ids(ids: list[int], group: TPGroup, device: str) -> list[int]:
+    """Rank 0's `ids` on every rank; the others pass a list of the same length (any values)."""
+    if group.world_size == 1:
+        return ids
+    tensor = torch.tensor(ids, dtype=torch.int64, device=device)
+    dist.broadcast(tensor, src=0)
+    return tensor.tolist()

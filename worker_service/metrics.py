@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry
 
-from radixserve.metrics import count_histogram, latency_histogram
+from radixserve.metrics import count_histogram, gap_histogram, latency_histogram
 
 STEP_PREFILL = "prefill"
 STEP_DECODE = "decode"
@@ -36,11 +36,19 @@ class WorkerMetrics:
         self.tokens = count_histogram(r, "worker_step_tokens", "Tokens computed in one forward pass.", ["rank"])
         self.sampler = latency_histogram(
             r, "worker_sampler_duration_seconds", "Sampling one step's tokens (rank 0).", ["rank"])
+        self.idle = gap_histogram(
+            r, "worker_idle_between_tasks_seconds",
+            "Time the task thread waited between two tasks (also when the router had nothing to "
+            "send; the router's worker_idle_between_steps_seconds counts back-to-back steps only).",
+            ["rank"])
 
     def forward_done(self, num_tokens_per_entry: Sequence[int], seconds: float) -> None:
         kind = step_kind(num_tokens_per_entry)
         self.forward.labels(*self._labels, kind).observe(seconds)
         self.tokens.labels(*self._labels).observe(sum(num_tokens_per_entry))
+
+    def idle_done(self, seconds: float) -> None:
+        self.idle.labels(*self._labels).observe(seconds)
 
     def sampler_done(self, seconds: float) -> None:
         self.sampler.labels(*self._labels).observe(seconds)

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -51,6 +52,11 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         self.model = FakeModel(num_pages, page_size, eos_every)
         self.wants_logprobs: dict[str, bool] = {}
         self.errors: list[str] = []  # every rejected task, for tests to assert on
+        # The last applied task and the tokens it sampled: what `sampled_in_task` refers to.
+        # Every fake rank computes them (the real ranks get them from rank 0's broadcast).
+        self.last_task_id = 0
+        self.last_sampled: dict[str, int] = {}
+        self.num_resolved = 0  # entries that referred to a token not sent (overlap)
 
     async def GetWorkerInfo(self, request, context) -> worker_pb2.GetWorkerInfoResponse:
         return worker_pb2.GetWorkerInfoResponse(
@@ -69,16 +75,44 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
     async def Execute(
         self, request_iterator: AsyncIterator[worker_pb2.DecodeTask], context
     ) -> AsyncIterator[worker_pb2.TaskResult]:
+        finished = None
         async for task in request_iterator:
+            started = time.monotonic()
             if self.step_delay_s:
                 await asyncio.sleep(self.step_delay_s)
-            yield self.run_task(task)
+            result = self.run_task(task)
+            if finished is not None:
+                result.idle_before_s = started - finished
+            finished = time.monotonic()
+            yield result
+
+    def _resolve(self, entry: worker_pb2.TaskEntry) -> list[int]:
+        """The entry's tokens, with the one it refers to (overlap) in front."""
+        if not entry.sampled_in_task:
+            return list(entry.token_ids)
+        if entry.sampled_in_task != self.last_task_id or entry.request_id not in self.last_sampled:
+            raise FakeTaskError(
+                f"{entry.request_id}: refers to task {entry.sampled_in_task}'s token, "
+                f"last applied task {self.last_task_id}"
+            )
+        self.num_resolved += 1
+        return [self.last_sampled[entry.request_id], *entry.token_ids]
 
     def run_task(self, task: worker_pb2.DecodeTask) -> worker_pb2.TaskResult:
+        result = worker_pb2.TaskResult(task_id=task.task_id, rank=self.rank)
+        try:
+            return self._run_task(task, result)
+        except FakeTaskError as exc:
+            self.errors.append(str(exc))
+            result.error.code = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            result.error.message = str(exc)
+            return result
+
+    def _run_task(self, task: worker_pb2.DecodeTask, result: worker_pb2.TaskResult) -> worker_pb2.TaskResult:
         entries = [
             FakeEntry(
                 request_id=entry.request_id,
-                token_ids=list(entry.token_ids),
+                token_ids=self._resolve(entry),
                 start_position=entry.start_position,
                 page_ids=list(entry.page_ids),
                 sample=entry.sample,
@@ -87,14 +121,10 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
             )
             for entry in task.entries
         ]
-        result = worker_pb2.TaskResult(task_id=task.task_id, rank=self.rank)
-        try:
-            tokens = self.model.execute(task.reset, list(task.release_request_ids), entries)
-        except FakeTaskError as exc:
-            self.errors.append(str(exc))
-            result.error.code = grpc.StatusCode.INVALID_ARGUMENT.value[0]
-            result.error.message = str(exc)
-            return result
+        tokens = self.model.execute(task.reset, list(task.release_request_ids), entries)
+        sampling = [entry for entry in task.entries if entry.sample]
+        self.last_task_id = task.task_id
+        self.last_sampled = {entry.request_id: token for entry, token in zip(sampling, tokens)}
         if task.reset:
             self.wants_logprobs.clear()
         for request_id in task.release_request_ids:
@@ -103,7 +133,6 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
             if entry.HasField("new_request"):
                 self.wants_logprobs[entry.request_id] = entry.new_request.sampling.logprobs
         if self.rank == 0:
-            sampling = [entry for entry in task.entries if entry.sample]
             for entry, token_id in zip(sampling, tokens):
                 logprob = fake_logprob(token_id) if self.wants_logprobs[entry.request_id] else 0.0
                 result.tokens.add(request_id=entry.request_id, token_id=token_id, logprob=logprob)

@@ -100,3 +100,16 @@ async def collect(stub: router_pb2_grpc.RouterServiceStub, request, timeout_s: f
         logprobs.extend(item.logprob for item in response.logprobs)
         last = response
     return token_ids, logprobs, last
+
+
+async def end_codes(calls) -> list[grpc.StatusCode]:
+    """Read each Generate call to its end: OK, or the status it failed with."""
+    codes = []
+    for call in calls:
+        try:
+            while await call.read() is not grpc.aio.EOF:
+                pass
+            codes.append(grpc.StatusCode.OK)
+        except grpc.aio.AioRpcError as exc:
+            codes.append(exc.code())
+    return codes

@@ -69,7 +69,8 @@ def test_a_rejected_task_fails_its_requests_only_and_the_cache_survives(monkeypa
             first, _, _ = await collect(h.stub, generate_request(prompt, 8))
             poisoned = generate_request(prompt + [40, 41], 4, request_id="poison")
             assert await status_of(h.stub, poisoned) == grpc.StatusCode.INTERNAL
-            assert h.workers[0].errors == ["poison"]
+            # With overlap, the step planned on top of the rejected one names it too.
+            assert h.workers[0].errors in (["poison"], ["poison", "poison"])
             assert await check_health(h.address, timeout_s=2)
             again, _, last = await collect(h.stub, generate_request(prompt, 8))
             assert again == first == expected_tokens(prompt, 8, eos_every=0)

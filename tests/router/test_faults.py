@@ -14,7 +14,7 @@ from radixserve.serving import CHANNEL_OPTIONS, serve_until
 from radixserve.v1 import router_pb2_grpc
 from router.fake_model import expected_tokens
 from router.fake_worker import start_fake_worker
-from router.harness import collect, generate_request, running_router, wait_serving
+from router.harness import collect, end_codes, generate_request, running_router, wait_serving
 
 FAKE_WORKER = Path(__file__).resolve().parent / "fake_worker.py"
 # Generous bound for "within seconds": a hang shows up as DEADLINE_EXCEEDED instead.
@@ -46,15 +46,7 @@ def test_worker_killed_mid_stream_then_restarted() -> None:
                 for call in calls:  # every stream is running
                     await call.read()
                 doomed.kill("worker")
-                codes = []
-                for call in calls:
-                    try:
-                        while await call.read() is not grpc.aio.EOF:
-                            pass
-                        codes.append(grpc.StatusCode.OK)
-                    except grpc.aio.AioRpcError as exc:
-                        codes.append(exc.code())
-                return codes
+                return await end_codes(calls)
 
         assert asyncio.run(fail_in_flight()) == [grpc.StatusCode.UNAVAILABLE] * 4
         assert not is_serving(router_address)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from procs import PYTHON, ServiceProcesses, free_port
+from procs import ServiceProcesses, start_worker_ranks
 from worker.tiny_models import make_tiny_llama
 from worker_service.peer_watch import GROUP_LOST_EXIT
 
@@ -18,18 +18,10 @@ READY_TIMEOUT_S = 120.0
 @pytest.mark.timeout(180)
 def test_survivor_of_a_killed_rank_leaves_within_the_peer_timeout(tmp_path) -> None:
     model = make_tiny_llama(tmp_path / "tiny")
-    master_port = free_port()
     with ServiceProcesses() as procs:
-        addresses = []
-        for rank in range(2):
-            port = free_port()
-            procs.start(f"worker{rank}", [
-                PYTHON, "-m", "worker_service", "--model", str(model), "--port", str(port),
-                "--kv-cache-mb", "4", "--num-threads", "1", "--device", "cpu",
-                "--peer-timeout-s", str(PEER_TIMEOUT_S),
-            ], env={"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(master_port)})
-            addresses.append(f"127.0.0.1:{port}")
+        addresses = start_worker_ranks(procs, model, 2, [
+            "--kv-cache-mb", "4", "--peer-timeout-s", str(PEER_TIMEOUT_S),
+        ])
         for address in addresses:
             procs.wait_healthy(address, timeout_s=READY_TIMEOUT_S)
         time.sleep(PEER_TIMEOUT_S)  # idle and beating: nobody leaves
