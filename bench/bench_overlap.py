@@ -42,7 +42,8 @@ import grpc  # noqa: E402
 import torch  # noqa: E402
 
 from bench.bench_worker import DEFAULT_MODEL, PAGE_SIZE, DecodeBench, kv_budget, runner_shape  # noqa: E402
-from radixserve.serving import CHANNEL_OPTIONS, check_health  # noqa: E402
+from radixserve.health import check_health  # noqa: E402
+from radixserve.serving import CHANNEL_OPTIONS  # noqa: E402
 from radixserve.v1 import generation_pb2, generation_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2  # noqa: E402
 from worker_service.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 

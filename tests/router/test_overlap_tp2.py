@@ -15,10 +15,10 @@ import grpc
 import pytest
 
 from procs import ServiceProcesses, free_port, start_worker_ranks
-from radixserve.serving import CHANNEL_OPTIONS
+from radixserve.serving import CHANNEL_OPTIONS, serve_until
 from radixserve.v1 import generation_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from router.harness import wait_serving
-from router_service.__main__ import serve
+from router_service.server import Router
 from router_service.config import RouterConfig
 from worker.tiny_models import VOCAB_SIZE, make_tiny_llama
 
@@ -59,7 +59,7 @@ async def run(workers: tuple[str, ...], overlap: bool) -> dict:
         max_running_requests=8, reconnect_interval_s=0.2, metrics_port=0,
     )
     stop = asyncio.Event()
-    router = asyncio.create_task(serve(config, stop))
+    router = asyncio.create_task(serve_until(Router.start, config, stop))
     try:
         address = f"127.0.0.1:{port}"
         await wait_serving(address, timeout_s=60)
