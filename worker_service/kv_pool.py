@@ -1,9 +1,11 @@
 """One rank's KV page pool: K and V for its own KV heads, every layer, every page.
 
 Page ids are the router's; they mean the same on every rank. Storage is one tensor
-`[2, num_layers, num_pages * page_size, local_kv_heads, head_dim]` so that a layer's K (or V) is a
-flat array of slots (`slot = page_id * page_size + offset`): new tokens are written with one
-`index_copy_`, and a sequence's context is gathered with one `index_select`.
+`[2, num_layers, local_kv_heads, num_pages * page_size, head_dim]`: for each head, a layer's K (or
+V) is a flat array of slots (`slot = page_id * page_size + offset`). New tokens are written with
+one `index_copy_`, a sequence's context is gathered with one `index_select` of whole pages, and
+because the layout is head-major, what a gather returns is already each head's keys in a row, the
+layout attention's batched matmuls read (`attention/kernels.py`).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class KVPool:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.buffer = torch.zeros(
-            (2, num_layers, num_pages * page_size, num_kv_heads, head_dim), dtype=dtype, device=device
+            (2, num_layers, num_kv_heads, num_pages * page_size, head_dim), dtype=dtype, device=device
         )
         # Made once: every layer of every step asks for its views.
         self._layer_slots = [(self.buffer[0, layer], self.buffer[1, layer]) for layer in range(num_layers)]
@@ -57,10 +59,10 @@ class KVPool:
         return budget_bytes // cls.bytes_per_page(num_layers, page_size, num_kv_heads, head_dim, dtype)
 
     def slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s K and V, each `[num_slots, num_kv_heads, head_dim]` (views)."""
+        """Layer `layer`'s K and V, each `[num_kv_heads, num_slots, head_dim]` (views)."""
         return self._layer_slots[layer]
 
     def pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer`'s K and V as `[num_pages, page_size, num_kv_heads, head_dim]` (views)."""
-        shape = (self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+        """Layer `layer`'s K and V as `[num_kv_heads, num_pages, page_size, head_dim]` (views)."""
+        shape = (self.num_kv_heads, self.num_pages, self.page_size, self.head_dim)
         return self.buffer[0, layer].view(shape), self.buffer[1, layer].view(shape)

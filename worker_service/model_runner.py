@@ -18,7 +18,7 @@ import torch
 from transformers import AutoConfig
 
 from radixserve.v1 import worker_pb2
-from worker_service.attention import AttentionBatch, PrefillSpan, additive_mask, plan_decode
+from worker_service.attention import AttentionBatch, GatherSpace, PrefillSpan, additive_mask, plan_decode
 from worker_service.distributed import TPGroup
 from worker_service.dtypes import DTYPES, resolve_dtype
 from worker_service.forward_batch import ForwardEntry
@@ -97,6 +97,7 @@ class ModelRunner:
         num_pages = KVPool.pages_for_budget(config.kv_cache_bytes, *shape, dtype=self.dtype)
         self.pool = KVPool(shape[0], num_pages, config.page_size, shape[2], shape[3],
                            self.dtype, self.device)
+        self.gather_space = GatherSpace()
         # What this rank reports (GetWorkerInfo); the executor copies it with the group's page count.
         self.info = worker_pb2.GetWorkerInfoResponse(
             model_name=model_dir.name,
@@ -147,8 +148,7 @@ class ModelRunner:
         decode_plan = None
         if decode:
             decode_plan = plan_decode([entries[i].page_table for i in decode],
-                                      [position + 1 for position in positions], page_size,
-                                      self.dtype, device)
+                                      [position + 1 for position in positions], page_size, device)
 
         spans: list[PrefillSpan] = []
         for i in prefill:
@@ -172,6 +172,7 @@ class ModelRunner:
             write_slots=torch.cat(write_slots).to(device),
             decode=decode_plan,
             prefills=spans,
+            space=self.gather_space,
         )
         sample_indices = [last_token_index[i] for i, entry in enumerate(entries) if entry.sample]
         return (

@@ -49,8 +49,9 @@ def build_batch(seed: int, page_size: int, num_kv_heads: int, dtype: torch.dtype
     physical = list(range(num_pages))
     rng.shuffle(physical)
     generator = torch.Generator().manual_seed(seed)
-    k = torch.randn(num_pages * page_size, num_kv_heads, HEAD_DIM, generator=generator).to(dtype)
-    v = torch.randn(num_pages * page_size, num_kv_heads, HEAD_DIM, generator=generator).to(dtype)
+    # The pool's head-major layout: [kv_heads, slots, head_dim].
+    k = torch.randn(num_kv_heads, num_pages * page_size, HEAD_DIM, generator=generator).to(dtype)
+    v = torch.randn(num_kv_heads, num_pages * page_size, HEAD_DIM, generator=generator).to(dtype)
     tables = [[physical[p] for p in table] for table, _ in sequences]
     lens = [length for _, length in sequences]
     return k, v, tables, lens, group_of
@@ -58,12 +59,12 @@ def build_batch(seed: int, page_size: int, num_kv_heads: int, dtype: torch.dtype
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables, lens, page_size) -> torch.Tensor:
     """Plain attention of each row over its own context, slot by slot, in float32."""
-    group = q.shape[1] // k.shape[1]
+    group = q.shape[1] // k.shape[0]
     rows = []
     for row, (table, length) in enumerate(zip(tables, lens)):
         slots = torch.tensor([table[p // page_size] * page_size + p % page_size for p in range(length)])
-        keys = k[slots].float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, L, D]
-        values = v[slots].float().repeat_interleave(group, dim=1).transpose(0, 1)
+        keys = k[:, slots].float().repeat_interleave(group, dim=0)  # [Hq, L, D]
+        values = v[:, slots].float().repeat_interleave(group, dim=0)
         scores = torch.einsum("hd,hld->hl", q[row].float(), keys) * HEAD_DIM ** -0.5
         rows.append(torch.einsum("hl,hld->hd", scores.softmax(-1), values))
     return torch.stack(rows)
@@ -77,7 +78,7 @@ def test_cascade_equals_plain_paged_attention(seed: int, page_size: int, world_s
         heads = shard_heads(NUM_Q_HEADS, NUM_KV_HEADS, world_size, rank)
         k, v, tables, lens, _ = build_batch(seed, page_size, heads.num_kv_heads, torch.float32)
         q = torch.randn(len(tables), heads.num_q_heads, HEAD_DIM, generator=torch.Generator().manual_seed(seed))
-        plan = plan_decode(tables, lens, page_size, torch.float32, torch.device("cpu"))
+        plan = plan_decode(tables, lens, page_size, torch.device("cpu"))
         got = decode_attention(q, k, v, plan, page_size)
         torch.testing.assert_close(got, reference_attention(q, k, v, tables, lens, page_size),
                                    atol=FP32_ATOL, rtol=0)
@@ -88,7 +89,7 @@ def test_cascade_in_bfloat16_within_dtype_tolerance(seed: int) -> None:
     page_size = 16
     k, v, tables, lens, _ = build_batch(seed, page_size, NUM_KV_HEADS, torch.bfloat16)
     q = torch.randn(len(tables), NUM_Q_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(seed))
-    plan = plan_decode(tables, lens, page_size, torch.bfloat16, torch.device("cpu"))
+    plan = plan_decode(tables, lens, page_size, torch.device("cpu"))
     got = decode_attention(q.bfloat16(), k, v, plan, page_size).float()
     torch.testing.assert_close(got, reference_attention(q.bfloat16(), k, v, tables, lens, page_size),
                                atol=BF16_ATOL, rtol=0)

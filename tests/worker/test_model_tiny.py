@@ -103,7 +103,7 @@ def test_info_and_page_budget(tiny) -> None:
     assert info.eos_token_ids == [2] and info.rank == 0 and info.world_size == 1
     page_bytes = 2 * config["num_hidden_layers"] * PAGE_SIZE * config["num_key_value_heads"] * 16 * 4
     assert info.num_pages == KV_BYTES // page_bytes
-    assert runner.pool.pages(0)[0].shape == (info.num_pages, PAGE_SIZE, config["num_key_value_heads"], 16)
+    assert runner.pool.pages(0)[0].shape == (config["num_key_value_heads"], info.num_pages, PAGE_SIZE, 16)
 
 
 def test_unsupported_rope_type_is_a_clear_error(tmp_path) -> None:

@@ -43,8 +43,9 @@ class SharedPrefix:
 class SuffixBucket:
     """Decode rows `rows` ([b]; None: every decode row, in order) attend to their own `pages` [b, P].
 
-    `mask` ([b, 1, 1, P * page_size], additive) hides padding past each row's suffix; None when
-    every row fills its pages exactly.
+    `mask` ([b, 1, P * page_size], additive float32: it broadcasts over the head-major scores
+    `[kv_heads, b, group, keys]`) hides padding past each row's suffix; None when every row fills
+    its pages exactly.
     """
 
     rows: torch.Tensor | None
@@ -106,8 +107,7 @@ def length_buckets(lengths: list[int]) -> list[list[int]]:
 
 
 def plan_decode(
-    tables: list[list[int]], context_lens: list[int], page_size: int,
-    dtype: torch.dtype, device: torch.device,
+    tables: list[list[int]], context_lens: list[int], page_size: int, device: torch.device,
 ) -> DecodePlan:
     """The decode plan for rows with page tables `tables` and contexts `context_lens` (newest token included)."""
     num_rows = len(tables)
@@ -128,7 +128,7 @@ def plan_decode(
         mask = None
         if bool((lens != num_pages * page_size).any()):  # padding pages point at page 0: masked out
             allowed = torch.arange(num_pages * page_size) < lens.unsqueeze(1)
-            mask = additive_mask(allowed.view(len(rows), 1, 1, -1).to(device), dtype)
+            mask = additive_mask(allowed.view(len(rows), 1, -1).to(device), torch.float32)
         in_order = len(rows) == num_rows and rows == sorted(rows)
         buckets.append(SuffixBucket(None if in_order else torch.tensor(rows, device=device),
                                     torch.tensor(pages, device=device), mask))

@@ -3,7 +3,8 @@
 A forward pass lays its tokens out decode-first: the single-token entries (decode steps) come
 first, one token each, then each prefill chunk as a contiguous span. Per layer:
 
-1. the new tokens' K/V are written into their slots with one `index_copy_`;
+1. the new tokens' K/V are written into their slots with one `index_copy_` per pool (head-major:
+   `[kv_heads, num_slots, head_dim]`, see `kernels.py`);
 2. the decode tokens attend by the step's `DecodePlan` (`cascade.py`): shared prefixes once per
    group, each entry's own suffix in length buckets, merged by log-sum-exp;
 3. each prefill chunk attends on its own: a chunk starting at position 0 uses its fresh K/V with
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 
 from worker_service.attention.cascade import decode_attention
 from worker_service.attention.decode_plan import DecodePlan
-from worker_service.attention.kernels import gather_pages
+from worker_service.attention.kernels import GatherSpace, gather_pages
 
 
 @dataclass(slots=True)
@@ -44,13 +45,15 @@ class AttentionBatch:
     """Where one forward pass writes and reads K/V; built once per step, used by every layer.
 
     The first `decode.num_rows` tokens of the flat layout are single-token decode entries
-    (`decode` is None when there are none); `prefills` follow.
+    (`decode` is None when there are none); `prefills` follow. `space` holds the gathered pages
+    of one attention call at a time; it outlives the step (see `GatherSpace`).
     """
 
     page_size: int
     write_slots: torch.Tensor  # [T]: slot of each token of the flat layout
     decode: DecodePlan | None
     prefills: list[PrefillSpan]
+    space: GatherSpace | None = None
 
 
 def paged_attention(
@@ -63,28 +66,27 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention for the flat layout: q [T, Hq, D], k/v [T, Hk, D] -> [T, Hq, D].
 
-    `k_slots` / `v_slots` are this layer's pool, `[num_slots, Hk, D]`; the new K/V are stored
-    there before anything is read.
+    `k_slots` / `v_slots` are this layer's head-major pool, `[Hk, num_slots, D]`; the new K/V are
+    stored there before anything is read.
     """
-    k_slots.index_copy_(0, batch.write_slots, k)
-    v_slots.index_copy_(0, batch.write_slots, v)
+    k_slots.index_copy_(1, batch.write_slots, k.transpose(0, 1))
+    v_slots.index_copy_(1, batch.write_slots, v.transpose(0, 1))
     group_size = q.shape[1] // k.shape[1]
     parts: list[torch.Tensor] = []  # outputs in flat-layout order: decode block, then each span
 
     if batch.decode is not None:
         parts.append(decode_attention(q[: batch.decode.num_rows], k_slots, v_slots, batch.decode,
-                                      batch.page_size))
+                                      batch.page_size, batch.space))
 
     for span in batch.prefills:
         queries = q[span.token_start:span.token_stop].transpose(0, 1).unsqueeze(0)
         if span.context_pages is None:
-            keys = k[span.token_start:span.token_stop]
-            values = v[span.token_start:span.token_stop]
-        else:
-            keys = gather_pages(k_slots, span.context_pages, batch.page_size)
-            values = gather_pages(v_slots, span.context_pages, batch.page_size)
-        keys = keys.transpose(0, 1).unsqueeze(0)
-        values = values.transpose(0, 1).unsqueeze(0)
+            keys = k[span.token_start:span.token_stop].transpose(0, 1)
+            values = v[span.token_start:span.token_stop].transpose(0, 1)
+        else:  # [Hk, context, D], already head-major
+            keys = gather_pages(k_slots, span.context_pages, batch.page_size, batch.space, 0)
+            values = gather_pages(v_slots, span.context_pages, batch.page_size, batch.space, 1)
+        keys, values = keys.unsqueeze(0), values.unsqueeze(0)
         attended = F.scaled_dot_product_attention(
             queries, keys, values,
             attn_mask=span.mask, is_causal=span.mask is None, enable_gqa=group_size > 1,
