@@ -68,16 +68,23 @@ class RotaryEmbedding(torch.nn.Module):
         # [max_positions, head_dim]: the half-split layout repeats each frequency twice.
         angles = torch.cat([angles, angles], dim=-1)
         self.register_buffer("cos", angles.cos().to(device=device, dtype=dtype), persistent=False)
-        self.register_buffer("sin", angles.sin().to(device=device, dtype=dtype), persistent=False)
+        # sin with the first half negated: `apply_rotary` then needs no negation of its own.
+        signs = torch.cat([-torch.ones(head_dim // 2), torch.ones(head_dim // 2)])
+        self.register_buffer("sin", (angles.sin() * signs).to(device=device, dtype=dtype), persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin `[T, 1, head_dim]` for positions `[T]`; looked up once per step, used by every layer."""
+        """cos and signed sin `[T, 1, head_dim]` for positions `[T]`; looked up once per step, used by every layer."""
         return (self.cos.index_select(0, positions).unsqueeze(1),
                 self.sin.index_select(0, positions).unsqueeze(1))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x `[T, heads, head_dim]` by `RotaryEmbedding.lookup`'s cos/sin (half-split pairs)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    """Rotate x `[T, heads, head_dim]` by `RotaryEmbedding.lookup`'s cos/signed sin (half-split pairs).
+
+    x * cos + [-x2, x1] * sin, where the sign lives in the table: four kernels per call instead
+    of five (no negation), which counts in a decode step of 30 layers. Each product is rounded
+    before the sum, as in the reference code (a fused addcmul would not be, and half-precision
+    logits would drift from transformers').
+    """
+    swapped = x.roll(x.shape[-1] // 2, dims=-1)  # [x2, x1]
+    return x * cos + swapped * sin
