@@ -3,7 +3,8 @@
 Sequences share token prefixes of random lengths, on and off page boundaries: the router shares
 only whole pages, so the shared prefix's full pages are the same physical pages in every table
 and the rest of the prefix lies in each sequence's own pages. Page ids are shuffled.
-Heads are those of one TP rank of SmolLM2's shape (9 query, 3 KV heads) at TP=1 and TP=2.
+Heads are those of one TP rank of SmolLM2's shape (9 query, 3 KV heads) at TP=1 and TP=2. The
+pool is head-major (`[kv_heads, slots, head_dim]`), as the worker's `KVPool` holds it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from worker.tiny_models import VOCAB_SIZE, make_tiny_llama
 from worker_service.attention.cascade import decode_attention
 from worker_service.attention.decode_plan import plan_decode, shared_prefixes
+from worker_service.attention.kernels import GatherSpace
 from worker_service.forward_batch import ForwardEntry
 from worker_service.layers.sharding import shard_heads
 from worker_service.model_runner import ModelRunner, RunnerConfig
@@ -142,3 +144,25 @@ def test_a_batch_sharing_a_prefix_decodes_as_each_sequence_alone(tmp_path) -> No
     alone = [decode([ForwardEntry(p, 0, [200 + 10 * i + j for j in range(pages_each)], True)])[0]
              for i, p in enumerate(prompts)]
     assert together == alone
+
+
+def test_a_reused_gather_space_gives_the_results_of_fresh_gathers() -> None:
+    """One `GatherSpace` serves batches of every size in turn (it grows, then is reused by smaller
+    ones): results equal gathers into fresh tensors bit for bit, so no stale page leaks in."""
+    space = GatherSpace()
+    for seed in [3, 0, 5, 1]:
+        k, v, tables, lens, _ = build_batch(seed, 4, NUM_KV_HEADS, torch.float32)
+        q = torch.randn(len(tables), NUM_Q_HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(seed))
+        plan = plan_decode(tables, lens, 4, torch.device("cpu"))
+        assert torch.equal(decode_attention(q, k, v, plan, 4, space), decode_attention(q, k, v, plan, 4))
+
+
+def test_the_gather_space_grows_only_when_asked_for_more() -> None:
+    space = GatherSpace()
+    like = torch.empty(0, dtype=torch.bfloat16)
+    first = space.take(0, 100, like)
+    assert space.take(0, 60, like).data_ptr() == first.data_ptr()  # reused, not reallocated
+    assert space.take(1, 60, like).data_ptr() != first.data_ptr()  # K and V never share
+    grown = space.take(0, 200, like)
+    assert grown.numel() == 200 and grown.dtype == torch.bfloat16
+    assert space.take(0, 10, torch.empty(0)).dtype == torch.float32  # another dtype: its own buffer
