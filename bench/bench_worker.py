@@ -13,8 +13,8 @@ tokens/s the step would reach at full bandwidth or full GEMM throughput, whichev
 - prefill xN: N prompts of --prefill-len / N tokens in one step.
 Each figure is the best of --repeats runs (others may be loading the machine; best-of shows what
 the code can do). The issue's goals are checked at the end. `--profile` prints a torch.profiler
-table of one batched decode step, unshared and shared; `--transformers` adds transformers'
-`generate` for one sequence as the reference point.
+table of one decode step of one sequence and of the batch, unshared and shared; `--transformers`
+adds transformers' `generate` for one sequence as the reference point.
 """
 
 from __future__ import annotations
@@ -225,6 +225,7 @@ def main() -> None:
             reference = transformers_decode_tokens_per_s(args.model, dtype, args.context, args.steps)
             print(f"{'transformers ' + dtype:>18} | {reference:>18.1f}", flush=True)
         if args.profile:
+            profile_decode(single, f"{dtype}, decode x1 at {args.context}")
             profile_decode(batched, f"{dtype}, decode x{args.batch} at {args.context}, nothing shared")
             profile_decode(shared, f"{dtype}, decode x{args.batch} at {args.context}, {args.shared_len} shared")
         del runner, single, batched, shared

@@ -1,6 +1,7 @@
-"""Additive attention masks, made once per step in the model dtype.
+"""Additive attention masks, made once per step in the dtype their kernel adds them in (the model
+dtype for prefill's SDPA, float32 for decode's scores).
 
-SDPA takes a float mask as is; a boolean one would be converted in every layer of every step.
+A float mask is taken as is; a boolean one would be converted in every layer of every step.
 """
 
 from __future__ import annotations
