@@ -18,23 +18,30 @@ from worker_service.layers.sharding import balanced_range
 from worker_service.layers.weights import WeightSlice, make_param
 
 
-class VocabParallelEmbedding(torch.nn.Module):
+class VocabShard(torch.nn.Module):
+    """This rank's contiguous range of vocabulary rows of a `[vocab, hidden]` matrix: the
+    embedding table, or the LM head (which `tied_to` an embedding shares its weight)."""
+
     def __init__(
-        self,
-        name: str,
-        vocab_size: int,
-        hidden_size: int,
-        group: TPGroup,
-        dtype: torch.dtype,
-        device: torch.device,
+        self, name: str, vocab_size: int, hidden_size: int, group: TPGroup,
+        dtype: torch.dtype, device: torch.device, tied_to: VocabShard | None = None,
     ) -> None:
         super().__init__()
         self.group = group
         self.vocab_range = balanced_range(vocab_size, group.world_size, group.rank)
-        self.weight = make_param(
-            (len(self.vocab_range), hidden_size), [WeightSlice(name, self.vocab_range)], dtype, device
-        )
+        # Every rank's row count, in rank order: how rank 0 reassembles a full logits row.
+        self.shard_sizes = [len(balanced_range(vocab_size, group.world_size, r))
+                            for r in range(group.world_size)]
+        if tied_to is not None:
+            self.weight = tied_to.weight
+        else:
+            self.weight = make_param(
+                (len(self.vocab_range), hidden_size), [WeightSlice(name, self.vocab_range)], dtype,
+                device,
+            )
 
+
+class VocabParallelEmbedding(VocabShard):
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.group.world_size == 1:
             return F.embedding(token_ids, self.weight)
@@ -45,38 +52,18 @@ class VocabParallelEmbedding(torch.nn.Module):
         return all_reduce_sum(hidden, self.group)
 
 
-class ParallelLMHead(torch.nn.Module):
+class ParallelLMHead(VocabShard):
     """Logits over the full vocabulary, assembled on rank 0 only (None elsewhere)."""
 
-    def __init__(
-        self,
-        name: str,
-        vocab_size: int,
-        hidden_size: int,
-        group: TPGroup,
-        dtype: torch.dtype,
-        device: torch.device,
-        tied_to: VocabParallelEmbedding | None = None,
-    ) -> None:
-        super().__init__()
-        self.group = group
-        self.shard_sizes = [len(balanced_range(vocab_size, group.world_size, r))
-                            for r in range(group.world_size)]
-        if tied_to is not None:
-            self.weight = tied_to.weight
-        else:
-            vocab_range = balanced_range(vocab_size, group.world_size, group.rank)
-            self.weight = make_param(
-                (len(vocab_range), hidden_size), [WeightSlice(name, vocab_range)], dtype, device
-            )
-
-        self.packed_weight: torch.nn.Parameter | None = None
+    # Set by `pack` where the packed kernel is faster (a plain tensor beside the weight, which
+    # the tied embedding still reads); the plain weight is used until then.
+    packed_weight: torch.Tensor | None = None
 
     def pack(self) -> None:
         """Use a oneDNN-packed copy of the (loaded) weight where that is faster (see module doc)."""
         if self.packed_weight is None and can_pack(self.weight):
             packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
-            self.packed_weight = torch.nn.Parameter(packed, requires_grad=False)
+            self.packed_weight = packed
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         if self.packed_weight is not None:
