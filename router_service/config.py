@@ -6,10 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from radixserve import flags
-from radixserve.flags import setting
+from radixserve.flags import nested, setting
 from radixserve.security import SecurityConfig, security_settings
 from radixserve.shared_flags import HOST, LOG_LEVEL, METRICS_PORT, PORT
 from router_service.admission import Policy
+from router_service.speculation import SpeculationConfig
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
@@ -43,6 +44,7 @@ class RouterConfig:
     log_level: str = LOG_LEVEL()
     metrics_port: int = METRICS_PORT(50152)
     security: SecurityConfig = security_settings()
+    speculation: SpeculationConfig = nested(SpeculationConfig)
 
     def __post_init__(self) -> None:
         flags.check(self)

@@ -82,6 +82,7 @@ def task_to_proto(plan: StepPlan, task_id: int, previous_task_id: int) -> worker
             page_ids=entry.new_page_ids,
             sample=entry.sample,
             sampled_in_task=previous_task_id if entry.after_sampled else 0,
+            num_draft_tokens=entry.num_draft_tokens,
         )
         if entry.new_request:
             task_entry.new_request.CopyFrom(worker_pb2.NewRequest(
@@ -108,6 +109,9 @@ def stats_to_proto(
         worker_idle_s_total=idle.total_s,
         num_idle_measured_steps=idle.num_steps,
         router_step_cpu_p50_s=cpu.p50_s,
+        num_draft_tokens=stats.num_draft_tokens,
+        num_accepted_draft_tokens=stats.num_accepted_draft_tokens,
+        num_draft_entries=stats.num_draft_entries,
     )
     if scheduler is not None:
         allocator = scheduler.allocator
@@ -120,10 +124,13 @@ def stats_to_proto(
     return response
 
 
-def token_logprob(sampled: worker_pb2.SampledToken) -> generation_pb2.TokenLogprob:
-    return generation_pb2.TokenLogprob(
+def step_logprobs(sampled: worker_pb2.SampledToken, num_new: int) -> list[generation_pb2.TokenLogprob]:
+    """The logprobs of a step's `num_new` output tokens: accepted drafts first, then the
+    sampled token (left out when a draft ended the request)."""
+    last = generation_pb2.TokenLogprob(
         token_id=sampled.token_id, logprob=sampled.logprob, top_logprobs=sampled.top_logprobs
     )
+    return [*sampled.accepted_logprobs, last][:num_new]
 
 
 def response_to_proto(
@@ -141,6 +148,8 @@ def response_to_proto(
             prompt_tokens=request.num_prompt,
             completion_tokens=request.num_output,
             cached_tokens=max(request.num_cached_tokens, 0),
+            draft_tokens=request.draft.num_drafted,
+            accepted_draft_tokens=request.draft.num_accepted,
         ),
     )
     if finished and request.finish_reason in _FINISH:

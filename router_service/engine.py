@@ -163,6 +163,7 @@ class Engine:
             policy=self.config.policy,
             context_len=self.summary.context_len,
             eos_token_ids=frozenset(self.summary.eos_token_ids),
+            speculation=self.config.speculation,
         )
         log.info("serving %s over %d rank(s), %d pages of %d tokens", self.summary.model_name,
                  len(infos), self.summary.num_pages, self.summary.page_size)
@@ -249,11 +250,19 @@ class Engine:
             )
         self.metrics.step(plan, flight.started)
         sampled = {token.request_id: token for token in result.tokens}
-        for request in scheduler.complete(plan, [token.token_id for token in result.tokens]):
+        num_outputs = {entry.request.request_id: entry.request.num_output for entry in plan.entries}
+        updated = scheduler.complete(
+            plan, [token.token_id for token in result.tokens],
+            [token.num_accepted_drafts for token in result.tokens],
+        )
+        for request in updated:
+            # A step yields the accepted drafts and the sampled token, up to a stop.
+            num_new = request.num_output - num_outputs[request.request_id]
             token = sampled[request.request_id]
-            logprobs = [convert.token_logprob(token)] if request.sampling.logprobs else []
+            logprobs = convert.step_logprobs(token, num_new) if request.sampling.logprobs else []
             self._send(request, StreamEvent(
-                [token.token_id], logprobs, finished=request.finish_reason is not None
+                request.token_ids[len(request.token_ids) - num_new:], logprobs,
+                finished=request.finish_reason is not None,
             ))
         cpu_s = flight.plan_cpu_s + time.thread_time() - cpu_started
         idle_s = result.idle_before_s if flight.back_to_back else None

@@ -105,12 +105,17 @@ class _StateCollector(Collector):
             ("kv_pages_free", "KV pages free.", stats.num_pages_free),
             ("kv_cache_usage_perc", "Fraction of KV pages held by running requests (0 to 1).",
              (used - cached) / total if total else 0.0),
+            ("spec_acceptance_rate", "Accepted / verified draft tokens since start (0 when none).",
+             stats.num_accepted_draft_tokens / stats.num_draft_tokens if stats.num_draft_tokens else 0.0),
         ]
         counters = [
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prompt_tokens),
             ("prefix_cache_hits", "Prompt tokens served from the prefix cache.", stats.cache_hit_tokens),
             ("num_retractions", "Running requests taken back to the queue for pages.", stats.num_retractions),
             ("scheduler_steps", "Scheduler steps run on the workers.", stats.num_steps),
+            ("spec_draft_tokens", "Draft tokens proposed and verified (speculative decoding).",
+             stats.num_draft_tokens),
+            ("spec_accepted_tokens", "Draft tokens accepted (speculative decoding).", stats.num_accepted_draft_tokens),
         ]
         for kind, rows in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
             for base, doc, value in rows:

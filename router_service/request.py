@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from radixserve.constraints import Constraint
 from radixserve.sampling import SamplingParams
 from router_service.radix_cache import RadixNode
+from router_service.speculation import DraftState
 
 
 class FinishReason(enum.Enum):
@@ -59,6 +60,8 @@ class Request:
     admitted_at: int = -1  # admission order while running; -1 while waiting
     num_cached_tokens: int = -1  # prompt tokens served from the cache, set at first admission
     finish_reason: FinishReason | None = None
+    # Speculative decoding: its n-gram lookup state, acceptance and draft counters.
+    draft: DraftState = field(default_factory=DraftState)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

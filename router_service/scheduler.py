@@ -7,8 +7,9 @@ The `Scheduler` composes three parts and keeps the requests' lifecycle itself:
 It owns the waiting and running requests and every move between them: `add` (queued, once it
 is known to fit the pool alone), `start` (admitted), `retract` (back to the queue, pages given
 back), `end` (finished, cancelled or failed, pages given back), and collects the ids the
-workers must forget. `schedule()` plans a step; `complete(plan, token_ids)` applies the sampled
-tokens, ends finished requests and caches every page the step wrote whole.
+workers must forget. `schedule()` plans a step; `complete(plan, token_ids, num_accepted)` applies
+the sampled tokens (after the drafts rank 0 accepted, see `speculation`), ends finished requests
+and caches every page the step wrote whole.
 
 Plain Python over ints and lists, like everything it uses: no grpc, no torch.
 """
@@ -25,8 +26,9 @@ from router_service.page_allocator import PageAllocator
 from router_service.page_manager import PageManager
 from router_service.radix_cache import RadixCache
 from router_service.request import FinishReason, Request
+from router_service.speculation import SpeculationConfig, Speculator
 from router_service.step_builder import StepBuilder
-from router_service.step_plan import StepPlan
+from router_service.step_plan import ScheduledEntry, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,10 @@ class SchedulerStats:
     num_retractions: int = 0
     cache_hit_tokens: int = 0
     prompt_tokens: int = 0
+    # Speculative decoding: decode entries that carried drafts, drafts verified, drafts kept.
+    num_draft_entries: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
 
     def __add__(self, other: SchedulerStats) -> SchedulerStats:
         return SchedulerStats(*(mine + theirs for mine, theirs in zip(astuple(self), astuple(other))))
@@ -55,7 +61,9 @@ class Scheduler:
         policy: Policy,
         context_len: int,
         eos_token_ids: frozenset[int],
+        speculation: SpeculationConfig | None = None,
     ) -> None:
+        """`speculation` None: no drafts (as with `enabled=False`)."""
         self.page_size = page_size
         self.max_batch_tokens = max_batch_tokens
         self.max_running_requests = max_running_requests
@@ -66,6 +74,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # in admission order
         self.stats = SchedulerStats()
+        self.speculator = Speculator(speculation, context_len) if speculation else None
         self._releases: list[str] = []
         self._arrivals = itertools.count()
         self._admissions = itertools.count()
@@ -130,9 +139,15 @@ class Scheduler:
 
     # ---- applying a step -----------------------------------------------------------------
 
-    def complete(self, plan: StepPlan, token_ids: list[int]) -> list[Request]:
+    def complete(
+        self, plan: StepPlan, token_ids: list[int], num_accepted: list[int] | None = None
+    ) -> list[Request]:
         """Apply the sampled tokens (one per sampling entry, in entry order).
 
+        `num_accepted[i]` (default 0) is how many of sampling entry i's drafts rank 0 accepted:
+        the request's output grows by those drafts, then `token_ids[i]`, cut at the first token
+        that ends it. Only positions before the last appended token count as computed, so the
+        K/V of rejected drafts (and of a stop token) never enters the cache.
         Returns the requests that got a token, in entry order; ended ones have their
         `finish_reason` set and their pages already given back. Entries that went stale while
         the step was in flight (their request ended or was retracted since: the work planned
@@ -142,17 +157,22 @@ class Scheduler:
         sampling = [entry for entry in plan.entries if entry.sample]
         if len(sampling) != len(token_ids):
             raise ValueError(f"{len(token_ids)} tokens for {len(sampling)} sampling entries")
+        if num_accepted is None:
+            num_accepted = [0] * len(sampling)
         self.stats.num_steps += 1
         for entry in plan.entries:
             if not entry.is_stale:
                 entry.request.num_in_flight -= entry.num_tokens
         updated: list[Request] = []
-        for entry, token_id in zip(sampling, token_ids):
+        for entry, token_id, accepted in zip(sampling, token_ids, num_accepted):
             if entry.is_stale:
                 continue
             request = entry.request
             request.num_unresolved -= 1
-            request.append_token(token_id, self.eos_token_ids, self.context_len)
+            if entry.num_draft_tokens:
+                self._append_verified(entry, token_id, accepted)
+            else:
+                request.append_token(token_id, self.eos_token_ids, self.context_len)
             updated.append(request)
             if request.finish_reason is not None:
                 self.end(request)
@@ -162,9 +182,33 @@ class Scheduler:
                 continue  # ended (its pages are given back) or retracted
             # Only when this step filled a page: most decode steps cost one comparison here.
             end = entry.start_position + entry.num_tokens
+            if entry.num_draft_tokens:
+                end = entry.request.num_computed  # the kept positions only
             if end // size > entry.start_position // size:
                 self.pages.cache_written(entry.request)
         return updated
+
+    def _append_verified(self, entry: ScheduledEntry, token_id: int, num_accepted: int) -> None:
+        """Append a speculative entry's accepted drafts and sampled token, up to a stop."""
+        request = entry.request
+        num_drafts = entry.num_draft_tokens
+        if not 0 <= num_accepted <= num_drafts:
+            raise ValueError(f"{num_accepted} drafts accepted of {num_drafts}")
+        drafts = entry.token_ids[len(entry.token_ids) - num_drafts:]
+        num_appended = 0
+        for token in [*drafts[:num_accepted], token_id]:
+            request.append_token(token, self.eos_token_ids, self.context_len)
+            num_appended += 1
+            if request.finish_reason is not None:
+                break
+        num_used = min(num_appended, num_accepted)  # accepted drafts that became output
+        # The last appended token is pending (its K/V is not kept), as after any decode step.
+        request.num_computed = len(request.token_ids) - 1
+        assert self.speculator is not None  # only a speculator proposes drafts
+        request.draft.record(num_drafts, num_used, self.speculator.config)
+        self.stats.num_draft_entries += 1
+        self.stats.num_draft_tokens += num_drafts
+        self.stats.num_accepted_draft_tokens += num_used
 
     # ---- moving requests between waiting and running -------------------------------------
 

@@ -13,6 +13,11 @@
 If the plan is still empty while requests run, every one of them is stuck in a prefill with no
 page to grow into: the newest is retracted so that the others can go on next step.
 
+A decoding request may carry draft tokens (speculative decoding, see `speculation`) when the step
+decodes few requests: they are proposed once its page for the next token is secured, get page
+slots only from free or evictable pages (drafts never retract anyone) and use the budget left
+once every decoding request has its one token.
+
 Invariants: a request is in a plan at most once; only requests not (yet) in the plan are
 retracted while building it; every entry is made by `_add`, which advances the request's
 `num_computed` and `num_pages_sent` as if the step had already run (the workers apply tasks in
@@ -61,7 +66,12 @@ class StepBuilder:
         return self.plan
 
     def _add_decodes(self) -> None:
-        for request in list(self.scheduler.running):
+        running = self.scheduler.running
+        speculator = self.scheduler.speculator
+        num_decoding = sum(1 for request in running if request.num_pending == 1)
+        speculate = speculator is not None and speculator.wants_drafts(num_decoding)
+        spare = self.budget - num_decoding  # budget left once every decode has its token
+        for request in list(running):
             if self.budget == 0:
                 break
             # Skip requests retracted just now, those still prefilling, and those whose token in
@@ -72,7 +82,31 @@ class StepBuilder:
                 and not request.ends_when_resolved(self.scheduler.context_len)
                 and self._grow_for_decode(request)
             ):
-                self._add(request, 1, new_request=False)
+                # A request whose token is still in flight (overlap) has no known suffix to look up.
+                drafts = self._drafts_for(request, spare) if speculate and not request.num_unresolved else []
+                self._add(request, 1, new_request=False, drafts=drafts)
+                spare -= len(drafts)
+
+    def _drafts_for(self, request: Request, limit: int) -> list[int]:
+        """Drafts for a decoding request whose next page is secured, with pages for them.
+
+        Draft positions get pages only when free or evictable ones exist: a draft is worth less
+        than any request's progress, so it never retracts one; without pages it is cut short.
+        Nothing follows a stop token among them (not even for `ignore_eos`).
+        """
+        scheduler = self.scheduler
+        drafts = scheduler.speculator.drafts(
+            request.draft, request.token_ids, request.max_tokens - request.num_output, limit
+        )
+        for index, token in enumerate(drafts):
+            if token in request.stop_token_ids or token in scheduler.eos_token_ids:
+                drafts = drafts[: index + 1]
+                break
+        if drafts and not self.pages.grow(request, 1 + len(drafts)):
+            drafts = drafts[: max(0, self.pages.room(request) - 1)]
+            if drafts:
+                self.pages.grow(request, 1 + len(drafts))  # fits: within `room`
+        return drafts
 
     def _add_prefill_chunks(self) -> None:
         for request in list(self.scheduler.running):
@@ -144,13 +178,14 @@ class StepBuilder:
     def _has_slot(self) -> bool:
         return len(self.scheduler.running) < self.scheduler.max_running_requests
 
-    def _add(self, request: Request, num_tokens: int, *, new_request: bool) -> None:
-        """Put `request`'s next `num_tokens` tokens in the plan (its pages already hold them)."""
+    def _add(self, request: Request, num_tokens: int, *, new_request: bool, drafts: list[int] = ()) -> None:
+        """Put `request`'s next `num_tokens` tokens, then `drafts`, in the plan (its pages
+        already hold them)."""
         start = request.num_computed
         num_known = len(request.token_ids)
         entry = ScheduledEntry(
             request=request,
-            token_ids=request.token_ids[start : start + num_tokens],
+            token_ids=[*request.token_ids[start : start + num_tokens], *drafts],
             start_position=start,
             new_page_ids=request.page_table[request.num_pages_sent :],
             sample=start + num_tokens == num_known + request.num_unresolved,
@@ -159,11 +194,14 @@ class StepBuilder:
             # A token sampled in the step in flight is referred to, not carried (`lookahead`).
             after_sampled=start == num_known,
             admitted_at=request.admitted_at,
+            num_draft_tokens=len(drafts),
         )
         self.plan.entries.append(entry)
         request.num_pages_sent = len(request.page_table)
-        request.num_computed = start + num_tokens
-        request.num_in_flight += num_tokens
+        # Drafts count as computed while the step is in flight (a step with drafts never has a
+        # step planned behind it); `Scheduler.complete` then counts only what was kept.
+        request.num_computed = start + num_tokens + len(drafts)
+        request.num_in_flight += num_tokens + len(drafts)
         request.num_unresolved += entry.sample
         request.on_workers = True
-        self.budget -= num_tokens
+        self.budget -= num_tokens + len(drafts)

@@ -27,6 +27,8 @@ class ScheduledEntry:
     cached_token_ids: list[int]
     after_sampled: bool = False
     admitted_at: int = -1
+    # Speculative decoding: the last `num_draft_tokens` of `token_ids` are drafts to verify.
+    num_draft_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -42,9 +44,9 @@ class ScheduledEntry:
     def next_position_known(self) -> bool:
         """Where the request goes on after this entry is known before its result: the entry
         computes its tokens and samples at most one, which the next step computes at the
-        following position. An entry that verifies draft tokens must say False: how many are
+        following position. An entry that verifies draft tokens says False: how many are
         accepted decides the next positions and pages."""
-        return True
+        return self.num_draft_tokens == 0
 
 
 @dataclass(slots=True)

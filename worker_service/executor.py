@@ -16,6 +16,7 @@ The executor works on the wire messages themselves (`worker_pb2.DecodeTask` in,
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from typing import Protocol
@@ -24,12 +25,13 @@ import torch
 
 from radixserve import constraints, sampling
 from radixserve.grammar_compiler import InvalidConstraint
-from radixserve.v1 import worker_pb2
+from radixserve.v1 import generation_pb2, worker_pb2
+from worker_service.draft_verify import num_accepted, verify_rows
 from worker_service.forward_batch import ForwardEntry
 from worker_service.grammar import ConstraintMasks, RequestMatcher
 from worker_service.metrics import WorkerMetrics
 from worker_service.request_state import RequestState, RequestTable
-from worker_service.sampler import Sampler, SampleRow
+from worker_service.sampler import Sample, Sampler
 
 log = logging.getLogger(__name__)
 
@@ -86,15 +88,16 @@ class Executor:
             log.warning("task %d rejected: %s", task.task_id, exc)
             result.error.code, result.error.message = INVALID_ARGUMENT, str(exc)
             return result
-        marks = [(state.num_written, len(state.page_table)) for state in states]
-        for entry, state in zip(task.entries, states):
-            state.append(entry.token_ids, entry.page_ids)
+        marks = [
+            state.append_entry(entry.start_position, entry.token_ids, entry.page_ids, entry.num_draft_tokens)
+            for entry, state in zip(task.entries, states)
+        ]
         try:
             self._forward(task, states, result)
         except Exception as exc:  # a broken runner, not a bad task: report it, apply nothing
             log.exception("task %d failed", task.task_id)
-            for state, (num_tokens, num_pages) in zip(states, marks):
-                state.truncate(num_tokens, num_pages)
+            for state, mark in zip(states, marks):
+                state.restore(mark)
             del result.tokens[:]
             result.error.code, result.error.message = INTERNAL, f"forward failed: {exc}"
             return result
@@ -107,7 +110,8 @@ class Executor:
         their sampled tokens (a matcher is synced to the output before each use, so it never
         depends on a task being committed)."""
         batch = [
-            ForwardEntry(list(entry.token_ids), entry.start_position, state.page_table, entry.sample)
+            ForwardEntry(list(entry.token_ids), entry.start_position, state.page_table, entry.sample,
+                         1 + entry.num_draft_tokens)
             for entry, state in zip(task.entries, states)
         ]
         started = time.monotonic()
@@ -117,28 +121,38 @@ class Executor:
         sampled = [(entry, state) for entry, state in zip(task.entries, states) if entry.sample]
         if self.sampler is None or not sampled:
             return
-        if logits is None or logits.dim() != 2 or logits.shape[0] != len(sampled):
-            shape = None if logits is None else tuple(logits.shape)
-            raise RuntimeError(f"runner returned logits {shape} for {len(sampled)} sampled entries")
         # The states already hold this step's tokens: penalties and seeds see the sequence so far.
-        rows = [SampleRow(state.sampling, state.token_ids, state.num_prompt_tokens) for _, state in sampled]
-        constrained = [(row, state.matcher) for row, (_, state) in enumerate(sampled) if state.matcher]
+        # One row per verified position (one for an entry without drafts).
+        entry_rows = [verify_rows(state, entry.num_draft_tokens) for entry, state in sampled]
+        rows = [row for group in entry_rows for row in group]
+        if logits is None or logits.dim() != 2 or logits.shape[0] != len(rows):
+            shape = None if logits is None else tuple(logits.shape)
+            raise RuntimeError(f"runner returned logits {shape} for {len(rows)} sampled positions")
+        firsts = list(itertools.accumulate((len(group) for group in entry_rows), initial=0))
+        constrained = [
+            (first + j, state.matcher, row.output_ids)
+            for first, group, (_, state) in zip(firsts, entry_rows, sampled) if state.matcher
+            for j, row in enumerate(group)
+        ]
         if constrained:
-            for row, matcher in constrained:
-                matcher.sync(rows[row].output_ids)
             logits = self.constraints.mask(logits, constrained)
         started = time.monotonic()
         samples = self.sampler.sample(logits, rows)
         if self.metrics is not None:
             self.metrics.sampler_done(time.monotonic() - started)
-        for row, matcher in constrained:
-            matcher.advance(samples[row].token_id)
-        for (entry, _), sample in zip(sampled, samples):
-            token = result.tokens.add(request_id=entry.request_id, token_id=sample.token_id)
-            if sample.logprob is not None:
-                token.logprob = sample.logprob
-            for token_id, logprob in sample.top_logprobs or ():
-                token.top_logprobs.add(token_id=token_id, logprob=logprob)
+        for first, group, (entry, state) in zip(firsts, entry_rows, sampled):
+            drafts = list(entry.token_ids[len(entry.token_ids) - entry.num_draft_tokens:])
+            count = num_accepted(drafts, samples[first:])
+            final = samples[first + count]
+            if state.matcher is not None:  # back to the accepted tokens, then the sampled one
+                state.matcher.sync(group[count].output_ids)
+                state.matcher.advance(final.token_id)
+            token = result.tokens.add(request_id=entry.request_id, token_id=final.token_id,
+                                      num_accepted_drafts=count)
+            _add_logprobs(token, final)
+            if final.logprob is not None:
+                for sample in samples[first : first + count]:
+                    _add_logprobs(token.accepted_logprobs.add(token_id=sample.token_id), sample)
 
     def _validate(self, task: worker_pb2.DecodeTask) -> list[RequestState]:
         """Check every entry against the table as it will be after reset and releases.
@@ -205,12 +219,21 @@ class Executor:
         if not entry.token_ids:
             raise InvalidTask(f"{where}: token_ids is empty")
         self._check_token_ids(entry.token_ids, f"{where}: token_ids")
-        if entry.start_position != state.num_written:
+        # After a speculative entry the rank does not know how many drafts were kept: the next
+        # entry may start anywhere from the first draft on (see worker.proto TaskEntry).
+        if not state.num_written - state.num_unverified <= entry.start_position <= state.num_written:
             written = "cached_token_ids holds" if entry.HasField("new_request") else "K/V is written for"
+            unverified = f" ({state.num_unverified} of them drafts)" if state.num_unverified else ""
             raise InvalidTask(
                 f"{where}: start_position {entry.start_position} does not follow the KV written: "
-                f"{written} {state.num_written} tokens"
+                f"{written} {state.num_written} tokens{unverified}"
             )
+        if not 0 <= entry.num_draft_tokens < len(entry.token_ids):
+            raise InvalidTask(
+                f"{where}: num_draft_tokens {entry.num_draft_tokens} must be in [0, {len(entry.token_ids)})"
+            )
+        if entry.num_draft_tokens and not entry.sample:
+            raise InvalidTask(f"{where}: drafts to verify, but sample is false")
         end = entry.start_position + len(entry.token_ids)
         if end > info.context_len:
             raise InvalidTask(
@@ -240,3 +263,11 @@ class Executor:
         for entry, state in zip(task.entries, states):
             if entry.HasField("new_request"):
                 self.requests.add(state)
+
+
+def _add_logprobs(token: worker_pb2.SampledToken | generation_pb2.TokenLogprob, sample: Sample) -> None:
+    """A sampled token's logprob and top alternatives (when asked) onto its message."""
+    if sample.logprob is not None:
+        token.logprob = sample.logprob
+    for token_id, logprob in sample.top_logprobs or ():
+        token.top_logprobs.add(token_id=token_id, logprob=logprob)

@@ -3,7 +3,9 @@
 The executor turns a validated DecodeTask (the wire message) into a list of `ForwardEntry`, one
 per task entry, in task order, and every rank calls `ModelRunner.forward(entries)` with the same list. The runner
 writes the entries' K/V into the slots their page tables name and returns, on rank 0 only, the
-float32 logits of the last position of every entry with `sample=True` (in entry order).
+float32 logits of the last `num_logits` positions of every entry with `sample=True` (entry order,
+positions in order within an entry: one row for a plain decode or prefill, one per verified
+position for a speculative entry).
 """
 
 from __future__ import annotations
@@ -26,3 +28,5 @@ class ForwardEntry:
     start_position: int
     page_table: list[int]
     sample: bool
+    # With `sample`: logits of this many last positions (1 + the entry's drafts).
+    num_logits: int = 1

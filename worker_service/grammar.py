@@ -7,6 +7,12 @@ fills the bitmasks of all those rows, and the tokens a row's constraint forbids 
 After sampling each matcher consumes the chosen token (`advance`). Unconstrained rows are never
 touched: a step without constrained rows does no work here at all.
 
+A speculative entry brings one row per verified position, all with the request's matcher: they
+are filled in order, the matcher consuming each draft before the next row's mask, and only while
+the draft is one the previous row's mask allows (a forbidden draft can never equal the draw, so
+the rows after it are never used and get a copy of its mask). The executor then rolls the
+matcher back to the accepted tokens (`sync`) and advances it over the sampled one.
+
 EOS is in the mask exactly when the constraint is complete (the matcher knows the model's EOS
 ids). A matcher that errs (the library's per-step limits, or a token it cannot take, as after
 `ignore_eos` ran past the end) allows only EOS from then on, so its request ends.
@@ -97,19 +103,26 @@ class ConstraintMasks:
         """Raises `InvalidConstraint` (the gateway checks first, so only a misconfigured stack)."""
         return RequestMatcher(request_id, self.compiler.matcher(constraint))
 
-    def mask(self, logits: torch.Tensor, rows: list[tuple[int, RequestMatcher]]) -> torch.Tensor:
-        """Forbidden tokens of each (row index, synced matcher) get -inf; other rows are untouched.
+    def mask(self, logits: torch.Tensor, rows: list[tuple[int, RequestMatcher, list[int]]]) -> torch.Tensor:
+        """Forbidden tokens of each (row index, matcher, output so far) get -inf; other rows are
+        untouched. Each matcher is synced to its row's output before its mask is filled; the
+        rows of one matcher are consecutive, each one token longer than the one before.
 
         Works in place on `logits` (the runner's fresh float32 output) and returns it.
         """
         bitmask = torch.zeros((len(rows), self._num_words), dtype=torch.int32)
-        if self._executor is None:
-            for slot, (_, row) in enumerate(rows):
-                llguidance.torch.fill_next_token_bitmask(row.matcher, bitmask, slot)
+        if len({id(matcher) for _, matcher, _ in rows}) < len(rows):
+            self._fill_in_order(rows, bitmask)
         else:
-            llguidance.torch.fill_next_token_bitmask_par(
-                self._executor, [(row.matcher, slot) for slot, (_, row) in enumerate(rows)], bitmask
-            )
+            for _, matcher, output_ids in rows:
+                matcher.sync(output_ids)
+            if self._executor is None:
+                for slot, (_, row, _) in enumerate(rows):
+                    llguidance.torch.fill_next_token_bitmask(row.matcher, bitmask, slot)
+            else:
+                llguidance.torch.fill_next_token_bitmask_par(
+                    self._executor, [(row.matcher, slot) for slot, (_, row, _) in enumerate(rows)], bitmask
+                )
         self._allow_eos_where_empty(bitmask)
         allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
         allowed = torch.from_numpy(allowed[:, : self.vocab_size]).to(torch.int32)
@@ -117,6 +130,28 @@ class ConstraintMasks:
         index = torch.tensor([row for row, _ in rows], device=logits.device)
         with torch.inference_mode():  # the runner's logits are inference tensors
             return logits.index_add_(0, index, bias)
+
+    def _fill_in_order(self, rows: list[tuple[int, RequestMatcher, list[int]]], bitmask: torch.Tensor) -> None:
+        """Fill row by row, walking each matcher over its rows' drafts (see the module docstring)."""
+        eos = set(self.eos_token_ids)
+        walking = False  # the previous row's matcher may go on to this row
+        for slot, (_, matcher, output_ids) in enumerate(rows):
+            continues = slot > 0 and rows[slot - 1][1] is matcher
+            if continues and not (walking and self._may_consume(matcher, bitmask[slot - 1], output_ids[-1], eos)):
+                bitmask[slot] = bitmask[slot - 1]  # never used: the draft before it is rejected
+                walking = False
+                continue
+            matcher.sync(output_ids)
+            llguidance.torch.fill_next_token_bitmask(matcher.matcher, bitmask, slot)
+            walking = True
+
+    @staticmethod
+    def _may_consume(matcher: RequestMatcher, allowed: torch.Tensor, token_id: int, eos: set[int]) -> bool:
+        """Whether the walk may consume draft `token_id`: the previous row allows it, and it is
+        neither the end (an accepted EOS ends the request) nor past a stopped matcher."""
+        if token_id in eos or matcher.matcher.is_stopped():
+            return False
+        return (int(allowed[token_id // BITS_PER_WORD]) >> (token_id % BITS_PER_WORD)) & 1 == 1
 
     def _allow_eos_where_empty(self, bitmask: torch.Tensor) -> None:
         """A row with nothing allowed (its matcher erred) may only end: allow EOS."""

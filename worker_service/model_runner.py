@@ -3,7 +3,7 @@
 `ModelRunner.forward(entries)` takes the step's entries (prefill chunks starting at any position
 and single decode tokens, in any mix), lays their tokens out flat (decode tokens first), builds
 the page-table metadata once, runs the model, and returns on rank 0 the float32 logits of the
-last token of every `sample=True` entry, in entry order. Every rank must be called with the same
+last `num_logits` tokens of every `sample=True` entry, in entry order. Every rank must be called with the same
 entries; with world_size > 1 the caller has already joined the process group
 (`distributed.init_distributed`). Entries are assumed valid (the executor checks them).
 """
@@ -118,7 +118,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, entries: list[ForwardEntry]) -> torch.Tensor | None:
-        """One step over `entries`; float32 logits `[num_sampled, vocab]` on rank 0, else None."""
+        """One step over `entries`; float32 logits `[sum of sampled entries' num_logits, vocab]`
+        on rank 0, else None."""
         if not entries:  # every rank gets the same entries, so every rank skips the collectives
             empty = torch.empty(0, self.info.vocab_size, dtype=torch.float32, device=self.device)
             return empty if self.config.rank == 0 else None
@@ -132,8 +133,8 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, torch.Tensor]:
         """Flat token layout (decode tokens first, then each prefill chunk) and its metadata.
 
-        Returns token ids [T], positions [T], the attention metadata, and the flat index of the
-        last token of each sampled entry (entry order). Python work is per entry, not per token.
+        Returns token ids [T], positions [T], the attention metadata, and the flat indices of
+        the last `num_logits` tokens of each sampled entry (entry order). Python work is per entry, not per token.
         """
         page_size, device = self.page_size, self.device
         decode = [i for i, entry in enumerate(entries) if len(entry.token_ids) == 1]
@@ -174,7 +175,11 @@ class ModelRunner:
             prefills=spans,
             space=self.gather_space,
         )
-        sample_indices = [last_token_index[i] for i, entry in enumerate(entries) if entry.sample]
+        sample_indices = [
+            index
+            for i, entry in enumerate(entries) if entry.sample
+            for index in range(last_token_index[i] - entry.num_logits + 1, last_token_index[i] + 1)
+        ]
         return (
             torch.tensor(token_ids, dtype=torch.int64, device=device),
             torch.tensor(positions, dtype=torch.int64, device=device),

@@ -4,6 +4,8 @@ Every rank keeps the same states, because every rank applies the same tasks in t
 Invariants a state keeps:
   - `num_written == len(token_ids)`: every token in the history has its K/V in the pages
     (while a step runs, its tokens are already appended; a failed step cuts them off again);
+    the last `num_unverified` of them are drafts whose fate only rank 0 and the router know, so
+    the next entry may start at any of their positions (dropping them and what follows);
   - `len(page_table) * page_size >= num_written`; `page_set` holds the same ids as `page_table`;
   - page ids are router-owned; the worker never allocates or frees them, it only remembers
     which ones hold this request's sequence.
@@ -41,6 +43,8 @@ class RequestState:
     page_set: set[int] = field(default_factory=set)
     # Rank 0, constrained requests only: the constraint's matcher (see grammar.py).
     matcher: RequestMatcher | None = None
+    # Drafts at the end of `token_ids` from the last entry (speculative decoding).
+    num_unverified: int = 0
 
     @property
     def num_written(self) -> int:
@@ -58,11 +62,38 @@ class RequestState:
         self.page_set.update(self.page_table[len(self.page_set):])
         self.token_ids.extend(token_ids)
 
+    def append_entry(self, start_position: int, token_ids: Iterable[int], page_ids: Iterable[int],
+                     num_drafts: int) -> StepMark:
+        """`append` an entry that starts at `start_position`, first dropping the unverified
+        drafts from there on (rejected ones); returns what `restore` needs to undo it."""
+        mark = StepMark(len(self.token_ids), len(self.page_table), self.token_ids[start_position:],
+                        self.num_unverified)
+        del self.token_ids[start_position:]
+        self.append(token_ids, page_ids)
+        self.num_unverified = num_drafts
+        return mark
+
+    def restore(self, mark: StepMark) -> None:
+        """Undo `append_entry` (a failed step): the state is as it was before it."""
+        self.truncate(mark.num_tokens - len(mark.dropped), mark.num_pages)
+        self.token_ids.extend(mark.dropped)
+        self.num_unverified = mark.num_unverified
+
     def truncate(self, num_tokens: int, num_pages: int) -> None:
         """Undo `append`s back to `num_tokens` tokens and `num_pages` pages (a failed step)."""
         self.page_set.difference_update(self.page_table[num_pages:])
         del self.page_table[num_pages:]
         del self.token_ids[num_tokens:]
+
+
+@dataclass(slots=True, frozen=True)
+class StepMark:
+    """A state's size before a step, and the unverified drafts the step dropped."""
+
+    num_tokens: int
+    num_pages: int
+    dropped: list[int]
+    num_unverified: int
 
 
 class RequestTable:

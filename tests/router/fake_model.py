@@ -5,7 +5,9 @@ Every written token goes to slot `page_table[p // page_size] * page_size + p % p
 page table, so a router that reuses a page with the wrong content, skips or repeats a position,
 or hands one page to two sequences gets different tokens; malformed entries (wrong start
 position, a page table too short, a stale cache hit) are rejected like a real worker would.
-`expected_tokens` computes the output of a request without any router.
+`expected_tokens` computes the output of a request without any router. Speculative entries are
+verified like rank 0 does (a draft is kept while it equals the model's next token), and the next
+entry may start back at any draft's position.
 """
 
 from __future__ import annotations
@@ -30,12 +32,14 @@ class FakeEntry:
     sample: bool
     new_request: bool = False
     cached_token_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
 
 
 @dataclass(slots=True)
 class _FakeRequest:
     page_table: list[int]
     num_written: int
+    num_unverified: int = 0
 
 
 def next_token(sequence: list[int], eos_every: int) -> int:
@@ -80,6 +84,8 @@ class FakeModel:
         self.slot_position = [-1] * (num_pages * page_size)
         self.requests: dict[str, _FakeRequest] = {}
         self.num_tasks = 0
+        # Per sampling entry of the last task: how many of its drafts were accepted.
+        self.last_accepted: list[int] = []
 
     def _slot(self, page_table: list[int], position: int) -> int:
         return page_table[position // self.page_size] * self.page_size + position % self.page_size
@@ -117,6 +123,9 @@ class FakeModel:
                     raise FakeTaskError(f"unknown request {entry.request_id}")
                 table = state.page_table + list(entry.page_ids)
                 written = state.num_written
+            unverified = 0 if entry.new_request else state.num_unverified
+            if written - unverified <= entry.start_position <= written:
+                written = entry.start_position
             if entry.start_position != written:
                 raise FakeTaskError(
                     f"{entry.request_id}: start_position {entry.start_position} != {written}"
@@ -143,10 +152,18 @@ class FakeModel:
                 self.slot_token[slot] = token
                 self.slot_position[slot] = entry.start_position + offset
             end = entry.start_position + len(entry.token_ids)
-            self.requests[entry.request_id] = _FakeRequest(table, end)
+            self.requests[entry.request_id] = _FakeRequest(table, end, entry.num_draft_tokens)
         sampled = []
+        self.last_accepted = []
         for entry, table in planned:
             if entry.sample:
                 end = entry.start_position + len(entry.token_ids)
-                sampled.append(next_token(self._read(table, end), self.eos_every))
+                first = end - entry.num_draft_tokens  # the sequence before the first draft
+                accepted = 0
+                token = next_token(self._read(table, first), self.eos_every)
+                while accepted < entry.num_draft_tokens and token == entry.token_ids[-entry.num_draft_tokens + accepted]:
+                    accepted += 1
+                    token = next_token(self._read(table, first + accepted), self.eos_every)
+                sampled.append(token)
+                self.last_accepted.append(accepted)
         return sampled

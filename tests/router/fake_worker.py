@@ -118,6 +118,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
                 sample=entry.sample,
                 new_request=entry.HasField("new_request"),
                 cached_token_ids=list(entry.new_request.cached_token_ids),
+                num_draft_tokens=entry.num_draft_tokens,
             )
             for entry in task.entries
         ]
@@ -133,9 +134,15 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
             if entry.HasField("new_request"):
                 self.wants_logprobs[entry.request_id] = entry.new_request.sampling.logprobs
         if self.rank == 0:
-            for entry, token_id in zip(sampling, tokens):
-                logprob = fake_logprob(token_id) if self.wants_logprobs[entry.request_id] else 0.0
-                result.tokens.add(request_id=entry.request_id, token_id=token_id, logprob=logprob)
+            for entry, token_id, accepted in zip(sampling, tokens, self.model.last_accepted):
+                wants = self.wants_logprobs[entry.request_id]
+                logprob = fake_logprob(token_id) if wants else 0.0
+                sampled = result.tokens.add(request_id=entry.request_id, token_id=token_id, logprob=logprob,
+                                            num_accepted_drafts=accepted)
+                if wants:
+                    drafts = list(entry.token_ids)[len(entry.token_ids) - entry.num_draft_tokens:][:accepted]
+                    for draft in drafts:
+                        sampled.accepted_logprobs.add(token_id=draft, logprob=fake_logprob(draft))
         return result
 
 
