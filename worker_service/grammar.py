@@ -127,7 +127,7 @@ class ConstraintMasks:
         allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
         allowed = torch.from_numpy(allowed[:, : self.vocab_size]).to(torch.int32)
         bias = allowed.sub_(1).bitwise_and_(_NEG_INF_BITS).view(torch.float32).to(logits.device)
-        index = torch.tensor([row for row, _ in rows], device=logits.device)
+        index = torch.tensor([row for row, _, _ in rows], device=logits.device)
         with torch.inference_mode():  # the runner's logits are inference tensors
             return logits.index_add_(0, index, bias)
 
