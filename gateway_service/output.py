@@ -36,6 +36,7 @@ class OutputAssembler:
         self._prompt_len = prompt_len
         self.num_completion_tokens = 0
         self.num_cached_tokens = 0
+        self.drafts = (0, 0)  # the router's (drafted, accepted) draft tokens so far
         self.finished = False
 
     def add(
@@ -44,11 +45,14 @@ class OutputAssembler:
         logprobs: Sequence[generation_pb2.TokenLogprob] = (),
         finish_reason: int = generation_pb2.FINISH_REASON_UNSPECIFIED,
         cached_tokens: int = 0,
+        drafts: tuple[int, int] = (0, 0),
     ) -> generation_pb2.GenerateResponse | None:
-        """`logprobs` come without token text; the chunk's have it."""
+        """`logprobs` come without token text; the chunk's have it. `drafts`: the router's
+        drafted and accepted draft token counts so far (speculative decoding)."""
         if self.finished:
             raise RuntimeError("output already finished")
         self.num_cached_tokens = max(self.num_cached_tokens, cached_tokens)
+        self.drafts = max(self.drafts, drafts)
         pieces: list[str] = []
         taken: list[int] = []
         for token_id in token_ids:
@@ -75,6 +79,10 @@ class OutputAssembler:
             chunk.usage.prompt_tokens = self._prompt_len
             chunk.usage.completion_tokens = self.num_completion_tokens
             chunk.usage.cached_tokens = self.num_cached_tokens
+            chunk.usage.draft_tokens = self.drafts[0]
+            # A stop string may cut the output inside an accepted run: count only the accepted
+            # drafts that can be among the tokens passed on.
+            chunk.usage.accepted_draft_tokens = min(self.drafts[1], self.num_completion_tokens)
             return chunk
         chunk.text = "".join(pieces)
         if not taken and not chunk.text:

@@ -165,6 +165,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 chunk = await self._text.decode(
                     assembler.add, response.token_ids, response.logprobs, response.finish_reason,
                     response.usage.cached_tokens,
+                    (response.usage.draft_tokens, response.usage.accepted_draft_tokens),
                 )
                 if chunk is not None:
                     yield chunk

@@ -116,7 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         u = last.usage
         print(
             f"[finish: {last.finish_reason}; prompt {u.prompt_tokens}, completion "
-            f"{u.completion_tokens}, cached {u.cached_tokens} tokens]",
+            f"{u.completion_tokens}, cached {u.cached_tokens}, drafted {u.draft_tokens}, "
+            f"accepted drafts {u.accepted_draft_tokens} tokens]",
             file=sys.stderr,
         )
     return 0

@@ -65,11 +65,18 @@ def usage_body(usages: Sequence[Usage], num_prompts: int = 1) -> dict:
     prompt = sum(u.prompt_tokens for u in usages[::per_prompt]) if per_prompt else 0
     cached = sum(u.cached_tokens for u in usages[::per_prompt]) if per_prompt else 0
     completion = sum(u.completion_tokens for u in usages)
+    drafted = sum(u.draft_tokens for u in usages)
+    accepted = sum(u.accepted_draft_tokens for u in usages)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
+        # Speculative decoding's drafts, in the fields OpenAI uses for predicted outputs.
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": drafted - accepted,
+        },
     }
 
 
