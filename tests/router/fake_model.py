@@ -12,6 +12,7 @@ entry may start back at any draft's position.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 VOCAB_SIZE = 64
@@ -53,6 +54,14 @@ def next_token(sequence: list[int], eos_every: int) -> int:
     return FIRST_ORDINARY_ID + (digest >> 8) % (VOCAB_SIZE - FIRST_ORDINARY_ID)
 
 
+def cyclic_next_token(sequence: list[int], eos_every: int = 0) -> int:
+    """A fake model that repeats itself (as real models often do): the next token follows
+    the last one round a cycle of six, except that every ninth position jumps, so drafts taken
+    from earlier output are mostly right and sometimes wrong."""
+    jump = len(sequence) // 9
+    return FIRST_ORDINARY_ID + (sequence[-1] + 1 + jump) % 6
+
+
 def expected_tokens(
     prompt: list[int],
     max_tokens: int,
@@ -61,12 +70,13 @@ def expected_tokens(
     stop_token_ids: frozenset[int] = frozenset(),
     ignore_eos: bool = False,
     context_len: int = 1 << 30,
+    rule: Callable[[list[int], int], int] = next_token,
 ) -> list[int]:
     """What a correct router returns for this request (greedy, no KV pool involved)."""
     sequence = list(prompt)
     output: list[int] = []
     while True:
-        token = next_token(sequence, eos_every)
+        token = rule(sequence, eos_every)
         sequence.append(token)
         output.append(token)
         if token in stop_token_ids or (token == EOS_TOKEN_ID and not ignore_eos):
@@ -76,7 +86,9 @@ def expected_tokens(
 
 
 class FakeModel:
-    def __init__(self, num_pages: int, page_size: int, eos_every: int = 0) -> None:
+    def __init__(self, num_pages: int, page_size: int, eos_every: int = 0,
+                 rule: Callable[[list[int], int], int] = next_token) -> None:
+        self.rule = rule
         self.num_pages = num_pages
         self.page_size = page_size
         self.eos_every = eos_every
@@ -160,10 +172,10 @@ class FakeModel:
                 end = entry.start_position + len(entry.token_ids)
                 first = end - entry.num_draft_tokens  # the sequence before the first draft
                 accepted = 0
-                token = next_token(self._read(table, first), self.eos_every)
+                token = self.rule(self._read(table, first), self.eos_every)
                 while accepted < entry.num_draft_tokens and token == entry.token_ids[-entry.num_draft_tokens + accepted]:
                     accepted += 1
-                    token = next_token(self._read(table, first + accepted), self.eos_every)
+                    token = self.rule(self._read(table, first + accepted), self.eos_every)
                 sampled.append(token)
                 self.last_accepted.append(accepted)
         return sampled

@@ -22,6 +22,7 @@ def to_fake(plan: StepPlan) -> list[FakeEntry]:
             sample=entry.sample,
             new_request=entry.new_request,
             cached_token_ids=entry.cached_token_ids,
+            num_draft_tokens=entry.num_draft_tokens,
         )
         for entry in plan.entries
     ]
