@@ -1,0 +1,161 @@
+"""Rank 0's acceptance rule with a real (tiny, random) model: speculative entries give exactly the
+tokens of one-token-per-step decoding, for greedy, seeded sampling with penalties and
+truncation, and constrained requests, alone and batched.
+
+Drafts here come from an oracle (the reference output) with one token in four corrupted, so
+every entry both accepts and rejects drafts; that is a harder test of the rule than n-gram drafts
+on a random model, which are rarely right.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from constrained_model import make_constrained_model
+from radixserve.constraints import Constraint, ConstraintKind
+from radixserve.sampling import SamplingParams
+from worker_service.executor import Executor, NewRequest, Task, TaskEntry
+from worker_service.grammar import ConstraintMasks
+from worker_service.model_runner import ModelRunner, RunnerConfig
+from worker_service.sampler import Sampler
+
+EOS = 2
+MAX_TOKENS = 40
+MAX_DRAFTS = 6
+KV_CACHE_BYTES = 32 << 20
+PAGES_EACH = 8  # 128 positions of 16
+LOGPROB_TOLERANCE = 1e-3
+SEEDED = SamplingParams(temperature=0.8, top_p=0.9, presence_penalty=0.5, repetition_penalty=1.1, seed=1234)
+UNCONSTRAINED = None
+
+
+@dataclass
+class Live:
+    request_id: str
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    num_computed: int = 0
+    done: bool = False
+
+
+class SpecDriver:
+    """A minimal router: prefill, then one entry per request per step, with oracle drafts."""
+
+    def __init__(self, executor: Executor) -> None:
+        self.executor, self.task_id, self.next_id = executor, 0, 0
+        self.num_drafted = self.num_accepted = 0
+
+    def run(self, prompts: list[list[int]], params: list[SamplingParams], constraints: list[Constraint | None],
+            oracle: list[list[int]] | None, rng: random.Random) -> list[Live]:
+        lives = [Live(f"s{self.next_id + i}") for i in range(len(prompts))]
+        self.next_id += len(prompts)
+        entries = [
+            TaskEntry(live.request_id, prompt, 0, list(range(i * PAGES_EACH, (i + 1) * PAGES_EACH)), True,
+                      NewRequest(p, [], len(prompt), c))
+            for i, (live, prompt, p, c) in enumerate(zip(lives, prompts, params, constraints))
+        ]
+        for live, prompt in zip(lives, prompts):
+            live.num_computed = len(prompt)
+        starts = {live.request_id: len(prompt) for live, prompt in zip(lives, prompts)}
+        while entries:
+            drafted = {entry.request_id: entry.num_draft_tokens for entry in entries}
+            for token in self._execute(entries):
+                live = next(live for live in lives if live.request_id == token.request_id)
+                if drafted[live.request_id]:
+                    live.num_computed += 1 + len(token.accepted)
+                    self.num_drafted += drafted[live.request_id]
+                    self.num_accepted += len(token.accepted)
+                for sample in [*token.accepted, token]:
+                    if live.done:
+                        break
+                    live.output.append(sample.token_id)
+                    live.logprobs.append(sample.logprob if sample.logprob is not None else math.nan)
+                    live.done = sample.token_id == EOS or len(live.output) >= MAX_TOKENS
+            entries = []
+            for index, live in enumerate(lives):
+                if live.done:
+                    continue
+                start = starts[live.request_id] + len(live.output) - 1
+                drafts = self._drafts(oracle[index] if oracle else [], len(live.output), rng)
+                entries.append(TaskEntry(live.request_id, [live.output[-1], *drafts], start, [], True,
+                                         num_draft_tokens=len(drafts)))
+        self._execute([], release=[live.request_id for live in lives])
+        return lives
+
+    @staticmethod
+    def _drafts(reference: list[int], num_output: int, rng: random.Random) -> list[int]:
+        room = min(MAX_DRAFTS, MAX_TOKENS - num_output - 1)
+        drafts = list(reference[num_output : num_output + max(room, 0)])
+        for index in range(len(drafts)):
+            if rng.random() < 0.25:
+                drafts[index] = (drafts[index] + 1) % 49152  # a wrong draft
+        if EOS in drafts:
+            drafts = drafts[: drafts.index(EOS) + 1]  # nothing follows a stop, as the router does
+        return drafts
+
+    def _execute(self, entries: list[TaskEntry], release: list[str] = ()):
+        self.task_id += 1
+        result = self.executor.execute(Task(self.task_id, entries, release_request_ids=list(release)))
+        assert result.error is None, result.error
+        return result.tokens
+
+
+@pytest.fixture(scope="module")
+def driver(tmp_path_factory, smollm2_dir) -> SpecDriver:
+    model_dir = make_constrained_model(tmp_path_factory.mktemp("spec"), smollm2_dir)
+    runner = ModelRunner(RunnerConfig(model_dir=model_dir, kv_cache_bytes=KV_CACHE_BYTES))
+    masks = ConstraintMasks.load(model_dir, runner.info.vocab_size, list(runner.info.eos_token_ids), 16, 1)
+    assert masks is not None
+    return SpecDriver(Executor(runner, Sampler(seed=0), constraints=masks))
+
+
+def requests(rng: random.Random) -> tuple[list[list[int]], list[SamplingParams], list[Constraint | None]]:
+    prompts = [[rng.randrange(3, 49152) for _ in range(rng.randrange(4, 30))] for _ in range(4)]
+    params = [
+        SamplingParams(logprobs=True),
+        SEEDED,
+        SamplingParams(temperature=1.0, top_k=50, frequency_penalty=0.3, seed=99, logprobs=True),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=7),
+    ]
+    regex = Constraint(ConstraintKind.REGEX, r"[a-z]{2,8}( [a-z]{2,8}){3,9}\.")
+    return prompts, params, [UNCONSTRAINED, UNCONSTRAINED, UNCONSTRAINED, regex]
+
+
+def test_speculative_entries_give_the_tokens_of_plain_decoding_alone_and_batched(driver) -> None:
+    rng = random.Random(3)
+    prompts, params, constraints = requests(rng)
+    alone = [driver.run([p], [s], [c], None, rng)[0] for p, s, c in zip(prompts, params, constraints)]
+    batched = driver.run(prompts, params, constraints, None, rng)
+    for plain_alone, plain_batched in zip(alone, batched):
+        assert plain_alone.output == plain_batched.output  # the seeded sampler's own promise
+    references = [live.output for live in alone]
+    for index, (p, s, c) in enumerate(zip(prompts, params, constraints)):
+        spec = driver.run([p], [s], [c], [references[index]], rng)[0]
+        assert spec.output == references[index], f"request {index} alone"
+        if s.logprobs:
+            assert spec.logprobs == pytest.approx(alone[index].logprobs, abs=LOGPROB_TOLERANCE)
+    spec_batched = driver.run(prompts, params, constraints, references, rng)
+    assert [live.output for live in spec_batched] == references
+    assert 0 < driver.num_accepted < driver.num_drafted
+
+
+def test_a_rank_accepts_any_start_within_the_last_drafts_and_nothing_before(driver) -> None:
+    executor = driver.executor
+    rid = "v0"
+    entry = TaskEntry(rid, [5, 6, 7], 0, list(range(PAGES_EACH)), True, NewRequest(SamplingParams(), [], 3))
+    assert executor.execute(Task(900, [entry])).error is None
+    result = executor.execute(Task(901, [TaskEntry(rid, [8, 9, 10, 11], 3, [], True, num_draft_tokens=3)]))
+    assert result.error is None and len(result.tokens) == 1
+    too_early = executor.execute(Task(902, [TaskEntry(rid, [8], 3, [], True)]))
+    assert too_early.error is not None and "3 of them drafts" in too_early.error.message
+    assert executor.execute(Task(903, [TaskEntry(rid, [9], 5, [], True)])).error is None
+    assert executor.requests.get(rid).token_ids == [5, 6, 7, 8, 9, 9]
+    no_sample = executor.execute(Task(904, [TaskEntry(rid, [1, 2], 6, [], False, num_draft_tokens=1)]))
+    assert no_sample.error is not None and "sample is false" in no_sample.error.message
+    all_drafts = executor.execute(Task(905, [TaskEntry(rid, [1, 2], 6, [], True, num_draft_tokens=2)]))
+    assert all_drafts.error is not None and "num_draft_tokens" in all_drafts.error.message
+    executor.execute(Task(906, [], release_request_ids=[rid]))
