@@ -72,6 +72,7 @@ def markdown(report: dict) -> str:
     if "vllm" not in peers and report.get("vllm_skipped"):
         lines.append(f"vLLM CPU did not run: {report['vllm_skipped']}")
     lines += http_vs_grpc(report)
+    lines += speculation(report)
     return "\n".join(lines) + "\n"
 
 
@@ -113,6 +114,31 @@ def http_vs_grpc(report: dict) -> list[str]:
                   f"cached prompt, {pair['max_tokens']} tokens): TTFT p50 gRPC {ttft['grpc']} / HTTP "
                   f"{ttft['http']} ms ({ttft['ratio']}x); ITL p50 gRPC {itl['grpc']} / HTTP {itl['http']} ms "
                   f"({itl['ratio']}x)."]
+    return lines
+
+
+SPECULATION_GOALS = "quote_edit ≥ 2.0x in bfloat16; every other workload ≥ 0.97x"
+
+
+def speculation(report: dict) -> list[str]:
+    """Speculative decoding on vs off (bench.bench_speculation); empty when it was not run."""
+    spec = report.get("speculation")
+    if not spec:
+        return []
+    lines = [
+        "",
+        f"Speculative decoding on vs off: two stacks side by side, each workload alternating between "
+        f"them for {spec['repeats']} rounds (medians), {spec['dtype']}:",
+        "",
+        "| workload | conc. | out tok/s on / off | on vs off | acceptance | tokens per verifying step |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in spec["results"]:
+        lines.append(
+            f"| {r['workload']} | {r['concurrency']} | {r['on_tokens_per_s']} / {r['off_tokens_per_s']} "
+            f"| {_cell(r['ratio'])}x | {_cell(r['acceptance_rate'])} | {_cell(r['tokens_per_verify_step'])} |"
+        )
+    lines += ["", f"Goals: {SPECULATION_GOALS}."]
     return lines
 
 

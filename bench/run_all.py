@@ -8,7 +8,9 @@
 3. Runs the same jobs through transformers' `generate` in a separate process.
 4. Times one prefix-cache eviction with 100k cached pages, before and after the LRU leaf queue
    (`bench.bench_eviction`; no model involved).
-5. Writes `bench/results/latest.json`, `latest.md` and PNG plots (`bench.report`).
+5. Runs speculative decoding on against off (`bench.bench_speculation`: two stacks side by side,
+   the quote-and-edit workload and the workloads above, alternating).
+6. Writes `bench/results/latest.json`, `latest.md` and PNG plots (`bench.report`).
 
 All engines run on the same machine in the same run, in the same dtype (`--dtype`, resolved as
 the worker resolves it), one after the other, never at once.
@@ -31,12 +33,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench import bench_eviction
+from bench import bench_speculation
 from bench import workloads as wl
 from bench.loadgen import run_workload
 from bench.http_overhead import paired
 from bench.loadgen_http import run_workload_http
 from bench.records import summarize
-from bench.report import markdown, update_readme, write_report
+from bench.report import markdown, speculation, update_readme, write_report
 from radixserve.health import check_health
 from worker_service.dtypes import DTYPE_CHOICES, resolve_dtype
 
@@ -229,15 +232,23 @@ def main() -> None:
                         help="VLLM_CPU_OMP_THREADS_BIND for vLLM (default: every core, 0-N)")
     parser.add_argument("--vllm-timeout-s", type=float, default=3600.0,
                         help="give up on vLLM after this long (its first start compiles)")
+    parser.add_argument("--skip-speculation", action="store_true",
+                        help="do not compare speculative decoding on and off")
+    parser.add_argument("--only-speculation", action="store_true",
+                        help="run only the speculation comparison (with --workloads to pick some)")
+    bench_speculation.add_arguments(parser)
     parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results", help="where results go")
     parser.add_argument("--verbose", action="store_true", help="show the stack's logs")
     parser.add_argument("--update-readme", action="store_true",
                         help="also put the table into README.md between its benchmark markers")
     args = parser.parse_args()
 
+    dtype = resolve_dtype(args.dtype, "cpu")
+    if args.only_speculation:
+        print_speculation(bench_speculation.run(argparse.Namespace(**{**vars(args), "dtype": dtype})))
+        return
     jobs = build_jobs(args)
     http_jobs = [] if args.skip_http else build_jobs(args, HTTP_VARIANT_BASE)
-    dtype = resolve_dtype(args.dtype, "cpu")
     server = run_server_side(args, jobs, http_jobs)
     vllm, vllm_skipped = (None, "--skip-vllm") if args.skip_vllm else run_vllm_side(args, jobs, dtype)
     if vllm_skipped:
@@ -245,6 +256,9 @@ def main() -> None:
     peer = {"results": [], "peak_rss_mb": None} if args.skip_peer else run_peer_side(args, jobs, dtype)
     eviction = bench_eviction.measure()
     print("\n".join(f"[bench] {line}" for line in bench_eviction.report_lines(eviction)))
+    spec = None
+    if not args.skip_speculation:
+        spec = bench_speculation.run(argparse.Namespace(**{**vars(args), "dtype": dtype}))
     report = {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.python_implementation()} "
@@ -252,11 +266,16 @@ def main() -> None:
         "model": args.model, "tp": args.tp, "dtype": dtype,
         "radixserve": server, "vllm": vllm, "vllm_skipped": vllm_skipped, "transformers": peer,
         "eviction_seconds_per_call": eviction,
+        "speculation": spec,
     }
     write_report(report, args.out_dir)
     if args.update_readme and not update_readme(ROOT / "README.md", markdown(report)):
         print("[bench] README.md has no benchmark markers; left it alone", flush=True)
     print(f"[bench] wrote {args.out_dir}/latest.json, latest.md and plots", flush=True)
+
+
+def print_speculation(spec: dict) -> None:
+    print("\n".join(speculation({"speculation": spec})), flush=True)
 
 
 if __name__ == "__main__":

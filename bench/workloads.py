@@ -87,6 +87,34 @@ def multi_turn(num_conversations: int, num_turns: int, max_tokens: int, variant:
                     "You are a helpful assistant.", conversations, max_tokens)
 
 
+CODE_NAMES = ("total", "count", "items", "limit", "result", "value", "index", "queue")
+
+
+def code_file(seed: int, num_functions: int = 8) -> str:
+    """A small Python module of ~400 tokens; different seeds give different names and numbers."""
+    rng = random.Random(seed)
+    functions = []
+    for index in range(num_functions):
+        a, b = rng.sample(CODE_NAMES, 2)
+        functions.append(
+            f"def step_{index}({a}, {b}):\n"
+            f"    \"\"\"Combine {a} with {b} for stage {index}.\"\"\"\n"
+            f"    if {a} > {rng.randrange(2, 99)}:\n"
+            f"        return {a} - {b} * {rng.randrange(2, 9)}\n"
+            f"    return {a} + {b}\n"
+        )
+    return "\n\n".join(functions)
+
+
+def quote_edit(max_tokens: int, variant: int = 0) -> Workload:
+    """(e) Quote and edit: a ~400-token code file asked back with one small change, the case
+    where output repeats the prompt (speculation's best case)."""
+    source = code_file(7_000 + variant)
+    ask = ("Here is a Python file:\n\n" + source + "\n\nRewrite the whole file exactly as it is, "
+           "but rename the function step_3 to stage_three. Reply with the code only.")
+    return Workload("quote_edit", "a 400-token code file asked back with one rename", None, [[ask]], max_tokens)
+
+
 def build_messages(system_prompt: str | None, history: list[tuple[str, str]], user: str
                    ) -> list[dict[str, str]]:
     """Chat messages for a turn: system, earlier (user, assistant) pairs, the new user message."""
