@@ -6,10 +6,12 @@ request gets them this step is decided at two levels:
   there costs nearly as much as the tokens they could save. With more than
   `max_running` decoding requests no drafts are proposed; below that, each gets at most `k`.
 - per request: each verified step updates the request's acceptance (an exponential moving
-  average of accepted / drafted). While it is under `min_acceptance` the request drafts
+  average of accepted / drafted, starting at `min_acceptance`), and a request drafts
+  `k * acceptance` tokens (at least one): a new request probes with a few, one whose drafts keep
+  being right works up to `k`. While the acceptance is under `min_acceptance` the request drafts
   nothing for a cool-down of steps that doubles each time it fails again (up to
   `max_backoff_steps`) and resets once drafts pay again, so text that does not repeat its
-  context costs one probe now and then, not a wasted verification every step.
+  context costs a short probe now and then, not a wasted verification every step.
 The acceptance rule itself lives on rank 0 (`worker_service.draft_verify`): exact for greedy and
 seeded sampling, so none of this can change a request's output, only its speed.
 """
@@ -94,7 +96,7 @@ class DraftState:
 
     def __init__(self) -> None:
         self.sequence = EncodedSequence()
-        self.acceptance = 1.0  # optimistic: a request's first match is tried
+        self.acceptance = -1.0  # no verified step yet (see `Speculator.drafts`)
         self.cooldown = 0  # steps left without drafts
         self.backoff = 1  # the next cool-down's length
         self.num_drafted = 0
@@ -136,7 +138,10 @@ class Speculator:
         if state.cooldown > 0:
             state.cooldown -= 1
             return []
+        if state.acceptance < 0:
+            state.acceptance = self.config.min_acceptance  # a new request starts with a probe
+        wanted = max(1, round(self.config.k * state.acceptance))
         # The step yields the accepted drafts plus one sampled token, so at most
         # num_remaining - 1 drafts can be used; the last position must fit the context.
-        room = min(self.config.k, num_remaining - 1, limit, self.context_len - len(token_ids))
+        room = min(wanted, num_remaining - 1, limit, self.context_len - len(token_ids))
         return propose(state.sequence, token_ids, room, self.config.min_ngram, self.config.max_ngram)
