@@ -18,7 +18,9 @@ import pytest
 from constrained_model import make_constrained_model
 from radixserve.constraints import Constraint, ConstraintKind
 from radixserve.sampling import SamplingParams
-from worker_service.executor import Executor, NewRequest, Task, TaskEntry
+from worker.executor_fakes import entry, error_of, new_request, task
+from radixserve.v1 import worker_pb2
+from worker_service.executor import Executor
 from worker_service.grammar import ConstraintMasks
 from worker_service.model_runner import ModelRunner, RunnerConfig
 from worker_service.sampler import Sampler
@@ -55,35 +57,38 @@ class SpecDriver:
         lives = [Live(f"s{self.next_id + i}") for i in range(len(prompts))]
         self.next_id += len(prompts)
         entries = [
-            TaskEntry(live.request_id, prompt, 0, list(range(i * PAGES_EACH, (i + 1) * PAGES_EACH)), True,
-                      NewRequest(p, [], len(prompt), c))
+            entry(live.request_id, prompt, 0, list(range(i * PAGES_EACH, (i + 1) * PAGES_EACH)), True,
+                  new_request(p, [], len(prompt), c))
             for i, (live, prompt, p, c) in enumerate(zip(lives, prompts, params, constraints))
         ]
         for live, prompt in zip(lives, prompts):
             live.num_computed = len(prompt)
         starts = {live.request_id: len(prompt) for live, prompt in zip(lives, prompts)}
         while entries:
-            drafted = {entry.request_id: entry.num_draft_tokens for entry in entries}
+            drafted = {e.request_id: list(e.token_ids)[len(e.token_ids) - e.num_draft_tokens:] for e in entries}
             for token in self._execute(entries):
                 live = next(live for live in lives if live.request_id == token.request_id)
-                if drafted[live.request_id]:
-                    live.num_computed += 1 + len(token.accepted)
-                    self.num_drafted += drafted[live.request_id]
-                    self.num_accepted += len(token.accepted)
-                for sample in [*token.accepted, token]:
+                drafts = drafted[live.request_id]
+                if drafts:
+                    self.num_drafted += len(drafts)
+                    self.num_accepted += token.num_accepted_drafts
+                accepted = drafts[: token.num_accepted_drafts]
+                logprobs = [lp.logprob for lp in token.accepted_logprobs] or [math.nan] * len(accepted)
+                for token_id, logprob in [*zip(accepted, logprobs), (token.token_id, token.logprob)]:
                     if live.done:
                         break
-                    live.output.append(sample.token_id)
-                    live.logprobs.append(sample.logprob if sample.logprob is not None else math.nan)
-                    live.done = sample.token_id == EOS or len(live.output) >= MAX_TOKENS
+                    live.output.append(token_id)
+                    live.logprobs.append(logprob)
+                    live.done = token_id == EOS or len(live.output) >= MAX_TOKENS
             entries = []
             for index, live in enumerate(lives):
                 if live.done:
                     continue
                 start = starts[live.request_id] + len(live.output) - 1
                 drafts = self._drafts(oracle[index] if oracle else [], len(live.output), rng)
-                entries.append(TaskEntry(live.request_id, [live.output[-1], *drafts], start, [], True,
-                                         num_draft_tokens=len(drafts)))
+                message = entry(live.request_id, [live.output[-1], *drafts], start, [], True)
+                message.num_draft_tokens = len(drafts)
+                entries.append(message)
         self._execute([], release=[live.request_id for live in lives])
         return lives
 
@@ -98,10 +103,10 @@ class SpecDriver:
             drafts = drafts[: drafts.index(EOS) + 1]  # nothing follows a stop, as the router does
         return drafts
 
-    def _execute(self, entries: list[TaskEntry], release: list[str] = ()):
+    def _execute(self, entries: list[worker_pb2.TaskEntry], release: list[str] = ()):
         self.task_id += 1
-        result = self.executor.execute(Task(self.task_id, entries, release_request_ids=list(release)))
-        assert result.error is None, result.error
+        result = self.executor.execute(task(self.task_id, entries, release_request_ids=list(release)))
+        assert error_of(result) is None, result.error
         return result.tokens
 
 
@@ -145,19 +150,29 @@ def test_speculative_entries_give_the_tokens_of_plain_decoding_alone_and_batched
     assert 0 < driver.num_accepted < driver.num_drafted
 
 
+def drafting(request_id: str, token_ids: list[int], start: int, num_drafts: int, sample: bool = True):
+    message = entry(request_id, token_ids, start, [], sample)
+    message.num_draft_tokens = num_drafts
+    return message
+
+
 def test_a_rank_accepts_any_start_within_the_last_drafts_and_nothing_before(driver) -> None:
     executor = driver.executor
     rid = "v0"
-    entry = TaskEntry(rid, [5, 6, 7], 0, list(range(PAGES_EACH)), True, NewRequest(SamplingParams(), [], 3))
-    assert executor.execute(Task(900, [entry])).error is None
-    result = executor.execute(Task(901, [TaskEntry(rid, [8, 9, 10, 11], 3, [], True, num_draft_tokens=3)]))
-    assert result.error is None and len(result.tokens) == 1
-    too_early = executor.execute(Task(902, [TaskEntry(rid, [8], 3, [], True)]))
-    assert too_early.error is not None and "3 of them drafts" in too_early.error.message
-    assert executor.execute(Task(903, [TaskEntry(rid, [9], 5, [], True)])).error is None
+
+    def run(task_id: int, *entries, release=()):
+        return executor.execute(task(task_id, list(entries), release_request_ids=list(release)))
+
+    first = entry(rid, [5, 6, 7], 0, list(range(PAGES_EACH)), True, new_request(SamplingParams(), [], 3))
+    assert error_of(run(900, first)) is None
+    result = run(901, drafting(rid, [8, 9, 10, 11], 3, 3))
+    assert error_of(result) is None and len(result.tokens) == 1
+    too_early = run(902, entry(rid, [8], 3, [], True))
+    assert error_of(too_early) is not None and "3 of them drafts" in too_early.error.message
+    assert error_of(run(903, entry(rid, [9], 5, [], True))) is None
     assert executor.requests.get(rid).token_ids == [5, 6, 7, 8, 9, 9]
-    no_sample = executor.execute(Task(904, [TaskEntry(rid, [1, 2], 6, [], False, num_draft_tokens=1)]))
-    assert no_sample.error is not None and "sample is false" in no_sample.error.message
-    all_drafts = executor.execute(Task(905, [TaskEntry(rid, [1, 2], 6, [], True, num_draft_tokens=2)]))
-    assert all_drafts.error is not None and "num_draft_tokens" in all_drafts.error.message
-    executor.execute(Task(906, [], release_request_ids=[rid]))
+    no_sample = run(904, drafting(rid, [1, 2], 6, 1, sample=False))
+    assert error_of(no_sample) is not None and "sample is false" in no_sample.error.message
+    all_drafts = run(905, drafting(rid, [1, 2], 6, 2))
+    assert error_of(all_drafts) is not None and "num_draft_tokens" in all_drafts.error.message
+    run(906, release=[rid])
