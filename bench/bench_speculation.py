@@ -18,6 +18,7 @@ import os
 import signal
 import statistics
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -124,6 +125,8 @@ def run_pairs(args: argparse.Namespace, on_port: int, off_port: int) -> list[dic
 def run(args: argparse.Namespace) -> dict:
     """Both stacks up, every job paired, both stacks down; the results."""
     on_port, off_port = args.spec_port, args.spec_port + PORT_STRIDE
+    # SIGTERM (a timeout) must still run the `finally` below, which stops both stacks.
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit("[spec] terminated"))
     procs = [start_stack(args, on_port, True), start_stack(args, off_port, False)]
     try:
         for port, proc in zip((on_port, off_port), procs):
@@ -137,6 +140,7 @@ def run(args: argparse.Namespace) -> dict:
                 proc.wait(timeout=30)
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 os.killpg(proc.pid, signal.SIGKILL)
+        signal.signal(signal.SIGTERM, previous)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
