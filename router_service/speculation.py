@@ -37,7 +37,7 @@ class SpeculationConfig:
     k: int = 8
     # Suffix lengths tried, longest first.
     min_ngram: int = 2
-    max_ngram: int = 4
+    max_ngram: int = 8
     # Most decoding requests in a step for drafts to be proposed at all.
     max_running: int = 4
     # A request whose recent acceptance is below this backs off.
