@@ -25,11 +25,11 @@ from pathlib import Path
 import grpc
 
 from bench import workloads as wl
-from bench.loadgen import run_workload
+from bench.loadgen import run_workload, wait_serving
 from bench.records import summarize
 from bench.report import speculation
 from radixserve.flags import env_name
-from radixserve.serving import CHANNEL_OPTIONS, check_health
+from radixserve.serving import CHANNEL_OPTIONS
 from radixserve.v1 import router_pb2, router_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,18 +64,6 @@ def start_stack(args: argparse.Namespace, port: int, speculative: bool) -> subpr
     print(f"[spec] starting ({'on' if speculative else 'off'}): {' '.join(cmd)}", flush=True)
     return subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True,
                             stdout=None if args.verbose else subprocess.DEVNULL)
-
-
-async def wait_serving(address: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while loop.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"[spec] the stack at {address} exited with {proc.returncode}")
-        if await check_health(address, timeout_s=1.0):
-            return
-        await asyncio.sleep(0.5)
-    raise SystemExit(f"[spec] {address} not serving after {timeout_s}s")
 
 
 async def router_stats(address: str) -> router_pb2.GetStatsResponse:

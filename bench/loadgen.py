@@ -8,6 +8,7 @@ run stops taking new conversations when `time_limit_s` has passed; requests in f
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import time
 from collections.abc import Awaitable, Callable
 
@@ -15,7 +16,7 @@ import grpc
 
 from bench.records import RequestRecord
 from bench.workloads import Workload, build_messages
-from radixserve.serving import CHANNEL_OPTIONS
+from radixserve.serving import CHANNEL_OPTIONS, check_health
 from radixserve.v1 import generation_pb2, generation_pb2_grpc
 
 
@@ -100,3 +101,15 @@ async def run_workload(
             return await _one_request(stub, messages, max_tokens, record, request_timeout_s)
 
         return await run_closed_loop(send, workload, concurrency, time_limit_s)
+
+
+async def wait_serving(address: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    """Wait until the stack `proc` started serves at `address`; exit when it dies or times out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"[bench] the stack exited with {proc.returncode} before it was ready")
+        if await check_health(address, timeout_s=1.0):
+            return
+        await asyncio.sleep(0.5)
+    raise SystemExit(f"[bench] {address} not serving after {timeout_s}s")

@@ -35,12 +35,11 @@ from pathlib import Path
 from bench import bench_eviction
 from bench import bench_speculation
 from bench import workloads as wl
-from bench.loadgen import run_workload
+from bench.loadgen import run_workload, wait_serving
 from bench.http_overhead import paired
 from bench.loadgen_http import run_workload_http
 from bench.records import summarize
 from bench.report import markdown, speculation, update_readme, write_report
-from radixserve.health import check_health
 from worker_service.dtypes import DTYPE_CHOICES, resolve_dtype
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,17 +95,6 @@ def peak_rss_mb(pid: int) -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     return float("nan")
-
-
-async def wait_serving(address: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"[bench] the stack exited with {proc.returncode} before it was ready")
-        if await check_health(address, timeout_s=1.0):
-            return
-        await asyncio.sleep(0.5)
-    raise SystemExit(f"[bench] {address} not serving after {timeout_s}s")
 
 
 def _run_job(run, workload: wl.Workload, concurrency: int, label: str) -> dict:
