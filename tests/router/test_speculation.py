@@ -11,7 +11,6 @@ import random
 
 from router.fake_model import EOS_TOKEN_ID, FakeModel, cyclic_next_token, expected_tokens
 from router.test_scheduler import CONTEXT_LEN, PAGE_SIZE, to_fake
-from router_service.page_audit import audit_pages
 from router_service.request import FinishReason, Request
 from router_service.scheduler import Policy, Scheduler
 from router_service.speculation import SpeculationConfig
@@ -58,7 +57,7 @@ def run_all(scheduler: Scheduler, model: FakeModel, requests: list[Request], rng
 
 
 def assert_pages_all_back(scheduler: Scheduler) -> None:
-    assert audit_pages(scheduler.allocator, scheduler.cache, scheduler.running) == []
+    assert scheduler.pages.audit(scheduler.running) == []
     assert scheduler.allocator.num_free + scheduler.cache.evictable_size == scheduler.allocator.num_pages
 
 
