@@ -16,7 +16,8 @@ import grpc
 
 from bench.records import RequestRecord
 from bench.workloads import Workload, build_messages
-from radixserve.serving import CHANNEL_OPTIONS, check_health
+from radixserve.health import check_health
+from radixserve.serving import CHANNEL_OPTIONS
 from radixserve.v1 import generation_pb2, generation_pb2_grpc
 
 

@@ -53,6 +53,9 @@ def _two_values(flag: Flag) -> tuple[str, str]:
         first, second = low + 1, low + 2
         if declared.max is not None:
             first, second = declared.max - 2, declared.max - 1
+            if kind is float:  # a fraction's range may be narrower than 2: two points inside it
+                floor = declared.min or 0
+                first, second = floor + (declared.max - floor) / 2, floor + 3 * (declared.max - floor) / 4
         return (str(int(first)), str(int(second))) if kind is int else (f"{first}", f"{second}")
     if kind is tuple:
         return "a:1,b:2", "c:3"

@@ -15,7 +15,8 @@ from router_service.request import FinishReason, Request
 from router_service.scheduler import Policy, Scheduler
 from router_service.speculation import SpeculationConfig
 
-SPECULATION = SpeculationConfig(k=5, min_ngram=1, max_ngram=3, max_running=3)
+SPECULATION = SpeculationConfig(speculative_k=5, speculative_min_ngram=1, speculative_max_ngram=3,
+                                speculative_max_running=3)
 
 
 def make_scheduler(num_pages: int, max_batch_tokens: int = 48,
@@ -38,7 +39,7 @@ def step(scheduler: Scheduler, model: FakeModel) -> None:
     assert sum(len(entry.token_ids) for entry in plan.entries) <= scheduler.max_batch_tokens
     decoding = [entry for entry in plan.entries if not entry.new_request and entry.num_draft_tokens >= 0
                 and len(entry.token_ids) - entry.num_draft_tokens == 1 and entry.sample]
-    if len(decoding) > SPECULATION.max_running:
+    if len(decoding) > SPECULATION.speculative_max_running:
         assert not any(entry.num_draft_tokens for entry in decoding), "drafts in a compute-bound step"
     tokens = model.execute(False, plan.release_request_ids, to_fake(plan))
     scheduler.complete(plan, tokens, model.last_accepted)
