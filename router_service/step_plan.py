@@ -59,12 +59,6 @@ class StepPlan:
     ended: list[Request] = field(default_factory=list)
 
     @property
-    def has_drafts(self) -> bool:
-        """Whether any entry verifies drafts: how many are accepted (hence every later position
-        and page) is unknown until the step's result, so the next step cannot be planned before."""
-        return any(entry.num_draft_tokens for entry in self.entries)
-
-    @property
     def is_empty(self) -> bool:
         return not self.entries and not self.release_request_ids and not self.ended
 
