@@ -49,6 +49,7 @@ class StepBuilder:
         self.pages = scheduler.pages
         self.plan = StepPlan()
         self.budget = scheduler.max_batch_tokens
+        self.speculate = False  # whether this step proposes drafts (set with the decodes)
 
     def build(self) -> StepPlan:
         running = self.scheduler.running
@@ -69,7 +70,7 @@ class StepBuilder:
         running = self.scheduler.running
         speculator = self.scheduler.speculator
         num_decoding = sum(1 for request in running if request.num_pending == 1)
-        speculate = speculator is not None and speculator.wants_drafts(num_decoding)
+        self.speculate = speculate = speculator is not None and speculator.wants_drafts(num_decoding)
         spare = self.budget - num_decoding  # budget left once every decode has its token
         for request in list(running):
             if self.budget == 0:
@@ -83,7 +84,8 @@ class StepBuilder:
                 and self._grow_for_decode(request)
             ):
                 # A request whose token is still in flight (overlap) has no known suffix to look up.
-                drafts = self._drafts_for(request, spare) if speculate and not request.num_unresolved else []
+                drafting = speculate and not request.num_unresolved
+                drafts = self._drafts_for(request, spare) if drafting else []
                 self._add(request, 1, new_request=False, drafts=drafts)
                 spare -= len(drafts)
 
@@ -196,6 +198,9 @@ class StepBuilder:
             admitted_at=request.admitted_at,
             num_draft_tokens=len(drafts),
         )
+        # A request that samples now may draft next step, if drafts are on for this kind of step
+        # and it is not pausing: that step must then wait for this one's tokens (`lookahead`).
+        entry.may_draft_next = entry.sample and self.speculate and request.draft.cooldown == 0
         self.plan.entries.append(entry)
         request.num_pages_sent = len(request.page_table)
         # Drafts count as computed while the step is in flight (a step with drafts never has a

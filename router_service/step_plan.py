@@ -29,6 +29,8 @@ class ScheduledEntry:
     admitted_at: int = -1
     # Speculative decoding: the last `num_draft_tokens` of `token_ids` are drafts to verify.
     num_draft_tokens: int = 0
+    # The request may draft in its next step, which needs this step's tokens to look them up.
+    may_draft_next: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -45,8 +47,10 @@ class ScheduledEntry:
         """Where the request goes on after this entry is known before its result: the entry
         computes its tokens and samples at most one, which the next step computes at the
         following position. An entry that verifies draft tokens says False: how many are
-        accepted decides the next positions and pages."""
-        return self.num_draft_tokens == 0
+        accepted decides the next positions and pages. So does one whose request may draft next
+        step: drafts are looked up after the tokens this step samples, so speculation, when a
+        request is drafting, goes before overlap."""
+        return self.num_draft_tokens == 0 and not self.may_draft_next
 
 
 @dataclass(slots=True)

@@ -5,7 +5,8 @@ n-gram drafts are often accepted). One worker group stays up while routers with 
 and on take turns on the same port, with one gateway in front: 50 random greedy prompts (some
 repeating a passage) at TP=1, under a pool small enough to force retraction, and at TP=2; seeded
 sampling with penalties alone and batched; stop ids, max_tokens and gateway stop strings; usage
-counters against the streamed tokens; cancellation gives every page back.
+counters against the streamed tokens; cancellation gives every page back; speculation together
+with overlap scheduling.
 """
 
 from __future__ import annotations
@@ -220,6 +221,18 @@ def test_cancelling_a_speculating_request_gives_every_page_back(stack) -> None:
     stats = asyncio.run(scenario())
     assert stats.num_draft_tokens > 0
     assert stats.num_pages_used == stats.num_pages_evictable  # only the cache holds pages
+
+
+def test_speculation_with_overlap_scheduling_gives_the_same_greedy_output(stack) -> None:
+    """Steps that verify drafts are never run ahead of (overlap waits for their result), the
+    others are: both kinds interleave, and the output is still that of plain decoding."""
+    greedy = [request(p) for p in prompts()]
+    stack.router(*SPEC_OFF)
+    (off, _, _) = run_router(stack, greedy)
+    stack.router(*SPEC_ON, "--overlap")
+    (on, _, stats) = run_router(stack, greedy)
+    assert [tokens for tokens, _ in on] == [tokens for tokens, _ in off]
+    assert stats.num_accepted_draft_tokens > 0
 
 
 def test_tp2_greedy_is_the_same_with_speculation(stack) -> None:
