@@ -21,6 +21,7 @@ from router.fake_model import expected_tokens
 from router.fake_worker import fake_logprob
 from router.harness import collect, end_codes, generate_request, running_router
 from router_service.config import RouterConfig
+from router_service.speculation import SpeculationConfig
 from router_service.engine import Engine
 
 FAKE_WORKER = Path(__file__).resolve().parent / "fake_worker.py"
@@ -31,6 +32,7 @@ STEP_DELAY_S = 0.004
 # A pool of 14 pages for 6 requests of up to ~40 tokens: some are retracted.
 TINY_POOL = 14
 STEP_TIMEOUT_S = 3.0
+NO_SPECULATION = SpeculationConfig(speculative=False)
 
 
 def workload() -> list[router_pb2.RouterGenerateRequest]:
@@ -60,7 +62,9 @@ async def cancelled_after(stub, request, num_tokens: int) -> list[int]:
 
 
 async def run_workload(overlap: bool, num_ranks: int, num_pages: int, eos_every: int) -> dict:
-    config = RouterConfig(overlap=overlap, max_batch_tokens=16, max_running_requests=6)
+    # Speculation off: a request that may draft makes its steps wait (speculation goes before
+    # overlap), and this test counts steps run ahead (test_speculative has both on).
+    config = RouterConfig(overlap=overlap, max_batch_tokens=16, max_running_requests=6, speculation=NO_SPECULATION)
     async with running_router([num_pages] * num_ranks, config, page_size=PAGE_SIZE,
                               eos_every=eos_every, step_delay_s=STEP_DELAY_S) as h:
         requests = workload()

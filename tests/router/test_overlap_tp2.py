@@ -20,6 +20,7 @@ from radixserve.v1 import generation_pb2, router_pb2, router_pb2_grpc, worker_pb
 from router.harness import wait_serving
 from router_service.server import Router
 from router_service.config import RouterConfig
+from router_service.speculation import SpeculationConfig
 from worker.tiny_models import VOCAB_SIZE, make_tiny_llama
 
 READY_TIMEOUT_S = 120.0
@@ -57,6 +58,7 @@ async def run(workers: tuple[str, ...], overlap: bool) -> dict:
     config = RouterConfig(
         port=port, workers=workers, overlap=overlap, max_pages=NUM_PAGES, max_batch_tokens=24,
         max_running_requests=8, reconnect_interval_s=0.2, metrics_port=0,
+        speculation=SpeculationConfig(speculative=False),  # it counts steps run ahead
     )
     stop = asyncio.Event()
     router = asyncio.create_task(serve_until(Router.start, config, stop))
