@@ -105,7 +105,7 @@ class RouterPool:
             self._up[address] = False
             return False
         if not self._up[address]:
-            log.info("router %s is up (%s)", address, reply.model_name)
+            log.info("router %s is up (%s)", address, reply.model.model_name)
         self._info[address] = reply
         self._up[address] = True
         return True

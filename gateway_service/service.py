@@ -44,7 +44,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self._config = config
         self._limits = config.limits
         self._pool = pool
-        self.metrics = GatewayMetrics(lambda: pool.info.model_name if pool.info else "")
+        self.metrics = GatewayMetrics(lambda: pool.info.model.model_name if pool.info else "")
         self._text = TextPool(config.tokenizer_threads)
         # Set once the tokenizer is loaded (the server answers NOT_SERVING until then).
         self.tokenizer: Tokenizer | None = None
@@ -78,18 +78,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             check_text_input(request, self._limits)
             token_ids = await self._text.encode(self._encode, request)
             info = self._pool.info  # without a router yet, the character limit bounds the cost
-            check_prompt_tokens(len(token_ids), info.context_len if info else None, self._limits)
+            check_prompt_tokens(len(token_ids), info.model.context_len if info else None, self._limits)
             return generation_pb2.TokenizeResponse(token_ids=token_ids)
         except Exception as exc:
             await context.abort(*to_status(exc))
 
     async def GetModelInfo(self, request, context) -> generation_pb2.GetModelInfoResponse:
         try:
-            info = await self._server_info()
-            return generation_pb2.GetModelInfoResponse(
-                model_name=info.model_name, context_len=info.context_len, tp_size=info.tp_size,
-                page_size=info.page_size, dtype=info.dtype, num_pages=info.num_pages,
-            )
+            return await self.model_info()
         except Exception as exc:
             await context.abort(*to_status(exc))
 
@@ -105,9 +101,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         """
         return self.metrics.observe(api, self._generate(request, deadline))
 
-    async def model_info(self) -> router_pb2.GetServerInfoResponse:
-        """What the routers serve; raises `NoRouterAvailable` while none answers."""
-        return await self._server_info()
+    async def model_info(self) -> generation_pb2.GetModelInfoResponse:
+        """The model the routers serve; raises `NoRouterAvailable` while none answers."""
+        return (await self._server_info()).model
 
     async def wait_idle(self) -> None:
         """Returns once no Generate call is in flight (drain waits on this before the servers
@@ -141,7 +137,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         check_prompt_tokens(len(prompt_ids), None, self._limits)
         max_tokens = resolve_max_tokens(
             request.max_tokens if request.HasField("max_tokens") else None, len(prompt_ids),
-            info.context_len, self._config.default_max_tokens,
+            info.model.context_len, self._config.default_max_tokens,
         )
         constraint = constraints.from_proto(request.constraint)
         if constraint is not None:

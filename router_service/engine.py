@@ -156,17 +156,17 @@ class Engine:
         self.metrics.connected()
         self.summary = _summarize(infos, self.config.max_pages)
         self.scheduler = Scheduler(
-            num_pages=self.summary.num_pages,
-            page_size=self.summary.page_size,
+            num_pages=self.summary.model.num_pages,
+            page_size=self.summary.model.page_size,
             max_batch_tokens=self.config.max_batch_tokens,
             max_running_requests=self.config.max_running_requests,
             policy=self.config.policy,
-            context_len=self.summary.context_len,
+            context_len=self.summary.model.context_len,
             eos_token_ids=frozenset(self.summary.eos_token_ids),
             speculation=self.config.speculation,
         )
-        log.info("serving %s over %d rank(s), %d pages of %d tokens", self.summary.model_name,
-                 len(infos), self.summary.num_pages, self.summary.page_size)
+        log.info("serving %s over %d rank(s), %d pages of %d tokens", self.summary.model.model_name,
+                 len(infos), self.summary.model.num_pages, self.summary.model.page_size)
         await self._set_health(True)
         return True
 
@@ -311,15 +311,16 @@ def _summarize(infos: list[worker_pb2.GetWorkerInfoResponse], max_pages: int) ->
     num_pages = min(info.num_pages for info in infos)
     if max_pages:
         num_pages = min(num_pages, max_pages)
-    return router_pb2.GetServerInfoResponse(
+    model = generation_pb2.GetModelInfoResponse(
         model_name=first.model_name,
         dtype=first.dtype,
         context_len=min(info.context_len for info in infos),
-        vocab_size=first.vocab_size,
         page_size=first.page_size,
         num_pages=num_pages,
         tp_size=len(infos),
-        eos_token_ids=first.eos_token_ids,
+    )
+    return router_pb2.GetServerInfoResponse(
+        model=model, vocab_size=first.vocab_size, eos_token_ids=first.eos_token_ids
     )
 
 

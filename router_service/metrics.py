@@ -51,7 +51,7 @@ class RouterMetrics:
 
     def _model(self) -> str:
         summary = self._engine.summary
-        return summary.model_name if summary is not None else ""
+        return summary.model.model_name if summary is not None else ""
 
     def submitted(self, request_id: str) -> None:
         self._arrivals[request_id] = time.monotonic()
@@ -92,7 +92,7 @@ class _StateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         engine = self._engine
-        model = engine.summary.model_name if engine.summary is not None else ""
+        model = engine.summary.model.model_name if engine.summary is not None else ""
         stats = convert.stats_to_proto(engine.stats(), engine.scheduler, engine.costs)
 
         total, used, cached = stats.num_pages_total, stats.num_pages_used, stats.num_pages_evictable

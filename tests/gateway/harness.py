@@ -13,7 +13,7 @@ from gateway_service.openai_api.app import TokenCheck
 from gateway_service.server import Gateway
 from gateway_service.tokenizer import Tokenizer
 from procs import free_port
-from radixserve.v1 import generation_pb2_grpc, router_pb2
+from radixserve.v1 import generation_pb2, generation_pb2_grpc, router_pb2
 
 CONTEXT_LEN = 512
 VOCAB_SIZE = 49152
@@ -21,10 +21,12 @@ EOS_TOKEN_ID = 2
 
 
 def server_info() -> router_pb2.GetServerInfoResponse:
-    return router_pb2.GetServerInfoResponse(
+    model = generation_pb2.GetModelInfoResponse(
         model_name="fake-smollm2", context_len=CONTEXT_LEN, tp_size=1, page_size=16,
-        dtype="float32", num_pages=128, eos_token_ids=[EOS_TOKEN_ID], vocab_size=VOCAB_SIZE,
+        dtype="float32", num_pages=128,
     )
+    return router_pb2.GetServerInfoResponse(model=model, eos_token_ids=[EOS_TOKEN_ID],
+                                            vocab_size=VOCAB_SIZE)
 
 
 @dataclass

@@ -30,7 +30,7 @@ def test_mixed_load_gives_exact_tokens_over_two_ranks() -> None:
         config = RouterConfig(max_batch_tokens=16, max_running_requests=6)
         async with running_router([210, 200], config, eos_every=EOS_EVERY, page_size=PAGE_SIZE) as h:
             info = await h.stub.GetServerInfo(router_pb2.GetServerInfoRequest())
-            assert (info.num_pages, info.tp_size, info.page_size) == (200, 2, PAGE_SIZE)
+            assert (info.model.num_pages, info.model.tp_size, info.model.page_size) == (200, 2, PAGE_SIZE)
             assert list(info.eos_token_ids) == [EOS_TOKEN_ID]
             rng = random.Random(7)
             shared = [rng.randrange(3, 64) for _ in range(23)]
