@@ -39,7 +39,7 @@ class SpeculationConfig:
     speculative_k: int = setting(8, "most draft tokens per request per step", min=1)
     speculative_min_ngram: int = setting(2, "shortest suffix looked up for drafts", min=1)
     speculative_max_ngram: int = setting(8, "longest suffix looked up for drafts (tried first)", min=1)
-    speculative_max_running: int = setting(4, "no drafts in a step that decodes more requests than this "
+    speculative_max_running: int = setting(1, "no drafts in a step that decodes more requests than this "
                                            "(compute bound)", min=1)
     speculative_min_acceptance: float = setting(0.3, "a request whose recent draft acceptance falls below this "
                                                 "stops drafting for a while (the pause doubles while it "
