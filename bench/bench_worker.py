@@ -167,6 +167,8 @@ def main() -> None:
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--prefill-prompts", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--attention-kernels", default="auto",
+                        help="comma-separated decode attention kernels to measure (auto, native, torch)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--transformers", action="store_true", help="also time transformers' generate (x1)")
     args = parser.parse_args()
@@ -183,9 +185,11 @@ def main() -> None:
               f"prefill {args.prefill_len}", f"prefill {args.prefill_prompts}x{args.prefill_len // args.prefill_prompts}")
     print("tokens/s (fraction of the bound)\n" + " | ".join(f"{h:>18}" for h in header), flush=True)
     goals: list[tuple[str, bool]] = []
-    for dtype in dtypes:
+    for dtype, kernel in [(d, k) for d in dtypes for k in args.attention_kernels.split(",")]:
         runner = ModelRunner(RunnerConfig(model_dir=args.model, dtype=dtype, page_size=PAGE_SIZE,
-                                          kv_cache_bytes=kv_budget(runner_shape(args.model), dtype, args)))
+                                          kv_cache_bytes=kv_budget(runner_shape(args.model), dtype, args),
+                                          attention_kernel=kernel))
+        label = dtype if kernel == "auto" else f"{dtype} {kernel}"
         shape = machine.step_shape(runner)
         prefill_tokens_per_s(runner, args.prefill_len, 1)  # warm-up: first calls pick kernels
         # Best of --repeats: others may be loading the machine; the best shows what the code can do.
@@ -211,23 +215,23 @@ def main() -> None:
             "prefill": machine.prefill_bound_tokens_per_s(shape, bounds, dtype, args.prefill_len),
             "prefill_n": machine.prefill_bound_tokens_per_s(shape, bounds, dtype, each),
         }
-        print(" | ".join([f"{dtype:>18}"] + [f"{fraction(figures[k], limits[k]):>18}" for k in figures]), flush=True)
-        goals.append((f"{dtype}: decode x{args.batch} at {figures['batched'] / limits['batched']:.0%} of its bound "
+        print(" | ".join([f"{label:>18}"] + [f"{fraction(figures[k], limits[k]):>18}" for k in figures]), flush=True)
+        goals.append((f"{label}: decode x{args.batch} at {figures['batched'] / limits['batched']:.0%} of its bound "
                       f"(goal {BATCHED_BOUND_GOAL:.0%})", figures["batched"] >= BATCHED_BOUND_GOAL * limits["batched"]))
         speedup = figures["shared"] / figures["batched"]
-        goals.append((f"{dtype}: shared-prefix decode {speedup:.2f}x the unshared (goal {SHARED_SPEEDUP_GOAL:.0f}x)",
+        goals.append((f"{label}: shared-prefix decode {speedup:.2f}x the unshared (goal {SHARED_SPEEDUP_GOAL:.0f}x)",
                       speedup >= SHARED_SPEEDUP_GOAL))
         if dtype == "bfloat16":
             bandwidth = machine.decode_bound_tokens_per_s(shape, bounds, dtype, 1, args.context)
-            goals.append((f"bfloat16: decode x1 at {figures['x1'] / bandwidth:.0%} of its bandwidth bound "
+            goals.append((f"{label}: decode x1 at {figures['x1'] / bandwidth:.0%} of its bandwidth bound "
                           f"(goal {SINGLE_BANDWIDTH_GOAL:.0%})", figures["x1"] >= SINGLE_BANDWIDTH_GOAL * bandwidth))
         if args.transformers:
             reference = transformers_decode_tokens_per_s(args.model, dtype, args.context, args.steps)
             print(f"{'transformers ' + dtype:>18} | {reference:>18.1f}", flush=True)
         if args.profile:
-            profile_decode(single, f"{dtype}, decode x1 at {args.context}")
-            profile_decode(batched, f"{dtype}, decode x{args.batch} at {args.context}, nothing shared")
-            profile_decode(shared, f"{dtype}, decode x{args.batch} at {args.context}, {args.shared_len} shared")
+            profile_decode(single, f"{label}, decode x1 at {args.context}")
+            profile_decode(batched, f"{label}, decode x{args.batch} at {args.context}, nothing shared")
+            profile_decode(shared, f"{label}, decode x{args.batch} at {args.context}, {args.shared_len} shared")
         del runner, single, batched, shared
     for text, met in goals:
         print(f"goal {'met    ' if met else 'NOT met'}: {text}")

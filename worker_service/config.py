@@ -14,6 +14,7 @@ import torch
 
 from radixserve import flags
 from radixserve.flags import MAX_PORT, setting
+from worker_service.attention.native import KERNEL_CHOICES
 from radixserve.security import SecurityConfig, security_settings
 from radixserve.shared_flags import (CONSTRAINT_CACHE_SIZE, DEVICE, DTYPE, HOST, KV_CACHE_MB, LOG_LEVEL,
                                      METRICS_PORT, MODEL, PORT)
@@ -33,6 +34,10 @@ class WorkerConfig:
     page_size: int = setting(16, "tokens per KV page (must match the router's view)", min=1)
     kv_cache_mb: int = KV_CACHE_MB(help="this rank's KV page pool budget, in MiB (the page count follows)")
     num_threads: int = setting(0, "torch intra-op threads (0: torch's default)", min=0)
+    attention_kernel: str = setting("auto", "decode attention: native (a C++ kernel compiled for this CPU on first "
+                                    "use, reads K/V through page tables; needs a C++ compiler and AVX-512), "
+                                    "torch (gathers pages, PyTorch's kernels), auto (native where it builds)",
+                                    choices=KERNEL_CHOICES)
     rank: int = setting(0, "this rank", min=0, also_env="RANK")
     world_size: int = setting(1, "tensor-parallel size", min=1, also_env="WORLD_SIZE")
     master_addr: str = setting("127.0.0.1", "rank 0's address for the TP group's rendezvous", also_env="MASTER_ADDR")

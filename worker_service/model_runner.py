@@ -18,7 +18,7 @@ import torch
 from transformers import AutoConfig
 
 from radixserve.v1 import worker_pb2
-from worker_service.attention import AttentionBatch, GatherSpace, PrefillSpan, additive_mask, plan_decode
+from worker_service.attention import AttentionBatch, GatherSpace, PrefillSpan, additive_mask, native, plan_decode
 from worker_service.distributed import TPGroup
 from worker_service.dtypes import DTYPES, resolve_dtype
 from worker_service.forward_batch import ForwardEntry
@@ -46,6 +46,7 @@ class RunnerConfig:
     kv_cache_bytes: int = 1 << 30
     rank: int = 0
     world_size: int = 1
+    attention_kernel: str = "auto"  # see `worker_service.attention.native.select`
 
 
 def eos_token_ids(model_dir: Path, config_eos: int | list[int] | None) -> list[int]:
@@ -98,6 +99,8 @@ class ModelRunner:
         self.pool = KVPool(shape[0], num_pages, config.page_size, shape[2], shape[3],
                            self.dtype, self.device)
         self.gather_space = GatherSpace()
+        self.native_decode = native.select(config.attention_kernel, head_dim_of(self.hf_config), self.dtype,
+                                           self.device)
         # What this rank reports (GetWorkerInfo); the executor copies it with the group's page count.
         self.info = worker_pb2.GetWorkerInfoResponse(
             model_name=model_dir.name,
@@ -149,7 +152,8 @@ class ModelRunner:
         decode_plan = None
         if decode:
             decode_plan = plan_decode([entries[i].page_table for i in decode],
-                                      [position + 1 for position in positions], page_size, device)
+                                      [position + 1 for position in positions], page_size, device,
+                                      self.native_decode)
 
         spans: list[PrefillSpan] = []
         for i in prefill:

@@ -54,12 +54,14 @@ def load_executor(config: WorkerConfig, metrics_registry: CollectorRegistry | No
             kv_cache_bytes=config.kv_cache_mb * BYTES_PER_MIB,
             rank=config.rank,
             world_size=config.world_size,
+            attention_kernel=config.attention_kernel,
         )
     )
     num_pages = group_num_pages(runner.info.num_pages, config)
     log.info(
-        "rank %d loaded %.1f MiB of weights; KV pool holds %d pages, the group %d",
+        "rank %d loaded %.1f MiB of weights; KV pool holds %d pages, the group %d; decode attention: %s",
         config.rank, runner.weight_bytes() / BYTES_PER_MIB, runner.info.num_pages, num_pages,
+        "compiled paged kernel" if runner.native_decode is not None else "torch",
     )
     metrics = WorkerMetrics(runner.info.model_name, config.rank, metrics_registry)
     constraints = None

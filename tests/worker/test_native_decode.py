@@ -1,0 +1,187 @@
+"""The compiled paged decode kernel (`attention/native.py`) equals plain attention over each context.
+
+Batches come from the cascade test's builder: groups of sequences sharing token prefixes of random
+lengths (whole shared pages are the same physical pages, page ids shuffled). The kernel reads K/V
+through the page tables with no gather, attends each shared prefix once for its group, and splits
+long contexts across threads; every path is checked against attention of each row alone, in
+float32, for each pool dtype, head size, page size and thread count. Through the model, greedy
+tokens with the kernel equal those of the torch path.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from worker import test_cascade_attention as cascade
+from worker.tiny_models import VOCAB_SIZE, make_tiny_llama
+from worker_service.attention import native
+from worker_service.attention.cascade import decode_attention
+from worker_service.attention.decode_plan import plan_decode
+from worker_service.forward_batch import ForwardEntry
+from worker_service.layers.sharding import shard_heads
+from worker_service.model_runner import ModelRunner, RunnerConfig
+
+KERNEL = native.load()
+pytestmark = pytest.mark.skipif(KERNEL is None, reason=f"the kernel does not build here: {native.failure()}")
+CPU = torch.device("cpu")
+# Output rounding to the pool's dtype dominates: one bfloat16 step near 1 is 2^-7.
+TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables, lens, page_size: int) -> torch.Tensor:
+    """Plain float32 attention of each row over its own context, slot by slot."""
+    group = q.shape[1] // k.shape[0]
+    rows = []
+    for row, (table, length) in enumerate(zip(tables, lens)):
+        slots = torch.tensor([table[p // page_size] * page_size + p % page_size for p in range(length)])
+        keys = k[:, slots].float().repeat_interleave(group, dim=0)
+        values = v[:, slots].float().repeat_interleave(group, dim=0)
+        scores = torch.einsum("hd,hld->hl", q[row].float(), keys) * q.shape[-1] ** -0.5
+        rows.append(torch.einsum("hl,hld->hd", scores.softmax(-1), values))
+    return torch.stack(rows)
+
+
+def batch(seed: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype):
+    cascade.HEAD_DIM, saved = head_dim, cascade.HEAD_DIM
+    try:
+        k, v, tables, lens, _ = cascade.build_batch(seed, page_size, num_kv_heads, dtype)
+    finally:
+        cascade.HEAD_DIM = saved
+    return k, v, tables, lens
+
+
+def attend(q, k, v, tables, lens, page_size: int) -> torch.Tensor:
+    plan = plan_decode(tables, lens, page_size, CPU, KERNEL)
+    assert plan.native is not None and not plan.buckets and not plan.prefixes
+    return decode_attention(q, k, v, plan, page_size)
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("page_size", [4, 16])
+@pytest.mark.parametrize("seed", range(4))
+def test_kernel_equals_attention_of_each_row_alone(seed, page_size, head_dim, dtype, threads) -> None:
+    # SmolLM2's heads (9 query, 3 KV) as each rank holds them at TP=1 and TP=2.
+    shares = [shard_heads(9, 3, world_size, rank) for world_size in (1, 2) for rank in range(world_size)]
+    for num_q_heads, num_kv_heads in sorted({(s.num_q_heads, s.num_kv_heads) for s in shares}):
+        k, v, tables, lens = batch(seed, page_size, num_kv_heads, head_dim, dtype)
+        q = torch.randn(len(tables), num_q_heads, head_dim, generator=torch.Generator().manual_seed(seed)).to(dtype)
+        got = attend(q, k, v, tables, lens, page_size)
+        assert got.dtype == dtype and got.shape == q.shape
+        torch.testing.assert_close(got.float(), reference(q, k, v, tables, lens, page_size),
+                                   atol=TOLERANCE[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_long_contexts_and_large_groups(dtype, threads) -> None:
+    """Contexts of thousands of keys (cut into chunks whose partials are merged), a group of 40
+    rows behind one 1,000-token prefix (more queries than fit in registers at once), rows alone,
+    and contexts that end on and off page boundaries, in one batch."""
+    page_size, head_dim, num_kv_heads, num_q_heads = 16, 64, 3, 9
+    rng = random.Random(7)
+    prefix = list(range(0, 62))  # 62 whole pages = 992 tokens shared
+    tables, lens, next_page = [], [], 62
+    for _ in range(40):
+        length = 992 + rng.randint(1, 40)
+        own = -(-length // page_size) - len(prefix)
+        tables.append(prefix + list(range(next_page, next_page + own)))
+        next_page += own
+        lens.append(length)
+    for length in [3000, 1, 16, 2048 + 5]:
+        own = -(-length // page_size)
+        tables.append(list(range(next_page, next_page + own)))
+        next_page += own
+        lens.append(length)
+    order = list(range(len(tables)))
+    rng.shuffle(order)  # members of the group need not be adjacent rows
+    tables, lens = [tables[i] for i in order], [lens[i] for i in order]
+    generator = torch.Generator().manual_seed(1)
+    k = torch.randn(num_kv_heads, next_page * page_size, head_dim, generator=generator).to(dtype)
+    v = torch.randn(num_kv_heads, next_page * page_size, head_dim, generator=generator).to(dtype)
+    q = torch.randn(len(tables), num_q_heads, head_dim, generator=generator).to(dtype)
+    plan = plan_decode(tables, lens, page_size, CPU, KERNEL)
+    got = decode_attention(q, k, v, plan, page_size)
+    torch.testing.assert_close(got.float(), reference(q, k, v, tables, lens, page_size),
+                               atol=TOLERANCE[dtype], rtol=0)
+
+
+def test_queries_may_be_a_strided_view() -> None:
+    """The model hands decode queries as a slice of the merged q/k projection (rows further apart
+    than one row's heads): the kernel reads them where they are."""
+    k, v, tables, lens = batch(3, 4, 3, 64, torch.float32)
+    merged = torch.randn(len(tables) + 2, 9 + 3, 64)
+    q = merged[: len(tables), :9]
+    assert not q.is_contiguous()
+    torch.testing.assert_close(attend(q, k, v, tables, lens, 4), reference(q, k, v, tables, lens, 4),
+                               atol=TOLERANCE[torch.float32], rtol=0)
+
+
+def test_greedy_tokens_equal_the_torch_path(tmp_path) -> None:
+    """Through the tiny model: 4 sequences behind a 10-token prefix (pages of 4), decoded together
+    with the kernel and with the torch path, give the same greedy tokens and close logits."""
+    model_dir = make_tiny_llama(tmp_path)
+    page_size, steps = 4, 6
+    generator = torch.Generator().manual_seed(0)
+    prefix = torch.randint(3, VOCAB_SIZE, (10,), generator=generator).tolist()
+    prompts = [prefix + torch.randint(3, VOCAB_SIZE, (3 + i,), generator=generator).tolist() for i in range(4)]
+
+    def run(kernel: str) -> tuple[list[list[int]], torch.Tensor]:
+        runner = ModelRunner(RunnerConfig(model_dir=model_dir, page_size=page_size, kv_cache_bytes=1 << 20,
+                                          attention_kernel=kernel))
+        assert (runner.native_decode is not None) == (kernel == "native")
+        shared = [40, 7]
+        runner.forward([ForwardEntry(prefix[:8], 0, shared, False)])
+        entries = [ForwardEntry(p[8:], 8, shared + [60 + 10 * i + j for j in range(6)], True)
+                   for i, p in enumerate(prompts)]
+        outputs: list[list[int]] = [[] for _ in entries]
+        all_logits = []
+        for _ in range(steps):
+            logits = runner.forward(entries)
+            all_logits.append(logits)
+            next_ids = logits.argmax(-1).tolist()
+            entries = [ForwardEntry([t], e.start_position + len(e.token_ids), e.page_table, True)
+                       for e, t in zip(entries, next_ids)]
+            for out, t in zip(outputs, next_ids):
+                out.append(t)
+        return outputs, torch.stack(all_logits)
+
+    native_tokens, native_logits = run("native")
+    torch_tokens, torch_logits = run("torch")
+    assert native_tokens == torch_tokens
+    torch.testing.assert_close(native_logits, torch_logits, atol=1e-4, rtol=0)
+
+
+def test_native_is_refused_with_the_reason_where_it_cannot_build(monkeypatch) -> None:
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        native.build(compiler="no-such-compiler-radixserve")
+    monkeypatch.setattr(native, "_loaded", None)
+    monkeypatch.setattr(native, "_failure", "no C++ compiler (stubbed)")
+    with pytest.raises(RuntimeError, match="--attention-kernel native: no C\\+\\+ compiler"):
+        native.select("native", 64, torch.float32, CPU)
+    assert native.select("auto", 64, torch.float32, CPU) is None  # auto falls back to torch
+    monkeypatch.undo()
+    assert native.select("torch", 64, torch.float32, CPU) is None
+    assert native.select("auto", 64, torch.float32, CPU) is KERNEL
+    assert native.select("auto", 40, torch.float32, CPU) is None  # a head size it has no code for
+    with pytest.raises(RuntimeError, match="no kernel for head_dim 40"):
+        native.select("native", 40, torch.float32, CPU)
+
+
+def test_a_built_kernel_is_reused_from_the_cache(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("RADIXSERVE_KERNEL_CACHE", str(tmp_path))
+    first = native.build()
+    assert first.parent == tmp_path and first.is_file()
+    stamp = first.stat().st_mtime_ns
+    assert native.build() == first and first.stat().st_mtime_ns == stamp  # not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no partial file left behind

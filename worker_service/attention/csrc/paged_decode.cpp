@@ -1,0 +1,374 @@
+// Paged decode attention for x86 CPUs with AVX-512: every decode query reads its keys and values
+// where they lie in the head-major pool, through its page table. Nothing is gathered or padded.
+//
+// Built at run time by `worker_service/attention/native.py` (g++ -O3 -march=native -fopenmp) and
+// called through ctypes; it shares torch's OpenMP runtime (same libgomp soname, already loaded).
+//
+// One call attends one layer. The step's plan (`DecodePlan` below) is built once per step:
+// - each row (decode query) owns a suffix: its pages from `row_prefix_pages[r]` on, up to
+//   `seq_lens[r]` keys in all;
+// - each group of rows shares its leading `group_num_pages[g]` pages (same physical pages in every
+//   member's table): all members' query heads meet that prefix in ONE pass over its K/V.
+// Segments (suffixes and prefixes) are cut into chunks of pages; a work unit is (chunk, kv head).
+// Each unit leaves, for each of its queries, the unnormalised partial (max score m, sum of
+// exp(s - m), sum of exp(s - m) * v); a last pass merges every row's partials exactly, in float32.
+//
+// Scores, softmax and sums are float32 whatever the K/V dtype (float32, bfloat16, float16).
+
+#ifndef __AVX512F__
+#error "the paged decode kernel needs AVX-512 (the torch path serves CPUs without it)"
+#endif
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+enum Dtype : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+struct DecodePlan {
+  int32_t num_rows, num_q_heads, num_kv_heads, head_dim, page_size, dtype;
+  int64_t q_row_stride;      // elements between two rows of q (heads of one row are contiguous)
+  int64_t kv_head_stride;    // elements between two kv heads of one layer's pool
+  float scale;
+  int32_t num_threads;
+  const int32_t* row_page_start;    // [num_rows + 1] into row_pages
+  const int32_t* row_pages;         // every row's page table, concatenated
+  const int32_t* seq_lens;          // [num_rows] keys each row attends (its newest token included)
+  const int32_t* row_prefix_pages;  // [num_rows] leading pages attended with its group (0: none)
+  int32_t num_groups;
+  const int32_t* group_row_start;   // [num_groups + 1] into group_rows
+  const int32_t* group_rows;
+  const int32_t* group_num_pages;   // [num_groups]
+};
+
+// ---- conversions: 16 values of the pool's dtype <-> 16 float32 lanes -------------------------
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p, std::integral_constant<int, kBFloat16>) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const uint16_t* p, std::integral_constant<int, kFloat16>) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <int kDtype> struct Elem { using type = uint16_t; };
+template <> struct Elem<kFloat32> { using type = float; };
+
+template <int kDtype>
+inline __m512 load_vec(const typename Elem<kDtype>::type* p) {
+  if constexpr (kDtype == kFloat32) return load16(p);
+  else return load16(p, std::integral_constant<int, kDtype>{});
+}
+
+template <int kDtype>
+inline void store_vec(typename Elem<kDtype>::type* p, __m512 x) {
+  if constexpr (kDtype == kFloat32) {
+    _mm512_storeu_ps(p, x);
+  } else if constexpr (kDtype == kFloat16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  } else {  // bfloat16, round to nearest even (what torch's .to(bfloat16) does; no NaNs here)
+    __m512i bits = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+  }
+}
+
+// x rounded to the dtype's precision (nearest even) and back to float32.
+template <int kDtype>
+inline __m512 round_to(__m512 x) {
+  if constexpr (kDtype == kFloat16) {
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  } else {
+    __m512i bits = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+}
+
+// exp for x <= 0 (scores minus their max): range reduction to r in [-ln2/2, ln2/2], a degree-6
+// polynomial, and scalef by 2^n. Relative error about 1e-7; x below -87 gives (nearly) 0.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// ---- one work unit ------------------------------------------------------------------------------
+
+// A run of keys of one segment: pages [page_begin, page_end) of `pages`, of which the first
+// `num_keys` keys count (the last page may be partly filled).
+struct Chunk {
+  const int32_t* pages;
+  int32_t num_pages;
+  int32_t num_keys;
+};
+
+// Partial result of one query over one chunk: m, l, then head_dim sums.
+inline int partial_floats(int head_dim) { return head_dim + 2; }
+
+// Queries `queries` ([num_queries][kD] float32, already scaled) against one kv head's keys of
+// `chunk`; writes each query's partial to `partials + i * (kD + 2)`. `scores` has room for
+// kBlock * padded num_keys floats.
+template <int kDtype, int kD, int kBlock>
+void attend_chunk(const float* queries, int num_queries, const typename Elem<kDtype>::type* k_head,
+                  const typename Elem<kDtype>::type* v_head, int page_size, const Chunk& chunk,
+                  float* scores, float* partials) {
+  constexpr int kV = kD / 16;
+  const int stride = (chunk.num_keys + 15) & ~15;
+  for (int q0 = 0; q0 < num_queries; q0 += kBlock) {
+    const int nb = std::min(kBlock, num_queries - q0);
+    __m512 qv[kBlock][kV];
+    for (int b = 0; b < kBlock; ++b)
+      for (int t = 0; t < kV; ++t)
+        qv[b][t] = b < nb ? _mm512_loadu_ps(queries + (q0 + b) * kD + 16 * t) : _mm512_setzero_ps();
+
+    // scores = q . k for every key of the chunk
+    int key = 0;
+    for (int p = 0; p < chunk.num_pages && key < chunk.num_keys; ++p) {
+      const auto* k_page = k_head + static_cast<int64_t>(chunk.pages[p]) * page_size * kD;
+      const int in_page = std::min(page_size, chunk.num_keys - key);
+      for (int j = 0; j < in_page; ++j, ++key) {
+        __m512 kv[kV];
+        for (int t = 0; t < kV; ++t) kv[t] = load_vec<kDtype>(k_page + j * kD + 16 * t);
+        for (int b = 0; b < kBlock; ++b) {
+          if (b >= nb) break;
+          __m512 acc = _mm512_mul_ps(qv[b][0], kv[0]);
+          for (int t = 1; t < kV; ++t) acc = _mm512_fmadd_ps(qv[b][t], kv[t], acc);
+          scores[b * stride + key] = _mm512_reduce_add_ps(acc);
+        }
+      }
+    }
+
+    // softmax pieces per query: m = max, p = exp(s - m) in place, l = sum p
+    float m[kBlock], l[kBlock];
+    for (int b = 0; b < nb; ++b) {
+      float* s = scores + b * stride;
+      __m512 vmax = _mm512_set1_ps(-INFINITY);
+      int i = 0;
+      for (; i + 16 <= chunk.num_keys; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + i));
+      const __mmask16 tail = static_cast<__mmask16>((1u << (chunk.num_keys - i)) - 1);
+      if (tail) vmax = _mm512_mask_max_ps(vmax, tail, vmax, _mm512_maskz_loadu_ps(tail, s + i));
+      m[b] = _mm512_reduce_max_ps(vmax);
+      const __m512 vm = _mm512_set1_ps(m[b]);
+      __m512 vsum = _mm512_setzero_ps();
+      for (i = 0; i + 16 <= chunk.num_keys; i += 16) {
+        __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + i), vm));
+        _mm512_storeu_ps(s + i, e);
+        vsum = _mm512_add_ps(vsum, e);
+      }
+      if (tail) {
+        __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + i), vm));
+        e = _mm512_maskz_mov_ps(tail, e);
+        _mm512_mask_storeu_ps(s + i, tail, e);
+        vsum = _mm512_add_ps(vsum, e);
+      }
+      l[b] = _mm512_reduce_add_ps(vsum);
+      // The weights multiply V in the pool's precision, as PyTorch's flash kernel (the torch path,
+      // and transformers' reference) does; the sum l keeps them unrounded, as it does.
+      if constexpr (kDtype != kFloat32)
+        for (i = 0; i < chunk.num_keys; i += 16) {
+          const __mmask16 lanes = chunk.num_keys - i >= 16 ? 0xFFFF : (1u << (chunk.num_keys - i)) - 1;
+          _mm512_mask_storeu_ps(s + i, lanes, round_to<kDtype>(_mm512_maskz_loadu_ps(lanes, s + i)));
+        }
+    }
+
+    // acc = sum p * v
+    __m512 acc[kBlock][kV];
+    for (int b = 0; b < kBlock; ++b)
+      for (int t = 0; t < kV; ++t) acc[b][t] = _mm512_setzero_ps();
+    key = 0;
+    for (int p = 0; p < chunk.num_pages && key < chunk.num_keys; ++p) {
+      const auto* v_page = v_head + static_cast<int64_t>(chunk.pages[p]) * page_size * kD;
+      const int in_page = std::min(page_size, chunk.num_keys - key);
+      for (int j = 0; j < in_page; ++j, ++key) {
+        __m512 vv[kV];
+        for (int t = 0; t < kV; ++t) vv[t] = load_vec<kDtype>(v_page + j * kD + 16 * t);
+        for (int b = 0; b < kBlock; ++b) {
+          if (b >= nb) break;
+          const __m512 w = _mm512_set1_ps(scores[b * stride + key]);
+          for (int t = 0; t < kV; ++t) acc[b][t] = _mm512_fmadd_ps(w, vv[t], acc[b][t]);
+        }
+      }
+    }
+    for (int b = 0; b < nb; ++b) {
+      float* out = partials + (q0 + b) * (kD + 2);
+      out[0] = m[b];
+      out[1] = l[b];
+      for (int t = 0; t < kV; ++t) _mm512_storeu_ps(out + 2 + 16 * t, acc[b][t]);
+    }
+  }
+}
+
+// A segment: keys [0, num_keys) of `pages`, attended by `rows` (all of them, all their heads).
+struct Segment {
+  const int32_t* rows;
+  int32_t num_rows;
+  const int32_t* pages;
+  int32_t num_keys;
+};
+
+template <int kDtype, int kD>
+int run(const DecodePlan& plan, const void* q_ptr, const void* k_ptr, const void* v_ptr, void* out_ptr) {
+  using T = typename Elem<kDtype>::type;
+  constexpr int kBlock = kD <= 64 ? 4 : 2;  // queries whose q (and accumulators) stay in registers
+  const T* q = static_cast<const T*>(q_ptr);
+  const T* k = static_cast<const T*>(k_ptr);
+  const T* v = static_cast<const T*>(v_ptr);
+  T* out = static_cast<T*>(out_ptr);
+  const int num_rows = plan.num_rows, hq = plan.num_q_heads, hk = plan.num_kv_heads;
+  const int group = hq / hk, page_size = plan.page_size;
+  const int pf = partial_floats(kD);
+
+  // Segments: every row's suffix, then every group's shared prefix.
+  std::vector<int32_t> row_ids(num_rows);
+  std::vector<Segment> segments;
+  segments.reserve(num_rows + plan.num_groups);
+  for (int r = 0; r < num_rows; ++r) {
+    row_ids[r] = r;
+    const int skip = plan.row_prefix_pages[r];
+    segments.push_back({&row_ids[r], 1, plan.row_pages + plan.row_page_start[r] + skip,
+                        plan.seq_lens[r] - skip * page_size});
+  }
+  for (int g = 0; g < plan.num_groups; ++g) {
+    const int first = plan.group_rows[plan.group_row_start[g]];
+    segments.push_back({plan.group_rows + plan.group_row_start[g],
+                        plan.group_row_start[g + 1] - plan.group_row_start[g],
+                        plan.row_pages + plan.row_page_start[first], plan.group_num_pages[g] * page_size});
+  }
+
+  // Chunks: long segments are split so that every thread has several units to take.
+  int64_t total_pages = 0;
+  for (const Segment& s : segments) total_pages += (s.num_keys + page_size - 1) / page_size;
+  const int64_t want_units = 4 * static_cast<int64_t>(std::max(1, plan.num_threads));
+  const int64_t chunk_pages = std::max<int64_t>(8, (total_pages * hk + want_units - 1) / want_units);
+  struct ChunkRef { int segment; Chunk chunk; int64_t partial_offset; };
+  std::vector<ChunkRef> chunks;
+  std::vector<std::vector<std::pair<int, int>>> row_partials(num_rows);  // (chunk, row index in segment)
+  int64_t partial_count = 0;
+  for (int si = 0; si < static_cast<int>(segments.size()); ++si) {
+    const Segment& s = segments[si];
+    const int num_pages = (s.num_keys + page_size - 1) / page_size;
+    for (int p0 = 0; p0 < num_pages; p0 += static_cast<int>(chunk_pages)) {
+      const int np = std::min<int>(static_cast<int>(chunk_pages), num_pages - p0);
+      const int nk = std::min(np * page_size, s.num_keys - p0 * page_size);
+      const int ci = static_cast<int>(chunks.size());
+      chunks.push_back({si, {s.pages + p0, np, nk}, partial_count});
+      for (int i = 0; i < s.num_rows; ++i) row_partials[s.rows[i]].push_back({ci, i});
+      partial_count += static_cast<int64_t>(s.num_rows) * group * hk;
+    }
+  }
+  std::vector<float> partials(partial_count * pf);
+  const int64_t num_units = static_cast<int64_t>(chunks.size()) * hk;
+
+#pragma omp parallel num_threads(plan.num_threads)
+  {
+    std::vector<float> queries, scores;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < num_units; ++u) {
+      const ChunkRef& c = chunks[u / hk];
+      const int h = static_cast<int>(u % hk);
+      const Segment& s = segments[c.segment];
+      const int nq = s.num_rows * group;
+      queries.resize(static_cast<size_t>(nq) * kD);
+      for (int i = 0; i < s.num_rows; ++i) {
+        const T* row_q = q + s.rows[i] * plan.q_row_stride + static_cast<int64_t>(h) * group * kD;
+        for (int g = 0; g < group; ++g)
+          for (int t = 0; t < kD / 16; ++t)
+            _mm512_storeu_ps(&queries[(i * group + g) * kD + 16 * t],
+                             _mm512_mul_ps(load_vec<kDtype>(row_q + g * kD + 16 * t), _mm512_set1_ps(plan.scale)));
+      }
+      scores.resize(static_cast<size_t>(kBlock) * ((c.chunk.num_keys + 15) & ~15));
+      // Partials of this unit: [rows of the segment][group] for kv head h.
+      float* dest = partials.data() + (c.partial_offset + static_cast<int64_t>(h) * s.num_rows * group) * pf;
+      attend_chunk<kDtype, kD, kBlock>(queries.data(), nq, k + h * plan.kv_head_stride, v + h * plan.kv_head_stride,
+                                       page_size, c.chunk, scores.data(), dest);
+    }
+
+    // Merge: out[r, head] = sum_i acc_i e^(m_i - M) / sum_i l_i e^(m_i - M).
+#pragma omp for schedule(static)
+    for (int64_t rh = 0; rh < static_cast<int64_t>(num_rows) * hq; ++rh) {
+      const int r = static_cast<int>(rh / hq), head = static_cast<int>(rh % hq);
+      const int h = head / group, g = head % group;
+      const auto& list = row_partials[r];
+      auto partial_of = [&](const std::pair<int, int>& entry) {
+        const ChunkRef& c = chunks[entry.first];
+        const int rows_in_segment = segments[c.segment].num_rows;
+        return partials.data() +
+               (c.partial_offset + (static_cast<int64_t>(h) * rows_in_segment + entry.second) * group + g) * pf;
+      };
+      float top = -INFINITY;
+      for (const auto& e : list) top = std::max(top, partial_of(e)[0]);
+      float denominator = 0.0f;
+      __m512 acc[kD / 16];
+      for (int t = 0; t < kD / 16; ++t) acc[t] = _mm512_setzero_ps();
+      for (const auto& e : list) {
+        const float* part = partial_of(e);
+        const float w = std::exp(part[0] - top);
+        denominator += part[1] * w;
+        for (int t = 0; t < kD / 16; ++t)
+          acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(part + 2 + 16 * t), acc[t]);
+      }
+      const __m512 inv = _mm512_set1_ps(1.0f / denominator);
+      T* dst = out + (static_cast<int64_t>(r) * hq + head) * kD;
+      for (int t = 0; t < kD / 16; ++t) store_vec<kDtype>(dst + 16 * t, _mm512_mul_ps(acc[t], inv));
+    }
+  }
+  return 0;
+}
+
+template <int kDtype>
+int dispatch_dim(const DecodePlan& plan, const void* q, const void* k, const void* v, void* out) {
+  switch (plan.head_dim) {
+    case 16: return run<kDtype, 16>(plan, q, k, v, out);
+    case 32: return run<kDtype, 32>(plan, q, k, v, out);
+    case 64: return run<kDtype, 64>(plan, q, k, v, out);
+    case 96: return run<kDtype, 96>(plan, q, k, v, out);
+    case 128: return run<kDtype, 128>(plan, q, k, v, out);
+    default: return 2;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Which head dims and dtypes `radix_paged_decode` takes (the Python side asks before using it).
+int radix_supports(int32_t head_dim, int32_t dtype) {
+  const bool dim_ok = head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 96 || head_dim == 128;
+  return dim_ok && dtype >= kFloat32 && dtype <= kFloat16;
+}
+
+int32_t radix_plan_size() { return static_cast<int32_t>(sizeof(DecodePlan)); }
+
+// Attention of one layer's decode queries `q` into `out` ([num_rows, num_q_heads, head_dim],
+// contiguous). `k` / `v`: the layer's pool of kv head 0 (heads `kv_head_stride` apart). 0: done.
+int radix_paged_decode(const DecodePlan* plan, const void* q, const void* k, const void* v, void* out) {
+  if (plan->num_q_heads % plan->num_kv_heads != 0) return 1;
+  switch (plan->dtype) {
+    case kFloat32: return dispatch_dim<kFloat32>(*plan, q, k, v, out);
+    case kBFloat16: return dispatch_dim<kBFloat16>(*plan, q, k, v, out);
+    case kFloat16: return dispatch_dim<kFloat16>(*plan, q, k, v, out);
+    default: return 3;
+  }
+}
+
+}  // extern "C"

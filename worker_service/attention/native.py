@@ -1,0 +1,216 @@
+"""The compiled paged decode kernel (`csrc/paged_decode.cpp`): built once per machine, called per layer.
+
+Decode attention is memory bound: a step reads every running sequence's K/V once per layer.
+PyTorch's CPU build has no kernel that reads K/V through page tables, so the torch path
+(`cascade.py`) first copies each context into a padded buffer and then runs the flash kernel over
+it, a second read at low efficiency with 3 query rows per KV head. This kernel reads each page
+where it lies, attends every shared prefix once for all its rows (the same decomposition as
+`cascade.py`), splits long contexts across threads and merges partial softmaxes in float32.
+
+It is built with the machine's C++ compiler (`$CXX`, else `g++`) for the machine's own CPU
+(`-march=native`, AVX-512 required) into a cache folder keyed by the source, the compiler and the
+CPU's flags, and loaded with ctypes. It uses torch's OpenMP runtime (the same `libgomp.so.1`,
+already loaded) with torch's thread count. Where it cannot be built (no compiler, no AVX-512),
+`load()` says why and the worker uses the torch path (`--attention-kernel auto`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+COMPILE_TIMEOUT_S = 300.0
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+_INT32_P = ctypes.POINTER(ctypes.c_int32)
+
+
+class _PlanStruct(ctypes.Structure):
+    """Mirror of `DecodePlan` in paged_decode.cpp (checked against the library's own size)."""
+
+    _fields_ = [
+        ("num_rows", ctypes.c_int32), ("num_q_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32),
+        ("head_dim", ctypes.c_int32), ("page_size", ctypes.c_int32), ("dtype", ctypes.c_int32),
+        ("q_row_stride", ctypes.c_int64), ("kv_head_stride", ctypes.c_int64),
+        ("scale", ctypes.c_float), ("num_threads", ctypes.c_int32),
+        ("row_page_start", _INT32_P), ("row_pages", _INT32_P), ("seq_lens", _INT32_P),
+        ("row_prefix_pages", _INT32_P),
+        ("num_groups", ctypes.c_int32),
+        ("group_row_start", _INT32_P), ("group_rows", _INT32_P), ("group_num_pages", _INT32_P),
+    ]
+
+
+def _cache_dir() -> Path:
+    """Where built kernels are kept: `$RADIXSERVE_KERNEL_CACHE`, else the user's cache folder, else /tmp."""
+    configured = os.environ.get("RADIXSERVE_KERNEL_CACHE")
+    if configured:
+        return Path(configured)
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    folder = base / "radixserve" / "kernels"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if os.access(folder, os.W_OK):
+            return folder
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"radixserve-kernels-{os.getuid()}"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def build(compiler: str | None = None) -> Path:
+    """The kernel's shared library, compiled now unless this machine has it cached. Raises on failure."""
+    compiler = compiler or os.environ.get("CXX") or "g++"
+    path = shutil.which(compiler)
+    if path is None:
+        raise RuntimeError(f"no C++ compiler ({compiler!r} not found; set CXX)")
+    version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(COMPILE_FLAGS), _cpu_flags()])
+                         .encode()).hexdigest()[:16]
+    folder = _cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    library = folder / f"paged_decode-{key}.so"
+    if library.is_file():
+        return library
+    # Build beside the target and rename: workers that start together each build, and each
+    # rename is atomic, so none loads a half-written file.
+    partial = folder / f".paged_decode-{key}-{os.getpid()}.so"
+    result = subprocess.run([path, *COMPILE_FLAGS, str(SOURCE), "-o", str(partial)],
+                            capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+    if result.returncode != 0:
+        partial.unlink(missing_ok=True)
+        raise RuntimeError(f"compiling {SOURCE.name} failed: {result.stderr.strip()[-2000:]}")
+    os.replace(partial, library)
+    return library
+
+
+class NativeDecode:
+    """The loaded kernel library."""
+
+    def __init__(self, library: Path) -> None:
+        self._lib = ctypes.CDLL(str(library))
+        self._lib.radix_supports.argtypes = [ctypes.c_int32, ctypes.c_int32]
+        self._lib.radix_plan_size.restype = ctypes.c_int32
+        self._call = self._lib.radix_paged_decode
+        self._call.argtypes = [ctypes.c_void_p] * 5
+        self._call.restype = ctypes.c_int
+        if self._lib.radix_plan_size() != ctypes.sizeof(_PlanStruct):
+            raise RuntimeError("paged_decode.cpp's DecodePlan and native.py's mirror differ")
+
+    def supports(self, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+        return (device.type == "cpu" and dtype in DTYPE_CODES
+                and bool(self._lib.radix_supports(head_dim, DTYPE_CODES[dtype])))
+
+    def plan(self, tables: list[list[int]], context_lens: list[int], page_size: int,
+             groups: list[tuple[list[int], int]]) -> NativePlan:
+        """The step's plan: rows' page tables and context lengths, and the groups sharing leading pages."""
+        pages: list[int] = []
+        page_start = [0]
+        for table, length in zip(tables, context_lens):
+            pages.extend(table[: (length + page_size - 1) // page_size])
+            page_start.append(len(pages))
+        prefix_pages = [0] * len(tables)
+        group_rows: list[int] = []
+        group_row_start = [0]
+        for rows, num_pages in groups:
+            for row in rows:
+                prefix_pages[row] = num_pages
+            group_rows.extend(rows)
+            group_row_start.append(len(group_rows))
+        arrays = [torch.tensor(values, dtype=torch.int32) for values in (
+            page_start, pages or [0], context_lens, prefix_pages, group_row_start, group_rows or [0],
+            [num_pages for _, num_pages in groups] or [0])]
+        struct = _PlanStruct(num_rows=len(tables), page_size=page_size, num_groups=len(groups))
+        for name, array in zip(("row_page_start", "row_pages", "seq_lens", "row_prefix_pages",
+                                "group_row_start", "group_rows", "group_num_pages"), arrays):
+            setattr(struct, name, ctypes.cast(array.data_ptr(), _INT32_P))
+        return NativePlan(self._call, struct, arrays)
+
+
+@dataclass(slots=True)
+class NativePlan:
+    """One step's decode plan for the kernel; `attend` runs one layer. Holds the arrays it points into."""
+
+    _call: ctypes._CFuncPtr
+    _struct: _PlanStruct
+    _arrays: list[torch.Tensor]
+
+    def attend(self, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor) -> torch.Tensor:
+        """Decode queries `q` `[B, Hq, D]` over one layer's head-major pool `[Hk, num_slots, D]` -> `[B, Hq, D]`."""
+        num_rows, num_q_heads, head_dim = q.shape
+        if q.stride(2) != 1 or q.stride(1) != head_dim:
+            q = q.contiguous()
+        struct = self._struct
+        struct.num_q_heads, struct.num_kv_heads, struct.head_dim = num_q_heads, k_slots.shape[0], head_dim
+        struct.dtype = DTYPE_CODES[q.dtype]
+        struct.q_row_stride, struct.kv_head_stride = q.stride(0), k_slots.stride(0)
+        struct.scale = head_dim ** -0.5
+        struct.num_threads = torch.get_num_threads()
+        out = torch.empty((num_rows, num_q_heads, head_dim), dtype=q.dtype)
+        status = self._call(ctypes.addressof(struct), q.data_ptr(), k_slots.data_ptr(), v_slots.data_ptr(),
+                            out.data_ptr())
+        if status != 0:
+            raise RuntimeError(f"paged decode kernel refused the call (status {status})")
+        return out
+
+
+_loaded: NativeDecode | None = None
+_failure: str | None = None
+
+
+def load() -> NativeDecode | None:
+    """The kernel, built and loaded once per process; None (and `failure()` says why) where it cannot be."""
+    global _loaded, _failure
+    if _loaded is None and _failure is None:
+        try:
+            _loaded = NativeDecode(build())
+        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+            _failure = str(error)
+            log.warning("paged decode kernel unavailable, using the torch path: %s", error)
+    return _loaded
+
+
+def failure() -> str | None:
+    return _failure
+
+
+KERNEL_CHOICES = ("auto", "native", "torch")
+
+
+def select(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device) -> NativeDecode | None:
+    """The kernel decode attention should use for `kind` (`KERNEL_CHOICES`): None means the torch path.
+
+    `auto` takes the compiled kernel where it builds and supports the model's head size and dtype;
+    `native` insists on it (raises, saying why, where it cannot be used); `torch` never loads it.
+    """
+    if kind == "torch":
+        return None
+    kernel = load() if device.type == "cpu" else None
+    if kernel is not None and kernel.supports(head_dim, dtype, device):
+        return kernel
+    if kind == "native":
+        why = (failure() if kernel is None and device.type == "cpu"
+               else f"no kernel for head_dim {head_dim}, {dtype}, on {device.type}")
+        raise RuntimeError(f"--attention-kernel native: {why}")
+    return None
