@@ -43,6 +43,12 @@ RUN version="$(cat /opt/radixserve-build/torch-version)" \
     && python /opt/radixserve-build/torch_build.py check --version "${version}" \
         --variant "${TORCH_VARIANT}"
 
+# A C++ compiler: workers build their decode attention kernel for the CPU they run on, on first
+# use (worker_service/attention/native.py). Without one they use the slower torch path.
+RUN if ! command -v g++ >/dev/null && command -v apt-get >/dev/null; then \
+        apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*; \
+    fi
+
 # The other dependencies (and the `model` extra that prepare_model needs), read from
 # pyproject.toml so that editing the source does not reinstall them. torch is already there.
 COPY pyproject.toml ./
