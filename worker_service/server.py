@@ -107,9 +107,10 @@ class Worker:
                  config.host, worker.port, config.model)
         worker._metrics = serve_metrics(worker.registry, config.host, config.metrics_port,
                                         f"rank {config.rank}")
-        # On a thread: a stop signal during a long rendezvous can still exit (see `stop`).
+        # On the task thread (see `WorkerService.run_on_task_thread`); off the event loop, so a
+        # stop signal during a long rendezvous can still exit (see `stop`).
         worker._loading = asyncio.ensure_future(
-            asyncio.to_thread(load_executor, config, worker.registry))
+            worker.service.run_on_task_thread(load_executor, config, worker.registry))
         worker._ready = asyncio.create_task(worker._serve_when_loaded())
         return worker
 

@@ -125,35 +125,79 @@ struct Chunk {
 // Partial result of one query over one chunk: m, l, then head_dim sums.
 inline int partial_floats(int head_dim) { return head_dim + 2; }
 
+// A unit with at least this many queries (a shared prefix's group) scores 16 keys at a time
+// against transposed keys; fewer queries take one dot product per key and query.
+constexpr int kManyQueries = 8;
+
+// scores[i * stride + key] = q_i . k_key for every query and key of the chunk, 16 keys at a time:
+// each run of 16 keys is converted and transposed once (kt[d] holds dimension d of the 16 keys),
+// then every query's 16 scores are kD broadcast FMAs, with no horizontal sums.
+template <int kDtype, int kD>
+void scores_transposed(const float* queries, int num_queries, const typename Elem<kDtype>::type* k_head,
+                       int page_size, const Chunk& chunk, float* scores, int stride) {
+  constexpr int kV = kD / 16;
+  alignas(64) float rows[16 * kD];
+  alignas(64) float kt[kD * 16];
+  const __m512i row_starts = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(kD));
+  int key = 0;
+  for (int p = 0; p < chunk.num_pages && key < chunk.num_keys; ++p) {
+    const auto* k_page = k_head + static_cast<int64_t>(chunk.pages[p]) * page_size * kD;
+    const int in_page = std::min(page_size, chunk.num_keys - key);
+    for (int j0 = 0; j0 < in_page; j0 += 16) {
+      const int n = std::min(16, in_page - j0);
+      for (int j = 0; j < 16; ++j)
+        for (int t = 0; t < kV; ++t)
+          _mm512_store_ps(rows + j * kD + 16 * t,
+                          j < n ? load_vec<kDtype>(k_page + (j0 + j) * kD + 16 * t) : _mm512_setzero_ps());
+      for (int d = 0; d < kD; ++d) _mm512_store_ps(kt + 16 * d, _mm512_i32gather_ps(row_starts, rows + d, 4));
+      const __mmask16 lanes = n == 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+      for (int i = 0; i < num_queries; ++i) {
+        const float* qi = queries + i * kD;
+        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int d = 0; d < kD; d += 4)
+          for (int u = 0; u < 4; ++u)
+            acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(qi[d + u]), _mm512_load_ps(kt + 16 * (d + u)), acc[u]);
+        const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+        _mm512_mask_storeu_ps(scores + i * stride + key + j0, lanes, sum);
+      }
+    }
+    key += in_page;
+  }
+}
+
 // Queries `queries` ([num_queries][kD] float32, already scaled) against one kv head's keys of
 // `chunk`; writes each query's partial to `partials + i * (kD + 2)`. `scores` has room for
-// kBlock * padded num_keys floats.
+// max(kBlock, num_queries) * padded num_keys floats.
 template <int kDtype, int kD, int kBlock>
 void attend_chunk(const float* queries, int num_queries, const typename Elem<kDtype>::type* k_head,
                   const typename Elem<kDtype>::type* v_head, int page_size, const Chunk& chunk,
-                  float* scores, float* partials) {
+                  float* all_scores, float* partials) {
   constexpr int kV = kD / 16;
   const int stride = (chunk.num_keys + 15) & ~15;
+  const bool many = num_queries >= kManyQueries;
+  if (many) scores_transposed<kDtype, kD>(queries, num_queries, k_head, page_size, chunk, all_scores, stride);
   for (int q0 = 0; q0 < num_queries; q0 += kBlock) {
     const int nb = std::min(kBlock, num_queries - q0);
-    __m512 qv[kBlock][kV];
-    for (int b = 0; b < kBlock; ++b)
-      for (int t = 0; t < kV; ++t)
-        qv[b][t] = b < nb ? _mm512_loadu_ps(queries + (q0 + b) * kD + 16 * t) : _mm512_setzero_ps();
-
-    // scores = q . k for every key of the chunk
+    float* scores = many ? all_scores + q0 * stride : all_scores;  // this block's rows
     int key = 0;
-    for (int p = 0; p < chunk.num_pages && key < chunk.num_keys; ++p) {
-      const auto* k_page = k_head + static_cast<int64_t>(chunk.pages[p]) * page_size * kD;
-      const int in_page = std::min(page_size, chunk.num_keys - key);
-      for (int j = 0; j < in_page; ++j, ++key) {
-        __m512 kv[kV];
-        for (int t = 0; t < kV; ++t) kv[t] = load_vec<kDtype>(k_page + j * kD + 16 * t);
-        for (int b = 0; b < kBlock; ++b) {
-          if (b >= nb) break;
-          __m512 acc = _mm512_mul_ps(qv[b][0], kv[0]);
-          for (int t = 1; t < kV; ++t) acc = _mm512_fmadd_ps(qv[b][t], kv[t], acc);
-          scores[b * stride + key] = _mm512_reduce_add_ps(acc);
+    if (!many) {  // scores = q . k for every key of the chunk, one dot product each
+      __m512 qv[kBlock][kV];
+      for (int b = 0; b < kBlock; ++b)
+        for (int t = 0; t < kV; ++t)
+          qv[b][t] = b < nb ? _mm512_loadu_ps(queries + (q0 + b) * kD + 16 * t) : _mm512_setzero_ps();
+      for (int p = 0; p < chunk.num_pages && key < chunk.num_keys; ++p) {
+        const auto* k_page = k_head + static_cast<int64_t>(chunk.pages[p]) * page_size * kD;
+        const int in_page = std::min(page_size, chunk.num_keys - key);
+        for (int j = 0; j < in_page; ++j, ++key) {
+          __m512 kv[kV];
+          for (int t = 0; t < kV; ++t) kv[t] = load_vec<kDtype>(k_page + j * kD + 16 * t);
+          for (int b = 0; b < kBlock; ++b) {
+            if (b >= nb) break;
+            __m512 acc = _mm512_mul_ps(qv[b][0], kv[0]);
+            for (int t = 1; t < kV; ++t) acc = _mm512_fmadd_ps(qv[b][t], kv[t], acc);
+            scores[b * stride + key] = _mm512_reduce_add_ps(acc);
+          }
         }
       }
     }
@@ -296,7 +340,7 @@ int run(const DecodePlan& plan, const void* q_ptr, const void* k_ptr, const void
             _mm512_storeu_ps(&queries[(i * group + g) * kD + 16 * t],
                              _mm512_mul_ps(load_vec<kDtype>(row_q + g * kD + 16 * t), _mm512_set1_ps(plan.scale)));
       }
-      scores.resize(static_cast<size_t>(kBlock) * ((c.chunk.num_keys + 15) & ~15));
+      scores.resize(static_cast<size_t>(std::max(kBlock, nq)) * ((c.chunk.num_keys + 15) & ~15));
       // Partials of this unit: [rows of the segment][group] for kv head h.
       float* dest = partials.data() + (c.partial_offset + static_cast<int64_t>(h) * s.num_rows * group) * pf;
       attend_chunk<kDtype, kD, kBlock>(queries.data(), nq, k + h * plan.kv_head_stride, v + h * plan.kv_head_stride,
