@@ -19,6 +19,7 @@ from transformers import AutoConfig
 
 from radixserve.v1 import worker_pb2
 from worker_service.attention import AttentionBatch, GatherSpace, PrefillSpan, additive_mask, native, plan_decode
+from worker_service.attention.decode_plan import shared_prefixes
 from worker_service.distributed import TPGroup
 from worker_service.dtypes import DTYPES, resolve_dtype
 from worker_service.forward_batch import ForwardEntry
@@ -149,28 +150,36 @@ class ModelRunner:
             [entries[i].page_table[p // page_size] * page_size + p % page_size
              for i, p in zip(decode, positions)], dtype=torch.int64)]
 
-        decode_plan = None
-        if decode:
-            decode_plan = plan_decode([entries[i].page_table for i in decode],
-                                      [position + 1 for position in positions], page_size, device,
-                                      self.native_decode)
+        tables = [entries[i].page_table for i in decode]
+        context_lens = [position + 1 for position in positions]
+        native_plan = decode_plan = None
+        if decode and self.native_decode is None:
+            decode_plan = plan_decode(tables, context_lens, page_size, device)
 
         spans: list[PrefillSpan] = []
+        native_spans: list[tuple[int, int, int, list[int]]] = []
         for i in prefill:
             entry = entries[i]
             start, end = entry.start_position, entry.start_position + len(entry.token_ids)
-            pages = torch.tensor(entry.page_table[: (end - 1) // page_size + 1])
+            page_ids = entry.page_table[: (end - 1) // page_size + 1]
+            pages = torch.tensor(page_ids)
             write_slots.append(context_slots(pages, end, page_size)[start:])
-            span_pages = span_mask = None
-            if start > 0:
-                span_pages = pages.to(device)
-                key_positions = torch.arange(len(pages) * page_size).unsqueeze(0)
-                allowed = key_positions <= torch.arange(start, end).unsqueeze(1)
-                span_mask = additive_mask(allowed.to(device), self.dtype)
-            spans.append(PrefillSpan(len(token_ids), len(token_ids) + end - start, span_pages, span_mask))
+            if self.native_decode is not None:
+                native_spans.append((len(token_ids), end - start, start, page_ids))
+            else:
+                span_pages = span_mask = None
+                if start > 0:
+                    span_pages = pages.to(device)
+                    key_positions = torch.arange(len(pages) * page_size).unsqueeze(0)
+                    allowed = key_positions <= torch.arange(start, end).unsqueeze(1)
+                    span_mask = additive_mask(allowed.to(device), self.dtype)
+                spans.append(PrefillSpan(len(token_ids), len(token_ids) + end - start, span_pages, span_mask))
             token_ids.extend(entry.token_ids)
             positions.extend(range(start, end))
             last_token_index[i] = len(token_ids) - 1
+        if self.native_decode is not None:
+            native_plan = self.native_decode.plan(tables, context_lens, page_size,
+                                                  shared_prefixes(tables, context_lens, page_size), native_spans)
 
         attention = AttentionBatch(
             page_size=page_size,
@@ -178,6 +187,7 @@ class ModelRunner:
             decode=decode_plan,
             prefills=spans,
             space=self.gather_space,
+            native=native_plan,
         )
         sample_indices = [
             index

@@ -18,8 +18,7 @@ import torch
 from worker import test_cascade_attention as cascade
 from worker.tiny_models import VOCAB_SIZE, make_tiny_llama
 from worker_service.attention import native
-from worker_service.attention.cascade import decode_attention
-from worker_service.attention.decode_plan import plan_decode
+from worker_service.attention.decode_plan import shared_prefixes
 from worker_service.forward_batch import ForwardEntry
 from worker_service.layers.sharding import shard_heads
 from worker_service.model_runner import ModelRunner, RunnerConfig
@@ -54,9 +53,8 @@ def batch(seed: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: to
 
 
 def attend(q, k, v, tables, lens, page_size: int) -> torch.Tensor:
-    plan = plan_decode(tables, lens, page_size, CPU, KERNEL)
-    assert plan.native is not None and not plan.buckets and not plan.prefixes
-    return decode_attention(q, k, v, plan, page_size)
+    """Decode rows only, grouped by shared leading pages as the model runner groups them."""
+    return KERNEL.plan(tables, lens, page_size, shared_prefixes(tables, lens, page_size)).attend(q, k, v)
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
@@ -110,9 +108,42 @@ def test_long_contexts_and_large_groups(dtype, threads) -> None:
     k = torch.randn(num_kv_heads, next_page * page_size, head_dim, generator=generator).to(dtype)
     v = torch.randn(num_kv_heads, next_page * page_size, head_dim, generator=generator).to(dtype)
     q = torch.randn(len(tables), num_q_heads, head_dim, generator=generator).to(dtype)
-    plan = plan_decode(tables, lens, page_size, CPU, KERNEL)
-    got = decode_attention(q, k, v, plan, page_size)
+    got = attend(q, k, v, tables, lens, page_size)
     torch.testing.assert_close(got.float(), reference(q, k, v, tables, lens, page_size),
+                               atol=TOLERANCE[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("seed", range(4))
+def test_prefill_spans_attend_causally_beside_decode_rows(seed, dtype, threads) -> None:
+    """One call for a step's every row: decode rows, then prefill spans (a prompt from position
+    0, chunks continuing a context, one row, more than a tile of rows, starts on and off page
+    boundaries); each span row sees exactly the keys up to its own position."""
+    page_size, head_dim, num_kv_heads, num_q_heads = 4, 64, 3, 9
+    rng = random.Random(seed)
+    k, v, tables, lens = batch(seed, page_size, num_kv_heads, head_dim, dtype)
+    num_decode = len(tables)
+    num_pages = k.shape[1] // page_size
+    spans, span_queries = [], []  # (first row, rows, start, pages); (table, position) of each row
+    next_page, row = num_pages, num_decode
+    for start, count in [(0, rng.randint(2, 90)), (rng.randint(1, 40), rng.randint(1, 40)), (8, 1),
+                         (rng.randint(1, 9) * page_size, rng.randint(30, 70))]:
+        end = start + count
+        table = list(range(next_page, next_page + -(-end // page_size)))
+        next_page += len(table)
+        spans.append((row, count, start, table))
+        span_queries.extend((table, position) for position in range(start, end))
+        row += count
+    generator = torch.Generator().manual_seed(seed)
+    grow = (next_page - num_pages) * page_size
+    k = torch.cat([k, torch.randn(num_kv_heads, grow, head_dim, generator=generator).to(dtype)], 1)
+    v = torch.cat([v, torch.randn(num_kv_heads, grow, head_dim, generator=generator).to(dtype)], 1)
+    q = torch.randn(row, num_q_heads, head_dim, generator=generator).to(dtype)
+    plan = KERNEL.plan(tables, lens, page_size, shared_prefixes(tables, lens, page_size), spans)
+    got = plan.attend(q, k, v).float()
+    all_tables = tables + [table for table, _ in span_queries]
+    all_lens = lens + [position + 1 for _, position in span_queries]
+    torch.testing.assert_close(got, reference(q, k, v, all_tables, all_lens, page_size),
                                atol=TOLERANCE[dtype], rtol=0)
 
 

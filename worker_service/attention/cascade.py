@@ -34,8 +34,6 @@ def decode_attention(
 
     `k_slots` / `v_slots` are one layer's head-major pool, `[kv_heads, num_slots, D]`.
     """
-    if plan.native is not None:
-        return plan.native.attend(q, k_slots, v_slots)
     num_rows, num_q_heads, head_dim = q.shape
     num_kv_heads = k_slots.shape[0]
     group = num_q_heads // num_kv_heads

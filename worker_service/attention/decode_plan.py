@@ -21,14 +21,10 @@ group. Which physical ids the pages have does not change any result, only which 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from worker_service.attention.masks import additive_mask
-
-if TYPE_CHECKING:
-    from worker_service.attention.native import NativeDecode, NativePlan
 
 # A row joins a length bucket while its suffix is at most this factor longer than the bucket's
 # shortest: padding costs at most this fraction of extra reads, and each bucket costs one kernel call.
@@ -59,12 +55,9 @@ class SuffixBucket:
 
 @dataclass(slots=True)
 class DecodePlan:
-    """The torch path's `buckets` and `prefixes`, or (both empty) the compiled kernel's `native` plan."""
-
     num_rows: int
     buckets: list[SuffixBucket]
     prefixes: list[SharedPrefix]
-    native: NativePlan | None = None
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -115,17 +108,9 @@ def length_buckets(lengths: list[int]) -> list[list[int]]:
 
 def plan_decode(
     tables: list[list[int]], context_lens: list[int], page_size: int, device: torch.device,
-    native: NativeDecode | None = None,
 ) -> DecodePlan:
-    """The decode plan for rows with page tables `tables` and contexts `context_lens` (newest token included).
-
-    With `native` (the compiled kernel, `native.py`) the same groups go to its plan; it reads
-    suffixes through the page tables as they are, so no buckets or masks are built.
-    """
+    """The decode plan for rows with page tables `tables` and contexts `context_lens` (newest token included)."""
     num_rows = len(tables)
-    if native is not None:
-        return DecodePlan(num_rows, [], [], native.plan(tables, context_lens, page_size,
-                                                         shared_prefixes(tables, context_lens, page_size)))
     prefix_pages = [0] * num_rows
     prefixes: list[SharedPrefix] = []
     for rows, num_pages in shared_prefixes(tables, context_lens, page_size):

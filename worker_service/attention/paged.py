@@ -12,6 +12,9 @@ first, one token each, then each prefill chunk as a contiguous span. Per layer:
    from the pool and uses a causal mask shifted by its start position.
 
 Which physical pages hold a sequence cannot change the result: only gather indices differ.
+
+With the compiled kernel (`native.py`), step 1 is the same and one kernel call per layer does 2
+and 3 for every row, reading K/V through the page tables with no gather.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch.nn.functional as F
 from worker_service.attention.cascade import decode_attention
 from worker_service.attention.decode_plan import DecodePlan
 from worker_service.attention.kernels import GatherSpace, gather_pages
+from worker_service.attention.native import NativePlan
 
 
 @dataclass(slots=True)
@@ -54,6 +58,8 @@ class AttentionBatch:
     decode: DecodePlan | None
     prefills: list[PrefillSpan]
     space: GatherSpace | None = None
+    # The compiled kernel's plan for every row (`native.py`); then `decode` and `prefills` are unused.
+    native: NativePlan | None = None
 
 
 def paged_attention(
@@ -71,6 +77,8 @@ def paged_attention(
     """
     k_slots.index_copy_(1, batch.write_slots, k.transpose(0, 1))
     v_slots.index_copy_(1, batch.write_slots, v.transpose(0, 1))
+    if batch.native is not None:
+        return batch.native.attend(q, k_slots, v_slots)
     group_size = q.shape[1] // k.shape[1]
     parts: list[torch.Tensor] = []  # outputs in flat-layout order: decode block, then each span
 

@@ -45,6 +45,14 @@ struct DecodePlan {
   const int32_t* group_row_start;   // [num_groups + 1] into group_rows
   const int32_t* group_rows;
   const int32_t* group_num_pages;   // [num_groups]
+  // Prefill spans: rows span_first_row[i] ... + span_num_rows[i] - 1 are one request's tokens at
+  // positions span_start[i] ...; each attends its context's keys up to its own position.
+  int32_t num_spans;
+  const int32_t* span_first_row;
+  const int32_t* span_num_rows;
+  const int32_t* span_start;
+  const int32_t* span_page_start;   // [num_spans + 1] into span_pages
+  const int32_t* span_pages;        // each span's pages, up to its last position
 };
 
 // ---- conversions: 16 values of the pool's dtype <-> 16 float32 lanes -------------------------
@@ -120,6 +128,7 @@ struct Chunk {
   const int32_t* pages;
   int32_t num_pages;
   int32_t num_keys;
+  int32_t first_key;  // position of the chunk's first key in its sequence
 };
 
 // Partial result of one query over one chunk: m, l, then head_dim sums.
@@ -128,6 +137,10 @@ inline int partial_floats(int head_dim) { return head_dim + 2; }
 // A unit with at least this many queries (a shared prefix's group) scores 16 keys at a time
 // against transposed keys; fewer queries take one dot product per key and query.
 constexpr int kManyQueries = 8;
+// Shortest cut of a segment: shorter ones cost more in per-unit setup and merging than they spread.
+constexpr int64_t kMinChunkPages = 8;
+// Longest cut: a unit's scores (its queries x these keys) should stay in cache.
+constexpr int64_t kMaxChunkKeys = 2048;
 
 // scores[i * stride + key] = q_i . k_key for every query and key of the chunk, 16 keys at a time:
 // each run of 16 keys is converted and transposed once (kt[d] holds dimension d of the 16 keys),
@@ -166,13 +179,15 @@ void scores_transposed(const float* queries, int num_queries, const typename Ele
   }
 }
 
-// Queries `queries` ([num_queries][kD] float32, already scaled) against one kv head's keys of
-// `chunk`; writes each query's partial to `partials + i * (kD + 2)`. `scores` has room for
-// max(kBlock, num_queries) * padded num_keys floats.
+// Queries `queries` ([num_queries][kD] float32, already scaled; `group` per row) against one kv
+// head's keys of `chunk`; writes each query's partial to `partials + i * (kD + 2)`. With
+// `first_position` >= 0 the rows are consecutive positions from it (a prefill span) and each sees
+// only keys up to its own position; a query that sees none of the chunk leaves m = -inf, l = 0.
+// `scores` has room for max(kBlock, num_queries) * padded num_keys floats.
 template <int kDtype, int kD, int kBlock>
-void attend_chunk(const float* queries, int num_queries, const typename Elem<kDtype>::type* k_head,
-                  const typename Elem<kDtype>::type* v_head, int page_size, const Chunk& chunk,
-                  float* all_scores, float* partials) {
+void attend_chunk(const float* queries, int num_queries, int group, int first_position,
+                  const typename Elem<kDtype>::type* k_head, const typename Elem<kDtype>::type* v_head,
+                  int page_size, const Chunk& chunk, float* all_scores, float* partials) {
   constexpr int kV = kD / 16;
   const int stride = (chunk.num_keys + 15) & ~15;
   const bool many = num_queries >= kManyQueries;
@@ -202,19 +217,31 @@ void attend_chunk(const float* queries, int num_queries, const typename Elem<kDt
       }
     }
 
-    // softmax pieces per query: m = max, p = exp(s - m) in place, l = sum p
+    // softmax pieces per query: m = max, p = exp(s - m) in place, l = sum p; keys a query may
+    // not see get p = 0
     float m[kBlock], l[kBlock];
     for (int b = 0; b < nb; ++b) {
       float* s = scores + b * stride;
+      int num_keys = chunk.num_keys;
+      if (first_position >= 0) {
+        const int position = first_position + (q0 + b) / group;
+        num_keys = std::clamp(position - chunk.first_key + 1, 0, chunk.num_keys);
+        std::fill(s + num_keys, s + chunk.num_keys, 0.0f);
+        if (num_keys == 0) {
+          m[b] = -INFINITY;
+          l[b] = 0.0f;
+          continue;
+        }
+      }
       __m512 vmax = _mm512_set1_ps(-INFINITY);
       int i = 0;
-      for (; i + 16 <= chunk.num_keys; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + i));
-      const __mmask16 tail = static_cast<__mmask16>((1u << (chunk.num_keys - i)) - 1);
+      for (; i + 16 <= num_keys; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + i));
+      const __mmask16 tail = static_cast<__mmask16>((1u << (num_keys - i)) - 1);
       if (tail) vmax = _mm512_mask_max_ps(vmax, tail, vmax, _mm512_maskz_loadu_ps(tail, s + i));
       m[b] = _mm512_reduce_max_ps(vmax);
       const __m512 vm = _mm512_set1_ps(m[b]);
       __m512 vsum = _mm512_setzero_ps();
-      for (i = 0; i + 16 <= chunk.num_keys; i += 16) {
+      for (i = 0; i + 16 <= num_keys; i += 16) {
         __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + i), vm));
         _mm512_storeu_ps(s + i, e);
         vsum = _mm512_add_ps(vsum, e);
@@ -229,8 +256,8 @@ void attend_chunk(const float* queries, int num_queries, const typename Elem<kDt
       // The weights multiply V in the pool's precision, as PyTorch's flash kernel (the torch path,
       // and transformers' reference) does; the sum l keeps them unrounded, as it does.
       if constexpr (kDtype != kFloat32)
-        for (i = 0; i < chunk.num_keys; i += 16) {
-          const __mmask16 lanes = chunk.num_keys - i >= 16 ? 0xFFFF : (1u << (chunk.num_keys - i)) - 1;
+        for (i = 0; i < num_keys; i += 16) {
+          const __mmask16 lanes = num_keys - i >= 16 ? 0xFFFF : (1u << (num_keys - i)) - 1;
           _mm512_mask_storeu_ps(s + i, lanes, round_to<kDtype>(_mm512_maskz_loadu_ps(lanes, s + i)));
         }
     }
@@ -268,7 +295,13 @@ struct Segment {
   int32_t num_rows;
   const int32_t* pages;
   int32_t num_keys;
+  int32_t first_key;       // position of key 0 of `pages`
+  int32_t first_position;  // prefill: position of rows[0] (rows are consecutive); -1: decode
 };
+
+// Prefill rows are attended in tiles of this many positions: a tile's queries share its keys
+// like a shared prefix's group (the transposed-key path), and its scores fit in cache.
+constexpr int kTileRows = 32;
 
 template <int kDtype, int kD>
 int run(const DecodePlan& plan, const void* q_ptr, const void* k_ptr, const void* v_ptr, void* out_ptr) {
@@ -278,61 +311,93 @@ int run(const DecodePlan& plan, const void* q_ptr, const void* k_ptr, const void
   const T* k = static_cast<const T*>(k_ptr);
   const T* v = static_cast<const T*>(v_ptr);
   T* out = static_cast<T*>(out_ptr);
-  const int num_rows = plan.num_rows, hq = plan.num_q_heads, hk = plan.num_kv_heads;
+  const int num_decode_rows = plan.num_rows, hq = plan.num_q_heads, hk = plan.num_kv_heads;
   const int group = hq / hk, page_size = plan.page_size;
   const int pf = partial_floats(kD);
+  int num_rows = num_decode_rows;  // decode rows, then every span's rows
+  for (int i = 0; i < plan.num_spans; ++i) num_rows = std::max(num_rows, plan.span_first_row[i] + plan.span_num_rows[i]);
 
-  // Segments: every row's suffix, then every group's shared prefix.
+  // Segments: every decode row's suffix, every group's shared prefix, every prefill tile.
   std::vector<int32_t> row_ids(num_rows);
+  for (int r = 0; r < num_rows; ++r) row_ids[r] = r;
   std::vector<Segment> segments;
-  segments.reserve(num_rows + plan.num_groups);
-  for (int r = 0; r < num_rows; ++r) {
-    row_ids[r] = r;
+  segments.reserve(num_decode_rows + plan.num_groups + num_rows / kTileRows + plan.num_spans);
+  for (int r = 0; r < num_decode_rows; ++r) {
     const int skip = plan.row_prefix_pages[r];
     segments.push_back({&row_ids[r], 1, plan.row_pages + plan.row_page_start[r] + skip,
-                        plan.seq_lens[r] - skip * page_size});
+                        plan.seq_lens[r] - skip * page_size, skip * page_size, -1});
   }
   for (int g = 0; g < plan.num_groups; ++g) {
     const int first = plan.group_rows[plan.group_row_start[g]];
     segments.push_back({plan.group_rows + plan.group_row_start[g],
                         plan.group_row_start[g + 1] - plan.group_row_start[g],
-                        plan.row_pages + plan.row_page_start[first], plan.group_num_pages[g] * page_size});
+                        plan.row_pages + plan.row_page_start[first], plan.group_num_pages[g] * page_size, 0, -1});
+  }
+  for (int i = 0; i < plan.num_spans; ++i) {
+    for (int t0 = 0; t0 < plan.span_num_rows[i]; t0 += kTileRows) {
+      const int n = std::min(kTileRows, plan.span_num_rows[i] - t0);
+      const int first_position = plan.span_start[i] + t0;
+      segments.push_back({&row_ids[plan.span_first_row[i] + t0], n, plan.span_pages + plan.span_page_start[i],
+                          first_position + n, 0, first_position});
+    }
   }
 
-  // Chunks: long segments are split so that every thread has several units to take.
-  int64_t total_pages = 0;
-  for (const Segment& s : segments) total_pages += (s.num_keys + page_size - 1) / page_size;
-  const int64_t want_units = 4 * static_cast<int64_t>(std::max(1, plan.num_threads));
-  const int64_t chunk_pages = std::max<int64_t>(8, (total_pages * hk + want_units - 1) / want_units);
+  // Chunks: segments are cut so that every thread has several units of similar cost to take.
+  // A page costs about its queries' work (a shared prefix's group is compute bound) but never
+  // less than a few queries' (a lone row's suffix is bound by reading the page).
+  auto page_cost = [&](const Segment& s) { return static_cast<int64_t>(std::max(s.num_rows * group, 4)); };
+  int64_t total_cost = 0;
+  for (const Segment& s : segments) total_cost += page_cost(s) * ((s.num_keys + page_size - 1) / page_size);
+  const int64_t want_units = 8 * static_cast<int64_t>(std::max(1, plan.num_threads));
+  const int64_t unit_cost = std::max<int64_t>(1, total_cost * hk / want_units);
   struct ChunkRef { int segment; Chunk chunk; int64_t partial_offset; };
   std::vector<ChunkRef> chunks;
-  std::vector<std::vector<std::pair<int, int>>> row_partials(num_rows);  // (chunk, row index in segment)
+  // Which partials each row has: (chunk, row index in its segment), rows' lists back to back.
+  std::vector<int32_t> row_list_start(num_rows + 1, 0);
+  std::vector<std::pair<int32_t, int32_t>> row_lists;
   int64_t partial_count = 0;
   for (int si = 0; si < static_cast<int>(segments.size()); ++si) {
     const Segment& s = segments[si];
     const int num_pages = (s.num_keys + page_size - 1) / page_size;
+    const int64_t chunk_pages = std::clamp<int64_t>(unit_cost / page_cost(s), kMinChunkPages,
+                                                    std::max<int64_t>(kMinChunkPages, kMaxChunkKeys / page_size));
     for (int p0 = 0; p0 < num_pages; p0 += static_cast<int>(chunk_pages)) {
       const int np = std::min<int>(static_cast<int>(chunk_pages), num_pages - p0);
       const int nk = std::min(np * page_size, s.num_keys - p0 * page_size);
       const int ci = static_cast<int>(chunks.size());
-      chunks.push_back({si, {s.pages + p0, np, nk}, partial_count});
-      for (int i = 0; i < s.num_rows; ++i) row_partials[s.rows[i]].push_back({ci, i});
+      chunks.push_back({si, {s.pages + p0, np, nk, s.first_key + p0 * page_size}, partial_count});
+      for (int i = 0; i < s.num_rows; ++i) ++row_list_start[s.rows[i] + 1];
       partial_count += static_cast<int64_t>(s.num_rows) * group * hk;
     }
   }
-  std::vector<float> partials(partial_count * pf);
+  for (int r = 0; r < num_rows; ++r) row_list_start[r + 1] += row_list_start[r];
+  row_lists.resize(row_list_start[num_rows]);
+  {
+    std::vector<int32_t> next(row_list_start.begin(), row_list_start.end() - 1);
+    for (int ci = 0; ci < static_cast<int>(chunks.size()); ++ci) {
+      const Segment& s = segments[chunks[ci].segment];
+      for (int i = 0; i < s.num_rows; ++i) row_lists[next[s.rows[i]]++] = {ci, i};
+    }
+  }
+  // Reused across calls (grown, never shrunk or cleared): a fresh buffer per layer would be
+  // megabytes for a prefill step that the kernel must fault in and zero each time.
+  // (A pointer, not the thread_local itself, goes into the parallel region: there the name would
+  // mean each OpenMP thread's own buffer.)
+  static thread_local std::vector<float> partial_space;
+  if (partial_space.size() < static_cast<size_t>(partial_count * pf)) partial_space.resize(partial_count * pf);
+  float* const partials = partial_space.data();
   const int64_t num_units = static_cast<int64_t>(chunks.size()) * hk;
 
 #pragma omp parallel num_threads(plan.num_threads)
   {
-    std::vector<float> queries, scores;
+    static thread_local std::vector<float> queries, scores;  // per OpenMP thread, reused
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < num_units; ++u) {
       const ChunkRef& c = chunks[u / hk];
       const int h = static_cast<int>(u % hk);
       const Segment& s = segments[c.segment];
       const int nq = s.num_rows * group;
-      queries.resize(static_cast<size_t>(nq) * kD);
+      if (queries.size() < static_cast<size_t>(nq) * kD) queries.resize(static_cast<size_t>(nq) * kD);
       for (int i = 0; i < s.num_rows; ++i) {
         const T* row_q = q + s.rows[i] * plan.q_row_stride + static_cast<int64_t>(h) * group * kD;
         for (int g = 0; g < group; ++g)
@@ -340,11 +405,12 @@ int run(const DecodePlan& plan, const void* q_ptr, const void* k_ptr, const void
             _mm512_storeu_ps(&queries[(i * group + g) * kD + 16 * t],
                              _mm512_mul_ps(load_vec<kDtype>(row_q + g * kD + 16 * t), _mm512_set1_ps(plan.scale)));
       }
-      scores.resize(static_cast<size_t>(std::max(kBlock, nq)) * ((c.chunk.num_keys + 15) & ~15));
+      const size_t scores_size = static_cast<size_t>(std::max(kBlock, nq)) * ((c.chunk.num_keys + 15) & ~15);
+      if (scores.size() < scores_size) scores.resize(scores_size);
       // Partials of this unit: [rows of the segment][group] for kv head h.
-      float* dest = partials.data() + (c.partial_offset + static_cast<int64_t>(h) * s.num_rows * group) * pf;
-      attend_chunk<kDtype, kD, kBlock>(queries.data(), nq, k + h * plan.kv_head_stride, v + h * plan.kv_head_stride,
-                                       page_size, c.chunk, scores.data(), dest);
+      float* dest = partials + (c.partial_offset + static_cast<int64_t>(h) * s.num_rows * group) * pf;
+      attend_chunk<kDtype, kD, kBlock>(queries.data(), nq, group, s.first_position, k + h * plan.kv_head_stride,
+                                       v + h * plan.kv_head_stride, page_size, c.chunk, scores.data(), dest);
     }
 
     // Merge: out[r, head] = sum_i acc_i e^(m_i - M) / sum_i l_i e^(m_i - M).
@@ -352,20 +418,21 @@ int run(const DecodePlan& plan, const void* q_ptr, const void* k_ptr, const void
     for (int64_t rh = 0; rh < static_cast<int64_t>(num_rows) * hq; ++rh) {
       const int r = static_cast<int>(rh / hq), head = static_cast<int>(rh % hq);
       const int h = head / group, g = head % group;
-      const auto& list = row_partials[r];
+      const auto* list_begin = row_lists.data() + row_list_start[r];
+      const auto* list_end = row_lists.data() + row_list_start[r + 1];
       auto partial_of = [&](const std::pair<int, int>& entry) {
         const ChunkRef& c = chunks[entry.first];
         const int rows_in_segment = segments[c.segment].num_rows;
-        return partials.data() +
+        return partials +
                (c.partial_offset + (static_cast<int64_t>(h) * rows_in_segment + entry.second) * group + g) * pf;
       };
       float top = -INFINITY;
-      for (const auto& e : list) top = std::max(top, partial_of(e)[0]);
+      for (const auto* e = list_begin; e != list_end; ++e) top = std::max(top, partial_of(*e)[0]);
       float denominator = 0.0f;
       __m512 acc[kD / 16];
       for (int t = 0; t < kD / 16; ++t) acc[t] = _mm512_setzero_ps();
-      for (const auto& e : list) {
-        const float* part = partial_of(e);
+      for (const auto* e = list_begin; e != list_end; ++e) {
+        const float* part = partial_of(*e);
         const float w = std::exp(part[0] - top);
         denominator += part[1] * w;
         for (int t = 0; t < kD / 16; ++t)
@@ -403,8 +470,8 @@ int radix_supports(int32_t head_dim, int32_t dtype) {
 
 int32_t radix_plan_size() { return static_cast<int32_t>(sizeof(DecodePlan)); }
 
-// Attention of one layer's decode queries `q` into `out` ([num_rows, num_q_heads, head_dim],
-// contiguous). `k` / `v`: the layer's pool of kv head 0 (heads `kv_head_stride` apart). 0: done.
+// Attention of one layer's queries `q` (decode rows, then prefill spans' rows) into `out`
+// ([rows, num_q_heads, head_dim], contiguous). `k` / `v`: the layer's pool of kv head 0 (heads `kv_head_stride` apart). 0: done.
 int radix_paged_decode(const DecodePlan* plan, const void* q, const void* k, const void* v, void* out) {
   if (plan->num_q_heads % plan->num_kv_heads != 0) return 1;
   switch (plan->dtype) {
