@@ -34,7 +34,7 @@ class WorkerConfig:
     page_size: int = setting(16, "tokens per KV page (must match the router's view)", min=1)
     kv_cache_mb: int = KV_CACHE_MB(help="this rank's KV page pool budget, in MiB (the page count follows)")
     num_threads: int = setting(0, "torch intra-op threads (0: torch's default)", min=0)
-    attention_kernel: str = setting("auto", "decode attention: native (a C++ kernel compiled for this CPU on first "
+    attention_kernel: str = setting("auto", "attention (decode and prefill): native (a C++ kernel compiled for this CPU on first "
                                     "use, reads K/V through page tables; needs a C++ compiler and AVX-512), "
                                     "torch (gathers pages, PyTorch's kernels), auto (native where it builds)",
                                     choices=KERNEL_CHOICES)

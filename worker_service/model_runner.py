@@ -100,7 +100,7 @@ class ModelRunner:
         self.pool = KVPool(shape[0], num_pages, config.page_size, shape[2], shape[3],
                            self.dtype, self.device)
         self.gather_space = GatherSpace()
-        self.native_decode = native.select(config.attention_kernel, head_dim_of(self.hf_config), self.dtype,
+        self.native_attention = native.select(config.attention_kernel, head_dim_of(self.hf_config), self.dtype,
                                            self.device)
         # What this rank reports (GetWorkerInfo); the executor copies it with the group's page count.
         self.info = worker_pb2.GetWorkerInfoResponse(
@@ -153,7 +153,7 @@ class ModelRunner:
         tables = [entries[i].page_table for i in decode]
         context_lens = [position + 1 for position in positions]
         native_plan = decode_plan = None
-        if decode and self.native_decode is None:
+        if decode and self.native_attention is None:
             decode_plan = plan_decode(tables, context_lens, page_size, device)
 
         spans: list[PrefillSpan] = []
@@ -164,7 +164,7 @@ class ModelRunner:
             page_ids = entry.page_table[: (end - 1) // page_size + 1]
             pages = torch.tensor(page_ids)
             write_slots.append(context_slots(pages, end, page_size)[start:])
-            if self.native_decode is not None:
+            if self.native_attention is not None:
                 native_spans.append((len(token_ids), end - start, start, page_ids))
             else:
                 span_pages = span_mask = None
@@ -177,8 +177,8 @@ class ModelRunner:
             token_ids.extend(entry.token_ids)
             positions.extend(range(start, end))
             last_token_index[i] = len(token_ids) - 1
-        if self.native_decode is not None:
-            native_plan = self.native_decode.plan(tables, context_lens, page_size,
+        if self.native_attention is not None:
+            native_plan = self.native_attention.plan(tables, context_lens, page_size,
                                                   shared_prefixes(tables, context_lens, page_size), native_spans)
 
         attention = AttentionBatch(

@@ -1,6 +1,7 @@
-"""The compiled paged attention kernel (`csrc/paged_decode.cpp`): built once per machine, called per layer.
+"""The compiled paged attention kernel (`csrc/paged_attention.cpp`): built once per machine, called per layer.
 
-It attends a whole step, decode rows and prefill spans, in one call per layer. Decode attention is memory bound: a step reads every running sequence's K/V once per layer.
+It attends a whole step, decode rows and prefill spans, in one call per layer. Decode attention
+is memory bound: a step reads every running sequence's K/V once per layer.
 PyTorch's CPU build has no kernel that reads K/V through page tables, so the torch path
 (`cascade.py`) first copies each context into a padded buffer and then runs the flash kernel over
 it, a second read at low efficiency with 3 query rows per KV head. This kernel reads each page
@@ -33,7 +34,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 COMPILE_TIMEOUT_S = 300.0
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -42,7 +43,7 @@ _INT32_P = ctypes.POINTER(ctypes.c_int32)
 
 
 class _PlanStruct(ctypes.Structure):
-    """Mirror of `DecodePlan` in paged_decode.cpp (checked against the library's own size)."""
+    """Mirror of `StepPlan` in paged_attention.cpp (checked against the library's own size)."""
 
     _fields_ = [
         ("num_rows", ctypes.c_int32), ("num_q_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32),
@@ -96,12 +97,12 @@ def build(compiler: str | None = None) -> Path:
                          .encode()).hexdigest()[:16]
     folder = _cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    library = folder / f"paged_decode-{key}.so"
+    library = folder / f"paged_attention-{key}.so"
     if library.is_file():
         return library
     # Build beside the target and rename: workers that start together each build, and each
     # rename is atomic, so none loads a half-written file.
-    partial = folder / f".paged_decode-{key}-{os.getpid()}.so"
+    partial = folder / f".paged_attention-{key}-{os.getpid()}.so"
     result = subprocess.run([path, *COMPILE_FLAGS, str(SOURCE), "-o", str(partial)],
                             capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
     if result.returncode != 0:
@@ -111,18 +112,18 @@ def build(compiler: str | None = None) -> Path:
     return library
 
 
-class NativeDecode:
+class NativeAttention:
     """The loaded kernel library."""
 
     def __init__(self, library: Path) -> None:
         self._lib = ctypes.CDLL(str(library))
         self._lib.radix_supports.argtypes = [ctypes.c_int32, ctypes.c_int32]
         self._lib.radix_plan_size.restype = ctypes.c_int32
-        self._call = self._lib.radix_paged_decode
+        self._call = self._lib.radix_paged_attention
         self._call.argtypes = [ctypes.c_void_p] * 5
         self._call.restype = ctypes.c_int
         if self._lib.radix_plan_size() != ctypes.sizeof(_PlanStruct):
-            raise RuntimeError("paged_decode.cpp's DecodePlan and native.py's mirror differ")
+            raise RuntimeError("paged_attention.cpp's StepPlan and native.py's mirror differ")
 
     def supports(self, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
         return (device.type == "cpu" and dtype in DTYPE_CODES
@@ -171,7 +172,7 @@ class NativeDecode:
 
 @dataclass(slots=True)
 class NativePlan:
-    """One step's decode plan for the kernel; `attend` runs one layer. Holds the arrays it points into."""
+    """One step's plan for the kernel; `attend` runs one layer. Holds the arrays it points into."""
 
     _call: ctypes._CFuncPtr
     _struct: _PlanStruct
@@ -198,23 +199,23 @@ class NativePlan:
         status = self._call(ctypes.addressof(struct), q.data_ptr(), k_slots.data_ptr(), v_slots.data_ptr(),
                             out.data_ptr())
         if status != 0:
-            raise RuntimeError(f"paged decode kernel refused the call (status {status})")
+            raise RuntimeError(f"paged attention kernel refused the call (status {status})")
         return out
 
 
-_loaded: NativeDecode | None = None
+_loaded: NativeAttention | None = None
 _failure: str | None = None
 
 
-def load() -> NativeDecode | None:
+def load() -> NativeAttention | None:
     """The kernel, built and loaded once per process; None (and `failure()` says why) where it cannot be."""
     global _loaded, _failure
     if _loaded is None and _failure is None:
         try:
-            _loaded = NativeDecode(build())
+            _loaded = NativeAttention(build())
         except (OSError, RuntimeError, subprocess.SubprocessError) as error:
             _failure = str(error)
-            log.warning("paged decode kernel unavailable, using the torch path: %s", error)
+            log.warning("paged attention kernel unavailable, using the torch path: %s", error)
     return _loaded
 
 
@@ -225,8 +226,8 @@ def failure() -> str | None:
 KERNEL_CHOICES = ("auto", "native", "torch")
 
 
-def select(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device) -> NativeDecode | None:
-    """The kernel decode attention should use for `kind` (`KERNEL_CHOICES`): None means the torch path.
+def select(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device) -> NativeAttention | None:
+    """The kernel attention should use for `kind` (`KERNEL_CHOICES`): None means the torch path.
 
     `auto` takes the compiled kernel where it builds and supports the model's head size and dtype;
     `native` insists on it (raises, saying why, where it cannot be used); `torch` never loads it.

@@ -1,4 +1,4 @@
-"""The compiled paged decode kernel (`attention/native.py`) equals plain attention over each context.
+"""The compiled paged attention kernel (`attention/native.py`) equals plain attention over each context.
 
 Batches come from the cascade test's builder: groups of sequences sharing token prefixes of random
 lengths (whole shared pages are the same physical pages, page ids shuffled). The kernel reads K/V
@@ -170,7 +170,7 @@ def test_greedy_tokens_equal_the_torch_path(tmp_path) -> None:
     def run(kernel: str) -> tuple[list[list[int]], torch.Tensor]:
         runner = ModelRunner(RunnerConfig(model_dir=model_dir, page_size=page_size, kv_cache_bytes=1 << 20,
                                           attention_kernel=kernel))
-        assert (runner.native_decode is not None) == (kernel == "native")
+        assert (runner.native_attention is not None) == (kernel == "native")
         shared = [40, 7]
         runner.forward([ForwardEntry(prefix[:8], 0, shared, False)])
         entries = [ForwardEntry(p[8:], 8, shared + [60 + 10 * i + j for j in range(6)], True)

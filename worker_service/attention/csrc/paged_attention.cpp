@@ -1,22 +1,24 @@
-// Paged decode attention for x86 CPUs with AVX-512: every decode query reads its keys and values
-// where they lie in the head-major pool, through its page table. Nothing is gathered or padded.
+// Paged attention for x86 CPUs with AVX-512: every query reads its keys and values where they lie
+// in the head-major pool, through its page table. Nothing is gathered or padded.
 //
 // Built at run time by `worker_service/attention/native.py` (g++ -O3 -march=native -fopenmp) and
 // called through ctypes; it shares torch's OpenMP runtime (same libgomp soname, already loaded).
 //
-// One call attends one layer. The step's plan (`DecodePlan` below) is built once per step:
-// - each row (decode query) owns a suffix: its pages from `row_prefix_pages[r]` on, up to
-//   `seq_lens[r]` keys in all;
-// - each group of rows shares its leading `group_num_pages[g]` pages (same physical pages in every
-//   member's table): all members' query heads meet that prefix in ONE pass over its K/V.
-// Segments (suffixes and prefixes) are cut into chunks of pages; a work unit is (chunk, kv head).
-// Each unit leaves, for each of its queries, the unnormalised partial (max score m, sum of
-// exp(s - m), sum of exp(s - m) * v); a last pass merges every row's partials exactly, in float32.
+// One call attends one layer for the whole step. The step's plan (`StepPlan` below) is built once:
+// - each decode row owns a suffix: its pages from `row_prefix_pages[r]` on, up to `seq_lens[r]`
+//   keys in all;
+// - each group of decode rows shares its leading `group_num_pages[g]` pages (same physical pages in
+//   every member's table): all members' query heads meet that prefix in ONE pass over its K/V;
+// - each prefill span's rows (consecutive positions of one request) are cut into tiles; a tile
+//   attends its context's keys, each row only up to its own position (causal).
+// These segments are cut into chunks of pages; a work unit is (chunk, kv head). Each unit leaves,
+// for each of its queries, the unnormalised partial (max score m, sum of exp(s - m), sum of
+// exp(s - m) * v); a last pass merges every row's partials exactly, in float32.
 //
 // Scores, softmax and sums are float32 whatever the K/V dtype (float32, bfloat16, float16).
 
 #ifndef __AVX512F__
-#error "the paged decode kernel needs AVX-512 (the torch path serves CPUs without it)"
+#error "the paged attention kernel needs AVX-512 (the torch path serves CPUs without it)"
 #endif
 
 #include <immintrin.h>
@@ -31,7 +33,7 @@ namespace {
 
 enum Dtype : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
-struct DecodePlan {
+struct StepPlan {
   int32_t num_rows, num_q_heads, num_kv_heads, head_dim, page_size, dtype;
   int64_t q_row_stride;      // elements between two rows of q (heads of one row are contiguous)
   int64_t kv_head_stride;    // elements between two kv heads of one layer's pool
@@ -304,7 +306,7 @@ struct Segment {
 constexpr int kTileRows = 32;
 
 template <int kDtype, int kD>
-int run(const DecodePlan& plan, const void* q_ptr, const void* k_ptr, const void* v_ptr, void* out_ptr) {
+int run(const StepPlan& plan, const void* q_ptr, const void* k_ptr, const void* v_ptr, void* out_ptr) {
   using T = typename Elem<kDtype>::type;
   constexpr int kBlock = kD <= 64 ? 4 : 2;  // queries whose q (and accumulators) stay in registers
   const T* q = static_cast<const T*>(q_ptr);
@@ -447,7 +449,7 @@ int run(const DecodePlan& plan, const void* q_ptr, const void* k_ptr, const void
 }
 
 template <int kDtype>
-int dispatch_dim(const DecodePlan& plan, const void* q, const void* k, const void* v, void* out) {
+int dispatch_dim(const StepPlan& plan, const void* q, const void* k, const void* v, void* out) {
   switch (plan.head_dim) {
     case 16: return run<kDtype, 16>(plan, q, k, v, out);
     case 32: return run<kDtype, 32>(plan, q, k, v, out);
@@ -462,17 +464,17 @@ int dispatch_dim(const DecodePlan& plan, const void* q, const void* k, const voi
 
 extern "C" {
 
-// Which head dims and dtypes `radix_paged_decode` takes (the Python side asks before using it).
+// Which head dims and dtypes `radix_paged_attention` takes (the Python side asks before using it).
 int radix_supports(int32_t head_dim, int32_t dtype) {
   const bool dim_ok = head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 96 || head_dim == 128;
   return dim_ok && dtype >= kFloat32 && dtype <= kFloat16;
 }
 
-int32_t radix_plan_size() { return static_cast<int32_t>(sizeof(DecodePlan)); }
+int32_t radix_plan_size() { return static_cast<int32_t>(sizeof(StepPlan)); }
 
 // Attention of one layer's queries `q` (decode rows, then prefill spans' rows) into `out`
 // ([rows, num_q_heads, head_dim], contiguous). `k` / `v`: the layer's pool of kv head 0 (heads `kv_head_stride` apart). 0: done.
-int radix_paged_decode(const DecodePlan* plan, const void* q, const void* k, const void* v, void* out) {
+int radix_paged_attention(const StepPlan* plan, const void* q, const void* k, const void* v, void* out) {
   if (plan->num_q_heads % plan->num_kv_heads != 0) return 1;
   switch (plan->dtype) {
     case kFloat32: return dispatch_dim<kFloat32>(*plan, q, k, v, out);
