@@ -10,7 +10,33 @@ layout attention's batched matmuls read (`attention/kernels.py`).
 
 from __future__ import annotations
 
+import ctypes
+import sys
+
 import torch
+
+HUGE_PAGE_BYTES = 2 << 20
+MADV_HUGEPAGE = 14  # Linux
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> bool:
+    """Ask Linux to back `tensor`'s (untouched) memory with 2 MiB pages; False where it cannot.
+
+    The router hands out pages from anywhere in the pool, so a step reads thousands of short
+    runs (one page of one head, 2 KiB for SmolLM2 in bfloat16) scattered over the pool: with
+    4 KiB pages nearly every run is also a TLB miss.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    first = (start + HUGE_PAGE_BYTES - 1) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    last = end // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    if last <= first:
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise(first, last - first, MADV_HUGEPAGE) == 0
 
 
 class KVPool:
@@ -31,9 +57,12 @@ class KVPool:
         self.page_size = page_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.buffer = torch.zeros(
+        self.buffer = torch.empty(
             (2, num_layers, num_kv_heads, num_pages * page_size, head_dim), dtype=dtype, device=device
         )
+        if self.buffer.device.type == "cpu":
+            advise_huge_pages(self.buffer)  # before the first touch, which zero_ is
+        self.buffer.zero_()
         # Made once: every layer of every step asks for its views.
         self._layer_slots = [(self.buffer[0, layer], self.buffer[1, layer]) for layer in range(num_layers)]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 
 from worker.tiny_models import VOCAB_SIZE, make_tiny_llama, make_tiny_qwen2
 from worker_service.forward_batch import ForwardEntry
+from worker_service.kv_pool import KVPool, advise_huge_pages
 from worker_service.model_runner import ModelRunner, RunnerConfig
 
 PAGE_SIZE = 4
@@ -121,3 +123,13 @@ def test_a_step_writes_only_the_slots_its_page_tables_name(runner) -> None:
             expected[:, :, slot] = True
     assert torch.equal(written, expected)
     buffer.zero_()
+
+
+def test_the_pool_asks_for_huge_pages_and_starts_zeroed() -> None:
+    """A pool spanning whole 2 MiB pages is advised (Linux) before its first touch and still reads
+    as zeros; memory holding no whole huge page is left alone."""
+    pool = KVPool(num_layers=2, num_pages=512, page_size=16, num_kv_heads=2, head_dim=64,
+                  dtype=torch.bfloat16, device=torch.device("cpu"))
+    assert not bool(pool.buffer.any())
+    assert advise_huge_pages(torch.empty(8 << 20, dtype=torch.uint8)) == sys.platform.startswith("linux")
+    assert not advise_huge_pages(torch.empty(1024, dtype=torch.uint8))

@@ -124,6 +124,21 @@ inline __m512 exp_nonpositive(__m512 x) {
 
 // ---- one work unit ------------------------------------------------------------------------------
 
+// Pages lie anywhere in the pool (the router hands out whichever are free), so the hardware
+// prefetchers cannot follow a sequence's keys: each page's run (page_size * head_dim values of one
+// head) is fetched ahead in software. Measured: 32 sequences of 380 tokens on pages scattered over
+// a 1 GiB pool decoded at 470 tokens/s against 800 on contiguous pages before this.
+template <typename T>
+inline void prefetch_run(const T* run, int page_size, int head_dim, int hint) {
+  const char* bytes = reinterpret_cast<const char*>(run);
+  const int size = page_size * head_dim * static_cast<int>(sizeof(T));
+  for (int offset = 0; offset < size; offset += 64)
+    _mm_prefetch(bytes + offset, hint == 0 ? _MM_HINT_T0 : _MM_HINT_T1);
+}
+
+// Keys (and values) this many pages ahead are asked for while a page is read.
+constexpr int kPrefetchPages = 3;
+
 // A run of keys of one segment: pages [page_begin, page_end) of `pages`, of which the first
 // `num_keys` keys count (the last page may be partly filled).
 struct Chunk {
@@ -158,6 +173,8 @@ void scores_transposed(const float* queries, int num_queries, const typename Ele
   int key = 0;
   for (int p = 0; p < chunk.num_pages && key < chunk.num_keys; ++p) {
     const auto* k_page = k_head + static_cast<int64_t>(chunk.pages[p]) * page_size * kD;
+    if (p + kPrefetchPages < chunk.num_pages)
+      prefetch_run(k_head + static_cast<int64_t>(chunk.pages[p + kPrefetchPages]) * page_size * kD, page_size, kD, 0);
     const int in_page = std::min(page_size, chunk.num_keys - key);
     for (int j0 = 0; j0 < in_page; j0 += 16) {
       const int n = std::min(16, in_page - j0);
@@ -193,6 +210,8 @@ void attend_chunk(const float* queries, int num_queries, int group, int first_po
   constexpr int kV = kD / 16;
   const int stride = (chunk.num_keys + 15) & ~15;
   const bool many = num_queries >= kManyQueries;
+  for (int p = 0; p < std::min(kPrefetchPages, chunk.num_pages); ++p)  // the loops fetch the rest ahead
+    prefetch_run(k_head + static_cast<int64_t>(chunk.pages[p]) * page_size * kD, page_size, kD, 0);
   if (many) scores_transposed<kDtype, kD>(queries, num_queries, k_head, page_size, chunk, all_scores, stride);
   for (int q0 = 0; q0 < num_queries; q0 += kBlock) {
     const int nb = std::min(kBlock, num_queries - q0);
@@ -205,6 +224,10 @@ void attend_chunk(const float* queries, int num_queries, int group, int first_po
           qv[b][t] = b < nb ? _mm512_loadu_ps(queries + (q0 + b) * kD + 16 * t) : _mm512_setzero_ps();
       for (int p = 0; p < chunk.num_pages && key < chunk.num_keys; ++p) {
         const auto* k_page = k_head + static_cast<int64_t>(chunk.pages[p]) * page_size * kD;
+        if (p + kPrefetchPages < chunk.num_pages)
+          prefetch_run(k_head + static_cast<int64_t>(chunk.pages[p + kPrefetchPages]) * page_size * kD, page_size, kD, 0);
+        if (q0 == 0)  // values are read right after, by every block: bring them to L2 now
+          prefetch_run(v_head + static_cast<int64_t>(chunk.pages[p]) * page_size * kD, page_size, kD, 1);
         const int in_page = std::min(page_size, chunk.num_keys - key);
         for (int j = 0; j < in_page; ++j, ++key) {
           __m512 kv[kV];
@@ -271,6 +294,8 @@ void attend_chunk(const float* queries, int num_queries, int group, int first_po
     key = 0;
     for (int p = 0; p < chunk.num_pages && key < chunk.num_keys; ++p) {
       const auto* v_page = v_head + static_cast<int64_t>(chunk.pages[p]) * page_size * kD;
+      if (p + kPrefetchPages < chunk.num_pages)
+        prefetch_run(v_head + static_cast<int64_t>(chunk.pages[p + kPrefetchPages]) * page_size * kD, page_size, kD, 0);
       const int in_page = std::min(page_size, chunk.num_keys - key);
       for (int j = 0; j < in_page; ++j, ++key) {
         __m512 vv[kV];
