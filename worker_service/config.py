@@ -14,7 +14,7 @@ import torch
 
 from radixserve import flags
 from radixserve.flags import MAX_PORT, setting
-from worker_service.attention.native import KERNEL_CHOICES
+from worker_service.native import KERNEL_CHOICES
 from radixserve.security import SecurityConfig, security_settings
 from radixserve.shared_flags import (CONSTRAINT_CACHE_SIZE, DEVICE, DTYPE, HOST, KV_CACHE_MB, LOG_LEVEL,
                                      METRICS_PORT, MODEL, PORT)
@@ -34,9 +34,10 @@ class WorkerConfig:
     page_size: int = setting(16, "tokens per KV page (must match the router's view)", min=1)
     kv_cache_mb: int = KV_CACHE_MB(help="this rank's KV page pool budget, in MiB (the page count follows)")
     num_threads: int = setting(0, "torch intra-op threads (0: torch's default)", min=0)
-    attention_kernel: str = setting("auto", "attention (decode and prefill): native (a C++ kernel compiled for this CPU on first "
-                                    "use, reads K/V through page tables; needs a C++ compiler and AVX-512), "
-                                    "torch (gathers pages, PyTorch's kernels), auto (native where it builds)",
+    attention_kernel: str = setting("auto", "native: C++ kernels compiled for this CPU on first use (paged attention "
+                                    "for decode and prefill, reading K/V through page tables; RMSNorm in half "
+                                    "precision; needs a C++ compiler and AVX-512); torch: PyTorch's kernels "
+                                    "(gathers pages); auto: native where it builds",
                                     choices=KERNEL_CHOICES)
     rank: int = setting(0, "this rank", min=0, also_env="RANK")
     world_size: int = setting(1, "tensor-parallel size", min=1, also_env="WORLD_SIZE")

@@ -18,7 +18,8 @@ import torch
 from transformers import AutoConfig
 
 from radixserve.v1 import worker_pb2
-from worker_service.attention import AttentionBatch, GatherSpace, PrefillSpan, additive_mask, native, plan_decode
+from worker_service import native
+from worker_service.attention import AttentionBatch, GatherSpace, PrefillSpan, additive_mask, plan_decode
 from worker_service.attention.decode_plan import shared_prefixes
 from worker_service.distributed import TPGroup
 from worker_service.dtypes import DTYPES, resolve_dtype
@@ -27,6 +28,7 @@ from worker_service.kv_pool import KVPool
 from worker_service.layers.linear import pack_linear_weights
 from worker_service.loader import load_weights
 from worker_service.models import model_class
+from worker_service.layers.norm import RMSNorm
 from worker_service.models.llama import StepContext, head_dim_of
 
 
@@ -47,7 +49,7 @@ class RunnerConfig:
     kv_cache_bytes: int = 1 << 30
     rank: int = 0
     world_size: int = 1
-    attention_kernel: str = "auto"  # see `worker_service.attention.native.select`
+    attention_kernel: str = "auto"  # see `worker_service.native.select`
 
 
 def eos_token_ids(model_dir: Path, config_eos: int | list[int] | None) -> list[int]:
@@ -100,8 +102,14 @@ class ModelRunner:
         self.pool = KVPool(shape[0], num_pages, config.page_size, shape[2], shape[3],
                            self.dtype, self.device)
         self.gather_space = GatherSpace()
-        self.native_attention = native.select(config.attention_kernel, head_dim_of(self.hf_config), self.dtype,
-                                           self.device)
+        # The compiled kernels (paged attention; RMSNorm in half precision), or None for PyTorch's
+        # ops throughout.
+        self.kernels = native.select(config.attention_kernel, head_dim_of(self.hf_config), self.dtype,
+                                     self.device)
+        if self.kernels is not None and self.dtype in (torch.bfloat16, torch.float16):
+            for module in self.model.modules():
+                if isinstance(module, RMSNorm):
+                    module.kernels = self.kernels
         # What this rank reports (GetWorkerInfo); the executor copies it with the group's page count.
         self.info = worker_pb2.GetWorkerInfoResponse(
             model_name=model_dir.name,
@@ -153,7 +161,7 @@ class ModelRunner:
         tables = [entries[i].page_table for i in decode]
         context_lens = [position + 1 for position in positions]
         native_plan = decode_plan = None
-        if decode and self.native_attention is None:
+        if decode and self.kernels is None:
             decode_plan = plan_decode(tables, context_lens, page_size, device)
 
         spans: list[PrefillSpan] = []
@@ -164,7 +172,7 @@ class ModelRunner:
             page_ids = entry.page_table[: (end - 1) // page_size + 1]
             pages = torch.tensor(page_ids)
             write_slots.append(context_slots(pages, end, page_size)[start:])
-            if self.native_attention is not None:
+            if self.kernels is not None:
                 native_spans.append((len(token_ids), end - start, start, page_ids))
             else:
                 span_pages = span_mask = None
@@ -177,8 +185,8 @@ class ModelRunner:
             token_ids.extend(entry.token_ids)
             positions.extend(range(start, end))
             last_token_index[i] = len(token_ids) - 1
-        if self.native_attention is not None:
-            native_plan = self.native_attention.plan(tables, context_lens, page_size,
+        if self.kernels is not None:
+            native_plan = self.kernels.plan(tables, context_lens, page_size,
                                                   shared_prefixes(tables, context_lens, page_size), native_spans)
 
         attention = AttentionBatch(

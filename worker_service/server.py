@@ -61,7 +61,7 @@ def load_executor(config: WorkerConfig, metrics_registry: CollectorRegistry | No
     log.info(
         "rank %d loaded %.1f MiB of weights; KV pool holds %d pages, the group %d; decode attention: %s",
         config.rank, runner.weight_bytes() / BYTES_PER_MIB, runner.info.num_pages, num_pages,
-        "compiled paged kernel" if runner.native_attention is not None else "torch",
+        "compiled kernels" if runner.kernels is not None else "torch",
     )
     metrics = WorkerMetrics(runner.info.model_name, config.rank, metrics_registry)
     constraints = None

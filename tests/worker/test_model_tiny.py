@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from worker.tiny_models import VOCAB_SIZE, greedy_tokens, make_tiny_llama, make_tiny_qwen2, reference_greedy
-from worker_service.attention import native
+from worker_service import native
 from worker_service.forward_batch import ForwardEntry
 from worker_service.model_runner import ModelRunner, RunnerConfig
 
@@ -127,7 +127,7 @@ def test_linear_rope_scaling_matches_transformers(tmp_path) -> None:
     torch.testing.assert_close(logits[0], reference_logits(reference, token_ids)[-1], atol=TINY_ATOL, rtol=0)
 
 
-# Attention's two kernels (see worker_service/attention/native.py) against transformers in half
+# Attention's two kernels (see worker_service/native.py) against transformers in half
 # precision. The torch path runs PyTorch's flash kernel as transformers does: measured identical.
 # The compiled kernel computes the same float32 scores in another order and rounds differently,
 # so a logit may land a few bfloat16 steps away (measured up to 0.033 at |logit| ~2, where a step

@@ -1,11 +1,12 @@
-"""The compiled paged attention kernel (`attention/native.py`) equals plain attention over each context.
+"""The compiled paged attention kernel (`native.py`) equals plain attention over each context.
 
 Batches come from the cascade test's builder: groups of sequences sharing token prefixes of random
 lengths (whole shared pages are the same physical pages, page ids shuffled). The kernel reads K/V
 through the page tables with no gather, attends each shared prefix once for its group, and splits
 long contexts across threads; every path is checked against attention of each row alone, in
 float32, for each pool dtype, head size, page size and thread count. Through the model, greedy
-tokens with the kernel equal those of the torch path.
+tokens with the kernel equal those of the torch path. The library's RMSNorm equals the layer's
+PyTorch ops within one step of the half-precision dtype.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import torch
 
 from worker import test_cascade_attention as cascade
 from worker.tiny_models import VOCAB_SIZE, make_tiny_llama
-from worker_service.attention import native
+from worker_service import native
 from worker_service.attention.decode_plan import shared_prefixes
 from worker_service.forward_batch import ForwardEntry
+from worker_service.layers.norm import RMSNorm
 from worker_service.layers.sharding import shard_heads
 from worker_service.model_runner import ModelRunner, RunnerConfig
 
@@ -170,7 +172,7 @@ def test_greedy_tokens_equal_the_torch_path(tmp_path) -> None:
     def run(kernel: str) -> tuple[list[list[int]], torch.Tensor]:
         runner = ModelRunner(RunnerConfig(model_dir=model_dir, page_size=page_size, kv_cache_bytes=1 << 20,
                                           attention_kernel=kernel))
-        assert (runner.native_attention is not None) == (kernel == "native")
+        assert (runner.kernels is not None) == (kernel == "native")
         shared = [40, 7]
         runner.forward([ForwardEntry(prefix[:8], 0, shared, False)])
         entries = [ForwardEntry(p[8:], 8, shared + [60 + 10 * i + j for j in range(6)], True)
@@ -216,3 +218,25 @@ def test_a_built_kernel_is_reused_from_the_cache(tmp_path, monkeypatch) -> None:
     stamp = first.stat().st_mtime_ns
     assert native.build() == first and first.stat().st_mtime_ns == stamp  # not rebuilt
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no partial file left behind
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("rows,size", [(1, 576), (37, 576), (300, 100), (5, 16)])
+def test_rms_norm_kernel_equals_the_torch_layer(rows, size, dtype, threads) -> None:
+    """The compiled RMSNorm against the layer's PyTorch ops (the reference Llama rounding): at most
+    one step of the dtype apart (the sum of squares is taken in another order), nearly always equal;
+    a strided input (rows of a wider tensor) is read where it is."""
+    generator = torch.Generator().manual_seed(rows * size)
+    norm = RMSNorm("w", size, 1e-5, dtype, CPU)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(size, generator=generator))
+    wide = (torch.randn(rows, size + 8, generator=generator) * 3).to(dtype)
+    x = wide[:, 4:4 + size]
+    expected = norm(x)
+    got = KERNEL.rms_norm(x, norm.weight, 1e-5)
+    assert got.dtype == dtype and got.shape == expected.shape
+    # One step of each rounding: of the normalised value (then scaled by the weight) and of the product.
+    normalised = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+    step = torch.finfo(dtype).eps * (normalised.abs() * norm.weight.float().abs() + expected.float().abs())
+    assert bool(((got.float() - expected.float()).abs() <= step).all())
+    assert (got == expected).float().mean() > 0.99

@@ -1,7 +1,7 @@
 // Paged attention for x86 CPUs with AVX-512: every query reads its keys and values where they lie
 // in the head-major pool, through its page table. Nothing is gathered or padded.
 //
-// Built at run time by `worker_service/attention/native.py` (g++ -O3 -march=native -fopenmp) and
+// Built at run time by `worker_service/native.py` (g++ -O3 -march=native -fopenmp) and
 // called through ctypes; it shares torch's OpenMP runtime (same libgomp soname, already loaded).
 //
 // One call attends one layer for the whole step. The step's plan (`StepPlan` below) is built once:
