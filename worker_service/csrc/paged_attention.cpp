@@ -184,7 +184,20 @@ void scores_transposed(const float* queries, int num_queries, const typename Ele
                           j < n ? load_vec<kDtype>(k_page + (j0 + j) * kD + 16 * t) : _mm512_setzero_ps());
       for (int d = 0; d < kD; ++d) _mm512_store_ps(kt + 16 * d, _mm512_i32gather_ps(row_starts, rows + d, 4));
       const __mmask16 lanes = n == 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
-      for (int i = 0; i < num_queries; ++i) {
+      // Eight queries at a time: each transposed key vector is loaded once for all eight, and
+      // each query value is a broadcast operand of its FMA.
+      int i = 0;
+      for (; i + 8 <= num_queries; i += 8) {
+        __m512 acc[8];
+        for (int b = 0; b < 8; ++b) acc[b] = _mm512_setzero_ps();
+        for (int d = 0; d < kD; ++d) {
+          const __m512 column = _mm512_load_ps(kt + 16 * d);
+          for (int b = 0; b < 8; ++b)
+            acc[b] = _mm512_fmadd_ps(_mm512_set1_ps(queries[(i + b) * kD + d]), column, acc[b]);
+        }
+        for (int b = 0; b < 8; ++b) _mm512_mask_storeu_ps(scores + (i + b) * stride + key + j0, lanes, acc[b]);
+      }
+      for (; i < num_queries; ++i) {
         const float* qi = queries + i * kD;
         __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
         for (int d = 0; d < kD; d += 4)
