@@ -38,7 +38,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "elementwise.cpp")]
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp"]  # headers beside them are included
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 COMPILE_TIMEOUT_S = 300.0
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -97,8 +98,8 @@ def build(compiler: str | None = None) -> Path:
     if path is None:
         raise RuntimeError(f"no C++ compiler ({compiler!r} not found; set CXX)")
     version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([*(source.read_text() for source in SOURCES), version, " ".join(COMPILE_FLAGS),
-                                     _cpu_flags()])
+    key = hashlib.sha256("\0".join([*(source.read_text() for source in sorted(CSRC.iterdir())), version,
+                                     " ".join(COMPILE_FLAGS), _cpu_flags()])
                          .encode()).hexdigest()[:16]
     folder = _cache_dir()
     folder.mkdir(parents=True, exist_ok=True)

@@ -21,17 +21,15 @@
 #error "the paged attention kernel needs AVX-512 (the torch path serves CPUs without it)"
 #endif
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
-namespace {
+#include "attention_unit.h"
+#include "vector_math.h"
 
-enum Dtype : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+namespace radix {
 
 struct StepPlan {
   int32_t num_rows, num_q_heads, num_kv_heads, head_dim, page_size, dtype;
@@ -57,277 +55,10 @@ struct StepPlan {
   const int32_t* span_pages;        // each span's pages, up to its last position
 };
 
-// ---- conversions: 16 values of the pool's dtype <-> 16 float32 lanes -------------------------
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p, std::integral_constant<int, kBFloat16>) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const uint16_t* p, std::integral_constant<int, kFloat16>) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-template <int kDtype> struct Elem { using type = uint16_t; };
-template <> struct Elem<kFloat32> { using type = float; };
-
-template <int kDtype>
-inline __m512 load_vec(const typename Elem<kDtype>::type* p) {
-  if constexpr (kDtype == kFloat32) return load16(p);
-  else return load16(p, std::integral_constant<int, kDtype>{});
-}
-
-template <int kDtype>
-inline void store_vec(typename Elem<kDtype>::type* p, __m512 x) {
-  if constexpr (kDtype == kFloat32) {
-    _mm512_storeu_ps(p, x);
-  } else if constexpr (kDtype == kFloat16) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
-  } else {  // bfloat16, round to nearest even (what torch's .to(bfloat16) does; no NaNs here)
-    __m512i bits = _mm512_castps_si512(x);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
-  }
-}
-
-// x rounded to the dtype's precision (nearest even) and back to float32.
-template <int kDtype>
-inline __m512 round_to(__m512 x) {
-  if constexpr (kDtype == kFloat16) {
-    return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
-  } else {
-    __m512i bits = _mm512_castps_si512(x);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-    return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-  }
-}
-
-// exp for x <= 0 (scores minus their max): range reduction to r in [-ln2/2, ln2/2], a degree-6
-// polynomial, and scalef by 2^n. Relative error about 1e-7; x below -87 gives (nearly) 0.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-// ---- one work unit ------------------------------------------------------------------------------
-
-// Pages lie anywhere in the pool (the router hands out whichever are free), so the hardware
-// prefetchers cannot follow a sequence's keys: each page's run (page_size * head_dim values of one
-// head) is fetched ahead in software. Measured: 32 sequences of 380 tokens on pages scattered over
-// a 1 GiB pool decoded at 470 tokens/s against 800 on contiguous pages before this.
-template <typename T>
-inline void prefetch_run(const T* run, int page_size, int head_dim, int hint) {
-  const char* bytes = reinterpret_cast<const char*>(run);
-  const int size = page_size * head_dim * static_cast<int>(sizeof(T));
-  for (int offset = 0; offset < size; offset += 64)
-    _mm_prefetch(bytes + offset, hint == 0 ? _MM_HINT_T0 : _MM_HINT_T1);
-}
-
-// Keys (and values) this many pages ahead are asked for while a page is read.
-constexpr int kPrefetchPages = 3;
-
-// A run of keys of one segment: pages [page_begin, page_end) of `pages`, of which the first
-// `num_keys` keys count (the last page may be partly filled).
-struct Chunk {
-  const int32_t* pages;
-  int32_t num_pages;
-  int32_t num_keys;
-  int32_t first_key;  // position of the chunk's first key in its sequence
-};
-
-// Partial result of one query over one chunk: m, l, then head_dim sums.
-inline int partial_floats(int head_dim) { return head_dim + 2; }
-
-// A unit with at least this many queries (a shared prefix's group) scores 16 keys at a time
-// against transposed keys; fewer queries take one dot product per key and query.
-constexpr int kManyQueries = 8;
 // Shortest cut of a segment: shorter ones cost more in per-unit setup and merging than they spread.
 constexpr int64_t kMinChunkPages = 8;
 // Longest cut: a unit's scores (its queries x these keys) should stay in cache.
 constexpr int64_t kMaxChunkKeys = 2048;
-
-// scores[i * stride + key] = q_i . k_key for every query and key of the chunk, 16 keys at a time:
-// each run of 16 keys is converted and transposed once (kt[d] holds dimension d of the 16 keys),
-// then every query's 16 scores are kD broadcast FMAs, with no horizontal sums.
-template <int kDtype, int kD>
-void scores_transposed(const float* queries, int num_queries, const typename Elem<kDtype>::type* k_head,
-                       int page_size, const Chunk& chunk, float* scores, int stride) {
-  constexpr int kV = kD / 16;
-  alignas(64) float rows[16 * kD];
-  alignas(64) float kt[kD * 16];
-  const __m512i row_starts = _mm512_mullo_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(kD));
-  int key = 0;
-  for (int p = 0; p < chunk.num_pages && key < chunk.num_keys; ++p) {
-    const auto* k_page = k_head + static_cast<int64_t>(chunk.pages[p]) * page_size * kD;
-    if (p + kPrefetchPages < chunk.num_pages)
-      prefetch_run(k_head + static_cast<int64_t>(chunk.pages[p + kPrefetchPages]) * page_size * kD, page_size, kD, 0);
-    const int in_page = std::min(page_size, chunk.num_keys - key);
-    for (int j0 = 0; j0 < in_page; j0 += 16) {
-      const int n = std::min(16, in_page - j0);
-      for (int j = 0; j < 16; ++j)
-        for (int t = 0; t < kV; ++t)
-          _mm512_store_ps(rows + j * kD + 16 * t,
-                          j < n ? load_vec<kDtype>(k_page + (j0 + j) * kD + 16 * t) : _mm512_setzero_ps());
-      for (int d = 0; d < kD; ++d) _mm512_store_ps(kt + 16 * d, _mm512_i32gather_ps(row_starts, rows + d, 4));
-      const __mmask16 lanes = n == 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
-      // Eight queries at a time: each transposed key vector is loaded once for all eight, and
-      // each query value is a broadcast operand of its FMA.
-      int i = 0;
-      for (; i + 8 <= num_queries; i += 8) {
-        __m512 acc[8];
-        for (int b = 0; b < 8; ++b) acc[b] = _mm512_setzero_ps();
-        for (int d = 0; d < kD; ++d) {
-          const __m512 column = _mm512_load_ps(kt + 16 * d);
-          for (int b = 0; b < 8; ++b)
-            acc[b] = _mm512_fmadd_ps(_mm512_set1_ps(queries[(i + b) * kD + d]), column, acc[b]);
-        }
-        for (int b = 0; b < 8; ++b) _mm512_mask_storeu_ps(scores + (i + b) * stride + key + j0, lanes, acc[b]);
-      }
-      for (; i < num_queries; ++i) {
-        const float* qi = queries + i * kD;
-        __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-        for (int d = 0; d < kD; d += 4)
-          for (int u = 0; u < 4; ++u)
-            acc[u] = _mm512_fmadd_ps(_mm512_set1_ps(qi[d + u]), _mm512_load_ps(kt + 16 * (d + u)), acc[u]);
-        const __m512 sum = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
-        _mm512_mask_storeu_ps(scores + i * stride + key + j0, lanes, sum);
-      }
-    }
-    key += in_page;
-  }
-}
-
-// Queries `queries` ([num_queries][kD] float32, already scaled; `group` per row) against one kv
-// head's keys of `chunk`; writes each query's partial to `partials + i * (kD + 2)`. With
-// `first_position` >= 0 the rows are consecutive positions from it (a prefill span) and each sees
-// only keys up to its own position; a query that sees none of the chunk leaves m = -inf, l = 0.
-// `scores` has room for max(kBlock, num_queries) * padded num_keys floats.
-template <int kDtype, int kD, int kBlock>
-void attend_chunk(const float* queries, int num_queries, int group, int first_position,
-                  const typename Elem<kDtype>::type* k_head, const typename Elem<kDtype>::type* v_head,
-                  int page_size, const Chunk& chunk, float* all_scores, float* partials) {
-  constexpr int kV = kD / 16;
-  const int stride = (chunk.num_keys + 15) & ~15;
-  const bool many = num_queries >= kManyQueries;
-  for (int p = 0; p < std::min(kPrefetchPages, chunk.num_pages); ++p)  // the loops fetch the rest ahead
-    prefetch_run(k_head + static_cast<int64_t>(chunk.pages[p]) * page_size * kD, page_size, kD, 0);
-  if (many) scores_transposed<kDtype, kD>(queries, num_queries, k_head, page_size, chunk, all_scores, stride);
-  for (int q0 = 0; q0 < num_queries; q0 += kBlock) {
-    const int nb = std::min(kBlock, num_queries - q0);
-    float* scores = many ? all_scores + q0 * stride : all_scores;  // this block's rows
-    int key = 0;
-    if (!many) {  // scores = q . k for every key of the chunk, one dot product each
-      __m512 qv[kBlock][kV];
-      for (int b = 0; b < kBlock; ++b)
-        for (int t = 0; t < kV; ++t)
-          qv[b][t] = b < nb ? _mm512_loadu_ps(queries + (q0 + b) * kD + 16 * t) : _mm512_setzero_ps();
-      for (int p = 0; p < chunk.num_pages && key < chunk.num_keys; ++p) {
-        const auto* k_page = k_head + static_cast<int64_t>(chunk.pages[p]) * page_size * kD;
-        if (p + kPrefetchPages < chunk.num_pages)
-          prefetch_run(k_head + static_cast<int64_t>(chunk.pages[p + kPrefetchPages]) * page_size * kD, page_size, kD, 0);
-        if (q0 == 0)  // values are read right after, by every block: bring them to L2 now
-          prefetch_run(v_head + static_cast<int64_t>(chunk.pages[p]) * page_size * kD, page_size, kD, 1);
-        const int in_page = std::min(page_size, chunk.num_keys - key);
-        for (int j = 0; j < in_page; ++j, ++key) {
-          __m512 kv[kV];
-          for (int t = 0; t < kV; ++t) kv[t] = load_vec<kDtype>(k_page + j * kD + 16 * t);
-          for (int b = 0; b < kBlock; ++b) {
-            if (b >= nb) break;
-            __m512 acc = _mm512_mul_ps(qv[b][0], kv[0]);
-            for (int t = 1; t < kV; ++t) acc = _mm512_fmadd_ps(qv[b][t], kv[t], acc);
-            scores[b * stride + key] = _mm512_reduce_add_ps(acc);
-          }
-        }
-      }
-    }
-
-    // softmax pieces per query: m = max, p = exp(s - m) in place, l = sum p; keys a query may
-    // not see get p = 0
-    float m[kBlock], l[kBlock];
-    for (int b = 0; b < nb; ++b) {
-      float* s = scores + b * stride;
-      int num_keys = chunk.num_keys;
-      if (first_position >= 0) {
-        const int position = first_position + (q0 + b) / group;
-        num_keys = std::clamp(position - chunk.first_key + 1, 0, chunk.num_keys);
-        std::fill(s + num_keys, s + chunk.num_keys, 0.0f);
-        if (num_keys == 0) {
-          m[b] = -INFINITY;
-          l[b] = 0.0f;
-          continue;
-        }
-      }
-      __m512 vmax = _mm512_set1_ps(-INFINITY);
-      int i = 0;
-      for (; i + 16 <= num_keys; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + i));
-      const __mmask16 tail = static_cast<__mmask16>((1u << (num_keys - i)) - 1);
-      if (tail) vmax = _mm512_mask_max_ps(vmax, tail, vmax, _mm512_maskz_loadu_ps(tail, s + i));
-      m[b] = _mm512_reduce_max_ps(vmax);
-      const __m512 vm = _mm512_set1_ps(m[b]);
-      __m512 vsum = _mm512_setzero_ps();
-      for (i = 0; i + 16 <= num_keys; i += 16) {
-        __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + i), vm));
-        _mm512_storeu_ps(s + i, e);
-        vsum = _mm512_add_ps(vsum, e);
-      }
-      if (tail) {
-        __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + i), vm));
-        e = _mm512_maskz_mov_ps(tail, e);
-        _mm512_mask_storeu_ps(s + i, tail, e);
-        vsum = _mm512_add_ps(vsum, e);
-      }
-      l[b] = _mm512_reduce_add_ps(vsum);
-      // The weights multiply V in the pool's precision, as PyTorch's flash kernel (the torch path,
-      // and transformers' reference) does; the sum l keeps them unrounded, as it does.
-      if constexpr (kDtype != kFloat32)
-        for (i = 0; i < num_keys; i += 16) {
-          const __mmask16 lanes = num_keys - i >= 16 ? 0xFFFF : (1u << (num_keys - i)) - 1;
-          _mm512_mask_storeu_ps(s + i, lanes, round_to<kDtype>(_mm512_maskz_loadu_ps(lanes, s + i)));
-        }
-    }
-
-    // acc = sum p * v
-    __m512 acc[kBlock][kV];
-    for (int b = 0; b < kBlock; ++b)
-      for (int t = 0; t < kV; ++t) acc[b][t] = _mm512_setzero_ps();
-    key = 0;
-    for (int p = 0; p < chunk.num_pages && key < chunk.num_keys; ++p) {
-      const auto* v_page = v_head + static_cast<int64_t>(chunk.pages[p]) * page_size * kD;
-      if (p + kPrefetchPages < chunk.num_pages)
-        prefetch_run(v_head + static_cast<int64_t>(chunk.pages[p + kPrefetchPages]) * page_size * kD, page_size, kD, 0);
-      const int in_page = std::min(page_size, chunk.num_keys - key);
-      for (int j = 0; j < in_page; ++j, ++key) {
-        __m512 vv[kV];
-        for (int t = 0; t < kV; ++t) vv[t] = load_vec<kDtype>(v_page + j * kD + 16 * t);
-        for (int b = 0; b < kBlock; ++b) {
-          if (b >= nb) break;
-          const __m512 w = _mm512_set1_ps(scores[b * stride + key]);
-          for (int t = 0; t < kV; ++t) acc[b][t] = _mm512_fmadd_ps(w, vv[t], acc[b][t]);
-        }
-      }
-    }
-    for (int b = 0; b < nb; ++b) {
-      float* out = partials + (q0 + b) * (kD + 2);
-      out[0] = m[b];
-      out[1] = l[b];
-      for (int t = 0; t < kV; ++t) _mm512_storeu_ps(out + 2 + 16 * t, acc[b][t]);
-    }
-  }
-}
 
 // A segment: keys [0, num_keys) of `pages`, attended by `rows` (all of them, all their heads).
 struct Segment {
@@ -498,7 +229,9 @@ int dispatch_dim(const StepPlan& plan, const void* q, const void* k, const void*
   }
 }
 
-}  // namespace
+}  // namespace radix
+
+using namespace radix;
 
 extern "C" {
 

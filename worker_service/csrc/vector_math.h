@@ -1,0 +1,79 @@
+// Vector pieces of the paged attention kernel (paged_attention.cpp): 16 values of the pool's dtype
+// to and from 16 float32 lanes, rounding to the dtype, and exp for softmax weights.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace radix {
+
+enum Dtype : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+// ---- conversions: 16 values of the pool's dtype <-> 16 float32 lanes -------------------------
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p, std::integral_constant<int, kBFloat16>) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const uint16_t* p, std::integral_constant<int, kFloat16>) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <int kDtype> struct Elem { using type = uint16_t; };
+template <> struct Elem<kFloat32> { using type = float; };
+
+template <int kDtype>
+inline __m512 load_vec(const typename Elem<kDtype>::type* p) {
+  if constexpr (kDtype == kFloat32) return load16(p);
+  else return load16(p, std::integral_constant<int, kDtype>{});
+}
+
+template <int kDtype>
+inline void store_vec(typename Elem<kDtype>::type* p, __m512 x) {
+  if constexpr (kDtype == kFloat32) {
+    _mm512_storeu_ps(p, x);
+  } else if constexpr (kDtype == kFloat16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  } else {  // bfloat16, round to nearest even (what torch's .to(bfloat16) does; no NaNs here)
+    __m512i bits = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+  }
+}
+
+// x rounded to the dtype's precision (nearest even) and back to float32.
+template <int kDtype>
+inline __m512 round_to(__m512 x) {
+  if constexpr (kDtype == kFloat16) {
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  } else {
+    __m512i bits = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+}
+
+// exp for x <= 0 (scores minus their max): range reduction to r in [-ln2/2, ln2/2], a degree-6
+// polynomial, and scalef by 2^n. Relative error about 1e-7; x below -87 gives (nearly) 0.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+}  // namespace radix
