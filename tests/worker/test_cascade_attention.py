@@ -29,7 +29,7 @@ FP32_ATOL = 1e-5
 BF16_ATOL = 2e-2
 
 
-def build_batch(seed: int, page_size: int, num_kv_heads: int, dtype: torch.dtype):
+def build_batch(seed: int, page_size: int, num_kv_heads: int, dtype: torch.dtype, head_dim: int = HEAD_DIM):
     """Random groups sharing random token prefixes: (pool K, pool V, tables, context lens, group of each)."""
     rng = random.Random(seed)
     num_groups = rng.randint(1, 4)
@@ -52,8 +52,8 @@ def build_batch(seed: int, page_size: int, num_kv_heads: int, dtype: torch.dtype
     rng.shuffle(physical)
     generator = torch.Generator().manual_seed(seed)
     # The pool's head-major layout: [kv_heads, slots, head_dim].
-    k = torch.randn(num_kv_heads, num_pages * page_size, HEAD_DIM, generator=generator).to(dtype)
-    v = torch.randn(num_kv_heads, num_pages * page_size, HEAD_DIM, generator=generator).to(dtype)
+    k = torch.randn(num_kv_heads, num_pages * page_size, head_dim, generator=generator).to(dtype)
+    v = torch.randn(num_kv_heads, num_pages * page_size, head_dim, generator=generator).to(dtype)
     tables = [[physical[p] for p in table] for table, _ in sequences]
     lens = [length for _, length in sequences]
     return k, v, tables, lens, group_of
@@ -67,7 +67,7 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table
         slots = torch.tensor([table[p // page_size] * page_size + p % page_size for p in range(length)])
         keys = k[:, slots].float().repeat_interleave(group, dim=0)  # [Hq, L, D]
         values = v[:, slots].float().repeat_interleave(group, dim=0)
-        scores = torch.einsum("hd,hld->hl", q[row].float(), keys) * HEAD_DIM ** -0.5
+        scores = torch.einsum("hd,hld->hl", q[row].float(), keys) * q.shape[-1] ** -0.5
         rows.append(torch.einsum("hl,hld->hd", scores.softmax(-1), values))
     return torch.stack(rows)
 

@@ -32,25 +32,11 @@ CPU = torch.device("cpu")
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tables, lens, page_size: int) -> torch.Tensor:
-    """Plain float32 attention of each row over its own context, slot by slot."""
-    group = q.shape[1] // k.shape[0]
-    rows = []
-    for row, (table, length) in enumerate(zip(tables, lens)):
-        slots = torch.tensor([table[p // page_size] * page_size + p % page_size for p in range(length)])
-        keys = k[:, slots].float().repeat_interleave(group, dim=0)
-        values = v[:, slots].float().repeat_interleave(group, dim=0)
-        scores = torch.einsum("hd,hld->hl", q[row].float(), keys) * q.shape[-1] ** -0.5
-        rows.append(torch.einsum("hl,hld->hd", scores.softmax(-1), values))
-    return torch.stack(rows)
+reference = cascade.reference_attention  # plain float32 attention of each row over its own context
 
 
 def batch(seed: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype):
-    cascade.HEAD_DIM, saved = head_dim, cascade.HEAD_DIM
-    try:
-        k, v, tables, lens, _ = cascade.build_batch(seed, page_size, num_kv_heads, dtype)
-    finally:
-        cascade.HEAD_DIM = saved
+    k, v, tables, lens, _ = cascade.build_batch(seed, page_size, num_kv_heads, dtype, head_dim)
     return k, v, tables, lens
 
 
