@@ -1,19 +1,19 @@
 """The compiled kernels (`csrc/`): built once per machine, called per layer.
 
-`csrc/paged_attention.cpp` is the paged attention kernel (below); `csrc/elementwise.cpp` is RMSNorm
-for half-precision models in one pass, where PyTorch runs a chain of eight kernels (bfloat16, 2
-threads, rows of 576: 21.6 -> 9.2 us for one row, 826 -> 408 us for 2,048; 61 norms per forward).
-
-It attends a whole step, decode rows and prefill spans, in one call per layer. Decode attention
-is memory bound: a step reads every running sequence's K/V once per layer.
-PyTorch's CPU build has no kernel that reads K/V through page tables, so the torch path
+`csrc/paged_attention.cpp` attends a whole step, decode rows and prefill spans, in one call per
+layer. Decode attention is memory bound: a step reads every running sequence's K/V once per
+layer. PyTorch's CPU build has no kernel that reads K/V through page tables, so the torch path
 (`cascade.py`) first copies each context into a padded buffer and then runs the flash kernel over
 it, a second read at low efficiency with 3 query rows per KV head. This kernel reads each page
 where it lies, attends every shared prefix once for all its rows (the same decomposition as
 `cascade.py`), splits long contexts across threads and merges partial softmaxes in float32.
 Prefill rows read their context (their own new K/V included, written first) the same way, in
-tiles of positions with the causal limit applied per row; PyTorch's flash kernel reached about
-70 GFLOP/s on 320-token prompts with grouped heads here.
+tiles of positions with the causal limit applied per row (PyTorch's flash kernel spent 285 ms of
+a 6 x 320-token prefill step in a profile here, ~21 GFLOP of causal attention: ~74 GFLOP/s).
+
+`csrc/elementwise.cpp` is RMSNorm for half-precision models in one pass, where PyTorch runs a
+chain of eight kernels (bfloat16, 2 threads, rows of 576: 21.6 -> 9.2 us for one row, 826 -> 408
+us for 2,048; 61 norms per forward).
 
 It is built with the machine's C++ compiler (`$CXX`, else `g++`) for the machine's own CPU
 (`-march=native`, AVX-512 required) into a cache folder keyed by the source, the compiler and the
@@ -174,22 +174,27 @@ class NativeKernels:
         for _, _, _, span_table in spans:
             span_pages.extend(span_table)
             span_page_start.append(len(span_pages))
-        values = {
+        arrays = {
             "row_page_start": page_start, "row_pages": pages, "seq_lens": context_lens,
             "row_prefix_pages": prefix_pages, "group_row_start": group_row_start, "group_rows": group_rows,
             "group_num_pages": [num_pages for _, num_pages in groups],
             "span_first_row": [span[0] for span in spans], "span_num_rows": [span[1] for span in spans],
             "span_start": [span[2] for span in spans], "span_page_start": span_page_start, "span_pages": span_pages,
         }
+        # One int32 tensor holds every array; the plan's pointers point into it.
+        flat: list[int] = []
+        offsets = []
+        for array in arrays.values():
+            offsets.append(len(flat))
+            flat.extend(array)
+        storage = torch.tensor(flat or [0], dtype=torch.int32)
         struct = _PlanStruct(num_rows=len(tables), page_size=page_size, num_groups=len(groups),
                              num_spans=len(spans))
-        arrays = []
-        for name, array in values.items():
-            tensor = torch.tensor(array or [0], dtype=torch.int32)  # never empty: a valid pointer
-            arrays.append(tensor)
-            setattr(struct, name, ctypes.cast(tensor.data_ptr(), _INT32_P))
+        base = storage.data_ptr()
+        for name, offset in zip(arrays, offsets):
+            setattr(struct, name, ctypes.cast(base + 4 * offset, _INT32_P))
         num_rows = max([len(tables)] + [first + count for first, count, _, _ in spans])
-        return NativePlan(self._call, struct, arrays, num_rows)
+        return NativePlan(self._call, struct, storage, num_rows)
 
 
 @dataclass(slots=True)
@@ -198,8 +203,11 @@ class NativePlan:
 
     _call: ctypes._CFuncPtr
     _struct: _PlanStruct
-    _arrays: list[torch.Tensor]
+    _storage: torch.Tensor
     num_rows: int
+    # The layout of q and of the pool the struct was last filled for: every layer of a step has the
+    # same, so the first call fills the struct and the others only compare.
+    _layout: tuple | None = None
 
     def attend(self, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor) -> torch.Tensor:
         """Queries `q` `[rows, Hq, D]` over one layer's head-major pool `[Hk, num_slots, D]` -> `[rows, Hq, D]`.
@@ -211,14 +219,16 @@ class NativePlan:
             raise ValueError(f"the plan has {self.num_rows} rows, q has {num_rows}")
         if q.stride(2) != 1 or q.stride(1) != head_dim:
             q = q.contiguous()
-        struct = self._struct
-        struct.num_q_heads, struct.num_kv_heads, struct.head_dim = num_q_heads, k_slots.shape[0], head_dim
-        struct.dtype = DTYPE_CODES[q.dtype]
-        struct.q_row_stride, struct.kv_head_stride = q.stride(0), k_slots.stride(0)
-        struct.scale = head_dim ** -0.5
-        struct.num_threads = torch.get_num_threads()
+        layout = (num_q_heads, head_dim, q.dtype, q.stride(0), k_slots.shape[0], k_slots.stride(0))
+        if layout != self._layout:
+            struct = self._struct
+            struct.num_q_heads, struct.head_dim, struct.dtype = num_q_heads, head_dim, DTYPE_CODES[q.dtype]
+            struct.q_row_stride, struct.num_kv_heads, struct.kv_head_stride = layout[3:]
+            struct.scale = head_dim ** -0.5
+            struct.num_threads = torch.get_num_threads()
+            self._layout = layout
         out = torch.empty((num_rows, num_q_heads, head_dim), dtype=q.dtype)
-        status = self._call(ctypes.addressof(struct), q.data_ptr(), k_slots.data_ptr(), v_slots.data_ptr(),
+        status = self._call(ctypes.addressof(self._struct), q.data_ptr(), k_slots.data_ptr(), v_slots.data_ptr(),
                             out.data_ptr())
         if status != 0:
             raise RuntimeError(f"paged attention kernel refused the call (status {status})")
