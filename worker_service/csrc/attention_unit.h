@@ -70,7 +70,7 @@ void scores_transposed(const float* queries, int num_queries, const typename Ele
           _mm512_store_ps(rows + j * kD + 16 * t,
                           j < n ? load_vec<kDtype>(k_page + (j0 + j) * kD + 16 * t) : _mm512_setzero_ps());
       for (int d = 0; d < kD; ++d) _mm512_store_ps(kt + 16 * d, _mm512_i32gather_ps(row_starts, rows + d, 4));
-      const __mmask16 lanes = n == 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+      const __mmask16 lanes = lanes_from(n);
       // Eight queries at a time: each transposed key vector is loaded once for all eight, and
       // each query value is a broadcast operand of its FMA.
       int i = 0;
@@ -161,7 +161,7 @@ void attend_chunk(const float* queries, int num_queries, int group, int first_po
       __m512 vmax = _mm512_set1_ps(-INFINITY);
       int i = 0;
       for (; i + 16 <= num_keys; i += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + i));
-      const __mmask16 tail = static_cast<__mmask16>((1u << (num_keys - i)) - 1);
+      const __mmask16 tail = lanes_from(num_keys - i);  // i + 16 > num_keys here: 0 when none are left
       if (tail) vmax = _mm512_mask_max_ps(vmax, tail, vmax, _mm512_maskz_loadu_ps(tail, s + i));
       m[b] = _mm512_reduce_max_ps(vmax);
       const __m512 vm = _mm512_set1_ps(m[b]);
@@ -182,7 +182,7 @@ void attend_chunk(const float* queries, int num_queries, int group, int first_po
       // and transformers' reference) does; the sum l keeps them unrounded, as it does.
       if constexpr (kDtype != kFloat32)
         for (i = 0; i < num_keys; i += 16) {
-          const __mmask16 lanes = num_keys - i >= 16 ? 0xFFFF : (1u << (num_keys - i)) - 1;
+          const __mmask16 lanes = lanes_from(num_keys - i);
           _mm512_mask_storeu_ps(s + i, lanes, round_to<kDtype>(_mm512_maskz_loadu_ps(lanes, s + i)));
         }
     }

@@ -17,37 +17,11 @@
 #include <cmath>
 #include <cstdint>
 
+#include "vector_math.h"
+
 namespace {
 
-enum Dtype : int32_t { kBFloat16 = 1, kFloat16 = 2 };
-
-template <int kDtype>
-inline __m512 load16h(const uint16_t* p, __mmask16 lanes) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(lanes, p);
-  if constexpr (kDtype == kFloat16) return _mm512_cvtph_ps(raw);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// x rounded to nearest even in the dtype, as 16 raw halves (no NaNs reach here).
-template <int kDtype>
-inline __m256i to_half(__m512 x) {
-  if constexpr (kDtype == kFloat16) return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
-  __m512i bits = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16));
-}
-
-template <int kDtype>
-inline __m512 round_half(__m512 x) {
-  const __m256i h = to_half<kDtype>(x);
-  if constexpr (kDtype == kFloat16) return _mm512_cvtph_ps(h);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-inline __mmask16 lanes_from(int remaining) {
-  return remaining >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << remaining) - 1);
-}
+using namespace radix;
 
 template <int kDtype>
 void rms_norm_rows(const uint16_t* x, int64_t x_stride, const uint16_t* weight, uint16_t* out, int rows,
@@ -57,7 +31,7 @@ void rms_norm_rows(const uint16_t* x, int64_t x_stride, const uint16_t* weight, 
     const uint16_t* row = x + r * x_stride;
     __m512 squares = _mm512_setzero_ps();
     for (int i = 0; i < size; i += 16) {
-      const __m512 v = load16h<kDtype>(row + i, lanes_from(size - i));
+      const __m512 v = load_halves<kDtype>(row + i, lanes_from(size - i));
       squares = _mm512_fmadd_ps(v, v, squares);
     }
     const float inverse = 1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(size) + eps);
@@ -65,9 +39,9 @@ void rms_norm_rows(const uint16_t* x, int64_t x_stride, const uint16_t* weight, 
     uint16_t* dst = out + static_cast<int64_t>(r) * size;
     for (int i = 0; i < size; i += 16) {
       const __mmask16 lanes = lanes_from(size - i);
-      const __m512 normed = round_half<kDtype>(_mm512_mul_ps(load16h<kDtype>(row + i, lanes), scale));
-      const __m512 scaled = _mm512_mul_ps(normed, load16h<kDtype>(weight + i, lanes));
-      _mm256_mask_storeu_epi16(dst + i, lanes, to_half<kDtype>(scaled));
+      const __m512 normed = round_to<kDtype>(_mm512_mul_ps(load_halves<kDtype>(row + i, lanes), scale));
+      const __m512 scaled = _mm512_mul_ps(normed, load_halves<kDtype>(weight + i, lanes));
+      store_halves<kDtype>(dst + i, lanes, scaled);
     }
   }
 }

@@ -1,61 +1,73 @@
-// Vector pieces of the paged attention kernel (paged_attention.cpp): 16 values of the pool's dtype
-// to and from 16 float32 lanes, rounding to the dtype, and exp for softmax weights.
+// Vector pieces of the compiled kernels (paged_attention.cpp, elementwise.cpp): 16 values of a
+// dtype to and from 16 float32 lanes, rounding to the dtype, and exp for softmax weights.
 #pragma once
 
 #include <immintrin.h>
 
 #include <cstdint>
-#include <type_traits>
 
 namespace radix {
 
 enum Dtype : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
 // ---- conversions: 16 values of the pool's dtype <-> 16 float32 lanes -------------------------
-
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p, std::integral_constant<int, kBFloat16>) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const uint16_t* p, std::integral_constant<int, kFloat16>) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+// Half types are rounded to nearest even, as torch's .to() does (no NaNs reach these kernels).
 
 template <int kDtype> struct Elem { using type = uint16_t; };
 template <> struct Elem<kFloat32> { using type = float; };
 
+// 16 raw halves (bfloat16 or float16) -> float32.
+template <int kDtype>
+inline __m512 widen(__m256i halves) {
+  if constexpr (kDtype == kFloat16) return _mm512_cvtph_ps(halves);
+  else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+}
+
+// float32 -> 16 raw halves.
+template <int kDtype>
+inline __m256i narrow(__m512 x) {
+  if constexpr (kDtype == kFloat16) {
+    return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
+  } else {
+    __m512i bits = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16));
+  }
+}
+
 template <int kDtype>
 inline __m512 load_vec(const typename Elem<kDtype>::type* p) {
-  if constexpr (kDtype == kFloat32) return load16(p);
-  else return load16(p, std::integral_constant<int, kDtype>{});
+  if constexpr (kDtype == kFloat32) return _mm512_loadu_ps(p);
+  else return widen<kDtype>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 template <int kDtype>
 inline void store_vec(typename Elem<kDtype>::type* p, __m512 x) {
-  if constexpr (kDtype == kFloat32) {
-    _mm512_storeu_ps(p, x);
-  } else if constexpr (kDtype == kFloat16) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
-  } else {  // bfloat16, round to nearest even (what torch's .to(bfloat16) does; no NaNs here)
-    __m512i bits = _mm512_castps_si512(x);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
-  }
+  if constexpr (kDtype == kFloat32) _mm512_storeu_ps(p, x);
+  else _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow<kDtype>(x));
 }
 
-// x rounded to the dtype's precision (nearest even) and back to float32.
+// The first min(remaining, 16) of 16 lanes.
+inline __mmask16 lanes_from(int remaining) {
+  return remaining >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << remaining) - 1);
+}
+
+// The first `lanes` of 16 half values (the rest read as zero, never touched in memory).
+template <int kDtype>
+inline __m512 load_halves(const uint16_t* p, __mmask16 lanes) {
+  return widen<kDtype>(_mm256_maskz_loadu_epi16(lanes, p));
+}
+
+template <int kDtype>
+inline void store_halves(uint16_t* p, __mmask16 lanes, __m512 x) {
+  _mm256_mask_storeu_epi16(p, lanes, narrow<kDtype>(x));
+}
+
+// x rounded to the dtype's precision and back to float32.
 template <int kDtype>
 inline __m512 round_to(__m512 x) {
-  if constexpr (kDtype == kFloat16) {
-    return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
-  } else {
-    __m512i bits = _mm512_castps_si512(x);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-    return _mm512_castsi512_ps(_mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-  }
+  return widen<kDtype>(narrow<kDtype>(x));
 }
 
 // exp for x <= 0 (scores minus their max): range reduction to r in [-ln2/2, ln2/2], a degree-6
