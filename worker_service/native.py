@@ -125,9 +125,14 @@ class NativeKernels:
         self._lib = ctypes.CDLL(str(library))
         self._lib.radix_supports.argtypes = [ctypes.c_int32, ctypes.c_int32]
         self._lib.radix_plan_size.restype = ctypes.c_int32
-        self._call = self._lib.radix_paged_attention
-        self._call.argtypes = [ctypes.c_void_p] * 5
-        self._call.restype = ctypes.c_int
+        self._attend = self._lib.radix_paged_attention
+        self._attend.argtypes = [ctypes.c_void_p] * 6
+        self._attend.restype = ctypes.c_int
+        self._schedule = self._lib.radix_schedule
+        self._schedule.argtypes = [ctypes.c_void_p]
+        self._schedule.restype = ctypes.c_void_p
+        self._free_schedule = self._lib.radix_free_schedule
+        self._free_schedule.argtypes = [ctypes.c_void_p]
         self._rms_norm = self._lib.radix_rms_norm
         self._rms_norm.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                    ctypes.c_int32, ctypes.c_int32, ctypes.c_float, ctypes.c_int32]
@@ -194,20 +199,24 @@ class NativeKernels:
         for name, offset in zip(arrays, offsets):
             setattr(struct, name, ctypes.cast(base + 4 * offset, _INT32_P))
         num_rows = max([len(tables)] + [first + count for first, count, _, _ in spans])
-        return NativePlan(self._call, struct, storage, num_rows)
+        return NativePlan(self, struct, storage, num_rows)
 
 
 @dataclass(slots=True)
 class NativePlan:
-    """One step's plan for the kernel; `attend` runs one layer. Holds the arrays it points into."""
+    """One step's plan for the kernel; `attend` runs one layer. Holds the arrays it points into.
 
-    _call: ctypes._CFuncPtr
+    The first layer fills in the layout (heads, strides, dtype) and has the library build the
+    step's schedule (segments, chunks, which partials each row merges); every other layer of the
+    step has the same layout and reuses both.
+    """
+
+    _kernels: NativeKernels
     _struct: _PlanStruct
     _storage: torch.Tensor
     num_rows: int
-    # The layout of q and of the pool the struct was last filled for: every layer of a step has the
-    # same, so the first call fills the struct and the others only compare.
     _layout: tuple | None = None
+    _schedule: int | None = None  # the library's schedule for `_layout`
 
     def attend(self, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor) -> torch.Tensor:
         """Queries `q` `[rows, Hq, D]` over one layer's head-major pool `[Hk, num_slots, D]` -> `[rows, Hq, D]`.
@@ -221,18 +230,34 @@ class NativePlan:
             q = q.contiguous()
         layout = (num_q_heads, head_dim, q.dtype, q.stride(0), k_slots.shape[0], k_slots.stride(0))
         if layout != self._layout:
-            struct = self._struct
-            struct.num_q_heads, struct.head_dim, struct.dtype = num_q_heads, head_dim, DTYPE_CODES[q.dtype]
-            struct.q_row_stride, struct.num_kv_heads, struct.kv_head_stride = layout[3:]
-            struct.scale = head_dim ** -0.5
-            struct.num_threads = torch.get_num_threads()
-            self._layout = layout
+            self._bind(layout)
         out = torch.empty((num_rows, num_q_heads, head_dim), dtype=q.dtype)
-        status = self._call(ctypes.addressof(self._struct), q.data_ptr(), k_slots.data_ptr(), v_slots.data_ptr(),
-                            out.data_ptr())
+        status = self._kernels._attend(ctypes.addressof(self._struct), self._schedule, q.data_ptr(),
+                                       k_slots.data_ptr(), v_slots.data_ptr(), out.data_ptr())
         if status != 0:
             raise RuntimeError(f"paged attention kernel refused the call (status {status})")
         return out
+
+    def _bind(self, layout: tuple) -> None:
+        struct = self._struct
+        num_q_heads, head_dim, dtype, q_row_stride, num_kv_heads, kv_head_stride = layout
+        struct.num_q_heads, struct.head_dim, struct.dtype = num_q_heads, head_dim, DTYPE_CODES[dtype]
+        struct.q_row_stride, struct.num_kv_heads, struct.kv_head_stride = q_row_stride, num_kv_heads, kv_head_stride
+        struct.scale = head_dim ** -0.5
+        struct.num_threads = torch.get_num_threads()
+        self._release()
+        self._schedule = self._kernels._schedule(ctypes.addressof(struct))
+        if not self._schedule:
+            raise ValueError(f"{num_q_heads} query heads do not group over {num_kv_heads} KV heads")
+        self._layout = layout
+
+    def _release(self) -> None:
+        if self._schedule:
+            self._kernels._free_schedule(self._schedule)
+        self._schedule = None
+
+    def __del__(self) -> None:
+        self._release()
 
 
 _loaded: NativeKernels | None = None

@@ -146,6 +146,19 @@ def test_queries_may_be_a_strided_view() -> None:
                                atol=TOLERANCE[torch.float32], rtol=0)
 
 
+def test_one_plan_serves_every_layer_and_rebinds_for_another_layout() -> None:
+    """A step's plan is built once and called per layer: repeated calls give the result of a fresh
+    plan, and a call whose q is laid out differently (rows further apart) rebuilds its schedule."""
+    k, v, tables, lens = batch(5, 16, 3, 64, torch.bfloat16)
+    plan = KERNEL.plan(tables, lens, 16, shared_prefixes(tables, lens, 16))
+    q = torch.randn(len(tables), 9, 64).bfloat16()
+    first = plan.attend(q, k, v)
+    assert torch.equal(plan.attend(q, k, v), first)
+    wide = torch.cat([q, torch.zeros(len(tables), 3, 64, dtype=torch.bfloat16)], 1)  # rows 12 heads apart
+    assert torch.equal(plan.attend(wide[:, :9], k, v), first)
+    assert torch.equal(plan.attend(q, k, v), first)
+
+
 def test_greedy_tokens_equal_the_torch_path(tmp_path) -> None:
     """Through the tiny model: 4 sequences behind a 10-token prefix (pages of 4), decoded together
     with the kernel and with the torch path, give the same greedy tokens and close logits."""

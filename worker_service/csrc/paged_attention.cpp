@@ -74,24 +74,42 @@ struct Segment {
 // like a shared prefix's group (the transposed-key path), and its scores fit in cache.
 constexpr int kTileRows = 32;
 
-template <int kDtype, int kD>
-int run(const StepPlan& plan, const void* q_ptr, const void* k_ptr, const void* v_ptr, void* out_ptr) {
-  using T = typename Elem<kDtype>::type;
-  constexpr int kBlock = kD <= 64 ? 4 : 2;  // queries whose q (and accumulators) stay in registers
-  const T* q = static_cast<const T*>(q_ptr);
-  const T* k = static_cast<const T*>(k_ptr);
-  const T* v = static_cast<const T*>(v_ptr);
-  T* out = static_cast<T*>(out_ptr);
-  const int num_decode_rows = plan.num_rows, hq = plan.num_q_heads, hk = plan.num_kv_heads;
-  const int group = hq / hk, page_size = plan.page_size;
-  const int pf = partial_floats(kD);
-  int num_rows = num_decode_rows;  // decode rows, then every span's rows
+// What one step's attention does, the same in every layer: the segments, their chunks, and which
+// partials each row has. Built once per step (`radix_schedule`), used by every layer's call.
+struct ChunkRef {
+  int segment;
+  Chunk chunk;
+  int64_t partial_offset;  // in partials of (kD + 2) floats: [kv head][row of the segment][group]
+};
+
+struct Schedule {
+  int num_rows = 0;  // decode rows, then every span's rows
+  std::vector<int32_t> row_ids;
+  std::vector<Segment> segments;
+  std::vector<ChunkRef> chunks;
+  // Which partials each row has: (chunk, row index in its segment), rows' lists back to back.
+  std::vector<int32_t> row_list_start;
+  std::vector<std::pair<int32_t, int32_t>> row_lists;
+  int64_t partial_count = 0;
+};
+
+Schedule* build_schedule(const StepPlan& plan) {
+  auto* schedule = new Schedule();
+  const int num_decode_rows = plan.num_rows, hk = plan.num_kv_heads;
+  const int group = plan.num_q_heads / hk, page_size = plan.page_size;
+  int num_rows = num_decode_rows;
   for (int i = 0; i < plan.num_spans; ++i) num_rows = std::max(num_rows, plan.span_first_row[i] + plan.span_num_rows[i]);
+  schedule->num_rows = num_rows;
+  std::vector<int32_t>& row_ids = schedule->row_ids;
+  std::vector<Segment>& segments = schedule->segments;
+  std::vector<ChunkRef>& chunks = schedule->chunks;
+  std::vector<int32_t>& row_list_start = schedule->row_list_start;
+  std::vector<std::pair<int32_t, int32_t>>& row_lists = schedule->row_lists;
+  int64_t& partial_count = schedule->partial_count;
 
   // Segments: every decode row's suffix, every group's shared prefix, every prefill tile.
-  std::vector<int32_t> row_ids(num_rows);
+  row_ids.resize(num_rows);
   for (int r = 0; r < num_rows; ++r) row_ids[r] = r;
-  std::vector<Segment> segments;
   segments.reserve(num_decode_rows + plan.num_groups + num_rows / kTileRows + plan.num_spans);
   for (int r = 0; r < num_decode_rows; ++r) {
     const int skip = plan.row_prefix_pages[r];
@@ -121,12 +139,7 @@ int run(const StepPlan& plan, const void* q_ptr, const void* k_ptr, const void* 
   for (const Segment& s : segments) total_cost += page_cost(s) * ((s.num_keys + page_size - 1) / page_size);
   const int64_t want_units = 8 * static_cast<int64_t>(std::max(1, plan.num_threads));
   const int64_t unit_cost = std::max<int64_t>(1, total_cost * hk / want_units);
-  struct ChunkRef { int segment; Chunk chunk; int64_t partial_offset; };
-  std::vector<ChunkRef> chunks;
-  // Which partials each row has: (chunk, row index in its segment), rows' lists back to back.
-  std::vector<int32_t> row_list_start(num_rows + 1, 0);
-  std::vector<std::pair<int32_t, int32_t>> row_lists;
-  int64_t partial_count = 0;
+  row_list_start.assign(num_rows + 1, 0);
   for (int si = 0; si < static_cast<int>(segments.size()); ++si) {
     const Segment& s = segments[si];
     const int num_pages = (s.num_keys + page_size - 1) / page_size;
@@ -135,7 +148,6 @@ int run(const StepPlan& plan, const void* q_ptr, const void* k_ptr, const void* 
     for (int p0 = 0; p0 < num_pages; p0 += static_cast<int>(chunk_pages)) {
       const int np = std::min<int>(static_cast<int>(chunk_pages), num_pages - p0);
       const int nk = std::min(np * page_size, s.num_keys - p0 * page_size);
-      const int ci = static_cast<int>(chunks.size());
       chunks.push_back({si, {s.pages + p0, np, nk, s.first_key + p0 * page_size}, partial_count});
       for (int i = 0; i < s.num_rows; ++i) ++row_list_start[s.rows[i] + 1];
       partial_count += static_cast<int64_t>(s.num_rows) * group * hk;
@@ -150,6 +162,28 @@ int run(const StepPlan& plan, const void* q_ptr, const void* k_ptr, const void* 
       for (int i = 0; i < s.num_rows; ++i) row_lists[next[s.rows[i]]++] = {ci, i};
     }
   }
+  return schedule;
+}
+
+template <int kDtype, int kD>
+int run(const StepPlan& plan, const Schedule& schedule, const void* q_ptr, const void* k_ptr, const void* v_ptr,
+        void* out_ptr) {
+  using T = typename Elem<kDtype>::type;
+  constexpr int kBlock = kD <= 64 ? 4 : 2;  // queries whose q (and accumulators) stay in registers
+  const T* q = static_cast<const T*>(q_ptr);
+  const T* k = static_cast<const T*>(k_ptr);
+  const T* v = static_cast<const T*>(v_ptr);
+  T* out = static_cast<T*>(out_ptr);
+  const int hq = plan.num_q_heads, hk = plan.num_kv_heads;
+  const int group = hq / hk, page_size = plan.page_size;
+  const int pf = partial_floats(kD);
+  const int num_rows = schedule.num_rows;
+  const auto& segments = schedule.segments;
+  const auto& chunks = schedule.chunks;
+  const auto& row_list_start = schedule.row_list_start;
+  const auto& row_lists = schedule.row_lists;
+  const int64_t partial_count = schedule.partial_count;
+
   // Reused across calls (grown, never shrunk or cleared): a fresh buffer per layer would be
   // megabytes for a prefill step that the kernel must fault in and zero each time.
   // (A pointer, not the thread_local itself, goes into the parallel region: there the name would
@@ -218,13 +252,14 @@ int run(const StepPlan& plan, const void* q_ptr, const void* k_ptr, const void* 
 }
 
 template <int kDtype>
-int dispatch_dim(const StepPlan& plan, const void* q, const void* k, const void* v, void* out) {
+int dispatch_dim(const StepPlan& plan, const Schedule& schedule, const void* q, const void* k, const void* v,
+                 void* out) {
   switch (plan.head_dim) {
-    case 16: return run<kDtype, 16>(plan, q, k, v, out);
-    case 32: return run<kDtype, 32>(plan, q, k, v, out);
-    case 64: return run<kDtype, 64>(plan, q, k, v, out);
-    case 96: return run<kDtype, 96>(plan, q, k, v, out);
-    case 128: return run<kDtype, 128>(plan, q, k, v, out);
+    case 16: return run<kDtype, 16>(plan, schedule, q, k, v, out);
+    case 32: return run<kDtype, 32>(plan, schedule, q, k, v, out);
+    case 64: return run<kDtype, 64>(plan, schedule, q, k, v, out);
+    case 96: return run<kDtype, 96>(plan, schedule, q, k, v, out);
+    case 128: return run<kDtype, 128>(plan, schedule, q, k, v, out);
     default: return 2;
   }
 }
@@ -243,14 +278,26 @@ int radix_supports(int32_t head_dim, int32_t dtype) {
 
 int32_t radix_plan_size() { return static_cast<int32_t>(sizeof(StepPlan)); }
 
+// The step's schedule for `plan` (its arrays, heads, page size and threads set), or null if the
+// heads do not divide; free it with `radix_free_schedule` when the step is done.
+void* radix_schedule(const StepPlan* plan) {
+  if (plan->num_kv_heads <= 0 || plan->num_q_heads % plan->num_kv_heads != 0) return nullptr;
+  return build_schedule(*plan);
+}
+
+void radix_free_schedule(void* schedule) { delete static_cast<Schedule*>(schedule); }
+
 // Attention of one layer's queries `q` (decode rows, then prefill spans' rows) into `out`
-// ([rows, num_q_heads, head_dim], contiguous). `k` / `v`: the layer's pool of kv head 0 (heads `kv_head_stride` apart). 0: done.
-int radix_paged_attention(const StepPlan* plan, const void* q, const void* k, const void* v, void* out) {
-  if (plan->num_q_heads % plan->num_kv_heads != 0) return 1;
+// ([rows, num_q_heads, head_dim], contiguous) by `schedule` (made from `plan`). `k` / `v`: the
+// layer's pool of kv head 0 (heads `kv_head_stride` apart). 0: done.
+int radix_paged_attention(const StepPlan* plan, const void* schedule, const void* q, const void* k, const void* v,
+                          void* out) {
+  if (schedule == nullptr) return 1;
+  const auto& steps = *static_cast<const Schedule*>(schedule);
   switch (plan->dtype) {
-    case kFloat32: return dispatch_dim<kFloat32>(*plan, q, k, v, out);
-    case kBFloat16: return dispatch_dim<kBFloat16>(*plan, q, k, v, out);
-    case kFloat16: return dispatch_dim<kFloat16>(*plan, q, k, v, out);
+    case kFloat32: return dispatch_dim<kFloat32>(*plan, steps, q, k, v, out);
+    case kBFloat16: return dispatch_dim<kBFloat16>(*plan, steps, q, k, v, out);
+    case kFloat16: return dispatch_dim<kFloat16>(*plan, steps, q, k, v, out);
     default: return 3;
   }
 }
