@@ -14,10 +14,10 @@ import torch
 
 from radixserve import flags
 from radixserve.flags import MAX_PORT, setting
-from worker_service.native import KERNEL_CHOICES
 from radixserve.security import SecurityConfig, security_settings
 from radixserve.shared_flags import (CONSTRAINT_CACHE_SIZE, DEVICE, DTYPE, HOST, KV_CACHE_MB, LOG_LEVEL,
                                      METRICS_PORT, MODEL, PORT)
+from worker_service.native import KERNEL_CHOICES
 
 
 def default_device() -> str:

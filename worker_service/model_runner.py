@@ -26,9 +26,9 @@ from worker_service.dtypes import DTYPES, resolve_dtype
 from worker_service.forward_batch import ForwardEntry
 from worker_service.kv_pool import KVPool
 from worker_service.layers.linear import pack_linear_weights
+from worker_service.layers.norm import RMSNorm
 from worker_service.loader import load_weights
 from worker_service.models import model_class
-from worker_service.layers.norm import RMSNorm
 from worker_service.models.llama import StepContext, head_dim_of
 
 
@@ -187,7 +187,7 @@ class ModelRunner:
             last_token_index[i] = len(token_ids) - 1
         if self.kernels is not None:
             native_plan = self.kernels.plan(tables, context_lens, page_size,
-                                                  shared_prefixes(tables, context_lens, page_size), native_spans)
+                                            shared_prefixes(tables, context_lens, page_size), native_spans)
 
         attention = AttentionBatch(
             page_size=page_size,

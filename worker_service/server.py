@@ -59,7 +59,7 @@ def load_executor(config: WorkerConfig, metrics_registry: CollectorRegistry | No
     )
     num_pages = group_num_pages(runner.info.num_pages, config)
     log.info(
-        "rank %d loaded %.1f MiB of weights; KV pool holds %d pages, the group %d; decode attention: %s",
+        "rank %d loaded %.1f MiB of weights; KV pool holds %d pages, the group %d; kernels: %s",
         config.rank, runner.weight_bytes() / BYTES_PER_MIB, runner.info.num_pages, num_pages,
         "compiled kernels" if runner.kernels is not None else "torch",
     )
