@@ -35,8 +35,9 @@ class WorkerConfig:
     kv_cache_mb: int = KV_CACHE_MB(help="this rank's KV page pool budget, in MiB (the page count follows)")
     num_threads: int = setting(0, "torch intra-op threads (0: torch's default)", min=0)
     attention_kernel: str = setting("auto", "native: C++ kernels compiled for this CPU on first use (paged attention "
-                                    "for decode and prefill, reading K/V through page tables; RMSNorm in half "
-                                    "precision; needs a C++ compiler and AVX-512); torch: PyTorch's kernels "
+                                    "for decode and prefill, reading K/V through page tables; RoPE with the K/V "
+                                    "write, residual add + RMSNorm and SwiGLU in one pass each; needs a C++ "
+                                    "compiler and AVX-512); torch: PyTorch's kernels "
                                     "(gathers pages); auto: native where it builds",
                                     choices=KERNEL_CHOICES)
     rank: int = setting(0, "this rank", min=0, also_env="RANK")

@@ -29,7 +29,7 @@ from worker_service.layers.linear import pack_linear_weights
 from worker_service.layers.norm import RMSNorm
 from worker_service.loader import load_weights
 from worker_service.models import model_class
-from worker_service.models.llama import StepContext, head_dim_of
+from worker_service.models.llama import LlamaMLP, StepContext, head_dim_of
 
 
 @dataclass(slots=True, frozen=True)
@@ -102,13 +102,14 @@ class ModelRunner:
         self.pool = KVPool(shape[0], num_pages, config.page_size, shape[2], shape[3],
                            self.dtype, self.device)
         self.gather_space = GatherSpace()
-        # The compiled kernels (paged attention; RMSNorm in half precision), or None for PyTorch's
-        # ops throughout.
+        # The compiled kernels (paged attention with RoPE and the K/V write; the residual adds with
+        # their norms, SwiGLU), or None for PyTorch's ops throughout. Layers that can use them
+        # have a `kernels` attribute.
         self.kernels = native.select(config.attention_kernel, head_dim_of(self.hf_config), self.dtype,
                                      self.device)
-        if self.kernels is not None and self.dtype in (torch.bfloat16, torch.float16):
+        if self.kernels is not None:
             for module in self.model.modules():
-                if isinstance(module, RMSNorm):
+                if isinstance(module, (RMSNorm, LlamaMLP)):
                     module.kernels = self.kernels
         # What this rank reports (GetWorkerInfo); the executor copies it with the group's page count.
         self.info = worker_pb2.GetWorkerInfoResponse(

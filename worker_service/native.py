@@ -13,7 +13,12 @@ a 6 x 320-token prefill step in a profile here, ~21 GFLOP of causal attention: ~
 
 `csrc/elementwise.cpp` is RMSNorm for half-precision models in one pass, where PyTorch runs a
 chain of eight kernels (bfloat16, 2 threads, rows of 576: 21.6 -> 9.2 us for one row, 826 -> 408
-us for 2,048; 61 norms per forward).
+us for 2,048; 61 norms per forward), the residual add fused with the norm after it, and SwiGLU.
+`csrc/rope_store.cpp` rotates q and k in place and writes k and v into the pool in one pass, where
+the torch path runs a lookup, a roll, three multiplies and adds and two `index_copy_` (bfloat16, 2
+threads, SmolLM2's heads: 1 / 32 / 2,048 tokens 23 -> 5, 44 -> 15, 1,279 -> 405 us). Together they
+took a bfloat16 decode step of the worker alone (`bench_worker`'s shapes, five alternating pairs,
+medians) from 73 to 85 tok/s at batch 1 and from 640 to 738 at batch 32.
 
 It is built with the machine's C++ compiler (`$CXX`, else `g++`) for the machine's own CPU
 (`-march=native`, AVX-512 required) into a cache folder keyed by the source, the compiler and the
@@ -39,7 +44,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp"]  # headers beside them are included
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp", CSRC / "rope_store.cpp"]  # headers beside them are included
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 COMPILE_TIMEOUT_S = 300.0
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -136,6 +141,15 @@ class NativeKernels:
         self._rms_norm = self._lib.radix_rms_norm
         self._rms_norm.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                    ctypes.c_int32, ctypes.c_int32, ctypes.c_float, ctypes.c_int32]
+        self._add_rms_norm = self._lib.radix_add_rms_norm
+        self._add_rms_norm.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                       ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_float, ctypes.c_int32]
+        self._silu_mul = self._lib.radix_silu_mul
+        self._silu_mul.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
+                                   ctypes.c_int32]
+        self._rope_store = self._lib.radix_rope_store
+        self._rope_store.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_int32] * 4,
+                                     *[ctypes.c_void_p] * 5, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32]
         if self._lib.radix_plan_size() != ctypes.sizeof(_PlanStruct):
             raise RuntimeError("paged_attention.cpp's StepPlan and native.py's mirror differ")
 
@@ -151,6 +165,62 @@ class NativeKernels:
         if status != 0:
             raise RuntimeError(f"rms_norm kernel refused the call (status {status})")
         return out
+
+    def add_rms_norm(self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """`residual += delta` (in place, rounded to the dtype), then RMSNorm of it -> a new tensor.
+
+        Both `[T, H]` contiguous of the same dtype.
+        """
+        if not (residual.is_contiguous() and delta.is_contiguous() and residual.shape == delta.shape):
+            raise ValueError("add_rms_norm needs two contiguous tensors of one shape")
+        size = residual.shape[-1]
+        out = torch.empty_like(residual)
+        status = self._add_rms_norm(DTYPE_CODES[residual.dtype], residual.data_ptr(), delta.data_ptr(),
+                                    weight.data_ptr(), out.data_ptr(), residual.numel() // size, size, eps,
+                                    torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"add_rms_norm kernel refused the call (status {status})")
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU: `silu(gate) * up` of `gate_up` `[T, 2F]` (contiguous, gate first) -> `[T, F]`."""
+        if not gate_up.is_contiguous():
+            gate_up = gate_up.contiguous()
+        rows, features = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty((rows, features), dtype=gate_up.dtype)
+        status = self._silu_mul(DTYPE_CODES[gate_up.dtype], gate_up.data_ptr(), out.data_ptr(), rows, features,
+                                torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"silu_mul kernel refused the call (status {status})")
+        return out
+
+    def rope_store(self, qkv: torch.Tensor, num_q_heads: int, positions: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
+                   write_slots: torch.Tensor) -> None:
+        """Rotate the query and key heads of `qkv` `[T, Hq + 2 Hk, D]` in place and store its keys and
+        values into `k_slots` / `v_slots` (`[Hk, num_slots, D]`, head-major) at `write_slots` `[T]`.
+
+        `cos` / `sin` are `RotaryEmbedding`'s whole tables `[max_positions, D]`, looked up at
+        `positions` `[T]` (int64, as `write_slots`); `qkv`'s last two dims must be contiguous.
+        """
+        tokens, heads, head_dim = qkv.shape
+        num_kv_heads = k_slots.shape[0]
+        if heads != num_q_heads + 2 * num_kv_heads or qkv.stride(2) != 1 or qkv.stride(1) != head_dim:
+            raise ValueError(f"qkv {tuple(qkv.shape)} does not hold {num_q_heads} + 2 x {num_kv_heads} heads")
+        if not (positions.dtype == write_slots.dtype == torch.int64 and positions.is_contiguous()
+                and write_slots.is_contiguous() and len(positions) == len(write_slots) == tokens):
+            raise ValueError("positions and write slots must be contiguous int64, one per token")
+        if not (cos.is_contiguous() and sin.is_contiguous() and cos.shape[-1] == sin.shape[-1] == head_dim
+                and k_slots.stride(2) == 1
+                and k_slots.stride(1) == head_dim and k_slots.stride() == v_slots.stride()):
+            raise ValueError("rope tables and KV slots must be contiguous per head")
+        status = self._rope_store(DTYPE_CODES[qkv.dtype], qkv.data_ptr(), qkv.stride(0), tokens, num_q_heads,
+                                  num_kv_heads, head_dim, positions.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                                  k_slots.data_ptr(), v_slots.data_ptr(), k_slots.stride(0),
+                                  write_slots.data_ptr(), torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"rope_store kernel refused the call (status {status})")
 
     def supports(self, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
         return (device.type == "cpu" and dtype in DTYPE_CODES
@@ -211,7 +281,7 @@ class NativePlan:
     step has the same layout and reuses both.
     """
 
-    _kernels: NativeKernels
+    kernels: NativeKernels
     _struct: _PlanStruct
     _storage: torch.Tensor
     num_rows: int
@@ -232,7 +302,7 @@ class NativePlan:
         if layout != self._layout:
             self._bind(layout)
         out = torch.empty((num_rows, num_q_heads, head_dim), dtype=q.dtype)
-        status = self._kernels._attend(ctypes.addressof(self._struct), self._schedule, q.data_ptr(),
+        status = self.kernels._attend(ctypes.addressof(self._struct), self._schedule, q.data_ptr(),
                                        k_slots.data_ptr(), v_slots.data_ptr(), out.data_ptr())
         if status != 0:
             raise RuntimeError(f"paged attention kernel refused the call (status {status})")
@@ -246,14 +316,14 @@ class NativePlan:
         struct.scale = head_dim ** -0.5
         struct.num_threads = torch.get_num_threads()
         self._release()
-        self._schedule = self._kernels._schedule(ctypes.addressof(struct))
+        self._schedule = self.kernels._schedule(ctypes.addressof(struct))
         if not self._schedule:
             raise ValueError(f"{num_q_heads} query heads do not group over {num_kv_heads} KV heads")
         self._layout = layout
 
     def _release(self) -> None:
         if self._schedule:
-            self._kernels._free_schedule(self._schedule)
+            self.kernels._free_schedule(self._schedule)
         self._schedule = None
 
     def __del__(self) -> None:

@@ -64,16 +64,30 @@ inline void store_halves(uint16_t* p, __mmask16 lanes, __m512 x) {
   _mm256_mask_storeu_epi16(p, lanes, narrow<kDtype>(x));
 }
 
-// x rounded to the dtype's precision and back to float32.
+// x rounded to the dtype's precision and back to float32 (float32: x itself).
 template <int kDtype>
 inline __m512 round_to(__m512 x) {
-  return widen<kDtype>(narrow<kDtype>(x));
+  if constexpr (kDtype == kFloat32) return x;
+  else return widen<kDtype>(narrow<kDtype>(x));
 }
 
-// exp for x <= 0 (scores minus their max): range reduction to r in [-ln2/2, ln2/2], a degree-6
-// polynomial, and scalef by 2^n. Relative error about 1e-7; x below -87 gives (nearly) 0.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+// The first `lanes` of 16 values of any of the dtypes as float32 (the rest zero, never read).
+template <int kDtype>
+inline __m512 load_masked(const typename Elem<kDtype>::type* p, __mmask16 lanes) {
+  if constexpr (kDtype == kFloat32) return _mm512_maskz_loadu_ps(lanes, p);
+  else return load_halves<kDtype>(p, lanes);
+}
+
+// The first `lanes` of x stored in the dtype (rounded to nearest even).
+template <int kDtype>
+inline void store_masked(typename Elem<kDtype>::type* p, __mmask16 lanes, __m512 x) {
+  if constexpr (kDtype == kFloat32) _mm512_mask_storeu_ps(p, lanes, x);
+  else store_halves<kDtype>(p, lanes, x);
+}
+
+// exp for x in [-87, 100]: range reduction to r in [-ln2/2, ln2/2], a degree-6 polynomial, and
+// scalef by 2^n. Relative error about 1e-7.
+inline __m512 exp_in_range(__m512 x) {
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -86,6 +100,15 @@ inline __m512 exp_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
   return _mm512_scalef_ps(p, n);
+}
+
+// exp for x <= 0 (scores minus their max); x below -87 gives (nearly) 0.
+inline __m512 exp_nonpositive(__m512 x) { return exp_in_range(_mm512_max_ps(x, _mm512_set1_ps(-87.0f))); }
+
+// exp for any x: below -87 (nearly) 0; above ~88.7 +inf, as float32's own exp overflows (the
+// reduction holds up to the clamp at 100, where 2^n is already past float32's range).
+inline __m512 exp_any(__m512 x) {
+  return exp_in_range(_mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(100.0f)));
 }
 
 }  // namespace radix

@@ -1,7 +1,8 @@
 """RMSNorm: x / rms(x) * weight, computed in float32 whatever the model dtype.
 
-In half precision the compiled kernel (`worker_service.native`, set as `kernels` by the model
-runner) does it in one pass; PyTorch's ops otherwise."""
+With the compiled kernels (`worker_service.native`, set as `kernels` by the model runner) it is one
+pass in half precision, and `add` (the residual add before the norm) is one pass in every dtype;
+PyTorch's ops otherwise. In float32 plain RMSNorm stays PyTorch's: one fused kernel already."""
 
 from __future__ import annotations
 
@@ -21,6 +22,14 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
         self.weight = make_param((size,), [WeightSlice(name)], dtype, device)
         self.kernels: NativeKernels | None = None
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm of `residual + x`, `residual + x`), the sum rounded to the dtype as a plain add
+        would be. `residual` may be updated in place: it must be the model's own running sum."""
+        if self.kernels is not None and x.is_contiguous() and residual.is_contiguous():
+            return self.kernels.add_rms_norm(residual, x, self.weight, self.eps), residual
+        residual = residual + x
+        return self(residual), residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:

@@ -4,12 +4,18 @@ Per layer: RMSNorm -> merged q/k/v projection (column-parallel over this rank's 
 paged attention -> o_proj (row-parallel, all-reduce) -> residual -> RMSNorm -> merged gate/up
 (column-parallel) -> SwiGLU -> down_proj (row-parallel, all-reduce) -> residual. Tokens of all
 entries are one flat batch `[T, hidden]`; only attention knows where sequences begin and end.
+
+Each residual add is done together with the RMSNorm after it (`RMSNorm.add`): a layer returns its
+MLP's output and the running residual, and the next layer's input norm adds them. With the
+compiled kernels (`worker_service.native`, set as `kernels` by the model runner) that add and
+norm, SwiGLU, and RoPE with the K/V write are one pass each; the results are the same as the
+PyTorch ops' in half precision (the same roundings) and within float32's last bits in float32.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +29,9 @@ from worker_service.layers.norm import RMSNorm
 from worker_service.layers.rotary import RotaryEmbedding, apply_rotary
 from worker_service.layers.sharding import balanced_range, shard_heads
 
+if TYPE_CHECKING:
+    from worker_service.native import NativeKernels
+
 
 @dataclass(slots=True)
 class StepContext:
@@ -33,7 +42,9 @@ class StepContext:
     pool: KVPool
 
 
-Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [T, 1, head_dim] of the step's positions
+# cos, signed sin: [T, 1, head_dim] at the step's positions on the torch path; the whole tables
+# [max_positions, head_dim] with the compiled kernels, which look the positions up themselves.
+Rope = tuple[torch.Tensor, torch.Tensor]
 
 
 def head_dim_of(config: Any) -> int:
@@ -65,12 +76,19 @@ class LlamaAttention(torch.nn.Module):
     def forward(self, hidden: torch.Tensor, step: StepContext, rope: Rope) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden).view(num_tokens, self.num_q_heads + 2 * self.num_kv_heads, self.head_dim)
-        # q and k sit side by side in the merged output: rotate both with one call.
-        qk = apply_rotary(qkv[:, : self.num_q_heads + self.num_kv_heads], *rope)
-        q, k = qk.split([self.num_q_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, self.num_q_heads + self.num_kv_heads:]
         k_slots, v_slots = step.pool.slots(self.layer)
-        attended = paged_attention(q, k, v, k_slots, v_slots, step.attention)
+        native = step.attention.native
+        if native is not None:
+            # One pass rotates q and k in place and stores k and v; the kernel reads q where it is.
+            native.kernels.rope_store(qkv, self.num_q_heads, step.positions, *rope, k_slots, v_slots,
+                                      step.attention.write_slots)
+            attended = native.attend(qkv[:, : self.num_q_heads], k_slots, v_slots)
+        else:
+            # q and k sit side by side in the merged output: rotate both with one call.
+            qk = apply_rotary(qkv[:, : self.num_q_heads + self.num_kv_heads], *rope)
+            q, k = qk.split([self.num_q_heads, self.num_kv_heads], dim=1)
+            v = qkv[:, self.num_q_heads + self.num_kv_heads:]
+            attended = paged_attention(q, k, v, k_slots, v_slots, step.attention)
         return self.o_proj(attended.reshape(num_tokens, self.num_q_heads * self.head_dim))
 
 
@@ -87,9 +105,13 @@ class LlamaMLP(torch.nn.Module):
         )
         self.down_proj = RowParallelLinear(f"{prefix}.down_proj", features, config.hidden_size, group,
                                            dtype, device)
+        self.kernels: NativeKernels | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(hidden).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(hidden)
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -108,9 +130,17 @@ class LlamaDecoderLayer(torch.nn.Module):
         )
         self.mlp = LlamaMLP(config, layer, group, dtype, device)
 
-    def forward(self, hidden: torch.Tensor, step: StepContext, rope: Rope) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), step, rope)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, step: StepContext, rope: Rope
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`hidden`: the previous layer's MLP output (the embeddings for the first layer, whose
+        `residual` is None); returns this layer's MLP output and the residual stream before it."""
+        if residual is None:
+            residual, normed = hidden, self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm.add(hidden, residual)
+        normed, residual = self.post_attention_layernorm.add(self.self_attn(normed, step, rope), residual)
+        return self.mlp(normed), residual
 
 
 class LlamaForCausalLM(torch.nn.Module):
@@ -147,8 +177,11 @@ class LlamaForCausalLM(torch.nn.Module):
     ) -> torch.Tensor | None:
         """Logits `[len(sample_indices), vocab]` of the chosen tokens, on rank 0 (None elsewhere)."""
         hidden = self.embed_tokens(token_ids)
-        rope = self.rotary.lookup(step.positions)
+        rope = ((self.rotary.cos, self.rotary.sin) if step.attention.native is not None
+                else self.rotary.lookup(step.positions))
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, step, rope)
+            hidden, residual = layer(hidden, residual, step, rope)
+        hidden = hidden + residual
         # Only the sampled positions need the final norm and the (large) LM head.
         return self.lm_head(self.norm(hidden.index_select(0, sample_indices)))

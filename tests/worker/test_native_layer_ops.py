@@ -1,0 +1,146 @@
+"""The compiled layer steps (`native.py`: `add_rms_norm`, `silu_mul`, `rope_store`) equal the
+PyTorch ops they replace.
+
+In half precision they round where the reference code rounds, so they are compared for equality
+(RMSNorm: within one step of the dtype, its sum of squares is taken in another order); in float32
+within float32's last bits. RoPE + K/V write: q and k rotated in place as `apply_rotary` rotates
+them, keys and values stored at exactly the named slots of the head-major pool and nowhere else,
+the values in `qkv` left as they were; for head sizes 16/64/128, SmolLM2's heads as one rank and as
+each TP=2 rank holds them, and 1 and 2 threads (shapes on both sides of the kernels' thresholds for
+using a thread team).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worker_service import native
+from worker_service.layers.norm import RMSNorm
+from worker_service.layers.rotary import apply_rotary
+from worker_service.layers.sharding import shard_heads
+
+KERNEL = native.load()
+pytestmark = pytest.mark.skipif(KERNEL is None, reason=f"the kernels do not build here: {native.failure()}")
+CPU = torch.device("cpu")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(saved)
+
+
+def close_or_equal(got: torch.Tensor, expected: torch.Tensor) -> None:
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-6)
+    else:
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,size", [(1, 576), (32, 576), (300, 576), (7, 40)])
+def test_add_rms_norm_equals_an_add_then_the_norm(rows, size, dtype, threads) -> None:
+    generator = torch.Generator().manual_seed(rows + size)
+    norm = RMSNorm("w", size, 1e-5, dtype, CPU)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(size, generator=generator))
+    residual = (torch.randn(rows, size, generator=generator) * 3).to(dtype)
+    delta = torch.randn(rows, size, generator=generator).to(dtype)
+    expected_sum = residual + delta
+    expected = norm(expected_sum)  # PyTorch's ops (the layer has no kernels set)
+    updated = residual.clone()
+    got = KERNEL.add_rms_norm(updated, delta, norm.weight, 1e-5)
+    assert torch.equal(updated, expected_sum)  # the residual stream, rounded as a plain add
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    else:
+        step = torch.finfo(dtype).eps * 2 * expected.float().abs().clamp(min=1e-3)
+        assert bool(((got.float() - expected.float()).abs() <= step).all())
+        assert (got == expected).float().mean() > 0.99
+    # The layer's `add` gives the same with and without the kernels.
+    norm.kernels = KERNEL
+    fused, fused_sum = norm.add(delta, residual.clone())
+    norm.kernels = None
+    plain, plain_sum = norm.add(delta, residual.clone())
+    assert torch.equal(fused_sum, plain_sum)
+    assert torch.equal(fused, got) and torch.equal(plain, expected)
+
+
+def test_add_rms_norm_refuses_mismatched_shapes() -> None:
+    with pytest.raises(ValueError, match="contiguous tensors of one shape"):
+        KERNEL.add_rms_norm(torch.zeros(2, 8), torch.zeros(3, 8), torch.ones(8), 1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,features", [(1, 1536), (32, 1536), (200, 1536), (3, 20)])
+def test_silu_mul_equals_silu_of_gate_times_up(rows, features, dtype, threads) -> None:
+    generator = torch.Generator().manual_seed(rows * features)
+    gate_up = (torch.randn(rows, 2 * features, generator=generator) * 4).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # saturated and zero gates
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    got = KERNEL.silu_mul(gate_up)
+    assert got.shape == (rows, features) and got.dtype == dtype
+    close_or_equal(got, expected)
+    assert torch.equal(KERNEL.silu_mul(gate_up.t().contiguous().t()), got)  # non-contiguous input
+
+
+def rope_tables(head_dim: int, positions: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tables laid out as `RotaryEmbedding` lays them (half-split, sin signed)."""
+    angles = torch.outer(torch.arange(positions, dtype=torch.float32),
+                         1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = torch.cat([angles, angles], dim=-1)
+    signs = torch.cat([-torch.ones(head_dim // 2), torch.ones(head_dim // 2)])
+    return angles.cos().to(dtype), (angles.sin() * signs).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("heads", [(9, 3, 1, 0), (9, 3, 2, 0), (9, 3, 2, 1)], ids=["tp1", "tp2-rank0", "tp2-rank1"])
+@pytest.mark.parametrize("tokens", [1, 33, 100])
+def test_rope_store_rotates_in_place_and_writes_only_the_named_slots(tokens, heads, head_dim, dtype,
+                                                                    threads) -> None:
+    total_q, total_kv, world_size, rank = heads
+    shard = shard_heads(total_q, total_kv, world_size, rank)
+    num_q, num_kv = shard.num_q_heads, shard.num_kv_heads
+    generator = torch.Generator().manual_seed(tokens * head_dim + rank)
+    cos, sin = rope_tables(head_dim, 4096, dtype)
+    positions = torch.randint(0, 4096, (tokens,), generator=generator)
+    num_slots = 512
+    slots = torch.randperm(num_slots, generator=generator)[:tokens]
+    qkv = torch.randn(tokens, num_q + 2 * num_kv, head_dim, generator=generator).to(dtype)
+    pool = torch.randn(2, num_kv, num_slots, head_dim, generator=generator).to(dtype)
+    k_slots, v_slots = pool[0], pool[1]
+
+    rotated = apply_rotary(qkv[:, : num_q + num_kv], cos[positions].unsqueeze(1), sin[positions].unsqueeze(1))
+    expected_pool = pool.clone()
+    expected_pool[0][:, slots] = rotated[:, num_q:].transpose(0, 1)
+    expected_pool[1][:, slots] = qkv[:, num_q + num_kv:].transpose(0, 1)
+    values = qkv[:, num_q + num_kv:].clone()
+
+    KERNEL.rope_store(qkv, num_q, positions, cos, sin, k_slots, v_slots, slots)
+    close_or_equal(qkv[:, : num_q + num_kv], rotated)
+    assert torch.equal(qkv[:, num_q + num_kv:], values)
+    untouched = torch.ones(num_slots, dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(pool[:, :, untouched], expected_pool[:, :, untouched])
+    close_or_equal(pool[0][:, slots], expected_pool[0][:, slots])
+    assert torch.equal(pool[1][:, slots], expected_pool[1][:, slots])
+
+
+def test_rope_store_refuses_what_it_cannot_read() -> None:
+    cos, sin = rope_tables(16, 8, torch.float32)
+    qkv = torch.zeros(2, 5, 16)
+    pool = torch.zeros(2, 1, 8, 16)
+    positions, slots = torch.tensor([0, 1]), torch.tensor([2, 3])
+    with pytest.raises(ValueError, match="does not hold"):
+        KERNEL.rope_store(qkv, 4, positions, cos, sin, pool[0], pool[1], slots)  # 4 + 2 x 1 != 5
+    with pytest.raises(ValueError, match="int64"):
+        KERNEL.rope_store(qkv, 3, positions.int(), cos, sin, pool[0], pool[1], slots)
+    with pytest.raises(ValueError, match="contiguous"):
+        KERNEL.rope_store(qkv, 3, positions, cos[:, ::2], sin, pool[0], pool[1], slots)
