@@ -31,6 +31,11 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = 0
 
+    @property
+    def window(self) -> int:
+        """Tokens the next `add` decodes besides its own (the left context and what is held back)."""
+        return len(self._token_ids) - self._prefix_offset
+
     def add(self, token_id: int) -> str:
         """Append one token; return the text that is now final (possibly empty)."""
         self._token_ids.append(token_id)

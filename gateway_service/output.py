@@ -23,6 +23,9 @@ from gateway_service.tokenizer import Tokenizer
 from radixserve.v1 import generation_pb2
 
 STOP = generation_pb2.FINISH_REASON_STOP
+# What `OutputAssembler.is_cheap` lets run on the event loop: each token decodes its window twice
+# (~3 us for a few tokens with SmolLM2's tokenizer), each logprob text once.
+CHEAP_TOKENS, CHEAP_WINDOW, CHEAP_TEXTS = 4, 32, 8
 
 
 class OutputAssembler:
@@ -38,6 +41,15 @@ class OutputAssembler:
         self.num_cached_tokens = 0
         self.drafts = (0, 0)  # the router's (drafted, accepted) draft tokens so far
         self.finished = False
+
+    def is_cheap(self, token_ids: Sequence[int], logprobs: Sequence[generation_pb2.TokenLogprob] = ()) -> bool:
+        """Whether `add` of these is a few microseconds of work: a decode step's token or few over a
+        short window, with few logprob texts. Such work costs less on the event loop than the
+        hand-off to a thread and back; anything larger (a long chunk, text held back over many
+        tokens, many top logprobs) goes to the decode threads."""
+        if len(token_ids) > CHEAP_TOKENS or self._detokenizer.window > CHEAP_WINDOW:
+            return False
+        return sum(1 + len(logprob.top_logprobs) for logprob in logprobs[:len(token_ids)]) <= CHEAP_TEXTS
 
     def add(
         self,

@@ -158,11 +158,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         log.debug("request %s: %d prompt tokens, max_tokens %d", request_id, len(prompt_ids), max_tokens)
         async with contextlib.aclosing(self._router_stream(routed, deadline)) as stream:
             async for response in stream:
-                chunk = await self._text.decode(
-                    assembler.add, response.token_ids, response.logprobs, response.finish_reason,
-                    response.usage.cached_tokens,
-                    (response.usage.draft_tokens, response.usage.accepted_draft_tokens),
-                )
+                args = (response.token_ids, response.logprobs, response.finish_reason, response.usage.cached_tokens,
+                        (response.usage.draft_tokens, response.usage.accepted_draft_tokens))
+                # A decode step's token is detokenized here: a thread hand-off would cost more.
+                if assembler.is_cheap(response.token_ids, response.logprobs):
+                    chunk = assembler.add(*args)
+                else:
+                    chunk = await self._text.decode(assembler.add, *args)
                 if chunk is not None:
                     yield chunk
                 if assembler.finished:

@@ -1,7 +1,9 @@
 """Tokenizer work off the event loop.
 
 Tokenizing a long prompt, rendering a chat template or decoding a batch of tokens takes from
-microseconds to a second, and the event loop serves every open stream: none of it runs there.
+microseconds to a second, and the event loop serves every open stream: none of it runs there,
+except a decode step's few tokens over a short window (`OutputAssembler.is_cheap`: a few
+microseconds, less than the hand-off to a thread and back).
 Encoding (chat template included) and decoding get a pool each, so a long prompt being tokenized
 never delays the text of a stream that is already running. The Hugging Face fast tokenizer
 releases the GIL while it encodes, so the loop keeps running meanwhile.

@@ -68,6 +68,8 @@ class Engine:
         self.scheduler: Scheduler | None = None
         self._on_health = on_health
         self._streams: dict[str, asyncio.Queue[StreamEvent]] = {}
+        # Events not yet handed to their callers' queues (see `_flush`).
+        self._outbox: list[tuple[asyncio.Queue[StreamEvent], StreamEvent]] = []
         self._cancelled: list[Request] = []
         # Tasks sent whose results are not back, oldest first: at most two (one ahead).
         self._in_flight: list[InFlightStep] = []
@@ -132,6 +134,7 @@ class Engine:
             except Exception:  # a router bug: fail what is in flight, start over, keep serving
                 log.exception("engine step failed")
                 await self._fail(RouterError("internal error in the router"))
+        self._flush()
         await self.group.close()
 
     async def _connect(self) -> bool:
@@ -177,6 +180,7 @@ class Engine:
             raise WorkerFault("a worker stream ended")
         ahead = self._in_flight[-1] if self._in_flight else None
         if ahead is not None and not ahead.may_run_ahead(self.config.overlap):
+            self._flush()
             await self._finish_oldest()
             return
         started = time.monotonic()
@@ -187,6 +191,7 @@ class Engine:
         plan = scheduler.schedule()
         self._send_ended(plan.ended)
         if not plan.sends_task:
+            self._flush()
             if ahead is not None:
                 await self._finish_oldest()  # then plan again, with its tokens
             elif plan.is_empty:
@@ -195,6 +200,9 @@ class Engine:
         task = convert.task_to_proto(plan, next(self._task_ids), self._last_task_id)
         flight = InFlightStep(plan, task, started, time.thread_time() - cpu_started, self._busy)
         await self.group.send(task, self.config.step_timeout_s)
+        # Only now the last step's tokens go to their callers: the task is on its way to the
+        # workers first, and its wait does not include 32 streams' writes to the gateway.
+        self._flush()
         self._last_task_id = task.task_id
         self._in_flight.append(flight)
         self._busy = True
@@ -278,13 +286,22 @@ class Engine:
                 self._send(request, StreamEvent(finished=True))
 
     def _send(self, request: Request, event: StreamEvent) -> None:
+        """Queue `event` for the request's caller; it is handed over at the next `_flush`."""
         queue = self._streams.get(request.request_id)
         if queue is None:
             return  # cancelled while its step was in flight
-        queue.put_nowait(event)
+        self._outbox.append((queue, event))
         if event.finished or event.error:
             del self._streams[request.request_id]
             self.metrics.ended(request.request_id)
+
+    def _flush(self) -> None:
+        """Hand the queued events to their callers, in order. Each wakes a caller's stream, which
+        writes to the gateway when the loop next runs it: the step loop flushes right after a task
+        is sent, or before it waits with none sent."""
+        outbox, self._outbox = self._outbox, []
+        for queue, event in outbox:
+            queue.put_nowait(event)
 
     async def _fail(self, error: RouterError) -> None:
         """End every request with `error` and drop the connection (it reconnects and resets)."""
@@ -296,6 +313,7 @@ class Engine:
         if scheduler is not None:
             for request in scheduler.fail_all():
                 self._send(request, StreamEvent(error=error))
+        self._flush()
         self._cancelled.clear()
         self._in_flight.clear()
         self._busy = False

@@ -58,3 +58,35 @@ def test_arbitrary_token_ids_join_to_the_whole_decode(tokenizer, ids):
     pieces, tail = pieces_for(tokenizer, ids)
     assert "".join(pieces) + tail == tokenizer.decode(ids)
     assert not any(p.endswith(REPLACEMENT_CHAR) for p in pieces)
+
+
+def test_window_holds_what_is_held_back_and_shrinks_once_text_is_out(tokenizer):
+    lead_byte = next(t for t in range(tokenizer.vocab_size) if tokenizer.decode([t]) == REPLACEMENT_CHAR)
+    detok = IncrementalDetokenizer(tokenizer.decode)
+    for count in range(1, 41):  # lone lead bytes never complete a character: all is held back
+        assert detok.add(lead_byte) == ""
+        assert detok.window == count
+    detok.add(tokenizer.encode_prompt(" ok")[-1])
+    assert detok.window <= 41 and detok.add(tokenizer.encode_prompt(" yes")[-1]) != ""
+    assert detok.window <= 2  # the emitted text is no longer decoded again
+
+
+def test_only_small_output_work_runs_on_the_event_loop(tokenizer):
+    """`is_cheap` picks the event loop for a decode step's token or few over a short window and
+    few logprob texts; long chunks, a long held-back window and many top logprobs go to threads."""
+    from gateway_service.output import CHEAP_TEXTS, CHEAP_TOKENS, CHEAP_WINDOW, OutputAssembler
+    from radixserve.v1 import generation_pb2
+
+    ids = tokenizer.encode_prompt("one two three four five six seven")
+    assembler = OutputAssembler(tokenizer, [], 3)
+    assert assembler.is_cheap(ids[:1]) and assembler.is_cheap(ids[:CHEAP_TOKENS])
+    assert not assembler.is_cheap(ids[:CHEAP_TOKENS + 1])
+    logprob = generation_pb2.TokenLogprob(token_id=ids[0], top_logprobs=[
+        generation_pb2.TopLogprob(token_id=t) for t in ids[:CHEAP_TEXTS]])
+    assert not assembler.is_cheap(ids[:1], [logprob])  # 1 + CHEAP_TEXTS texts
+    del logprob.top_logprobs[1:]
+    assert assembler.is_cheap(ids[:1], [logprob])
+    lead_byte = next(t for t in range(tokenizer.vocab_size) if tokenizer.decode([t]) == REPLACEMENT_CHAR)
+    for _ in range(CHEAP_WINDOW + 1):
+        assembler.add([lead_byte])
+    assert not assembler.is_cheap(ids[:1])  # the next add would decode the whole held-back run
