@@ -82,7 +82,7 @@ def test_only_small_output_work_runs_on_the_event_loop(tokenizer):
     assert assembler.is_cheap(ids[:1]) and assembler.is_cheap(ids[:CHEAP_TOKENS])
     assert not assembler.is_cheap(ids[:CHEAP_TOKENS + 1])
     logprob = generation_pb2.TokenLogprob(token_id=ids[0], top_logprobs=[
-        generation_pb2.TopLogprob(token_id=t) for t in ids[:CHEAP_TEXTS]])
+        generation_pb2.TopLogprob(token_id=ids[k % len(ids)]) for k in range(CHEAP_TEXTS)])
     assert not assembler.is_cheap(ids[:1], [logprob])  # 1 + CHEAP_TEXTS texts
     del logprob.top_logprobs[1:]
     assert assembler.is_cheap(ids[:1], [logprob])
