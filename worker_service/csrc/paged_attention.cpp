@@ -196,6 +196,7 @@ int run(const StepPlan& plan, const Schedule& schedule, const void* q_ptr, const
 #pragma omp parallel num_threads(plan.num_threads)
   {
     static thread_local std::vector<float> queries, scores;  // per OpenMP thread, reused
+    static thread_local std::vector<uint16_t> raw_queries, pair_space;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < num_units; ++u) {
       const ChunkRef& c = chunks[u / hk];
@@ -212,10 +213,21 @@ int run(const StepPlan& plan, const Schedule& schedule, const void* q_ptr, const
       }
       const size_t scores_size = static_cast<size_t>(std::max(kBlock, nq)) * ((c.chunk.num_keys + 15) & ~15);
       if (scores.size() < scores_size) scores.resize(scores_size);
+      if constexpr (kDtype == kBFloat16 && kBf16Pairs) {
+        if (nq >= kManyQueries) {  // q as stored, and room for the interleaved values
+          if (raw_queries.size() < static_cast<size_t>(nq) * kD) raw_queries.resize(static_cast<size_t>(nq) * kD);
+          for (int i = 0; i < s.num_rows; ++i)
+            std::copy_n(q + s.rows[i] * plan.q_row_stride + static_cast<int64_t>(h) * group * kD, group * kD,
+                        raw_queries.data() + static_cast<size_t>(i) * group * kD);
+          const size_t pairs_size = static_cast<size_t>(c.chunk.num_keys + 1) * kD;
+          if (pair_space.size() < pairs_size) pair_space.resize(pairs_size);
+        }
+      }
       // Partials of this unit: [rows of the segment][group] for kv head h.
       float* dest = partials + (c.partial_offset + static_cast<int64_t>(h) * s.num_rows * group) * pf;
-      attend_chunk<kDtype, kD, kBlock>(queries.data(), nq, group, s.first_position, k + h * plan.kv_head_stride,
-                                       v + h * plan.kv_head_stride, page_size, c.chunk, scores.data(), dest);
+      attend_chunk<kDtype, kD, kBlock>(queries.data(), raw_queries.data(), plan.scale, nq, group, s.first_position,
+                                       k + h * plan.kv_head_stride, v + h * plan.kv_head_stride, page_size, c.chunk,
+                                       scores.data(), pair_space.data(), dest);
     }
 
     // Merge: out[r, head] = sum_i acc_i e^(m_i - M) / sum_i l_i e^(m_i - M).
