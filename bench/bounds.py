@@ -1,7 +1,9 @@
 """This machine's bounds, measured in the same run, and what they allow a decode step.
 
-- memory bandwidth: bytes/s of reading a buffer much larger than the caches (`tensor.sum`), the
-  access pattern of decode (weights and K/V streamed once per step);
+- memory bandwidth: bytes/s of reading a buffer much larger than the caches, the access pattern of
+  decode (weights and K/V streamed once per step): the faster of PyTorch's `tensor.sum` and, where
+  it runs, the worker's own small-batch linear kernel reading a weight of that size once (it reads
+  faster than `sum` here: a bound the code can pass is no bound);
 - GEMM throughput per dtype: FLOP/s of a large matmul through the same packed linear kernel the
   worker uses for that dtype.
 
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from worker_service import native
 from worker_service.layers.linear import Linear
 
 BANDWIDTH_BYTES = 512 << 20  # far past any last-level cache
@@ -42,9 +45,17 @@ def _best_seconds(fn, tries: int = TRIES) -> float:
 
 
 def memory_bandwidth() -> float:
-    """Read bandwidth in bytes/s."""
+    """Read bandwidth in bytes/s (see the module doc)."""
     buffer = torch.ones(BANDWIDTH_BYTES // 4, dtype=torch.float32)
-    return BANDWIDTH_BYTES / _best_seconds(buffer.sum)
+    best = BANDWIDTH_BYTES / _best_seconds(buffer.sum)
+    del buffer
+    kernels = native.load()
+    if kernels is not None and kernels.gemv_supported:
+        columns = 1024
+        weight = kernels.pack_gemv(torch.ones(BANDWIDTH_BYTES // 2 // columns, columns, dtype=torch.bfloat16))
+        x = torch.ones(1, columns, dtype=torch.bfloat16)
+        best = max(best, weight.packed.numel() * 2 / _best_seconds(lambda: kernels.gemv(x, weight)))
+    return best
 
 
 def gemm_throughput(dtype: torch.dtype) -> float:

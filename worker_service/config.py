@@ -36,7 +36,8 @@ class WorkerConfig:
     num_threads: int = setting(0, "torch intra-op threads (0: torch's default)", min=0)
     attention_kernel: str = setting("auto", "native: C++ kernels compiled for this CPU on first use (paged attention "
                                     "for decode and prefill, reading K/V through page tables; RoPE with the K/V "
-                                    "write, residual add + RMSNorm and SwiGLU in one pass each; needs a C++ "
+                                    "write, residual add + RMSNorm and SwiGLU in one pass each; bfloat16 linear "
+                                    "layers for up to 4 rows; needs a C++ "
                                     "compiler and AVX-512); torch: PyTorch's kernels "
                                     "(gathers pages); auto: native where it builds",
                                     choices=KERNEL_CHOICES)

@@ -93,7 +93,13 @@ class ModelRunner:
         with torch.inference_mode():
             self.model = model_class(self.hf_config)(self.hf_config, group, self.dtype, self.device)
         load_weights(self.model, model_dir)
-        pack_linear_weights(self.model)  # after loading: packed weights cannot be loaded into
+        # The compiled kernels (paged attention with RoPE and the K/V write; the residual adds with
+        # their norms, SwiGLU; small-batch linear layers), or None for PyTorch's ops throughout.
+        # Layers that can use them have a `kernels` attribute (linear layers get theirs by `pack`).
+        self.kernels = native.select(config.attention_kernel, head_dim_of(self.hf_config), self.dtype,
+                                     self.device)
+        # After loading: packed weights cannot be loaded into.
+        pack_linear_weights(self.model, self.kernels)
         self.model.eval()
 
         shape = (self.hf_config.num_hidden_layers, config.page_size, self.model.num_kv_heads,
@@ -102,11 +108,6 @@ class ModelRunner:
         self.pool = KVPool(shape[0], num_pages, config.page_size, shape[2], shape[3],
                            self.dtype, self.device)
         self.gather_space = GatherSpace()
-        # The compiled kernels (paged attention with RoPE and the K/V write; the residual adds with
-        # their norms, SwiGLU), or None for PyTorch's ops throughout. Layers that can use them
-        # have a `kernels` attribute.
-        self.kernels = native.select(config.attention_kernel, head_dim_of(self.hf_config), self.dtype,
-                                     self.device)
         if self.kernels is not None:
             for module in self.model.modules():
                 if isinstance(module, (RMSNorm, LlamaMLP)):

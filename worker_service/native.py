@@ -44,7 +44,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp", CSRC / "rope_store.cpp"]  # headers beside them are included
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp", CSRC / "rope_store.cpp", CSRC / "gemv.cpp"]  # headers beside them are included
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 COMPILE_TIMEOUT_S = 300.0
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -150,6 +150,13 @@ class NativeKernels:
         self._rope_store = self._lib.radix_rope_store
         self._rope_store.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_int32] * 4,
                                      *[ctypes.c_void_p] * 5, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32]
+        self._lib.radix_gemv_packed_size.restype = ctypes.c_int64
+        self._lib.radix_gemv_packed_size.argtypes = [ctypes.c_int64, ctypes.c_int64]
+        self._lib.radix_pack_gemv_weight.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        self._gemv = self._lib.radix_gemv
+        self._gemv.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p,
+                               ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32]
+        self.gemv_supported = bool(self._lib.radix_gemv_supported())
         if self._lib.radix_plan_size() != ctypes.sizeof(_PlanStruct):
             raise RuntimeError("paged_attention.cpp's StepPlan and native.py's mirror differ")
 
@@ -222,6 +229,31 @@ class NativeKernels:
         if status != 0:
             raise RuntimeError(f"rope_store kernel refused the call (status {status})")
 
+    def pack_gemv(self, weight: torch.Tensor) -> GemvWeight | None:
+        """`weight` `[N, K]` (bfloat16, CPU) in the small-batch linear's layout (`csrc/gemv.cpp`), or
+        None where that kernel does not run (another dtype, no AVX512-BF16, odd K)."""
+        if not self.gemv_supported or weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % 2:
+            return None
+        n, k = weight.shape
+        weight = weight.detach().contiguous()
+        packed = torch.empty(self._lib.radix_gemv_packed_size(n, k), dtype=torch.bfloat16)
+        self._lib.radix_pack_gemv_weight(weight.data_ptr(), n, k, packed.data_ptr())
+        return GemvWeight(packed, n, k)
+
+    def gemv(self, x: torch.Tensor, weight: GemvWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """`x` `[rows, K]` (bfloat16, last dim contiguous) times the packed weight's transpose
+        (+ `bias`) -> `[rows, N]`: one pass over the weight for every four rows."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        rows = x.shape[0]
+        out = torch.empty((rows, weight.n), dtype=torch.bfloat16)
+        status = self._gemv(x.data_ptr(), x.stride(0), rows, weight.k, weight.packed.data_ptr(), weight.n,
+                            None if bias is None else bias.data_ptr(), out.data_ptr(), weight.n,
+                            torch.get_num_threads())
+        if status != 0:
+            raise RuntimeError(f"gemv kernel refused the call (status {status})")
+        return out
+
     def supports(self, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
         return (device.type == "cpu" and dtype in DTYPE_CODES
                 and bool(self._lib.radix_supports(head_dim, DTYPE_CODES[dtype])))
@@ -270,6 +302,15 @@ class NativeKernels:
             setattr(struct, name, ctypes.cast(base + 4 * offset, _INT32_P))
         num_rows = max([len(tables)] + [first + count for first, count, _, _ in spans])
         return NativePlan(self, struct, storage, num_rows)
+
+
+@dataclass(slots=True, frozen=True)
+class GemvWeight:
+    """A `[n, k]` bfloat16 weight packed for `NativeKernels.gemv`."""
+
+    packed: torch.Tensor
+    n: int
+    k: int
 
 
 @dataclass(slots=True)

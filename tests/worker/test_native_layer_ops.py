@@ -7,7 +7,9 @@ within float32's last bits. RoPE + K/V write: q and k rotated in place as `apply
 them, keys and values stored at exactly the named slots of the head-major pool and nowhere else,
 the values in `qkv` left as they were; for head sizes 16/64/128, SmolLM2's heads as one rank and as
 each TP=2 rank holds them, and 1 and 2 threads (shapes on both sides of the kernels' thresholds for
-using a thread team).
+using a thread team). The small-batch linear kernel (bfloat16, AVX512-BF16) against float32's
+product of the same values, within one bfloat16 rounding, and linear layers using it for a few
+rows only.
 """
 
 from __future__ import annotations
@@ -144,3 +146,57 @@ def test_rope_store_refuses_what_it_cannot_read() -> None:
         KERNEL.rope_store(qkv, 3, positions.int(), cos, sin, pool[0], pool[1], slots)
     with pytest.raises(ValueError, match="contiguous"):
         KERNEL.rope_store(qkv, 3, positions, cos[:, ::2], sin, pool[0], pool[1], slots)
+
+
+needs_gemv = pytest.mark.skipif(KERNEL is None or not KERNEL.gemv_supported,
+                                reason="the small-batch linear kernel needs AVX512-BF16")
+
+
+@needs_gemv
+@pytest.mark.parametrize("n,k", [(832, 576), (50, 64), (130, 18), (64, 2)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_gemv_equals_a_linear_layer_within_one_bfloat16_step(n, k, rows, bias, threads) -> None:
+    """x W^T (+ b) against float32's product of the same bfloat16 values: within one rounding of
+    the result to bfloat16 (float32 sums in another order); rows read from a wider tensor."""
+    generator = torch.Generator().manual_seed(n * k + rows)
+    weight = (torch.randn(n, k, generator=generator) * 0.1).bfloat16()
+    b = torch.randn(n, generator=generator).bfloat16() if bias else None
+    wide = torch.randn(rows, k + 6, generator=generator).bfloat16()
+    x = wide[:, 3:3 + k]
+    packed = KERNEL.pack_gemv(weight)
+    got = KERNEL.gemv(x, packed, b)
+    exact = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
+    step = torch.finfo(torch.bfloat16).eps * exact.abs() + 1e-6
+    assert bool(((got.float() - exact).abs() <= step).all())
+
+
+def test_gemv_packing_is_refused_where_the_kernel_does_not_run() -> None:
+    assert KERNEL.pack_gemv(torch.zeros(8, 8)) is None  # float32: oneDNN's kernel serves it
+    assert KERNEL.pack_gemv(torch.zeros(8, 7, dtype=torch.bfloat16)) is None  # odd K
+
+
+@needs_gemv
+def test_linear_layers_use_the_small_batch_kernel_for_a_few_rows_only(monkeypatch) -> None:
+    from worker_service.layers.linear import GEMV_MAX_ROWS, Linear
+
+    generator = torch.Generator().manual_seed(7)
+    weight = (torch.randn(96, 64, generator=generator) * 0.1).bfloat16()
+    bias = torch.randn(96, generator=generator).bfloat16()
+    plain, fast = Linear(weight.clone(), bias.clone()), Linear(weight.clone(), bias.clone())
+    plain.pack()
+    fast.pack(KERNEL)
+    assert fast.gemv is not None and plain.gemv is None
+    calls: list[int] = []
+    original = native.NativeKernels.gemv
+
+    def counted(self, x, *args):
+        calls.append(x.shape[0])
+        return original(self, x, *args)
+
+    monkeypatch.setattr(native.NativeKernels, "gemv", counted)
+    for rows in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 40):
+        x = torch.randn(rows, 64, generator=generator).bfloat16()
+        torch.testing.assert_close(fast(x).float(), plain(x).float(), atol=2e-2, rtol=1e-2)
+    assert calls == [1, GEMV_MAX_ROWS]  # more rows go to oneDNN's kernel

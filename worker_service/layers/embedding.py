@@ -9,13 +9,18 @@ is then 2.5-5x faster, for 1/vocab_shards of the embedding's bytes more memory.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from worker_service.distributed import TPGroup, all_reduce_sum, gather_last_dim
-from worker_service.layers.linear import can_pack
+from worker_service.layers.linear import GEMV_MAX_ROWS, can_pack
 from worker_service.layers.sharding import balanced_range
 from worker_service.layers.weights import WeightSlice, make_param
+
+if TYPE_CHECKING:
+    from worker_service.native import GemvWeight, NativeKernels
 
 
 class VocabShard(torch.nn.Module):
@@ -58,15 +63,23 @@ class ParallelLMHead(VocabShard):
     # Set by `pack` where the packed kernel is faster (a plain tensor beside the weight, which
     # the tied embedding still reads); the plain weight is used until then.
     packed_weight: torch.Tensor | None = None
+    gemv: GemvWeight | None = None  # the small-batch kernel's copy (`layers/linear.py`)
+    kernels: NativeKernels | None = None
 
-    def pack(self) -> None:
-        """Use a oneDNN-packed copy of the (loaded) weight where that is faster (see module doc)."""
+    def pack(self, kernels: NativeKernels | None = None) -> None:
+        """Use a oneDNN-packed copy of the (loaded) weight where that is faster (see module doc),
+        and with `kernels` the small-batch kernel's copy where it runs."""
+        if kernels is not None and self.gemv is None:
+            self.gemv = kernels.pack_gemv(self.weight)
+            self.kernels = kernels if self.gemv is not None else None
         if self.packed_weight is None and can_pack(self.weight):
             packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
             self.packed_weight = packed
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        if self.packed_weight is not None:
+        if self.gemv is not None and hidden.shape[0] <= GEMV_MAX_ROWS:
+            logits = self.kernels.gemv(hidden, self.gemv)
+        elif self.packed_weight is not None:
             logits = torch.ops.mkldnn._linear_pointwise(hidden, self.packed_weight, None, "none", [], "")
         else:
             logits = F.linear(hidden, self.weight)

@@ -11,15 +11,31 @@ float32 for one decode token, while the packed oneDNN kernel (AMX/AVX-512) is 1.
 row and 2-4x at 32. For float32, plain `aten::mm` (MKL, unpacked) reached 30-150 GFLOP/s on this
 project's 2-core machine where the packed oneDNN kernel reached 300-400 at 32-512 rows, and about
 1.5x at one row. Results are the same kernel family's (fp32 accumulation).
+
+With the compiled kernels (`worker_service.native`) in bfloat16 on a CPU with AVX512-BF16, each
+layer also keeps its weight in the small-batch layout of `csrc/gemv.cpp`, and products of up to
+`GEMV_MAX_ROWS` rows (a decode step of a few sequences) use it: oneDNN's kernel costs ~11-20 us
+per call beyond its bytes, ~120 calls per step. Measured here, 2 threads, one row: 832 x 576
+27 -> 10 us, 3,072 x 576 45 -> 27 us, the 49,152 x 576 LM head 1,406 -> 952 us. The cost is a
+second copy of every linear weight in memory.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from worker_service.distributed import TPGroup, all_reduce_sum
 from worker_service.layers.weights import WeightSlice, make_param
+
+if TYPE_CHECKING:
+    from worker_service.native import GemvWeight, NativeKernels
+
+# Products of at most this many rows use the small-batch kernel where a layer has it (beyond, it
+# passes over the weight once per four rows, and oneDNN's blocked kernel wins).
+GEMV_MAX_ROWS = 4
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -39,13 +55,21 @@ class _Linear(torch.nn.Module):
     weight: torch.nn.Parameter
     bias: torch.nn.Parameter | None
     packed = False
+    gemv: GemvWeight | None = None  # the small-batch kernel's copy of the weight
+    kernels: NativeKernels | None = None
 
-    def pack(self) -> None:
-        """Repack the (loaded) weight for oneDNN when this CPU and dtype profit; else no-op.
+    def pack(self, kernels: NativeKernels | None = None) -> None:
+        """Repack the (loaded) weight for oneDNN when this CPU and dtype profit; else no-op. With
+        `kernels`, also keep the small-batch kernel's copy where it runs (see the module doc).
 
         A packed weight is opaque: it can only be multiplied, never read or loaded into again.
         """
-        if self.packed or not can_pack(self.weight):
+        if self.packed:
+            return
+        if kernels is not None:
+            self.gemv = kernels.pack_gemv(self.weight)  # from the plain weight, before oneDNN's
+            self.kernels = kernels if self.gemv is not None else None
+        if not can_pack(self.weight):
             return
         # A batch-size hint of 1: decode steps are the latency-critical case.
         packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
@@ -53,6 +77,8 @@ class _Linear(torch.nn.Module):
         self.packed = True
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
+            return self.kernels.gemv(x, self.gemv, self.bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -71,11 +97,11 @@ class Linear(_Linear):
         return self.matmul(x)
 
 
-def pack_linear_weights(model: torch.nn.Module) -> None:
+def pack_linear_weights(model: torch.nn.Module, kernels: NativeKernels | None = None) -> None:
     """Pack every layer of `model` that has a `pack()` method (see the module doc)."""
     for module in model.modules():
         if module is not model and callable(getattr(module, "pack", None)):
-            module.pack()
+            module.pack(kernels)
 
 
 class ColumnParallelLinear(_Linear):
