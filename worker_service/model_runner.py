@@ -25,6 +25,7 @@ from worker_service.distributed import TPGroup
 from worker_service.dtypes import DTYPES, resolve_dtype
 from worker_service.forward_batch import ForwardEntry
 from worker_service.kv_pool import KVPool
+from worker_service.layers.fused_layer import FusedDecode
 from worker_service.layers.linear import pack_linear_weights
 from worker_service.layers.norm import RMSNorm
 from worker_service.loader import load_weights
@@ -108,6 +109,7 @@ class ModelRunner:
         self.pool = KVPool(shape[0], num_pages, config.page_size, shape[2], shape[3],
                            self.dtype, self.device)
         self.gather_space = GatherSpace()
+        self.model.fused = FusedDecode.build(self.kernels, self.model, self.pool)
         if self.kernels is not None:
             for module in self.model.modules():
                 if isinstance(module, (RMSNorm, LlamaMLP)):

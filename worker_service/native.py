@@ -44,7 +44,8 @@ import torch
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp", CSRC / "rope_store.cpp", CSRC / "gemv.cpp"]  # headers beside them are included
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp", CSRC / "rope_store.cpp", CSRC / "gemv.cpp",
+           CSRC / "decode_layer.cpp"]  # headers beside them are included
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 COMPILE_TIMEOUT_S = 300.0
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -157,6 +158,9 @@ class NativeKernels:
         self._gemv.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p,
                                ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32]
         self.gemv_supported = bool(self._lib.radix_gemv_supported())
+        self.decode_layer = self._lib.radix_decode_layer  # see layers/fused_layer.py
+        self.decode_layer.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int32]
+        self.decode_layer.restype = ctypes.c_int
         if self._lib.radix_plan_size() != ctypes.sizeof(_PlanStruct):
             raise RuntimeError("paged_attention.cpp's StepPlan and native.py's mirror differ")
 
@@ -348,6 +352,15 @@ class NativePlan:
         if status != 0:
             raise RuntimeError(f"paged attention kernel refused the call (status {status})")
         return out
+
+    def bound(self, num_q_heads: int, head_dim: int, dtype: torch.dtype, q_row_stride: int, num_kv_heads: int,
+              kv_head_stride: int) -> tuple[int, int]:
+        """The plan's struct and schedule addresses for this layout (bound now if it differs), for
+        callers that run the kernel from compiled code (`layers/fused_layer.py`)."""
+        layout = (num_q_heads, head_dim, dtype, q_row_stride, num_kv_heads, kv_head_stride)
+        if layout != self._layout:
+            self._bind(layout)
+        return ctypes.addressof(self._struct), self._schedule
 
     def _bind(self, layout: tuple) -> None:
         struct = self._struct

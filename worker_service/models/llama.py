@@ -30,6 +30,7 @@ from worker_service.layers.rotary import RotaryEmbedding, apply_rotary
 from worker_service.layers.sharding import balanced_range, shard_heads
 
 if TYPE_CHECKING:
+    from worker_service.layers.fused_layer import FusedDecode
     from worker_service.native import NativeKernels
 
 
@@ -147,6 +148,8 @@ class LlamaForCausalLM(torch.nn.Module):
     """Checkpoint names follow Hugging Face's `LlamaForCausalLM`."""
 
     qkv_bias = False
+    # Set by the model runner where a whole layer runs as one compiled call (`layers/fused_layer.py`).
+    fused: FusedDecode | None = None
 
     def __init__(self, config: Any, group: TPGroup, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -177,11 +180,14 @@ class LlamaForCausalLM(torch.nn.Module):
     ) -> torch.Tensor | None:
         """Logits `[len(sample_indices), vocab]` of the chosen tokens, on rank 0 (None elsewhere)."""
         hidden = self.embed_tokens(token_ids)
-        rope = ((self.rotary.cos, self.rotary.sin) if step.attention.native is not None
-                else self.rotary.lookup(step.positions))
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, step, rope)
+        if self.fused is not None and self.fused.applies(len(token_ids), step):
+            hidden, residual = self.fused.run(hidden, step)  # the same kernels, one call per layer
+        else:
+            rope = ((self.rotary.cos, self.rotary.sin) if step.attention.native is not None
+                    else self.rotary.lookup(step.positions))
+            residual = None
+            for layer in self.layers:
+                hidden, residual = layer(hidden, residual, step, rope)
         hidden = hidden + residual
         # Only the sampled positions need the final norm and the (large) LM head.
         return self.lm_head(self.norm(hidden.index_select(0, sample_indices)))

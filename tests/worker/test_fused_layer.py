@@ -1,0 +1,77 @@
+"""Whole decoder layers as one compiled call (`layers/fused_layer.py`) give the same bits as the
+layers' own code with the compiled kernels: same kernels, same order, same buffers.
+
+Through the tiny Llama and Qwen2 (q/k/v biases) models in bfloat16, a prompt of 3 tokens and
+then decode steps of 1 to 4 sequences (behind a shared prefix and not), with and without the
+fused path: logits equal. Larger steps, float32 and TP > 1 take the module path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.tiny_models import VOCAB_SIZE, make_tiny_llama, make_tiny_qwen2
+from worker_service import native
+from worker_service.forward_batch import ForwardEntry
+from worker_service.layers.fused_layer import FusedDecode
+from worker_service.model_runner import ModelRunner, RunnerConfig
+
+KERNEL = native.load()
+pytestmark = pytest.mark.skipif(KERNEL is None or not KERNEL.gemv_supported,
+                                reason="the fused layer needs the compiled kernels with AVX512-BF16")
+
+
+def runner(model_dir, dtype: str = "bfloat16") -> ModelRunner:
+    return ModelRunner(RunnerConfig(model_dir=model_dir, dtype=dtype, page_size=4, kv_cache_bytes=1 << 20))
+
+
+def decode(run: ModelRunner, use_fused: bool, num_seqs: int, steps: int) -> list[torch.Tensor]:
+    """Logits of: an 8-token prefix, each sequence's 3-token prompt behind it (one step: 3 to 12
+    tokens, so fused only for one sequence), then `steps` decode steps of all sequences."""
+    fused = run.model.fused
+    if not use_fused:
+        run.model.fused = None
+    generator = torch.Generator().manual_seed(num_seqs)
+    prefix = torch.randint(3, VOCAB_SIZE, (8,), generator=generator).tolist()
+    shared = [30, 31]
+    run.forward([ForwardEntry(prefix, 0, shared, False)])
+    entries = [ForwardEntry(torch.randint(3, VOCAB_SIZE, (3,), generator=generator).tolist(), 8,
+                            shared + [40 + 10 * i + j for j in range(6)], True) for i in range(num_seqs)]
+    logits = []
+    for _ in range(steps + 1):
+        out = run.forward(entries)
+        logits.append(out)
+        entries = [ForwardEntry([token], e.start_position + len(e.token_ids), e.page_table, True)
+                   for e, token in zip(entries, out.argmax(-1).tolist())]
+    run.model.fused = fused
+    return logits
+
+
+@pytest.mark.parametrize("make", [make_tiny_llama, make_tiny_qwen2], ids=["llama", "qwen2"])
+@pytest.mark.parametrize("num_seqs", [1, 2, 4])
+def test_fused_layers_give_the_module_paths_bits(tmp_path, make, num_seqs) -> None:
+    model_dir = make(tmp_path)
+    with_fused = runner(model_dir)
+    assert with_fused.model.fused is not None
+    fused_logits = decode(with_fused, True, num_seqs, 5)
+    plain_logits = decode(runner(model_dir), False, num_seqs, 5)
+    for fused, plain in zip(fused_logits, plain_logits):
+        assert torch.equal(fused, plain)
+
+
+def test_fused_layers_run_only_where_every_kernel_does(tmp_path) -> None:
+    model_dir = make_tiny_llama(tmp_path)
+    assert runner(model_dir, "float32").model.fused is None  # no small-batch linear kernel in float32
+    bf16 = runner(model_dir)
+    fused = bf16.model.fused
+    calls = []
+    original = FusedDecode.run
+    try:
+        FusedDecode.run = lambda self, hidden, step: calls.append(hidden.shape[0]) or original(self, hidden, step)
+        tokens = torch.randint(3, VOCAB_SIZE, (6,)).tolist()
+        bf16.forward([ForwardEntry(tokens, 0, [1, 2], True)])  # 6 tokens: the module path
+        bf16.forward([ForwardEntry([tokens[0]], 6, [1, 2], True)])  # one decode row: fused
+    finally:
+        FusedDecode.run = original
+    assert calls == [1] and fused is bf16.model.fused
