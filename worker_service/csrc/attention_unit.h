@@ -110,6 +110,20 @@ inline __m512 dot_pairs(__m512 acc, __m512i pairs_a, __m512i pairs_b) {
   return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(pairs_a), reinterpret_cast<__m512bh>(pairs_b));
 }
 
+// kQ queries' scores against 16 transposed keys: kQ independent accumulators (enough to cover the
+// instruction's latency at two per cycle), each transposed key vector loaded once for all of them.
+template <int kQ, int kPairsPerRow>
+inline void score_block(const int32_t* q_pairs, const int32_t* kt, float* scores, int stride, __mmask16 lanes,
+                        __m512 vscale) {
+  __m512 acc[kQ];
+  for (int b = 0; b < kQ; ++b) acc[b] = _mm512_setzero_ps();
+  for (int e = 0; e < kPairsPerRow; ++e) {
+    const __m512i column = _mm512_load_si512(kt + 16 * e);
+    for (int b = 0; b < kQ; ++b) acc[b] = dot_pairs(acc[b], _mm512_set1_epi32(q_pairs[b * kPairsPerRow + e]), column);
+  }
+  for (int b = 0; b < kQ; ++b) _mm512_mask_storeu_ps(scores + b * stride, lanes, _mm512_mul_ps(acc[b], vscale));
+}
+
 // scores[i * stride + key] = scale * q_i . k_key for the chunk's keys, 16 keys at a time: each run of
 // 16 keys is gathered once as (k[2e], k[2e+1]) pairs per lane (kt[e] holds pair e of the 16 keys),
 // then each query's 16 scores are kD / 2 pair products with its own pairs broadcast.
@@ -135,17 +149,12 @@ void scores_pairs(const uint16_t* queries, int num_queries, float scale, const u
         _mm512_store_si512(kt + 16 * e, _mm512_mask_i32gather_epi32(
             _mm512_setzero_si512(), lanes, _mm512_add_epi32(row_starts, _mm512_set1_epi32(e)), base, 4));
       int i = 0;
-      for (; i + 8 <= num_queries; i += 8) {
-        __m512 acc[8];
-        for (int b = 0; b < 8; ++b) acc[b] = _mm512_setzero_ps();
-        for (int e = 0; e < kPairsPerRow; ++e) {
-          const __m512i column = _mm512_load_si512(kt + 16 * e);
-          for (int b = 0; b < 8; ++b)
-            acc[b] = dot_pairs(acc[b], _mm512_set1_epi32(q_pairs[(i + b) * kPairsPerRow + e]), column);
-        }
-        for (int b = 0; b < 8; ++b)
-          _mm512_mask_storeu_ps(scores + (i + b) * stride + key + j0, lanes, _mm512_mul_ps(acc[b], vscale));
-      }
+      for (; i + 16 <= num_queries; i += 16)
+        score_block<16, kPairsPerRow>(q_pairs + i * kPairsPerRow, kt, scores + i * stride + key + j0, stride, lanes,
+                                      vscale);
+      for (; i + 8 <= num_queries; i += 8)
+        score_block<8, kPairsPerRow>(q_pairs + i * kPairsPerRow, kt, scores + i * stride + key + j0, stride, lanes,
+                                     vscale);
       for (; i < num_queries; ++i) {
         __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
         for (int e = 0; e < kPairsPerRow; e += 2)
