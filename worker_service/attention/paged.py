@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from worker_service.attention.cascade import decode_attention
 from worker_service.attention.decode_plan import DecodePlan
 from worker_service.attention.kernels import GatherSpace, gather_pages
-from worker_service.native import NativePlan
+from worker_service.native_plan import NativePlan
 
 
 @dataclass(slots=True)
