@@ -20,9 +20,9 @@ threads, SmolLM2's heads: 1 / 32 / 2,048 tokens 23 -> 5, 44 -> 15, 1,279 -> 405 
 took a bfloat16 decode step of the worker alone (`bench_worker`'s shapes, five alternating pairs,
 medians) from 73 to 85 tok/s at batch 1 and from 640 to 738 at batch 32.
 
-`csrc/gemv.cpp` multiplies up to four rows by a bfloat16 weight in its own layout (AVX512-BF16),
-for decode steps of a few sequences (see `layers/linear.py`); `csrc/decode_layer.cpp` runs a whole
-decoder layer of such a step in one call (see `layers/fused_layer.py`). The attention kernel's
+`csrc/gemv.cpp` multiplies a decode step's rows by a bfloat16 weight in its own layout
+(AVX512-BF16; see `layers/linear.py`); `csrc/decode_layer.cpp` runs a whole decoder layer of such
+a step in one call (see `layers/fused_layer.py`). The attention kernel's
 per-step plan is `native_plan.py`.
 
 It is built with the machine's C++ compiler (`$CXX`, else `g++`) for the machine's own CPU
@@ -231,7 +231,7 @@ class NativeKernels:
 
     def gemv(self, x: torch.Tensor, weight: GemvWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`x` `[rows, K]` (bfloat16, last dim contiguous) times the packed weight's transpose
-        (+ `bias`) -> `[rows, N]`: one pass over the weight for every four rows."""
+        (+ `bias`) -> `[rows, N]`: one pass over the weight for every six rows."""
         if x.stride(-1) != 1:
             x = x.contiguous()
         rows = x.shape[0]

@@ -2,8 +2,9 @@
 layers' own code with the compiled kernels: same kernels, same order, same buffers.
 
 Through the tiny Llama and Qwen2 (q/k/v biases) models in bfloat16, a prompt of 3 tokens and
-then decode steps of 1 to 4 sequences (behind a shared prefix and not), with and without the
-fused path: logits equal. Larger steps, float32 and TP > 1 take the module path.
+then decode steps of 1 to 11 sequences behind a shared prefix, with and without the
+fused path: logits equal. Steps of more than `GEMV_MAX_ROWS` tokens and float32 take the module
+path.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from worker.tiny_models import VOCAB_SIZE, make_tiny_llama, make_tiny_qwen2
 from worker_service import native
 from worker_service.forward_batch import ForwardEntry
 from worker_service.layers.fused_layer import FusedDecode
+from worker_service.layers.linear import GEMV_MAX_ROWS
 from worker_service.model_runner import ModelRunner, RunnerConfig
 
 KERNEL = native.load()
@@ -49,7 +51,7 @@ def decode(run: ModelRunner, use_fused: bool, num_seqs: int, steps: int) -> list
 
 
 @pytest.mark.parametrize("make", [make_tiny_llama, make_tiny_qwen2], ids=["llama", "qwen2"])
-@pytest.mark.parametrize("num_seqs", [1, 2, 4])
+@pytest.mark.parametrize("num_seqs", [1, 2, 4, 11])
 def test_fused_layers_give_the_module_paths_bits(tmp_path, make, num_seqs) -> None:
     model_dir = make(tmp_path)
     with_fused = runner(model_dir)
@@ -69,9 +71,10 @@ def test_fused_layers_run_only_where_every_kernel_does(tmp_path) -> None:
     original = FusedDecode.run
     try:
         FusedDecode.run = lambda self, hidden, step: calls.append(hidden.shape[0]) or original(self, hidden, step)
-        tokens = torch.randint(3, VOCAB_SIZE, (6,)).tolist()
-        bf16.forward([ForwardEntry(tokens, 0, [1, 2], True)])  # 6 tokens: the module path
-        bf16.forward([ForwardEntry([tokens[0]], 6, [1, 2], True)])  # one decode row: fused
+        tokens = torch.randint(3, VOCAB_SIZE, (GEMV_MAX_ROWS + 1,)).tolist()
+        pages = list(range(1, (GEMV_MAX_ROWS + 2) // 4 + 2))
+        bf16.forward([ForwardEntry(tokens, 0, pages, True)])  # more tokens than it takes: the module path
+        bf16.forward([ForwardEntry([tokens[0]], len(tokens), pages, True)])  # one decode row: fused
     finally:
         FusedDecode.run = original
     assert calls == [1] and fused is bf16.model.fused

@@ -154,7 +154,7 @@ needs_gemv = pytest.mark.skipif(KERNEL is None or not KERNEL.gemv_supported,
 
 @needs_gemv
 @pytest.mark.parametrize("n,k", [(832, 576), (50, 64), (130, 18), (64, 2)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 32, 33])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 def test_gemv_equals_a_linear_layer_within_one_bfloat16_step(n, k, rows, bias, threads) -> None:
     """x W^T (+ b) against float32's product of the same bfloat16 values: within one rounding of

@@ -1,4 +1,4 @@
-// One decoder layer for a decode step of a few rows (bfloat16, one TP rank alone), in one call:
+// One decoder layer for a decode step (bfloat16, one TP rank alone), in one call:
 // the same kernels the layer's Python code calls one by one (RMSNorm, the small-batch linear
 // layers, RoPE with the K/V write, paged attention, SwiGLU), in the same order on the same
 // buffers, so the results are the same bits. What it saves is Python: at one row a layer's

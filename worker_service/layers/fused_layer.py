@@ -1,4 +1,4 @@
-"""Decoder layers in one compiled call each, for decode steps of a few rows.
+"""Decoder layers in one compiled call each, for decode steps.
 
 At one row a layer's kernels take ~200 us and the Python between them (module calls, views,
 ctypes arguments) ~50 us more: over 30 layers, a tenth of the step. `csrc/decode_layer.cpp` calls
@@ -84,7 +84,10 @@ class FusedDecode:
         self._args = _StepArgs()
         self._args_address = ctypes.addressof(self._args)
         self._layer_addresses = [ctypes.addressof(layer) for layer in self._layers]
-        self._scratch: dict[int, list[torch.Tensor]] = {}
+        # Room for the largest step; a step of fewer rows uses the start of each buffer.
+        widths = [self._hidden_size, (num_q + 2 * num_kv) * head_dim, num_q * head_dim, self._hidden_size,
+                  2 * intermediate, intermediate]
+        self._scratch = [torch.empty(GEMV_MAX_ROWS, width, dtype=torch.bfloat16) for width in widths]
 
     @classmethod
     def build(cls, kernels: NativeKernels | None, model: LlamaForCausalLM, pool: KVPool) -> FusedDecode | None:
@@ -105,11 +108,6 @@ class FusedDecode:
         the residual stream), as the module loop returns them."""
         rows = hidden.shape[0]
         num_q, num_kv, head_dim, intermediate = self._shape
-        scratch = self._scratch.get(rows)
-        if scratch is None:
-            widths = [self._hidden_size, (num_q + 2 * num_kv) * head_dim, num_q * head_dim, self._hidden_size,
-                      2 * intermediate, intermediate]
-            scratch = self._scratch[rows] = [torch.empty(rows, width, dtype=torch.bfloat16) for width in widths]
         plan, schedule = step.attention.native.bound(num_q, head_dim, torch.bfloat16, (num_q + 2 * num_kv) * head_dim,
                                                      num_kv, self._layers[0].kv_head_stride)
         args = self._args
@@ -118,7 +116,7 @@ class FusedDecode:
         args.cos, args.sin = self._rotary.cos.data_ptr(), self._rotary.sin.data_ptr()
         args.plan, args.schedule = plan, schedule
         (args.normed, args.qkv, args.attended, args.delta, args.gate_up,
-         args.act) = (tensor.data_ptr() for tensor in scratch)
+         args.act) = (tensor.data_ptr() for tensor in self._scratch)
         hidden = hidden.contiguous()
         residual = torch.empty_like(hidden)
         hidden_ptr, residual_ptr, args_address = hidden.data_ptr(), residual.data_ptr(), self._args_address

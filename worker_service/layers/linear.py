@@ -14,8 +14,8 @@ project's 2-core machine where the packed oneDNN kernel reached 300-400 at 32-51
 
 With the compiled kernels (`worker_service.native`) in bfloat16 on a CPU with AVX512-BF16, each
 layer also keeps its weight in the small-batch layout of `csrc/gemv.cpp`, and products of up to
-`GEMV_MAX_ROWS` rows (a decode step of a few sequences) use it: oneDNN's kernel costs ~11-20 us
-per call beyond its bytes, ~120 calls per step. Measured here, 2 threads, one row: 832 x 576
+`GEMV_MAX_ROWS` rows (decode steps) use it: oneDNN's kernel costs ~11-20 us per call beyond its
+bytes, ~120 calls per step. Measured here, 2 threads, one row: 832 x 576
 27 -> 10 us, 3,072 x 576 45 -> 27 us, the 49,152 x 576 LM head 1,406 -> 952 us. The cost is a
 second copy of every linear weight in memory.
 """
@@ -33,9 +33,15 @@ from worker_service.layers.weights import WeightSlice, make_param
 if TYPE_CHECKING:
     from worker_service.native import GemvWeight, NativeKernels
 
-# Products of at most this many rows use the small-batch kernel where a layer has it (beyond, it
-# passes over the weight once per four rows, and oneDNN's blocked kernel wins).
-GEMV_MAX_ROWS = 4
+# Products of at most this many rows use the small-batch kernel where a layer has it. It passes over
+# the weight once per six rows: a layer's weight (a few MB) is in cache after the first pass, and up
+# to 32 rows it matched or beat oneDNN here (30 layers' four products, 2 threads: 8 rows 3.1 vs
+# 4.4 ms, 16 rows 5.1 vs 6.3, 32 rows 9.5-9.9 vs 10.5-11.4); beyond, oneDNN's blocked kernel.
+GEMV_MAX_ROWS = 32
+# The LM head's weight (vocab x hidden) is larger than the caches: each extra pass costs its bytes
+# again, so it takes the kernel for one pass only (its 49,152 x 576: 952 vs 1,406 us at one row,
+# 1,692 vs 1,178 at five).
+LM_HEAD_GEMV_MAX_ROWS = 4
 
 
 def can_pack(weight: torch.Tensor) -> bool:
