@@ -37,7 +37,7 @@ class WorkerConfig:
     attention_kernel: str = setting("auto", "native: C++ kernels compiled for this CPU on first use (paged attention "
                                     "for decode and prefill, reading K/V through page tables; RoPE with the K/V "
                                     "write, residual add + RMSNorm and SwiGLU in one pass each; bfloat16 linear "
-                                    "layers of decode steps (up to 32 rows); needs a C++ "
+                                    "layers of decode steps (up to 64 rows); needs a C++ "
                                     "compiler and AVX-512); torch: PyTorch's kernels "
                                     "(gathers pages); auto: native where it builds",
                                     choices=KERNEL_CHOICES)

@@ -33,11 +33,13 @@ from worker_service.layers.weights import WeightSlice, make_param
 if TYPE_CHECKING:
     from worker_service.native import GemvWeight, NativeKernels
 
-# Products of at most this many rows use the small-batch kernel where a layer has it. It passes over
-# the weight once per six rows: a layer's weight (a few MB) is in cache after the first pass, and up
-# to 32 rows it matched or beat oneDNN here (30 layers' four products, 2 threads: 8 rows 3.1 vs
-# 4.4 ms, 16 rows 5.1 vs 6.3, 32 rows 9.5-9.9 vs 10.5-11.4); beyond, oneDNN's blocked kernel.
-GEMV_MAX_ROWS = 32
+# Products of at most this many rows (the router runs 64 requests at most by default) use the
+# small-batch kernel where a layer has it. It passes over the weight once per six rows: a layer's
+# weight (a few MB) is in cache after the first pass, and it beat oneDNN here at every size up to
+# 64 rows (30 layers' four products, 2 threads, two runs: 8 rows 2.9-3.6 vs 4.2-5.4 ms, 16 rows
+# 4.8-5.4 vs 6.1-7.4, 32 rows 8.7-10.0 vs 10.2-11.6, 48 rows 13.9 vs 16.6, 64 rows 18.2 vs 19.8);
+# prefill steps keep oneDNN's blocked kernel.
+GEMV_MAX_ROWS = 64
 # The LM head's weight (vocab x hidden) is larger than the caches: each extra pass costs its bytes
 # again, so it takes the kernel for one pass only (its 49,152 x 576: 952 vs 1,406 us at one row,
 # 1,692 vs 1,178 at five).
