@@ -8,8 +8,8 @@ them, keys and values stored at exactly the named slots of the head-major pool a
 the values in `qkv` left as they were; for head sizes 16/64/128, SmolLM2's heads as one rank and as
 each TP=2 rank holds them, and 1 and 2 threads (shapes on both sides of the kernels' thresholds for
 using a thread team). The small-batch linear kernel (bfloat16, AVX512-BF16) against float32's
-product of the same values, within one bfloat16 rounding, and linear layers using it for a few
-rows only.
+product of the same values, within one bfloat16 rounding, and linear layers using it for
+decode-sized products only (up to `GEMV_MAX_ROWS` rows).
 """
 
 from __future__ import annotations
