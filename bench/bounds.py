@@ -67,6 +67,12 @@ def gemm_throughput(dtype: torch.dtype) -> float:
         return 2 * GEMM_SIZE ** 3 / _best_seconds(lambda: layer(x))
 
 
+def best_of(a: MachineBounds, b: MachineBounds) -> MachineBounds:
+    """The larger of two measurements of each bound."""
+    return MachineBounds(max(a.bandwidth_bytes_per_s, b.bandwidth_bytes_per_s),
+                         {name: max(flops, b.gemm_flops_per_s.get(name, 0.0)) for name, flops in a.gemm_flops_per_s.items()})
+
+
 def measure(dtype_names: list[str]) -> MachineBounds:
     return MachineBounds(memory_bandwidth(), {name: gemm_throughput(getattr(torch, name)) for name in dtype_names})
 
