@@ -231,7 +231,7 @@ class NativeKernels:
 
     def gemv(self, x: torch.Tensor, weight: GemvWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """`x` `[rows, K]` (bfloat16, last dim contiguous) times the packed weight's transpose
-        (+ `bias`) -> `[rows, N]`: one pass over the weight for every six rows."""
+        (+ `bias`) -> `[rows, N]`, the weight read from memory once."""
         if x.stride(-1) != 1:
             x = x.contiguous()
         rows = x.shape[0]

@@ -1,8 +1,9 @@
 // Linear layers for decode steps (a few to a few dozen rows) in bfloat16 on CPUs with AVX512-BF16:
-// y = x W^T (+ b), streaming the weight once per pass of up to six rows. For a few rows such a
-// product is memory bound; what costs beside the weight's bytes is per call: oneDNN's packed
-// kernel spends ~11 us in each call of a 64 x 64 product here, against ~120 calls per decode step.
-// For more rows a layer's weight is in cache after the first pass (see layers/linear.py).
+// y = x W^T (+ b), reading the weight from memory once: rows go in passes of up to six over a few
+// output groups at a time, which stay in cache for every pass. For a few rows such a product is
+// memory bound; what costs beside the weight's bytes is per call: oneDNN's packed kernel spends
+// ~11 us in each call of a 64 x 64 product here, against ~120 calls per decode step (figures for
+// more rows: layers/linear.py).
 //
 // Layout (`radix_pack_gemv_weight`): output features in groups of 64, and within a group, for each
 // pair of input features (k, k + 1), the 64 features' two weights side by side:
@@ -119,19 +120,25 @@ int radix_gemv(const void* x_in, int64_t x_stride, int32_t rows, int64_t k, cons
     const int t = omp_get_thread_num();
     const int count = omp_get_num_threads();
     const int64_t g_begin = groups * t / count, g_end = groups * (t + 1) / count;
-    // Passes of at most kMaxRows rows, as even as can be (8 rows: 4 + 4, not 6 + 2).
+    // Passes of at most kMaxRows rows, as even as can be (8 rows: 4 + 4, not 6 + 2), taken over a
+    // few groups at a time: the groups' weights (~73 KB each at K = 576) stay in cache for every
+    // pass, so the weight is read from memory once whatever the number of rows.
+    constexpr int64_t kGroupsPerBlock = 4;
     const int passes = (rows + kMaxRows - 1) / kMaxRows;
-    for (int pass = 0; pass < passes; ++pass) {
-      const int r = rows * pass / passes, r_end = rows * (pass + 1) / passes;
-      const uint16_t* xr = x + r * x_stride;
-      uint16_t* outr = out + r * out_stride;
-      switch (r_end - r) {
-        case 1: gemv_groups<1>(xr, x_stride, packed, pairs, g_begin, g_end, bias, outr, out_stride, n); break;
-        case 2: gemv_groups<2>(xr, x_stride, packed, pairs, g_begin, g_end, bias, outr, out_stride, n); break;
-        case 3: gemv_groups<3>(xr, x_stride, packed, pairs, g_begin, g_end, bias, outr, out_stride, n); break;
-        case 4: gemv_groups<4>(xr, x_stride, packed, pairs, g_begin, g_end, bias, outr, out_stride, n); break;
-        case 5: gemv_groups<5>(xr, x_stride, packed, pairs, g_begin, g_end, bias, outr, out_stride, n); break;
-        default: gemv_groups<6>(xr, x_stride, packed, pairs, g_begin, g_end, bias, outr, out_stride, n); break;
+    for (int64_t b = g_begin; b < g_end; b += kGroupsPerBlock) {
+      const int64_t b_end = std::min(g_end, b + kGroupsPerBlock);
+      for (int pass = 0; pass < passes; ++pass) {
+        const int r = rows * pass / passes, r_end = rows * (pass + 1) / passes;
+        const uint16_t* xr = x + r * x_stride;
+        uint16_t* outr = out + r * out_stride;
+        switch (r_end - r) {
+          case 1: gemv_groups<1>(xr, x_stride, packed, pairs, b, b_end, bias, outr, out_stride, n); break;
+          case 2: gemv_groups<2>(xr, x_stride, packed, pairs, b, b_end, bias, outr, out_stride, n); break;
+          case 3: gemv_groups<3>(xr, x_stride, packed, pairs, b, b_end, bias, outr, out_stride, n); break;
+          case 4: gemv_groups<4>(xr, x_stride, packed, pairs, b, b_end, bias, outr, out_stride, n); break;
+          case 5: gemv_groups<5>(xr, x_stride, packed, pairs, b, b_end, bias, outr, out_stride, n); break;
+          default: gemv_groups<6>(xr, x_stride, packed, pairs, b, b_end, bias, outr, out_stride, n); break;
+        }
       }
     }
   }

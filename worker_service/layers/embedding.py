@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from worker_service.distributed import TPGroup, all_reduce_sum, gather_last_dim
-from worker_service.layers.linear import LM_HEAD_GEMV_MAX_ROWS, can_pack
+from worker_service.layers.linear import GEMV_MAX_ROWS, can_pack
 from worker_service.layers.sharding import balanced_range
 from worker_service.layers.weights import WeightSlice, make_param
 
@@ -77,7 +77,7 @@ class ParallelLMHead(VocabShard):
             self.packed_weight = packed
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        if self.gemv is not None and hidden.shape[0] <= LM_HEAD_GEMV_MAX_ROWS:
+        if self.gemv is not None and hidden.shape[0] <= GEMV_MAX_ROWS:
             logits = self.kernels.gemv(hidden, self.gemv)
         elif self.packed_weight is not None:
             logits = torch.ops.mkldnn._linear_pointwise(hidden, self.packed_weight, None, "none", [], "")

@@ -34,16 +34,12 @@ if TYPE_CHECKING:
     from worker_service.native import GemvWeight, NativeKernels
 
 # Products of at most this many rows (the router runs 64 requests at most by default) use the
-# small-batch kernel where a layer has it. It passes over the weight once per six rows: a layer's
-# weight (a few MB) is in cache after the first pass, and it beat oneDNN here at every size up to
-# 64 rows (30 layers' four products, 2 threads, two runs: 8 rows 2.9-3.6 vs 4.2-5.4 ms, 16 rows
-# 4.8-5.4 vs 6.1-7.4, 32 rows 8.7-10.0 vs 10.2-11.6, 48 rows 13.9 vs 16.6, 64 rows 18.2 vs 19.8);
-# prefill steps keep oneDNN's blocked kernel.
+# small-batch kernel where a layer has it, the LM head included. It takes the rows in passes of up
+# to six over a few output groups at a time, so each weight is read from memory once; it beat
+# oneDNN here at every size up to 64 rows (2 threads; 30 layers' four products: 8 rows 2.9 vs
+# 5.1 ms, 32 rows 8.7 vs 11.0, 64 rows 16.3 vs 18.5; the 49,152 x 576 LM head: 1 row 1,023 vs
+# 1,467 us, 32 rows 3,099 vs 3,418, 64 rows 5,644 vs 5,555). Prefill steps keep oneDNN's kernel.
 GEMV_MAX_ROWS = 64
-# The LM head's weight (vocab x hidden) is larger than the caches: each extra pass costs its bytes
-# again, so it takes the kernel for one pass only (its 49,152 x 576: 952 vs 1,406 us at one row,
-# 1,692 vs 1,178 at five).
-LM_HEAD_GEMV_MAX_ROWS = 4
 
 
 def can_pack(weight: torch.Tensor) -> bool:
