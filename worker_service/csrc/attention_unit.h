@@ -39,6 +39,21 @@ struct Chunk {
   int32_t first_key;  // position of the chunk's first key in its sequence
 };
 
+// Visits the chunk's pages in order as visit(page's first row, chunk index of its first key, keys
+// in it), fetching the page kPrefetchPages ahead in software (see prefetch_run).
+template <typename T, typename Visit>
+inline void for_each_page(const T* head, int page_size, int head_dim, const Chunk& chunk, Visit&& visit) {
+  int key = 0;
+  for (int p = 0; p < chunk.num_pages && key < chunk.num_keys; ++p) {
+    if (p + kPrefetchPages < chunk.num_pages)
+      prefetch_run(head + static_cast<int64_t>(chunk.pages[p + kPrefetchPages]) * page_size * head_dim, page_size,
+                   head_dim, 0);
+    const int in_page = std::min(page_size, chunk.num_keys - key);
+    visit(head + static_cast<int64_t>(chunk.pages[p]) * page_size * head_dim, key, in_page);
+    key += in_page;
+  }
+}
+
 // Partial result of one query over one chunk: m, l, then head_dim sums.
 inline int partial_floats(int head_dim) { return head_dim + 2; }
 
@@ -57,12 +72,7 @@ void scores_transposed(const float* queries, int num_queries, const typename Ele
   alignas(64) float kt[kD * 16];
   const __m512i row_starts = _mm512_mullo_epi32(
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(kD));
-  int key = 0;
-  for (int p = 0; p < chunk.num_pages && key < chunk.num_keys; ++p) {
-    const auto* k_page = k_head + static_cast<int64_t>(chunk.pages[p]) * page_size * kD;
-    if (p + kPrefetchPages < chunk.num_pages)
-      prefetch_run(k_head + static_cast<int64_t>(chunk.pages[p + kPrefetchPages]) * page_size * kD, page_size, kD, 0);
-    const int in_page = std::min(page_size, chunk.num_keys - key);
+  for_each_page(k_head, page_size, kD, chunk, [&](const auto* k_page, int key, int in_page) {
     for (int j0 = 0; j0 < in_page; j0 += 16) {
       const int n = std::min(16, in_page - j0);
       for (int j = 0; j < 16; ++j)
@@ -94,8 +104,7 @@ void scores_transposed(const float* queries, int num_queries, const typename Ele
         _mm512_mask_storeu_ps(scores + i * stride + key + j0, lanes, sum);
       }
     }
-    key += in_page;
-  }
+  });
 }
 
 #ifdef __AVX512BF16__
@@ -136,12 +145,7 @@ void scores_pairs(const uint16_t* queries, int num_queries, float scale, const u
       _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(kPairsPerRow));
   const auto* q_pairs = reinterpret_cast<const int32_t*>(queries);
   const __m512 vscale = _mm512_set1_ps(scale);
-  int key = 0;
-  for (int p = 0; p < chunk.num_pages && key < chunk.num_keys; ++p) {
-    const uint16_t* k_page = k_head + static_cast<int64_t>(chunk.pages[p]) * page_size * kD;
-    if (p + kPrefetchPages < chunk.num_pages)
-      prefetch_run(k_head + static_cast<int64_t>(chunk.pages[p + kPrefetchPages]) * page_size * kD, page_size, kD, 0);
-    const int in_page = std::min(page_size, chunk.num_keys - key);
+  for_each_page(k_head, page_size, kD, chunk, [&](const uint16_t* k_page, int key, int in_page) {
     for (int j0 = 0; j0 < in_page; j0 += 16) {
       const __mmask16 lanes = lanes_from(in_page - j0);
       const void* base = k_page + j0 * kD;
@@ -164,8 +168,7 @@ void scores_pairs(const uint16_t* queries, int num_queries, float scale, const u
         _mm512_mask_storeu_ps(scores + i * stride + key + j0, lanes, _mm512_mul_ps(_mm512_add_ps(acc[0], acc[1]), vscale));
       }
     }
-    key += in_page;
-  }
+  });
 }
 
 // The chunk's values as key pairs: out[(j / 2) * kD * 2 ...] holds, for each dimension d, the
@@ -226,30 +229,26 @@ void attend_chunk(const float* queries, const uint16_t* raw_queries, float scale
   for (int q0 = 0; q0 < num_queries; q0 += kBlock) {
     const int nb = std::min(kBlock, num_queries - q0);
     float* scores = many ? all_scores + q0 * stride : all_scores;  // this block's rows
-    int key = 0;
     if (!many) {  // scores = q . k for every key of the chunk, one dot product each
       __m512 qv[kBlock][kV];
       for (int b = 0; b < kBlock; ++b)
         for (int t = 0; t < kV; ++t)
           qv[b][t] = b < nb ? _mm512_loadu_ps(queries + (q0 + b) * kD + 16 * t) : _mm512_setzero_ps();
-      for (int p = 0; p < chunk.num_pages && key < chunk.num_keys; ++p) {
-        const auto* k_page = k_head + static_cast<int64_t>(chunk.pages[p]) * page_size * kD;
-        if (p + kPrefetchPages < chunk.num_pages)
-          prefetch_run(k_head + static_cast<int64_t>(chunk.pages[p + kPrefetchPages]) * page_size * kD, page_size, kD, 0);
+      int p = 0;
+      for_each_page(k_head, page_size, kD, chunk, [&](const auto* k_page, int key, int in_page) {
         if (q0 == 0)  // values are read right after, by every block: bring them to L2 now
           prefetch_run(v_head + static_cast<int64_t>(chunk.pages[p]) * page_size * kD, page_size, kD, 1);
-        const int in_page = std::min(page_size, chunk.num_keys - key);
-        for (int j = 0; j < in_page; ++j, ++key) {
+        ++p;
+        for (int j = 0; j < in_page; ++j) {
           __m512 kv[kV];
           for (int t = 0; t < kV; ++t) kv[t] = load_vec<kDtype>(k_page + j * kD + 16 * t);
-          for (int b = 0; b < kBlock; ++b) {
-            if (b >= nb) break;
+          for (int b = 0; b < nb; ++b) {
             __m512 acc = _mm512_mul_ps(qv[b][0], kv[0]);
             for (int t = 1; t < kV; ++t) acc = _mm512_fmadd_ps(qv[b][t], kv[t], acc);
-            scores[b * stride + key] = _mm512_reduce_add_ps(acc);
+            scores[b * stride + key + j] = _mm512_reduce_add_ps(acc);
           }
         }
-      }
+      });
     }
 
     // softmax pieces per query: m = max, p = exp(s - m) in place, l = sum p; keys a query may
@@ -296,6 +295,7 @@ void attend_chunk(const float* queries, const uint16_t* raw_queries, float scale
     __m512 acc[kBlock][kV];
     for (int b = 0; b < kBlock; ++b)
       for (int t = 0; t < kV; ++t) acc[b][t] = _mm512_setzero_ps();
+    bool paired = false;  // done by the bfloat16 pair path below
 #ifdef __AVX512BF16__
     if constexpr (kDtype == kBFloat16) {
       if (many) {  // two keys per instruction against the interleaved values
@@ -317,32 +317,21 @@ void attend_chunk(const float* queries, const uint16_t* raw_queries, float scale
             }
           }
         }
-        for (int b = 0; b < nb; ++b) {
-          float* out = partials + (q0 + b) * (kD + 2);
-          out[0] = m[b];
-          out[1] = l[b];
-          for (int t = 0; t < kV; ++t) _mm512_storeu_ps(out + 2 + 16 * t, acc[b][t]);
-        }
-        continue;
+        paired = true;
       }
     }
 #endif
-    key = 0;
-    for (int p = 0; p < chunk.num_pages && key < chunk.num_keys; ++p) {
-      const auto* v_page = v_head + static_cast<int64_t>(chunk.pages[p]) * page_size * kD;
-      if (p + kPrefetchPages < chunk.num_pages)
-        prefetch_run(v_head + static_cast<int64_t>(chunk.pages[p + kPrefetchPages]) * page_size * kD, page_size, kD, 0);
-      const int in_page = std::min(page_size, chunk.num_keys - key);
-      for (int j = 0; j < in_page; ++j, ++key) {
-        __m512 vv[kV];
-        for (int t = 0; t < kV; ++t) vv[t] = load_vec<kDtype>(v_page + j * kD + 16 * t);
-        for (int b = 0; b < kBlock; ++b) {
-          if (b >= nb) break;
-          const __m512 w = _mm512_set1_ps(scores[b * stride + key]);
-          for (int t = 0; t < kV; ++t) acc[b][t] = _mm512_fmadd_ps(w, vv[t], acc[b][t]);
+    if (!paired)
+      for_each_page(v_head, page_size, kD, chunk, [&](const auto* v_page, int key, int in_page) {
+        for (int j = 0; j < in_page; ++j) {
+          __m512 vv[kV];
+          for (int t = 0; t < kV; ++t) vv[t] = load_vec<kDtype>(v_page + j * kD + 16 * t);
+          for (int b = 0; b < nb; ++b) {
+            const __m512 w = _mm512_set1_ps(scores[b * stride + key + j]);
+            for (int t = 0; t < kV; ++t) acc[b][t] = _mm512_fmadd_ps(w, vv[t], acc[b][t]);
+          }
         }
-      }
-    }
+      });
     for (int b = 0; b < nb; ++b) {
       float* out = partials + (q0 + b) * (kD + 2);
       out[0] = m[b];
