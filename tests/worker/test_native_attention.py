@@ -45,14 +45,6 @@ def attend(q, k, v, tables, lens, page_size: int) -> torch.Tensor:
     return KERNEL.plan(tables, lens, page_size, shared_prefixes(tables, lens, page_size)).attend(q, k, v)
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    saved = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(saved)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
 @pytest.mark.parametrize("page_size", [4, 16])

@@ -29,14 +29,6 @@ CPU = torch.device("cpu")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
-def threads(request):
-    saved = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(saved)
-
-
 def close_or_equal(got: torch.Tensor, expected: torch.Tensor) -> None:
     if got.dtype == torch.float32:
         torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-6)
