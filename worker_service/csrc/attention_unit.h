@@ -9,56 +9,21 @@
 #include <cmath>
 #include <cstdint>
 
+#include "attention_pairs.h"
+#include "page_walk.h"
 #include "vector_math.h"
 
 namespace radix {
 
 // ---- one work unit ------------------------------------------------------------------------------
 
-// Pages lie anywhere in the pool (the router hands out whichever are free), so the hardware
-// prefetchers cannot follow a sequence's keys: each page's run (page_size * head_dim values of one
-// head) is fetched ahead in software. Measured: 32 sequences of 380 tokens on pages scattered over
-// a 1 GiB pool decoded at 470 tokens/s against 800 on contiguous pages before this.
-template <typename T>
-inline void prefetch_run(const T* run, int page_size, int head_dim, int hint) {
-  const char* bytes = reinterpret_cast<const char*>(run);
-  const int size = page_size * head_dim * static_cast<int>(sizeof(T));
-  for (int offset = 0; offset < size; offset += 64)
-    _mm_prefetch(bytes + offset, hint == 0 ? _MM_HINT_T0 : _MM_HINT_T1);
-}
-
-// Keys (and values) this many pages ahead are asked for while a page is read.
-constexpr int kPrefetchPages = 3;
-
-// A run of keys of one segment: pages [page_begin, page_end) of `pages`, of which the first
-// `num_keys` keys count (the last page may be partly filled).
-struct Chunk {
-  const int32_t* pages;
-  int32_t num_pages;
-  int32_t num_keys;
-  int32_t first_key;  // position of the chunk's first key in its sequence
-};
-
-// Visits the chunk's pages in order as visit(page's first row, chunk index of its first key, keys
-// in it), fetching the page kPrefetchPages ahead in software (see prefetch_run).
-template <typename T, typename Visit>
-inline void for_each_page(const T* head, int page_size, int head_dim, const Chunk& chunk, Visit&& visit) {
-  int key = 0;
-  for (int p = 0; p < chunk.num_pages && key < chunk.num_keys; ++p) {
-    if (p + kPrefetchPages < chunk.num_pages)
-      prefetch_run(head + static_cast<int64_t>(chunk.pages[p + kPrefetchPages]) * page_size * head_dim, page_size,
-                   head_dim, 0);
-    const int in_page = std::min(page_size, chunk.num_keys - key);
-    visit(head + static_cast<int64_t>(chunk.pages[p]) * page_size * head_dim, key, in_page);
-    key += in_page;
-  }
-}
-
 // Partial result of one query over one chunk: m, l, then head_dim sums.
 inline int partial_floats(int head_dim) { return head_dim + 2; }
 
-// A unit with at least this many queries (a shared prefix's group) scores 16 keys at a time
-// against transposed keys; fewer queries take one dot product per key and query.
+// A unit with at least this many queries (a shared prefix's group, a prefill tile) scores 16 keys
+// at a time against transposed keys; fewer queries (a decode row's own keys) read the rows as they
+// lie: in bfloat16 with AVX512-BF16, pair products summed 16 keys at once (attention_pairs.h),
+// otherwise one dot product per key and query.
 constexpr int kManyQueries = 8;
 
 // scores[i * stride + key] = q_i . k_key for every query and key of the chunk, 16 keys at a time:
@@ -107,102 +72,12 @@ void scores_transposed(const float* queries, int num_queries, const typename Ele
   });
 }
 
-#ifdef __AVX512BF16__
-// bfloat16 pools on CPUs with AVX512-BF16: a many-query unit multiplies in bfloat16 pairs
-// (`vdpbf16ps`: two products per lane per instruction, summed in float32), twice the float32 FMA
-// rate. The products are exact either way (bfloat16 x bfloat16 fits float32), q is taken as stored
-// (the scale goes on the float32 scores), and the softmax weights are rounded to bfloat16 before
-// they multiply V in both paths, so only float32 summation order differs.
-constexpr bool kBf16Pairs = true;
-
-inline __m512 dot_pairs(__m512 acc, __m512i pairs_a, __m512i pairs_b) {
-  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(pairs_a), reinterpret_cast<__m512bh>(pairs_b));
-}
-
-// kQ queries' scores against 16 transposed keys: kQ independent accumulators (enough to cover the
-// instruction's latency at two per cycle), each transposed key vector loaded once for all of them.
-template <int kQ, int kPairsPerRow>
-inline void score_block(const int32_t* q_pairs, const int32_t* kt, float* scores, int stride, __mmask16 lanes,
-                        __m512 vscale) {
-  __m512 acc[kQ];
-  for (int b = 0; b < kQ; ++b) acc[b] = _mm512_setzero_ps();
-  for (int e = 0; e < kPairsPerRow; ++e) {
-    const __m512i column = _mm512_load_si512(kt + 16 * e);
-    for (int b = 0; b < kQ; ++b) acc[b] = dot_pairs(acc[b], _mm512_set1_epi32(q_pairs[b * kPairsPerRow + e]), column);
-  }
-  for (int b = 0; b < kQ; ++b) _mm512_mask_storeu_ps(scores + b * stride, lanes, _mm512_mul_ps(acc[b], vscale));
-}
-
-// scores[i * stride + key] = scale * q_i . k_key for the chunk's keys, 16 keys at a time: each run of
-// 16 keys is gathered once as (k[2e], k[2e+1]) pairs per lane (kt[e] holds pair e of the 16 keys),
-// then each query's 16 scores are kD / 2 pair products with its own pairs broadcast.
-template <int kD>
-void scores_pairs(const uint16_t* queries, int num_queries, float scale, const uint16_t* k_head, int page_size,
-                  const Chunk& chunk, float* scores, int stride) {
-  constexpr int kPairsPerRow = kD / 2;
-  alignas(64) int32_t kt[kPairsPerRow * 16];
-  const __m512i row_starts = _mm512_mullo_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(kPairsPerRow));
-  const auto* q_pairs = reinterpret_cast<const int32_t*>(queries);
-  const __m512 vscale = _mm512_set1_ps(scale);
-  for_each_page(k_head, page_size, kD, chunk, [&](const uint16_t* k_page, int key, int in_page) {
-    for (int j0 = 0; j0 < in_page; j0 += 16) {
-      const __mmask16 lanes = lanes_from(in_page - j0);
-      const void* base = k_page + j0 * kD;
-      for (int e = 0; e < kPairsPerRow; ++e)
-        _mm512_store_si512(kt + 16 * e, _mm512_mask_i32gather_epi32(
-            _mm512_setzero_si512(), lanes, _mm512_add_epi32(row_starts, _mm512_set1_epi32(e)), base, 4));
-      int i = 0;
-      for (; i + 16 <= num_queries; i += 16)
-        score_block<16, kPairsPerRow>(q_pairs + i * kPairsPerRow, kt, scores + i * stride + key + j0, stride, lanes,
-                                      vscale);
-      for (; i + 8 <= num_queries; i += 8)
-        score_block<8, kPairsPerRow>(q_pairs + i * kPairsPerRow, kt, scores + i * stride + key + j0, stride, lanes,
-                                     vscale);
-      for (; i < num_queries; ++i) {
-        __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-        for (int e = 0; e < kPairsPerRow; e += 2)
-          for (int u = 0; u < 2; ++u)
-            acc[u] = dot_pairs(acc[u], _mm512_set1_epi32(q_pairs[i * kPairsPerRow + e + u]),
-                               _mm512_load_si512(kt + 16 * (e + u)));
-        _mm512_mask_storeu_ps(scores + i * stride + key + j0, lanes, _mm512_mul_ps(_mm512_add_ps(acc[0], acc[1]), vscale));
-      }
-    }
-  });
-}
-
-// The chunk's values as key pairs: out[(j / 2) * kD * 2 ...] holds, for each dimension d, the
-// values of keys j and j + 1 side by side (an odd last key is paired with zeros), so that one
-// `vdpbf16ps` adds two keys' weighted values to 16 dimensions.
-template <int kD>
-void interleave_values(const uint16_t* v_head, int page_size, const Chunk& chunk, uint16_t* out) {
-  // Lane 2d of the result is dimension d of the first key, lane 2d + 1 of the second.
-  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  auto row = [&](int key) {
-    return v_head + (static_cast<int64_t>(chunk.pages[key / page_size]) * page_size + key % page_size) * kD;
-  };
-  for (int j = 0; j < chunk.num_keys; j += 2) {
-    const uint16_t* first = row(j);
-    const uint16_t* second = j + 1 < chunk.num_keys ? row(j + 1) : nullptr;
-    uint16_t* dst = out + static_cast<int64_t>(j / 2) * kD * 2;
-    for (int t = 0; t < kD / 16; ++t) {
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(first + 16 * t));
-      const __m256i b = second ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(second + 16 * t))
-                               : _mm256_setzero_si256();
-      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
-      _mm512_storeu_si512(dst + 32 * t, _mm512_permutexvar_epi16(order, both));
-    }
-  }
-}
-#else
-constexpr bool kBf16Pairs = false;
-#endif
 
 // Queries `queries` ([num_queries][kD] float32, already scaled; `group` per row) against one kv
 // head's keys of `chunk`; writes each query's partial to `partials + i * (kD + 2)`. A bfloat16
 // unit of many queries on a CPU with AVX512-BF16 reads `raw_queries` (q as stored, unscaled) and
-// `scale` instead, and interleaves the chunk's values into `pair_space` (num_keys + 1 rows of kD). With
+// `scale` instead, and interleaves the chunk's values into `pair_space` (num_keys + 1 rows of kD); a
+// bfloat16 unit of few queries reads `raw_queries` too when the head size is whole words. With
 // `first_position` >= 0 the rows are consecutive positions from it (a prefill span) and each sees
 // only keys up to its own position; a query that sees none of the chunk leaves m = -inf, l = 0.
 // `scores` has room for max(kBlock, num_queries) * padded num_keys floats.
@@ -229,7 +104,17 @@ void attend_chunk(const float* queries, const uint16_t* raw_queries, float scale
   for (int q0 = 0; q0 < num_queries; q0 += kBlock) {
     const int nb = std::min(kBlock, num_queries - q0);
     float* scores = many ? all_scores + q0 * stride : all_scores;  // this block's rows
-    if (!many) {  // scores = q . k for every key of the chunk, one dot product each
+    bool rows_paired = false;  // few bfloat16 queries: pair products on the rows as they lie
+#ifdef __AVX512BF16__
+    if constexpr (kDtype == kBFloat16 && kRowPairs<kD>) {
+      if (!many) {
+        scores_rows_pairs<kD>(raw_queries + q0 * kD, nb, scale, k_head, v_head, q0 == 0, page_size, chunk, scores,
+                              stride);
+        rows_paired = true;
+      }
+    }
+#endif
+    if (!many && !rows_paired) {  // scores = q . k for every key of the chunk, one dot product each
       __m512 qv[kBlock][kV];
       for (int b = 0; b < kBlock; ++b)
         for (int t = 0; t < kV; ++t)
@@ -317,6 +202,19 @@ void attend_chunk(const float* queries, const uint16_t* raw_queries, float scale
             }
           }
         }
+        paired = true;
+      } else if (rows_paired) {  // the weights as bfloat16, in place of each query's scores
+        // Each query's halves go to the front of its own row of scores, over floats already read.
+        auto* weights = reinterpret_cast<uint16_t*>(scores);
+        const int weight_stride = 2 * stride;
+        for (int b = 0; b < nb; ++b) {
+          uint16_t* to = weights + b * weight_stride;
+          for (int i = 0; i < stride; i += 16)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + i), narrow<kBFloat16>(_mm512_loadu_ps(scores + b * stride + i)));
+          to[stride] = 0;  // keys from num_keys to stride are zero already; see values_rows_pairs
+        }
+        values_rows_pairs<kD, kBlock>(weights, nb, weight_stride, v_head, page_size, chunk, acc);
+        for (int b = 0; b < nb; ++b) rows_pairs_in_order<kD>(acc[b]);
         paired = true;
       }
     }

@@ -203,8 +203,19 @@ int run(const StepPlan& plan, const Schedule& schedule, const void* q_ptr, const
       const int h = static_cast<int>(u % hk);
       const Segment& s = segments[c.segment];
       const int nq = s.num_rows * group;
-      if (queries.size() < static_cast<size_t>(nq) * kD) queries.resize(static_cast<size_t>(nq) * kD);
-      for (int i = 0; i < s.num_rows; ++i) {
+      // bfloat16 pair products (attention_pairs.h) read q as stored; the other paths, scaled
+      // float32 copies
+      bool raw = false;
+      if constexpr (kDtype == kBFloat16 && kBf16Pairs) raw = nq >= kManyQueries || kRowPairs<kD>;
+      if (raw) {
+        if (raw_queries.size() < static_cast<size_t>(nq) * kD) raw_queries.resize(static_cast<size_t>(nq) * kD);
+        for (int i = 0; i < s.num_rows; ++i)
+          std::copy_n(q + s.rows[i] * plan.q_row_stride + static_cast<int64_t>(h) * group * kD, group * kD,
+                      raw_queries.data() + static_cast<size_t>(i) * group * kD);
+      } else {
+        if (queries.size() < static_cast<size_t>(nq) * kD) queries.resize(static_cast<size_t>(nq) * kD);
+      }
+      for (int i = 0; i < s.num_rows && !raw; ++i) {
         const T* row_q = q + s.rows[i] * plan.q_row_stride + static_cast<int64_t>(h) * group * kD;
         for (int g = 0; g < group; ++g)
           for (int t = 0; t < kD / 16; ++t)
@@ -214,11 +225,7 @@ int run(const StepPlan& plan, const Schedule& schedule, const void* q_ptr, const
       const size_t scores_size = static_cast<size_t>(std::max(kBlock, nq)) * ((c.chunk.num_keys + 15) & ~15);
       if (scores.size() < scores_size) scores.resize(scores_size);
       if constexpr (kDtype == kBFloat16 && kBf16Pairs) {
-        if (nq >= kManyQueries) {  // q as stored, and room for the interleaved values
-          if (raw_queries.size() < static_cast<size_t>(nq) * kD) raw_queries.resize(static_cast<size_t>(nq) * kD);
-          for (int i = 0; i < s.num_rows; ++i)
-            std::copy_n(q + s.rows[i] * plan.q_row_stride + static_cast<int64_t>(h) * group * kD, group * kD,
-                        raw_queries.data() + static_cast<size_t>(i) * group * kD);
+        if (nq >= kManyQueries) {  // room for the interleaved values
           const size_t pairs_size = static_cast<size_t>(c.chunk.num_keys + 1) * kD;
           if (pair_space.size() < pairs_size) pair_space.resize(pairs_size);
         }

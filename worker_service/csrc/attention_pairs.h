@@ -1,0 +1,211 @@
+// The attention kernel's bfloat16 pair products (`vdpbf16ps`, AVX512-BF16): a unit of many
+// queries against transposed keys and interleaved values, and a unit of few queries (a decode row's
+// own keys) on the pool's rows as they lie. Without AVX512-BF16 only the flags below exist, false.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "page_walk.h"
+#include "vector_math.h"
+
+namespace radix {
+
+#ifdef __AVX512BF16__
+// bfloat16 pools on CPUs with AVX512-BF16: a many-query unit multiplies in bfloat16 pairs
+// (`vdpbf16ps`: two products per lane per instruction, summed in float32), twice the float32 FMA
+// rate. The products are exact either way (bfloat16 x bfloat16 fits float32), q is taken as stored
+// (the scale goes on the float32 scores), and the softmax weights are rounded to bfloat16 before
+// they multiply V in both paths, so only float32 summation order differs.
+constexpr bool kBf16Pairs = true;
+
+inline __m512 dot_pairs(__m512 acc, __m512i pairs_a, __m512i pairs_b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(pairs_a), reinterpret_cast<__m512bh>(pairs_b));
+}
+
+// kQ queries' scores against 16 transposed keys: kQ independent accumulators (enough to cover the
+// instruction's latency at two per cycle), each transposed key vector loaded once for all of them.
+template <int kQ, int kPairsPerRow>
+inline void score_block(const int32_t* q_pairs, const int32_t* kt, float* scores, int stride, __mmask16 lanes,
+                        __m512 vscale) {
+  __m512 acc[kQ];
+  for (int b = 0; b < kQ; ++b) acc[b] = _mm512_setzero_ps();
+  for (int e = 0; e < kPairsPerRow; ++e) {
+    const __m512i column = _mm512_load_si512(kt + 16 * e);
+    for (int b = 0; b < kQ; ++b) acc[b] = dot_pairs(acc[b], _mm512_set1_epi32(q_pairs[b * kPairsPerRow + e]), column);
+  }
+  for (int b = 0; b < kQ; ++b) _mm512_mask_storeu_ps(scores + b * stride, lanes, _mm512_mul_ps(acc[b], vscale));
+}
+
+// scores[i * stride + key] = scale * q_i . k_key for the chunk's keys, 16 keys at a time: each run of
+// 16 keys is gathered once as (k[2e], k[2e+1]) pairs per lane (kt[e] holds pair e of the 16 keys),
+// then each query's 16 scores are kD / 2 pair products with its own pairs broadcast.
+template <int kD>
+void scores_pairs(const uint16_t* queries, int num_queries, float scale, const uint16_t* k_head, int page_size,
+                  const Chunk& chunk, float* scores, int stride) {
+  constexpr int kPairsPerRow = kD / 2;
+  alignas(64) int32_t kt[kPairsPerRow * 16];
+  const __m512i row_starts = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(kPairsPerRow));
+  const auto* q_pairs = reinterpret_cast<const int32_t*>(queries);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for_each_page(k_head, page_size, kD, chunk, [&](const uint16_t* k_page, int key, int in_page) {
+    for (int j0 = 0; j0 < in_page; j0 += 16) {
+      const __mmask16 lanes = lanes_from(in_page - j0);
+      const void* base = k_page + j0 * kD;
+      for (int e = 0; e < kPairsPerRow; ++e)
+        _mm512_store_si512(kt + 16 * e, _mm512_mask_i32gather_epi32(
+            _mm512_setzero_si512(), lanes, _mm512_add_epi32(row_starts, _mm512_set1_epi32(e)), base, 4));
+      int i = 0;
+      for (; i + 16 <= num_queries; i += 16)
+        score_block<16, kPairsPerRow>(q_pairs + i * kPairsPerRow, kt, scores + i * stride + key + j0, stride, lanes,
+                                      vscale);
+      for (; i + 8 <= num_queries; i += 8)
+        score_block<8, kPairsPerRow>(q_pairs + i * kPairsPerRow, kt, scores + i * stride + key + j0, stride, lanes,
+                                     vscale);
+      for (; i < num_queries; ++i) {
+        __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int e = 0; e < kPairsPerRow; e += 2)
+          for (int u = 0; u < 2; ++u)
+            acc[u] = dot_pairs(acc[u], _mm512_set1_epi32(q_pairs[i * kPairsPerRow + e + u]),
+                               _mm512_load_si512(kt + 16 * (e + u)));
+        _mm512_mask_storeu_ps(scores + i * stride + key + j0, lanes, _mm512_mul_ps(_mm512_add_ps(acc[0], acc[1]), vscale));
+      }
+    }
+  });
+}
+
+// The chunk's values as key pairs: out[(j / 2) * kD * 2 ...] holds, for each dimension d, the
+// values of keys j and j + 1 side by side (an odd last key is paired with zeros), so that one
+// `vdpbf16ps` adds two keys' weighted values to 16 dimensions.
+template <int kD>
+void interleave_values(const uint16_t* v_head, int page_size, const Chunk& chunk, uint16_t* out) {
+  // Lane 2d of the result is dimension d of the first key, lane 2d + 1 of the second.
+  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  auto row = [&](int key) {
+    return v_head + (static_cast<int64_t>(chunk.pages[key / page_size]) * page_size + key % page_size) * kD;
+  };
+  for (int j = 0; j < chunk.num_keys; j += 2) {
+    const uint16_t* first = row(j);
+    const uint16_t* second = j + 1 < chunk.num_keys ? row(j + 1) : nullptr;
+    uint16_t* dst = out + static_cast<int64_t>(j / 2) * kD * 2;
+    for (int t = 0; t < kD / 16; ++t) {
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(first + 16 * t));
+      const __m256i b = second ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(second + 16 * t))
+                               : _mm256_setzero_si256();
+      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+      _mm512_storeu_si512(dst + 32 * t, _mm512_permutexvar_epi16(order, both));
+    }
+  }
+}
+// ---- few queries (a decode row's own keys): pair products on the pool's rows as they lie -------
+
+// Head sizes whose key rows are whole 512-bit words (32 bfloat16 values each).
+template <int kD>
+constexpr bool kRowPairs = kD % 32 == 0;
+
+// r[j] = the sum of v[j]'s 16 lanes, for all 16 vectors at once: 45 shuffles and adds in all,
+// where one horizontal sum per vector costs about 8 (and waits on each step).
+inline __m512 sum_each(const __m512 (&v)[16]) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit block: [a0+a2, b0+b2, a1+a3, b1+b3] of v[2i] = a, v[2i+1] = b
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per block: the block's sums of v[4i], ..., v[4i + 3]
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  auto fold = [](__m512 a, __m512 b) {  // blocks: [a0+a1, a2+a3, b0+b1, b2+b3]
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+  };
+  return fold(fold(u[0], u[1]), fold(u[2], u[3]));
+}
+
+// scores[b * stride + key] = scale * q_b . k_key for `nb` queries (bfloat16 as stored, kD apart)
+// and every key of the chunk. A key's row is kD / 32 words; each word times the query's is one
+// `vdpbf16ps` into the key's vector of partial sums, and each 16 keys' vectors are summed at once
+// (sum_each). With `values_ahead`, each page's values are fetched to L2 as its keys are read.
+template <int kD>
+void scores_rows_pairs(const uint16_t* queries, int nb, float scale, const uint16_t* k_head,
+                       const uint16_t* v_head, bool values_ahead, int page_size, const Chunk& chunk, float* scores,
+                       int stride) {
+  constexpr int kW = kD / 32;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  int page = 0;
+  for_each_page(k_head, page_size, kD, chunk, [&](const uint16_t* k_page, int key, int in_page) {
+    if (values_ahead)
+      prefetch_run(v_head + static_cast<int64_t>(chunk.pages[page]) * page_size * kD, page_size, kD, 1);
+    ++page;
+    for (int j0 = 0; j0 < in_page; j0 += 16) {
+      const int n = std::min(16, in_page - j0);
+      const uint16_t* rows = k_page + static_cast<int64_t>(j0) * kD;
+      for (int b = 0; b < nb; ++b) {
+        __m512i qv[kW];
+        for (int w = 0; w < kW; ++w) qv[w] = _mm512_loadu_si512(queries + b * kD + 32 * w);
+        __m512 acc[16];
+        for (int j = 0; j < 16; ++j) {
+          acc[j] = _mm512_setzero_ps();
+          if (j < n)
+            for (int w = 0; w < kW; ++w) acc[j] = dot_pairs(acc[j], qv[w], _mm512_loadu_si512(rows + j * kD + 32 * w));
+        }
+        _mm512_mask_storeu_ps(scores + b * stride + key + j0, lanes_from(n), _mm512_mul_ps(sum_each(acc), vscale));
+      }
+    }
+  });
+}
+
+// acc[b] += sum over the chunk's keys of weight_b(key) * v_key, two keys per `vdpbf16ps`: the
+// value rows of keys j and j + 1 of a page are interleaved within 128-bit blocks (unpacklo/hi), so
+// acc[b][2w] and acc[b][2w + 1] hold word w's dimensions in the order `rows_pairs_in_order` undoes.
+// `weights` (bfloat16, `stride` apart per query) must read as finite from key 0 to num_keys
+// inclusive: a page's odd last key is paired with a row of zeros and the weight after it.
+template <int kD, int kBlock>
+void values_rows_pairs(const uint16_t* weights, int nb, int stride, const uint16_t* v_head, int page_size,
+                       const Chunk& chunk, __m512 (&acc)[kBlock][kD / 16]) {
+  constexpr int kW = kD / 32;
+  for_each_page(v_head, page_size, kD, chunk, [&](const uint16_t* v_page, int key, int in_page) {
+    for (int j = 0; j < in_page; j += 2) {
+      __m512i lo[kW], hi[kW];
+      for (int w = 0; w < kW; ++w) {
+        const __m512i a = _mm512_loadu_si512(v_page + static_cast<int64_t>(j) * kD + 32 * w);
+        const __m512i b = j + 1 < in_page ? _mm512_loadu_si512(v_page + static_cast<int64_t>(j + 1) * kD + 32 * w)
+                                          : _mm512_setzero_si512();
+        lo[w] = _mm512_unpacklo_epi16(a, b);
+        hi[w] = _mm512_unpackhi_epi16(a, b);
+      }
+      for (int b = 0; b < kBlock; ++b) {
+        if (b >= nb) break;
+        int32_t pair;
+        std::memcpy(&pair, weights + b * stride + key + j, sizeof pair);
+        const __m512i wv = _mm512_set1_epi32(pair);
+        for (int w = 0; w < kW; ++w) {
+          acc[b][2 * w] = dot_pairs(acc[b][2 * w], lo[w], wv);
+          acc[b][2 * w + 1] = dot_pairs(acc[b][2 * w + 1], hi[w], wv);
+        }
+      }
+    }
+  });
+}
+
+// values_rows_pairs' sums back in dimension order: word w's lo holds, per 128-bit block i,
+// dimensions 32w + 8i + 0..3 and its hi 32w + 8i + 4..7.
+template <int kD>
+inline void rows_pairs_in_order(__m512 (&acc)[kD / 16]) {
+  for (int w = 0; w < kD / 32; ++w) {
+    const __m512 lo = acc[2 * w], hi = acc[2 * w + 1];
+    const __m512 first = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(1, 0, 1, 0));  // lo0 lo1 hi0 hi1
+    const __m512 second = _mm512_shuffle_f32x4(lo, hi, _MM_SHUFFLE(3, 2, 3, 2));  // lo2 lo3 hi2 hi3
+    acc[2 * w] = _mm512_shuffle_f32x4(first, first, _MM_SHUFFLE(3, 1, 2, 0));
+    acc[2 * w + 1] = _mm512_shuffle_f32x4(second, second, _MM_SHUFFLE(3, 1, 2, 0));
+  }
+}
+#else
+constexpr bool kBf16Pairs = false;
+template <int kD>
+constexpr bool kRowPairs = false;
+#endif
+
+}  // namespace radix
