@@ -1,6 +1,6 @@
-// The attention kernel's bfloat16 pair products (`vdpbf16ps`, AVX512-BF16): a unit of many
-// queries against transposed keys and interleaved values, and a unit of few queries (a decode row's
-// own keys) on the pool's rows as they lie. Without AVX512-BF16 only the flags below exist, false.
+// The attention kernel's bfloat16 pair products (`vdpbf16ps`, AVX512-BF16): the pieces a unit of
+// many queries uses (attention_many.h) and a unit of few queries (a decode row's own keys) on the
+// pool's rows as they lie. Without AVX512-BF16 only the flags below exist, false.
 #pragma once
 
 #include <immintrin.h>
@@ -15,67 +15,15 @@
 namespace radix {
 
 #ifdef __AVX512BF16__
-// bfloat16 pools on CPUs with AVX512-BF16: a many-query unit multiplies in bfloat16 pairs
-// (`vdpbf16ps`: two products per lane per instruction, summed in float32), twice the float32 FMA
-// rate. The products are exact either way (bfloat16 x bfloat16 fits float32), q is taken as stored
-// (the scale goes on the float32 scores), and the softmax weights are rounded to bfloat16 before
-// they multiply V in both paths, so only float32 summation order differs.
+// bfloat16 pools on CPUs with AVX512-BF16 multiply in bfloat16 pairs (`vdpbf16ps`: two products
+// per lane per instruction, summed in float32), twice the float32 FMA rate. The products are exact
+// either way (bfloat16 x bfloat16 fits float32), q is taken as stored (the scale goes on the float32
+// scores), and the softmax weights are rounded to bfloat16 before they multiply V on every path, so
+// only float32 summation order differs.
 constexpr bool kBf16Pairs = true;
 
 inline __m512 dot_pairs(__m512 acc, __m512i pairs_a, __m512i pairs_b) {
   return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(pairs_a), reinterpret_cast<__m512bh>(pairs_b));
-}
-
-// kQ queries' scores against 16 transposed keys: kQ independent accumulators (enough to cover the
-// instruction's latency at two per cycle), each transposed key vector loaded once for all of them.
-template <int kQ, int kPairsPerRow>
-inline void score_block(const int32_t* q_pairs, const int32_t* kt, float* scores, int stride, __mmask16 lanes,
-                        __m512 vscale) {
-  __m512 acc[kQ];
-  for (int b = 0; b < kQ; ++b) acc[b] = _mm512_setzero_ps();
-  for (int e = 0; e < kPairsPerRow; ++e) {
-    const __m512i column = _mm512_load_si512(kt + 16 * e);
-    for (int b = 0; b < kQ; ++b) acc[b] = dot_pairs(acc[b], _mm512_set1_epi32(q_pairs[b * kPairsPerRow + e]), column);
-  }
-  for (int b = 0; b < kQ; ++b) _mm512_mask_storeu_ps(scores + b * stride, lanes, _mm512_mul_ps(acc[b], vscale));
-}
-
-// scores[i * stride + key] = scale * q_i . k_key for the chunk's keys, 16 keys at a time: each run of
-// 16 keys is gathered once as (k[2e], k[2e+1]) pairs per lane (kt[e] holds pair e of the 16 keys),
-// then each query's 16 scores are kD / 2 pair products with its own pairs broadcast.
-template <int kD>
-void scores_pairs(const uint16_t* queries, int num_queries, float scale, const uint16_t* k_head, int page_size,
-                  const Chunk& chunk, float* scores, int stride) {
-  constexpr int kPairsPerRow = kD / 2;
-  alignas(64) int32_t kt[kPairsPerRow * 16];
-  const __m512i row_starts = _mm512_mullo_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(kPairsPerRow));
-  const auto* q_pairs = reinterpret_cast<const int32_t*>(queries);
-  const __m512 vscale = _mm512_set1_ps(scale);
-  for_each_page(k_head, page_size, kD, chunk, [&](const uint16_t* k_page, int key, int in_page) {
-    for (int j0 = 0; j0 < in_page; j0 += 16) {
-      const __mmask16 lanes = lanes_from(in_page - j0);
-      const void* base = k_page + j0 * kD;
-      for (int e = 0; e < kPairsPerRow; ++e)
-        _mm512_store_si512(kt + 16 * e, _mm512_mask_i32gather_epi32(
-            _mm512_setzero_si512(), lanes, _mm512_add_epi32(row_starts, _mm512_set1_epi32(e)), base, 4));
-      int i = 0;
-      for (; i + 16 <= num_queries; i += 16)
-        score_block<16, kPairsPerRow>(q_pairs + i * kPairsPerRow, kt, scores + i * stride + key + j0, stride, lanes,
-                                      vscale);
-      for (; i + 8 <= num_queries; i += 8)
-        score_block<8, kPairsPerRow>(q_pairs + i * kPairsPerRow, kt, scores + i * stride + key + j0, stride, lanes,
-                                     vscale);
-      for (; i < num_queries; ++i) {
-        __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-        for (int e = 0; e < kPairsPerRow; e += 2)
-          for (int u = 0; u < 2; ++u)
-            acc[u] = dot_pairs(acc[u], _mm512_set1_epi32(q_pairs[i * kPairsPerRow + e + u]),
-                               _mm512_load_si512(kt + 16 * (e + u)));
-        _mm512_mask_storeu_ps(scores + i * stride + key + j0, lanes, _mm512_mul_ps(_mm512_add_ps(acc[0], acc[1]), vscale));
-      }
-    }
-  });
 }
 
 // The chunk's values as key pairs: out[(j / 2) * kD * 2 ...] holds, for each dimension d, the

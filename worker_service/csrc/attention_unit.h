@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "attention_many.h"
 #include "attention_pairs.h"
 #include "page_walk.h"
 #include "vector_math.h"
@@ -20,10 +21,11 @@ namespace radix {
 // Partial result of one query over one chunk: m, l, then head_dim sums.
 inline int partial_floats(int head_dim) { return head_dim + 2; }
 
-// A unit with at least this many queries (a shared prefix's group, a prefill tile) scores 16 keys
-// at a time against transposed keys; fewer queries (a decode row's own keys) read the rows as they
-// lie: in bfloat16 with AVX512-BF16, pair products summed 16 keys at once (attention_pairs.h),
-// otherwise one dot product per key and query.
+// A unit with at least this many queries (a shared prefix's group, a prefill tile) is a small
+// matrix product: in bfloat16 with AVX512-BF16, queries across the lanes (attention_many.h),
+// otherwise 16 keys at a time against transposed keys. Fewer queries (a decode row's own keys) read
+// the rows as they lie: in bfloat16 with AVX512-BF16, pair products summed 16 keys at once
+// (attention_pairs.h), otherwise one dot product per key and query.
 constexpr int kManyQueries = 8;
 
 // scores[i * stride + key] = q_i . k_key for every query and key of the chunk, 16 keys at a time:
@@ -94,8 +96,9 @@ void attend_chunk(const float* queries, const uint16_t* raw_queries, float scale
 #ifdef __AVX512BF16__
   if constexpr (kDtype == kBFloat16) {
     if (many) {
-      scores_pairs<kD>(raw_queries, num_queries, scale, k_head, page_size, chunk, all_scores, stride);
-      interleave_values<kD>(v_head, page_size, chunk, pair_space);
+      attend_many_pairs<kD>(raw_queries, num_queries, group, first_position, scale, k_head, v_head, page_size, chunk,
+                            pair_space, partials);
+      return;
     }
   }
 #endif
@@ -183,27 +186,7 @@ void attend_chunk(const float* queries, const uint16_t* raw_queries, float scale
     bool paired = false;  // done by the bfloat16 pair path below
 #ifdef __AVX512BF16__
     if constexpr (kDtype == kBFloat16) {
-      if (many) {  // two keys per instruction against the interleaved values
-        const int num_pairs = (chunk.num_keys + 1) / 2;
-        alignas(64) uint16_t weights[kBlock][16];
-        for (int j = 0; j < num_pairs; j += 8) {  // 8 pairs: 16 weights of each query at a time
-          const __mmask16 lanes = lanes_from(chunk.num_keys - 2 * j);
-          for (int b = 0; b < nb; ++b)
-            _mm256_store_si256(reinterpret_cast<__m256i*>(weights[b]),
-                               narrow<kBFloat16>(_mm512_maskz_loadu_ps(lanes, scores + b * stride + 2 * j)));
-          for (int jj = 0; jj < std::min(8, num_pairs - j); ++jj) {
-            const uint16_t* values = pair_space + static_cast<int64_t>(j + jj) * kD * 2;
-            __m512i vv[kV];
-            for (int t = 0; t < kV; ++t) vv[t] = _mm512_loadu_si512(values + 32 * t);
-            for (int b = 0; b < kBlock; ++b) {
-              if (b >= nb) break;
-              const __m512i w = _mm512_set1_epi32(reinterpret_cast<const int32_t*>(weights[b])[jj]);
-              for (int t = 0; t < kV; ++t) acc[b][t] = dot_pairs(acc[b][t], w, vv[t]);
-            }
-          }
-        }
-        paired = true;
-      } else if (rows_paired) {  // the weights as bfloat16, in place of each query's scores
+      if (rows_paired) {  // the weights as bfloat16, in place of each query's scores
         // Each query's halves go to the front of its own row of scores, over floats already read.
         auto* weights = reinterpret_cast<uint16_t*>(scores);
         const int weight_stride = 2 * stride;

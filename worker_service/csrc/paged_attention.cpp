@@ -203,10 +203,13 @@ int run(const StepPlan& plan, const Schedule& schedule, const void* q_ptr, const
       const int h = static_cast<int>(u % hk);
       const Segment& s = segments[c.segment];
       const int nq = s.num_rows * group;
-      // bfloat16 pair products (attention_pairs.h) read q as stored; the other paths, scaled
-      // float32 copies
-      bool raw = false;
-      if constexpr (kDtype == kBFloat16 && kBf16Pairs) raw = nq >= kManyQueries || kRowPairs<kD>;
+      // bfloat16 pair products (attention_many.h, attention_pairs.h) read q as stored; the other
+      // paths, scaled float32 copies. The many-query pair path keeps its own buffers.
+      bool raw = false, many_pairs = false;
+      if constexpr (kDtype == kBFloat16 && kBf16Pairs) {
+        many_pairs = nq >= kManyQueries;
+        raw = many_pairs || kRowPairs<kD>;
+      }
       if (raw) {
         if (raw_queries.size() < static_cast<size_t>(nq) * kD) raw_queries.resize(static_cast<size_t>(nq) * kD);
         for (int i = 0; i < s.num_rows; ++i)
@@ -222,13 +225,12 @@ int run(const StepPlan& plan, const Schedule& schedule, const void* q_ptr, const
             _mm512_storeu_ps(&queries[(i * group + g) * kD + 16 * t],
                              _mm512_mul_ps(load_vec<kDtype>(row_q + g * kD + 16 * t), _mm512_set1_ps(plan.scale)));
       }
-      const size_t scores_size = static_cast<size_t>(std::max(kBlock, nq)) * ((c.chunk.num_keys + 15) & ~15);
-      if (scores.size() < scores_size) scores.resize(scores_size);
-      if constexpr (kDtype == kBFloat16 && kBf16Pairs) {
-        if (nq >= kManyQueries) {  // room for the interleaved values
-          const size_t pairs_size = static_cast<size_t>(c.chunk.num_keys + 1) * kD;
-          if (pair_space.size() < pairs_size) pair_space.resize(pairs_size);
-        }
+      if (many_pairs) {  // room for the interleaved values
+        const size_t pairs_size = static_cast<size_t>(c.chunk.num_keys + 1) * kD;
+        if (pair_space.size() < pairs_size) pair_space.resize(pairs_size);
+      } else {
+        const size_t scores_size = static_cast<size_t>(std::max(kBlock, nq)) * ((c.chunk.num_keys + 15) & ~15);
+        if (scores.size() < scores_size) scores.resize(scores_size);
       }
       // Partials of this unit: [rows of the segment][group] for kv head h.
       float* dest = partials + (c.partial_offset + static_cast<int64_t>(h) * s.num_rows * group) * pf;
