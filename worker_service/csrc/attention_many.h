@@ -130,6 +130,38 @@ void values_block(const int32_t* pp, int lanes, const uint16_t* vp, int num_pair
   }
 }
 
+// Softmax of one vector of 16 queries down the keys: st holds key k's scores at st[k * lanes],
+// pp receives pair p's weights (bfloat16, keys 2p and 2p + 1 side by side in each lane) at
+// pp[p * lanes]; vmax and vsum the lanes' max score and sum of weights. kMasked: lane i sees keys
+// up to last_key[i] only (a key past it weighs 0; a lane that sees none keeps max -inf, sum 0).
+template <bool kMasked>
+inline void softmax_lanes(const float* st, int lanes, int num_keys, __m512i last_key, int32_t* pp, __m512& vmax,
+                          __m512& vsum) {
+  const __m512i pair_order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                              23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  auto scores = [&](int key) { return _mm512_loadu_ps(st + static_cast<int64_t>(key) * lanes); };
+  auto visible = [&](int key) { return _mm512_cmpge_epi32_mask(last_key, _mm512_set1_epi32(key)); };
+  auto weight = [&](int key) {
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(scores(key), vmax));
+    if constexpr (kMasked) return _mm512_maskz_mov_ps(visible(key), e);
+    else return e;
+  };
+  vmax = _mm512_set1_ps(-INFINITY);
+  for (int key = 0; key < num_keys; ++key) {
+    if constexpr (kMasked) vmax = _mm512_mask_max_ps(vmax, visible(key), vmax, scores(key));
+    else vmax = _mm512_max_ps(vmax, scores(key));
+  }
+  vsum = _mm512_setzero_ps();
+  const int num_pairs = (num_keys + 1) / 2;
+  for (int p = 0; p < num_pairs; ++p) {
+    const __m512 e0 = weight(2 * p);
+    const __m512 e1 = 2 * p + 1 < num_keys ? weight(2 * p + 1) : _mm512_setzero_ps();
+    vsum = _mm512_add_ps(vsum, _mm512_add_ps(e0, e1));
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);  // e0's 16, then e1's
+    _mm512_storeu_si512(pp + static_cast<int64_t>(p) * lanes, _mm512_permutexvar_epi16(pair_order, both));
+  }
+}
+
 // The unit: `num_queries` queries (bfloat16 as stored, kD apart; `group` per row) against the
 // chunk's keys; each query's partial (m, l, kD sums) to `partials + n * (kD + 2)`. With
 // `first_position` >= 0 the rows are consecutive positions from it and each sees only keys up to
@@ -182,8 +214,6 @@ void attend_many_pairs(const uint16_t* queries, int num_queries, int group, int 
 
   // Softmax down each lane, a vector of queries at a time. The weights multiply V rounded to
   // bfloat16, as in every other path; the sum l keeps them unrounded.
-  const __m512i pair_order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                              23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   alignas(64) float m_out[16], l_out[16];
   for (int v = 0; v < nv; ++v) {
     // The last key each lane may see, as a chunk index (prefill rows: their own positions).
@@ -196,23 +226,11 @@ void attend_many_pairs(const uint16_t* queries, int num_queries, int group, int 
       }
       last_key = _mm512_load_si512(last);
     }
-    auto visible = [&](int key) { return _mm512_cmpge_epi32_mask(last_key, _mm512_set1_epi32(key)); };
-    __m512 vmax = _mm512_set1_ps(-INFINITY);
-    for (int key = 0; key < num_keys; ++key)
-      vmax = _mm512_mask_max_ps(vmax, visible(key), vmax, _mm512_loadu_ps(st + static_cast<int64_t>(key) * lanes + 16 * v));
-    __m512 vsum = _mm512_setzero_ps();
-    for (int p = 0; p < num_pairs; ++p) {
-      const int k0 = 2 * p, k1 = 2 * p + 1;
-      __m512 e0 = _mm512_maskz_mov_ps(
-          visible(k0), exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(st + static_cast<int64_t>(k0) * lanes + 16 * v), vmax)));
-      __m512 e1 = _mm512_setzero_ps();
-      if (k1 < num_keys)
-        e1 = _mm512_maskz_mov_ps(
-            visible(k1), exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(st + static_cast<int64_t>(k1) * lanes + 16 * v), vmax)));
-      vsum = _mm512_add_ps(vsum, _mm512_add_ps(e0, e1));
-      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);  // e0's 16, then e1's
-      _mm512_storeu_si512(pp + static_cast<int64_t>(p) * lanes + 16 * v, _mm512_permutexvar_epi16(pair_order, both));
-    }
+    __m512 vmax, vsum;
+    if (first_position < 0 || first_position - chunk.first_key >= num_keys - 1)  // every lane sees every key
+      softmax_lanes<false>(st + 16 * v, lanes, num_keys, last_key, pp + 16 * v, vmax, vsum);
+    else
+      softmax_lanes<true>(st + 16 * v, lanes, num_keys, last_key, pp + 16 * v, vmax, vsum);
     _mm512_store_ps(m_out, vmax);
     _mm512_store_ps(l_out, vsum);
     for (int i = 0; i < 16 && v * 16 + i < num_queries; ++i) {
