@@ -130,6 +130,31 @@ void values_block(const int32_t* pp, int lanes, const uint16_t* vp, int num_pair
   }
 }
 
+// c[i][j] = r[j][i] for 16 x 16 floats: pairs of rows interleaved, then fours, then the 128-bit
+// blocks gathered across (64 shuffles).
+inline void transpose16(const __m512 (&r)[16], __m512 (&c)[16]) {
+  __m512 t[16], u[16];
+  for (int k = 0; k < 8; ++k) {
+    t[2 * k] = _mm512_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    u[4 * k + 0] = _mm512_shuffle_ps(t[4 * k], t[4 * k + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * k + 1] = _mm512_shuffle_ps(t[4 * k], t[4 * k + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * k + 2] = _mm512_shuffle_ps(t[4 * k + 1], t[4 * k + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * k + 3] = _mm512_shuffle_ps(t[4 * k + 1], t[4 * k + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int q = 0; q < 4; ++q) {
+    const __m512 x0 = _mm512_shuffle_f32x4(u[q], u[4 + q], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512 x1 = _mm512_shuffle_f32x4(u[q], u[4 + q], _MM_SHUFFLE(3, 1, 3, 1));
+    const __m512 y0 = _mm512_shuffle_f32x4(u[8 + q], u[12 + q], _MM_SHUFFLE(2, 0, 2, 0));
+    const __m512 y1 = _mm512_shuffle_f32x4(u[8 + q], u[12 + q], _MM_SHUFFLE(3, 1, 3, 1));
+    c[q] = _mm512_shuffle_f32x4(x0, y0, _MM_SHUFFLE(2, 0, 2, 0));
+    c[4 + q] = _mm512_shuffle_f32x4(x1, y1, _MM_SHUFFLE(2, 0, 2, 0));
+    c[8 + q] = _mm512_shuffle_f32x4(x0, y0, _MM_SHUFFLE(3, 1, 3, 1));
+    c[12 + q] = _mm512_shuffle_f32x4(x1, y1, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
 // Softmax of one vector of 16 queries down the keys: st holds key k's scores at st[k * lanes],
 // pp receives pair p's weights (bfloat16, keys 2p and 2p + 1 side by side in each lane) at
 // pp[p * lanes]; vmax and vsum the lanes' max score and sum of weights. kMasked: lane i sees keys
@@ -187,10 +212,15 @@ void attend_many_pairs(const uint16_t* queries, int num_queries, int group, int 
   float* const ot = ot_space.data();
 
   // q^T: pair e of query n at qt[e * lanes + n]; lanes past the last query are zero.
-  for (int e = 0; e < kD / 2; ++e) {
-    int32_t* row = qt + static_cast<int64_t>(e) * lanes;
-    for (int n = 0; n < num_queries; ++n) row[n] = *reinterpret_cast<const PairWord*>(queries + n * kD + 2 * e);
-    std::fill(row + num_queries, row + lanes, 0);
+  for (int v = 0; v < nv; ++v) {
+    const __m512i first_pairs = _mm512_mullo_epi32(
+        _mm512_add_epi32(_mm512_set1_epi32(16 * v), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+        _mm512_set1_epi32(kD / 2));
+    const __mmask16 present = lanes_from(num_queries - 16 * v);
+    for (int e = 0; e < kD / 2; ++e)
+      _mm512_storeu_si512(qt + static_cast<int64_t>(e) * lanes + 16 * v,
+                          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present,
+                                                      _mm512_add_epi32(first_pairs, _mm512_set1_epi32(e)), queries, 4));
   }
   interleave_values<kD>(v_head, page_size, chunk, pair_space);
 
@@ -253,9 +283,15 @@ void attend_many_pairs(const uint16_t* queries, int num_queries, int group, int 
       default: values_block<kD, 6>(pp + 16 * v0, lanes, pair_space, num_pairs, ot + 16 * v0); break;
     }
   }
-  for (int n = 0; n < num_queries; ++n) {
-    float* out = partials + static_cast<int64_t>(n) * (kD + 2) + 2;
-    for (int d = 0; d < kD; ++d) out[d] = ot[static_cast<int64_t>(d) * lanes + n];
+  for (int v = 0; v < nv; ++v) {  // 16 queries x 16 dimensions at a time, transposed in registers
+    const int present = std::min(16, num_queries - 16 * v);
+    for (int d0 = 0; d0 < kD; d0 += 16) {
+      __m512 dims[16], rows[16];
+      for (int j = 0; j < 16; ++j) dims[j] = _mm512_loadu_ps(ot + static_cast<int64_t>(d0 + j) * lanes + 16 * v);
+      transpose16(dims, rows);
+      for (int i = 0; i < present; ++i)
+        _mm512_storeu_ps(partials + static_cast<int64_t>(16 * v + i) * (kD + 2) + 2 + d0, rows[i]);
+    }
   }
 }
 
