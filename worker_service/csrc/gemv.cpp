@@ -33,15 +33,19 @@ using namespace radix;
 
 constexpr int kGroup = 64;    // output features per group: four vectors of 16
 constexpr int kMaxRows = 6;   // rows per pass over the weight (accumulators: 6 x 4 vectors)
+constexpr int64_t kBlockBytes = 256 << 10;  // weights of the groups a pass takes before the next pass
 
 inline int64_t num_groups(int64_t n) { return (n + kGroup - 1) / kGroup; }
 inline int64_t num_pairs(int64_t k) { return (k + 1) / 2; }
 
 #ifdef __AVX512BF16__
 // Rows [0, rows) of x (at most kMaxRows) times groups [g_begin, g_end) of the packed weight.
+// With `ahead_per_pair` > 0, each pair step also asks for that many lines from `ahead` (up to
+// `ahead_end`) into L2: the next block's weights, fetched while this block is computed from cache.
 template <int kRows>
 void gemv_groups(const uint16_t* x, int64_t x_stride, const uint16_t* packed, int64_t pairs, int64_t g_begin,
-                 int64_t g_end, const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t n) {
+                 int64_t g_end, const uint16_t* bias, uint16_t* out, int64_t out_stride, int64_t n,
+                 const char*& ahead, const char* ahead_end, int ahead_per_pair) {
   for (int64_t g = g_begin; g < g_end; ++g) {
     __m512 acc[kRows][4];
     for (int m = 0; m < kRows; ++m)
@@ -52,6 +56,7 @@ void gemv_groups(const uint16_t* x, int64_t x_stride, const uint16_t* packed, in
       _mm_prefetch(reinterpret_cast<const char*>(w) + 2048 + 64, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(w) + 2048 + 128, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(w) + 2048 + 192, _MM_HINT_T0);
+      for (int a = 0; a < ahead_per_pair && ahead < ahead_end; ++a, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
       __m512i wv[4];
       for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_si512(w + 32 * j);
       for (int m = 0; m < kRows; ++m) {
@@ -121,23 +126,37 @@ int radix_gemv(const void* x_in, int64_t x_stride, int32_t rows, int64_t k, cons
     const int count = omp_get_num_threads();
     const int64_t g_begin = groups * t / count, g_end = groups * (t + 1) / count;
     // Passes of at most kMaxRows rows, as even as can be (8 rows: 4 + 4, not 6 + 2), taken over a
-    // few groups at a time: the groups' weights (~73 KB each at K = 576) stay in cache for every
-    // pass, so the weight is read from memory once whatever the number of rows.
-    constexpr int64_t kGroupsPerBlock = 4;
+    // block of a few groups at a time: the block's weights (~73 KB a group at K = 576) stay in
+    // cache for every pass, so the weight is read from memory once whatever the number of rows.
+    // The first pass over a block waits on memory, the others compute from L2. From three passes
+    // on (13 rows), those fetch the next block's weights meanwhile, so that its first pass finds
+    // them in L2 too; a block and the next then fit in L2 (blocks of at most ~256 KB). With fewer
+    // passes the fetches would crowd the few instructions they hide behind (measured slower at 8
+    // rows, 2 passes).
     const int passes = (rows + kMaxRows - 1) / kMaxRows;
-    for (int64_t b = g_begin; b < g_end; b += kGroupsPerBlock) {
-      const int64_t b_end = std::min(g_end, b + kGroupsPerBlock);
+    const bool fetch_ahead = passes >= 3;
+    const int64_t group_bytes = pairs * kGroup * 2 * static_cast<int64_t>(sizeof(uint16_t));
+    const int64_t groups_per_block = fetch_ahead ? std::clamp<int64_t>(kBlockBytes / group_bytes, 1, 4) : 4;
+    const char* const weights = static_cast<const char*>(packed_in);
+    for (int64_t b = g_begin; b < g_end; b += groups_per_block) {
+      const int64_t b_end = std::min(g_end, b + groups_per_block);
+      const char* ahead = weights + b_end * group_bytes;
+      const char* const ahead_end = weights + std::min(g_end, b_end + groups_per_block) * group_bytes;
+      const int64_t steps_after_first = fetch_ahead ? (passes - 1) * (b_end - b) * pairs : 0;
+      const int ahead_per_pair =
+          steps_after_first > 0 ? static_cast<int>(((ahead_end - ahead) / 64 + steps_after_first - 1) / steps_after_first) : 0;
       for (int pass = 0; pass < passes; ++pass) {
         const int r = rows * pass / passes, r_end = rows * (pass + 1) / passes;
         const uint16_t* xr = x + r * x_stride;
         uint16_t* outr = out + r * out_stride;
+        const int per_pair = pass == 0 ? 0 : ahead_per_pair;
         switch (r_end - r) {
-          case 1: gemv_groups<1>(xr, x_stride, packed, pairs, b, b_end, bias, outr, out_stride, n); break;
-          case 2: gemv_groups<2>(xr, x_stride, packed, pairs, b, b_end, bias, outr, out_stride, n); break;
-          case 3: gemv_groups<3>(xr, x_stride, packed, pairs, b, b_end, bias, outr, out_stride, n); break;
-          case 4: gemv_groups<4>(xr, x_stride, packed, pairs, b, b_end, bias, outr, out_stride, n); break;
-          case 5: gemv_groups<5>(xr, x_stride, packed, pairs, b, b_end, bias, outr, out_stride, n); break;
-          default: gemv_groups<6>(xr, x_stride, packed, pairs, b, b_end, bias, outr, out_stride, n); break;
+          case 1: gemv_groups<1>(xr, x_stride, packed, pairs, b, b_end, bias, outr, out_stride, n, ahead, ahead_end, per_pair); break;
+          case 2: gemv_groups<2>(xr, x_stride, packed, pairs, b, b_end, bias, outr, out_stride, n, ahead, ahead_end, per_pair); break;
+          case 3: gemv_groups<3>(xr, x_stride, packed, pairs, b, b_end, bias, outr, out_stride, n, ahead, ahead_end, per_pair); break;
+          case 4: gemv_groups<4>(xr, x_stride, packed, pairs, b, b_end, bias, outr, out_stride, n, ahead, ahead_end, per_pair); break;
+          case 5: gemv_groups<5>(xr, x_stride, packed, pairs, b, b_end, bias, outr, out_stride, n, ahead, ahead_end, per_pair); break;
+          default: gemv_groups<6>(xr, x_stride, packed, pairs, b, b_end, bias, outr, out_stride, n, ahead, ahead_end, per_pair); break;
         }
       }
     }
