@@ -127,6 +127,41 @@ def test_prefill_spans_attend_causally_beside_decode_rows(seed, dtype, threads) 
                                atol=TOLERANCE[dtype], rtol=0)
 
 
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(8, 1, 128), (12, 2, 96), (4, 2, 32)])
+def test_wide_query_groups_in_every_tile_shape(num_q_heads, num_kv_heads, head_dim, threads) -> None:
+    """Models with more query heads per KV head than SmolLM2: a decode group of 20 rows behind a
+    shared prefix (160 / 120 / 40 queries per KV head: blocks of 4, 3, 2 and 1 vectors of 16) and
+    prefill spans of 1 to 40 rows behind cached tokens and from position 0, in bfloat16."""
+    dtype, page_size = torch.bfloat16, 16
+    rng = random.Random(num_q_heads)
+    prefix = list(range(0, 13))  # 208 shared tokens
+    tables, lens, next_page = [], [], 13
+    for _ in range(20):
+        length = 208 + rng.randint(1, 50)
+        own = -(-length // page_size) - len(prefix)
+        tables.append(prefix + list(range(next_page, next_page + own)))
+        next_page += own
+        lens.append(length)
+    num_decode = len(tables)
+    spans, span_queries, row = [], [], num_decode
+    for start, count in [(0, 40), (208, 1), (208, 17), (100, 33)]:
+        table = prefix + list(range(next_page, next_page + -(-(start + count) // page_size) - len(prefix)))
+        next_page += len(table) - len(prefix)
+        spans.append((row, count, start, table))
+        span_queries.extend((table, position) for position in range(start, start + count))
+        row += count
+    generator = torch.Generator().manual_seed(num_q_heads)
+    k = torch.randn(num_kv_heads, next_page * page_size, head_dim, generator=generator).to(dtype)
+    v = torch.randn(num_kv_heads, next_page * page_size, head_dim, generator=generator).to(dtype)
+    q = torch.randn(row, num_q_heads, head_dim, generator=generator).to(dtype)
+    plan = KERNEL.plan(tables, lens, page_size, shared_prefixes(tables, lens, page_size), spans)
+    got = plan.attend(q, k, v).float()
+    all_tables = tables + [table for table, _ in span_queries]
+    all_lens = lens + [position + 1 for _, position in span_queries]
+    torch.testing.assert_close(got, reference(q, k, v, all_tables, all_lens, page_size),
+                               atol=TOLERANCE[dtype], rtol=0)
+
+
 def test_queries_may_be_a_strided_view() -> None:
     """The model hands decode queries as a slice of the merged q/k projection (rows further apart
     than one row's heads): the kernel reads them where they are."""
