@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "attention_pairs.h"
@@ -25,21 +26,15 @@ namespace radix {
 
 #ifdef __AVX512BF16__
 
-typedef int32_t __attribute__((may_alias)) PairWord;  // two bfloat16 values read as one
-
-inline __m512i broadcast_pair(const uint16_t* two_values) {
-  return _mm512_set1_epi32(*reinterpret_cast<const PairWord*>(two_values));
-}
+// Most keys a score tile takes.
+constexpr int kMaxTileKeys = 8;
 
 // Scores of kK keys (rows `keys[i]`) against kQ vectors of 16 queries: st[i * st_stride + 16 t]
 // = scale * q . k. qt holds the queries' pairs transposed: pair e of the 16 queries of vector t at
 // qt + e * qt_stride + 16 t.
-// Most keys a score tile takes.
-constexpr int kMaxTileKeys = 8;
-
 template <int kD, int kK, int kQ>
-inline void score_tile(const int32_t* qt, int qt_stride, const uint16_t* const (&keys)[kMaxTileKeys], float* st,
-                       int st_stride, __m512 vscale) {
+inline void score_tile(const int32_t* qt, int qt_stride, const uint16_t* const* keys, float* st, int st_stride,
+                       __m512 vscale) {
   __m512 acc[kK][kQ];
   for (int i = 0; i < kK; ++i)
     for (int t = 0; t < kQ; ++t) acc[i][t] = _mm512_setzero_ps();
@@ -61,8 +56,8 @@ inline void score_tile(const int32_t* qt, int qt_stride, const uint16_t* const (
 constexpr int keys_per_tile(int kQ) { return std::min(kMaxTileKeys, 24 / kQ); }
 
 template <int kD, int kQ, int kCount = keys_per_tile(kQ)>
-inline void score_tile_keys(int count, const int32_t* qt, int qt_stride, const uint16_t* const (&keys)[kMaxTileKeys],
-                            float* st, int st_stride, __m512 vscale) {
+inline void score_tile_keys(int count, const int32_t* qt, int qt_stride, const uint16_t* const* keys, float* st,
+                            int st_stride, __m512 vscale) {
   if (count == kCount) {
     score_tile<kD, kCount, kQ>(qt, qt_stride, keys, st, st_stride, vscale);
   } else if constexpr (kCount > 1) {
@@ -70,11 +65,13 @@ inline void score_tile_keys(int count, const int32_t* qt, int qt_stride, const u
   }
 }
 
-// ot[d * ot_stride + 16 t] += sum over pairs p of (v[2p][d], v[2p+1][d]) . (w[2p], w[2p+1]) for
-// kQ vectors of 16 queries and dimensions [d0, d0 + 4): pp holds the weight pairs (pair p of vector
-// t at pp + p * pp_stride + 16 t), vp the values interleaved by key pairs (kD pairs per key pair).
 // Dimensions per value tile for kQ vectors of queries (12-24 sums in registers).
 constexpr int dims_per_tile(int kQ) { return kQ == 1 ? 16 : kQ <= 3 ? 8 : 4; }
+
+// ot[d * ot_stride + 16 t] (+)= sum over pairs [p_begin, p_end) of (v[2p][d], v[2p+1][d]) .
+// (w[2p], w[2p+1]) for kQ vectors of 16 queries and dimensions [d0, d0 + dims_per_tile(kQ)),
+// starting from zero when `first`: pp holds the weight pairs (pair p of vector t at pp + p *
+// pp_stride + 16 t), vp the values interleaved by key pairs (kD pairs per key pair).
 
 template <int kD, int kQ>
 inline void value_tile(const int32_t* pp, int pp_stride, const uint16_t* vp, int p_begin, int p_end, int d0,
@@ -97,12 +94,25 @@ inline void value_tile(const int32_t* pp, int pp_stride, const uint16_t* vp, int
     for (int t = 0; t < kQ; ++t) _mm512_storeu_ps(ot + (d0 + dd) * ot_stride + 16 * t, acc[dd][t]);
 }
 
-// Pairs of the values' tile loop taken at a time: their weights (4 vectors each) and values stay in
-// L1 while every block of 4 dimensions passes over them.
+// Pairs of the values' tile loop taken at a time: their weights and values stay in L1 while every
+// tile of dimensions passes over them.
 constexpr int kValuePairsPerBlock = 64;
 
-// Vectors of 16 queries taken together by the tiles (their sums and operands fill the registers).
+// Vectors of 16 queries taken together by the tiles (their sums and operands fill the registers;
+// blocks of 6 measured slower).
 constexpr int kMaxVectors = 4;
+
+// f(std::integral_constant<int, count>{}) for a count of query vectors in [1, kMaxVectors].
+template <typename F>
+inline void with_vectors(int count, F&& f) {
+  switch (count) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{}); break;
+  }
+}
+static_assert(kMaxVectors == 4, "with_vectors covers 1 to 4");
 
 // Scores of kQ vectors of queries (qt, lanes apart per pair) against every key of the chunk into
 // st (lanes apart per key).
@@ -115,7 +125,7 @@ void scores_block(const int32_t* qt, int lanes, const uint16_t* k_head, int page
       const int count = std::min(kKeys, in_page - j);
       const uint16_t* keys[kMaxTileKeys];
       for (int i = 0; i < kMaxTileKeys; ++i) keys[i] = k_page + (j + std::min(i, count - 1)) * kD;
-      score_tile_keys<kD, kQ>(count, qt, lanes, const_cast<const uint16_t* const(&)[kMaxTileKeys]>(keys), st + static_cast<int64_t>(key + j) * lanes, lanes, vscale);
+      score_tile_keys<kD, kQ>(count, qt, lanes, keys, st + static_cast<int64_t>(key + j) * lanes, lanes, vscale);
     }
   });
 }
@@ -155,6 +165,7 @@ inline void transpose16(const __m512 (&r)[16], __m512 (&c)[16]) {
     c[12 + q] = _mm512_shuffle_f32x4(x1, y1, _MM_SHUFFLE(3, 1, 3, 1));
   }
 }
+
 // Softmax of one vector of 16 queries down the keys: st holds key k's scores at st[k * lanes],
 // pp receives pair p's weights (bfloat16, keys 2p and 2p + 1 side by side in each lane) at
 // pp[p * lanes]; vmax and vsum the lanes' max score and sum of weights. kMasked: lane i sees keys
@@ -162,8 +173,7 @@ inline void transpose16(const __m512 (&r)[16], __m512 (&c)[16]) {
 template <bool kMasked>
 inline void softmax_lanes(const float* st, int lanes, int num_keys, __m512i last_key, int32_t* pp, __m512& vmax,
                           __m512& vsum) {
-  const __m512i pair_order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                              23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i pair_order = halves_interleaved();
   auto scores = [&](int key) { return _mm512_loadu_ps(st + static_cast<int64_t>(key) * lanes); };
   auto visible = [&](int key) { return _mm512_cmpge_epi32_mask(last_key, _mm512_set1_epi32(key)); };
   auto weight = [&](int key) {
@@ -196,7 +206,7 @@ template <int kD>
 void attend_many_pairs(const uint16_t* queries, int num_queries, int group, int first_position, float scale,
                        const uint16_t* k_head, const uint16_t* v_head, int page_size, const Chunk& chunk,
                        uint16_t* pair_space, float* partials) {
-  static_assert(kD % 4 == 0, "dimensions are taken 4 at a time");
+  static_assert(kD % 16 == 0, "dimensions are taken in tiles of up to 16 and transposed 16 at a time");
   const int nv = (num_queries + 15) / 16;  // vectors of 16 queries
   const int lanes = nv * 16;
   const int num_keys = chunk.num_keys, num_pairs = (num_keys + 1) / 2;
@@ -224,22 +234,16 @@ void attend_many_pairs(const uint16_t* queries, int num_queries, int group, int 
   }
   interleave_values<kD>(v_head, page_size, chunk, pair_space);
 
-  // Scores, key by key: st[key * lanes + n]; the vectors of queries in blocks of at most 6, as even
-  // as can be (7 vectors: 4 + 3, not 6 + 1).
+  // Scores, key by key: st[key * lanes + n]; the vectors of queries in blocks of at most
+  // kMaxVectors, as even as can be (5 vectors: 3 + 2, not 4 + 1).
   const __m512 vscale = _mm512_set1_ps(scale);
   const int num_blocks = (nv + kMaxVectors - 1) / kMaxVectors;
   auto block_of = [&](int b, int& v0) { v0 = nv * b / num_blocks; return nv * (b + 1) / num_blocks - v0; };
   for (int b = 0; b < num_blocks; ++b) {
     int v0;
-    const int count = block_of(b, v0);
-    switch (count) {
-      case 1: scores_block<kD, 1>(qt + 16 * v0, lanes, k_head, page_size, chunk, st + 16 * v0, vscale); break;
-      case 2: scores_block<kD, 2>(qt + 16 * v0, lanes, k_head, page_size, chunk, st + 16 * v0, vscale); break;
-      case 3: scores_block<kD, 3>(qt + 16 * v0, lanes, k_head, page_size, chunk, st + 16 * v0, vscale); break;
-      case 4: scores_block<kD, 4>(qt + 16 * v0, lanes, k_head, page_size, chunk, st + 16 * v0, vscale); break;
-      case 5: scores_block<kD, 5>(qt + 16 * v0, lanes, k_head, page_size, chunk, st + 16 * v0, vscale); break;
-      default: scores_block<kD, 6>(qt + 16 * v0, lanes, k_head, page_size, chunk, st + 16 * v0, vscale); break;
-    }
+    with_vectors(block_of(b, v0), [&](auto count) {
+      scores_block<kD, decltype(count)::value>(qt + 16 * v0, lanes, k_head, page_size, chunk, st + 16 * v0, vscale);
+    });
   }
 
   // Softmax down each lane, a vector of queries at a time. The weights multiply V rounded to
@@ -273,15 +277,9 @@ void attend_many_pairs(const uint16_t* queries, int num_queries, int group, int 
   // Weighted sums of the values: ot[d * lanes + n], then into each query's partial.
   for (int b = 0; b < num_blocks; ++b) {
     int v0;
-    const int count = block_of(b, v0);
-    switch (count) {
-      case 1: values_block<kD, 1>(pp + 16 * v0, lanes, pair_space, num_pairs, ot + 16 * v0); break;
-      case 2: values_block<kD, 2>(pp + 16 * v0, lanes, pair_space, num_pairs, ot + 16 * v0); break;
-      case 3: values_block<kD, 3>(pp + 16 * v0, lanes, pair_space, num_pairs, ot + 16 * v0); break;
-      case 4: values_block<kD, 4>(pp + 16 * v0, lanes, pair_space, num_pairs, ot + 16 * v0); break;
-      case 5: values_block<kD, 5>(pp + 16 * v0, lanes, pair_space, num_pairs, ot + 16 * v0); break;
-      default: values_block<kD, 6>(pp + 16 * v0, lanes, pair_space, num_pairs, ot + 16 * v0); break;
-    }
+    with_vectors(block_of(b, v0), [&](auto count) {
+      values_block<kD, decltype(count)::value>(pp + 16 * v0, lanes, pair_space, num_pairs, ot + 16 * v0);
+    });
   }
   for (int v = 0; v < nv; ++v) {  // 16 queries x 16 dimensions at a time, transposed in registers
     const int present = std::min(16, num_queries - 16 * v);

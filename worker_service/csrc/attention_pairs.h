@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 
 #include "page_walk.h"
 #include "vector_math.h"
@@ -26,14 +25,26 @@ inline __m512 dot_pairs(__m512 acc, __m512i pairs_a, __m512i pairs_b) {
   return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(pairs_a), reinterpret_cast<__m512bh>(pairs_b));
 }
 
+typedef int32_t __attribute__((may_alias)) PairWord;  // two bfloat16 values read as one
+
+// Two adjacent bfloat16 values in every 32-bit lane.
+inline __m512i broadcast_pair(const uint16_t* two_values) {
+  return _mm512_set1_epi32(*reinterpret_cast<const PairWord*>(two_values));
+}
+
+// The word order that interleaves a vector's two halves: lane 2i takes value i of the first 16,
+// lane 2i + 1 value i of the second 16 (for _mm512_permutexvar_epi16).
+inline __m512i halves_interleaved() {
+  return _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                          23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+}
+
 // The chunk's values as key pairs: out[(j / 2) * kD * 2 ...] holds, for each dimension d, the
 // values of keys j and j + 1 side by side (an odd last key is paired with zeros), so that one
 // `vdpbf16ps` adds two keys' weighted values to 16 dimensions.
 template <int kD>
 void interleave_values(const uint16_t* v_head, int page_size, const Chunk& chunk, uint16_t* out) {
-  // Lane 2d of the result is dimension d of the first key, lane 2d + 1 of the second.
-  const __m512i order = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i order = halves_interleaved();  // lane 2d: dimension d of the first key, 2d + 1: of the second
   auto row = [&](int key) {
     return v_head + (static_cast<int64_t>(chunk.pages[key / page_size]) * page_size + key % page_size) * kD;
   };
@@ -50,6 +61,7 @@ void interleave_values(const uint16_t* v_head, int page_size, const Chunk& chunk
     }
   }
 }
+
 // ---- few queries (a decode row's own keys): pair products on the pool's rows as they lie -------
 
 // Head sizes whose key rows are whole 512-bit words (32 bfloat16 values each).
@@ -126,9 +138,7 @@ void values_rows_pairs(const uint16_t* weights, int nb, int stride, const uint16
       }
       for (int b = 0; b < kBlock; ++b) {
         if (b >= nb) break;
-        int32_t pair;
-        std::memcpy(&pair, weights + b * stride + key + j, sizeof pair);
-        const __m512i wv = _mm512_set1_epi32(pair);
+        const __m512i wv = broadcast_pair(weights + b * stride + key + j);
         for (int w = 0; w < kW; ++w) {
           acc[b][2 * w] = dot_pairs(acc[b][2 * w], lo[w], wv);
           acc[b][2 * w + 1] = dot_pairs(acc[b][2 * w + 1], hi[w], wv);

@@ -102,7 +102,7 @@ void attend_chunk(const float* queries, const uint16_t* raw_queries, float scale
     }
   }
 #endif
-  if (many && !(kBf16Pairs && kDtype == kBFloat16))
+  if (many)  // (a bfloat16 unit with AVX512-BF16 went to attend_many_pairs above)
     scores_transposed<kDtype, kD>(queries, num_queries, k_head, page_size, chunk, all_scores, stride);
   for (int q0 = 0; q0 < num_queries; q0 += kBlock) {
     const int nb = std::min(kBlock, num_queries - q0);
@@ -183,7 +183,6 @@ void attend_chunk(const float* queries, const uint16_t* raw_queries, float scale
     __m512 acc[kBlock][kV];
     for (int b = 0; b < kBlock; ++b)
       for (int t = 0; t < kV; ++t) acc[b][t] = _mm512_setzero_ps();
-    bool paired = false;  // done by the bfloat16 pair path below
 #ifdef __AVX512BF16__
     if constexpr (kDtype == kBFloat16) {
       if (rows_paired) {  // the weights as bfloat16, in place of each query's scores
@@ -198,11 +197,10 @@ void attend_chunk(const float* queries, const uint16_t* raw_queries, float scale
         }
         values_rows_pairs<kD, kBlock>(weights, nb, weight_stride, v_head, page_size, chunk, acc);
         for (int b = 0; b < nb; ++b) rows_pairs_in_order<kD>(acc[b]);
-        paired = true;
       }
     }
 #endif
-    if (!paired)
+    if (!rows_paired)
       for_each_page(v_head, page_size, kD, chunk, [&](const auto* v_page, int key, int in_page) {
         for (int j = 0; j < in_page; ++j) {
           __m512 vv[kV];

@@ -217,13 +217,13 @@ int run(const StepPlan& plan, const Schedule& schedule, const void* q_ptr, const
                       raw_queries.data() + static_cast<size_t>(i) * group * kD);
       } else {
         if (queries.size() < static_cast<size_t>(nq) * kD) queries.resize(static_cast<size_t>(nq) * kD);
-      }
-      for (int i = 0; i < s.num_rows && !raw; ++i) {
-        const T* row_q = q + s.rows[i] * plan.q_row_stride + static_cast<int64_t>(h) * group * kD;
-        for (int g = 0; g < group; ++g)
-          for (int t = 0; t < kD / 16; ++t)
-            _mm512_storeu_ps(&queries[(i * group + g) * kD + 16 * t],
-                             _mm512_mul_ps(load_vec<kDtype>(row_q + g * kD + 16 * t), _mm512_set1_ps(plan.scale)));
+        for (int i = 0; i < s.num_rows; ++i) {
+          const T* row_q = q + s.rows[i] * plan.q_row_stride + static_cast<int64_t>(h) * group * kD;
+          for (int g = 0; g < group; ++g)
+            for (int t = 0; t < kD / 16; ++t)
+              _mm512_storeu_ps(&queries[(i * group + g) * kD + 16 * t],
+                               _mm512_mul_ps(load_vec<kDtype>(row_q + g * kD + 16 * t), _mm512_set1_ps(plan.scale)));
+        }
       }
       if (many_pairs) {  // room for the interleaved values
         const size_t pairs_size = static_cast<size_t>(c.chunk.num_keys + 1) * kD;
