@@ -45,6 +45,30 @@ def attend(q, k, v, tables, lens, page_size: int) -> torch.Tensor:
     return KERNEL.plan(tables, lens, page_size, shared_prefixes(tables, lens, page_size)).attend(q, k, v)
 
 
+def group_behind_prefix(rng: random.Random, num_rows: int, prefix_pages: int, max_own: int,
+                        page_size: int) -> tuple[list[int], list[list[int]], list[int], int]:
+    """`num_rows` rows behind pages 0..prefix_pages-1 plus 1..max_own keys each: (prefix, tables,
+    context lens, next free page)."""
+    prefix = list(range(prefix_pages))
+    tables, lens, next_page = [], [], prefix_pages
+    for _ in range(num_rows):
+        length = prefix_pages * page_size + rng.randint(1, max_own)
+        own = -(-length // page_size) - prefix_pages
+        tables.append(prefix + list(range(next_page, next_page + own)))
+        next_page += own
+        lens.append(length)
+    return prefix, tables, lens, next_page
+
+
+def attend_with_spans(q, k, v, tables, lens, spans, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode rows and prefill `spans` (first row, rows, start, pages) in one call, and the
+    reference: each span row attends its pages up to its own position."""
+    plan = KERNEL.plan(tables, lens, page_size, shared_prefixes(tables, lens, page_size), spans)
+    span_tables = [table for _, count, start, table in spans for _ in range(count)]
+    span_lens = [position + 1 for _, count, start, _ in spans for position in range(start, start + count)]
+    return plan.attend(q, k, v).float(), reference(q, k, v, tables + span_tables, lens + span_lens, page_size)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
 @pytest.mark.parametrize("page_size", [3, 4, 16])  # 3: pages end on odd keys (the pair paths' tails)
@@ -68,14 +92,7 @@ def test_long_contexts_and_large_groups(dtype, threads) -> None:
     and contexts that end on and off page boundaries, in one batch."""
     page_size, head_dim, num_kv_heads, num_q_heads = 16, 64, 3, 9
     rng = random.Random(7)
-    prefix = list(range(0, 62))  # 62 whole pages = 992 tokens shared
-    tables, lens, next_page = [], [], 62
-    for _ in range(40):
-        length = 992 + rng.randint(1, 40)
-        own = -(-length // page_size) - len(prefix)
-        tables.append(prefix + list(range(next_page, next_page + own)))
-        next_page += own
-        lens.append(length)
+    _, tables, lens, next_page = group_behind_prefix(rng, 40, 62, 40, page_size)  # 992 tokens shared
     for length in [3000, 1, 16, 2048 + 5]:
         own = -(-length // page_size)
         tables.append(list(range(next_page, next_page + own)))
@@ -104,7 +121,7 @@ def test_prefill_spans_attend_causally_beside_decode_rows(seed, dtype, threads) 
     k, v, tables, lens = batch(seed, page_size, num_kv_heads, head_dim, dtype)
     num_decode = len(tables)
     num_pages = k.shape[1] // page_size
-    spans, span_queries = [], []  # (first row, rows, start, pages); (table, position) of each row
+    spans = []  # (first row, rows, start, pages)
     next_page, row = num_pages, num_decode
     for start, count in [(0, rng.randint(2, 90)), (rng.randint(1, 40), rng.randint(1, 40)), (8, 1),
                          (rng.randint(1, 9) * page_size, rng.randint(30, 70))]:
@@ -112,19 +129,14 @@ def test_prefill_spans_attend_causally_beside_decode_rows(seed, dtype, threads) 
         table = list(range(next_page, next_page + -(-end // page_size)))
         next_page += len(table)
         spans.append((row, count, start, table))
-        span_queries.extend((table, position) for position in range(start, end))
         row += count
     generator = torch.Generator().manual_seed(seed)
     grow = (next_page - num_pages) * page_size
     k = torch.cat([k, torch.randn(num_kv_heads, grow, head_dim, generator=generator).to(dtype)], 1)
     v = torch.cat([v, torch.randn(num_kv_heads, grow, head_dim, generator=generator).to(dtype)], 1)
     q = torch.randn(row, num_q_heads, head_dim, generator=generator).to(dtype)
-    plan = KERNEL.plan(tables, lens, page_size, shared_prefixes(tables, lens, page_size), spans)
-    got = plan.attend(q, k, v).float()
-    all_tables = tables + [table for table, _ in span_queries]
-    all_lens = lens + [position + 1 for _, position in span_queries]
-    torch.testing.assert_close(got, reference(q, k, v, all_tables, all_lens, page_size),
-                               atol=TOLERANCE[dtype], rtol=0)
+    got, expected = attend_with_spans(q, k, v, tables, lens, spans, page_size)
+    torch.testing.assert_close(got, expected, atol=TOLERANCE[dtype], rtol=0)
 
 
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(8, 1, 128), (12, 2, 96), (4, 2, 32)])
@@ -134,32 +146,19 @@ def test_wide_query_groups_in_every_tile_shape(num_q_heads, num_kv_heads, head_d
     prefill spans of 1 to 40 rows behind cached tokens and from position 0, in bfloat16."""
     dtype, page_size = torch.bfloat16, 16
     rng = random.Random(num_q_heads)
-    prefix = list(range(0, 13))  # 208 shared tokens
-    tables, lens, next_page = [], [], 13
-    for _ in range(20):
-        length = 208 + rng.randint(1, 50)
-        own = -(-length // page_size) - len(prefix)
-        tables.append(prefix + list(range(next_page, next_page + own)))
+    prefix, tables, lens, next_page = group_behind_prefix(rng, 20, 13, 50, page_size)  # 208 tokens shared
+    spans, row = [], len(tables)
+    for start, count in [(0, 40), (208, 1), (208, 17), (100, 33)]:  # the last within the prefix's pages
+        own = max(0, -(-(start + count) // page_size) - len(prefix))
+        spans.append((row, count, start, prefix + list(range(next_page, next_page + own))))
         next_page += own
-        lens.append(length)
-    num_decode = len(tables)
-    spans, span_queries, row = [], [], num_decode
-    for start, count in [(0, 40), (208, 1), (208, 17), (100, 33)]:
-        table = prefix + list(range(next_page, next_page + -(-(start + count) // page_size) - len(prefix)))
-        next_page += len(table) - len(prefix)
-        spans.append((row, count, start, table))
-        span_queries.extend((table, position) for position in range(start, start + count))
         row += count
     generator = torch.Generator().manual_seed(num_q_heads)
     k = torch.randn(num_kv_heads, next_page * page_size, head_dim, generator=generator).to(dtype)
     v = torch.randn(num_kv_heads, next_page * page_size, head_dim, generator=generator).to(dtype)
     q = torch.randn(row, num_q_heads, head_dim, generator=generator).to(dtype)
-    plan = KERNEL.plan(tables, lens, page_size, shared_prefixes(tables, lens, page_size), spans)
-    got = plan.attend(q, k, v).float()
-    all_tables = tables + [table for table, _ in span_queries]
-    all_lens = lens + [position + 1 for _, position in span_queries]
-    torch.testing.assert_close(got, reference(q, k, v, all_tables, all_lens, page_size),
-                               atol=TOLERANCE[dtype], rtol=0)
+    got, expected = attend_with_spans(q, k, v, tables, lens, spans, page_size)
+    torch.testing.assert_close(got, expected, atol=TOLERANCE[dtype], rtol=0)
 
 
 def test_queries_may_be_a_strided_view() -> None:
