@@ -21,16 +21,7 @@ namespace radix {
 // only float32 summation order differs.
 constexpr bool kBf16Pairs = true;
 
-inline __m512 dot_pairs(__m512 acc, __m512i pairs_a, __m512i pairs_b) {
-  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(pairs_a), reinterpret_cast<__m512bh>(pairs_b));
-}
-
-typedef int32_t __attribute__((may_alias)) PairWord;  // two bfloat16 values read as one
-
-// Two adjacent bfloat16 values in every 32-bit lane.
-inline __m512i broadcast_pair(const uint16_t* two_values) {
-  return _mm512_set1_epi32(*reinterpret_cast<const PairWord*>(two_values));
-}
+// (dot_pairs and broadcast_pair: vector_math.h)
 
 // The word order that interleaves a vector's two halves: lane 2i takes value i of the first 16,
 // lane 2i + 1 value i of the second 16 (for _mm512_permutexvar_epi16).

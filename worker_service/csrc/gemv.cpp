@@ -60,11 +60,8 @@ void gemv_groups(const uint16_t* x, int64_t x_stride, const uint16_t* packed, in
       __m512i wv[4];
       for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_si512(w + 32 * j);
       for (int m = 0; m < kRows; ++m) {
-        int32_t pair;
-        std::memcpy(&pair, x + m * x_stride + 2 * p, sizeof(pair));
-        const __m512i xb = _mm512_set1_epi32(pair);
-        for (int j = 0; j < 4; ++j)
-          acc[m][j] = _mm512_dpbf16_ps(acc[m][j], reinterpret_cast<__m512bh>(xb), reinterpret_cast<__m512bh>(wv[j]));
+        const __m512i xb = broadcast_pair(x + m * x_stride + 2 * p);
+        for (int j = 0; j < 4; ++j) acc[m][j] = dot_pairs(acc[m][j], xb, wv[j]);
       }
     }
     for (int j = 0; j < 4; ++j) {

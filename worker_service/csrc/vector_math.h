@@ -1,5 +1,6 @@
-// Vector pieces of the compiled kernels (paged_attention.cpp, elementwise.cpp): 16 values of a
-// dtype to and from 16 float32 lanes, rounding to the dtype, and exp for softmax weights.
+// Vector pieces of the compiled kernels (paged_attention.cpp, elementwise.cpp, gemv.cpp): 16 values
+// of a dtype to and from 16 float32 lanes, rounding to the dtype, bfloat16 pair products, and exp for
+// softmax weights.
 #pragma once
 
 #include <immintrin.h>
@@ -83,6 +84,20 @@ template <int kDtype>
 inline void store_masked(typename Elem<kDtype>::type* p, __mmask16 lanes, __m512 x) {
   if constexpr (kDtype == kFloat32) _mm512_mask_storeu_ps(p, lanes, x);
   else store_halves<kDtype>(p, lanes, x);
+}
+
+#ifdef __AVX512BF16__
+// acc + per lane a[2i] * b[2i] + a[2i + 1] * b[2i + 1]: bfloat16 pairs, exact products, float32 sums.
+inline __m512 dot_pairs(__m512 acc, __m512i pairs_a, __m512i pairs_b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(pairs_a), reinterpret_cast<__m512bh>(pairs_b));
+}
+#endif
+
+typedef int32_t __attribute__((may_alias)) PairWord;  // two bfloat16 values read as one
+
+// Two adjacent bfloat16 values in every 32-bit lane.
+inline __m512i broadcast_pair(const uint16_t* two_values) {
+  return _mm512_set1_epi32(*reinterpret_cast<const PairWord*>(two_values));
 }
 
 // exp for x in [-87, 100]: range reduction to r in [-ln2/2, ln2/2], a degree-6 polynomial, and
