@@ -48,4 +48,18 @@ inline void for_each_page(const T* head, int page_size, int head_dim, const Chun
   }
 }
 
+// The first kPrefetchPages pages of a chunk's keys and values (one head), toward L2. The kernel
+// fetches them for the head it attends next (of the same chunk, or the next unit's, which this
+// thread or the other takes): a decode row's own keys are a few pages, too few for the walk's own
+// fetching ahead to hide memory latency. Measured, one layer, 32 rows with 40 keys each behind a
+// shared prefix, one thread: those rows' heads 96 -> 75 us.
+template <typename T>
+inline void prefetch_chunk_start(const T* k_head, const T* v_head, int page_size, int head_dim, const Chunk& chunk) {
+  for (int p = 0; p < std::min(kPrefetchPages, chunk.num_pages); ++p) {
+    const int64_t offset = static_cast<int64_t>(chunk.pages[p]) * page_size * head_dim;
+    prefetch_run(k_head + offset, page_size, head_dim, 1);
+    prefetch_run(v_head + offset, page_size, head_dim, 1);
+  }
+}
+
 }  // namespace radix

@@ -11,7 +11,8 @@
 //   every member's table): all members' query heads meet that prefix in ONE pass over its K/V;
 // - each prefill span's rows (consecutive positions of one request) are cut into tiles; a tile
 //   attends its context's keys, each row only up to its own position (causal).
-// These segments are cut into chunks of pages; a work unit is (chunk, kv head). Each unit leaves,
+// These segments are cut into chunks of pages; a work unit is a chunk and one kv head (or all of
+// them, for a chunk of few queries). Each chunk and head leaves,
 // for each of its queries, the unnormalised partial (max score m, sum of exp(s - m), sum of
 // exp(s - m) * v); a last pass merges every row's partials exactly, in float32.
 //
@@ -82,11 +83,19 @@ struct ChunkRef {
   int64_t partial_offset;  // in partials of (kD + 2) floats: [kv head][row of the segment][group]
 };
 
+// A unit of work: one chunk against kv heads [head_begin, head_end). A chunk of few queries (a
+// decode row's own keys) takes all its heads in one unit: alone, each head's unit is a few pages,
+// and what the threads pay to hand units out and to start one is a large part of it.
+struct Unit {
+  int32_t chunk, head_begin, head_end;
+};
+
 struct Schedule {
   int num_rows = 0;  // decode rows, then every span's rows
   std::vector<int32_t> row_ids;
   std::vector<Segment> segments;
   std::vector<ChunkRef> chunks;
+  std::vector<Unit> units;
   // Which partials each row has: (chunk, row index in its segment), rows' lists back to back.
   std::vector<int32_t> row_list_start;
   std::vector<std::pair<int32_t, int32_t>> row_lists;
@@ -153,6 +162,13 @@ Schedule* build_schedule(const StepPlan& plan) {
       partial_count += static_cast<int64_t>(s.num_rows) * group * hk;
     }
   }
+  for (int ci = 0; ci < static_cast<int>(chunks.size()); ++ci) {
+    if (segments[chunks[ci].segment].num_rows * group < kManyQueries) {
+      schedule->units.push_back({ci, 0, hk});
+    } else {
+      for (int h = 0; h < hk; ++h) schedule->units.push_back({ci, h, h + 1});
+    }
+  }
   for (int r = 0; r < num_rows; ++r) row_list_start[r + 1] += row_list_start[r];
   row_lists.resize(row_list_start[num_rows]);
   {
@@ -191,16 +207,15 @@ int run(const StepPlan& plan, const Schedule& schedule, const void* q_ptr, const
   static thread_local std::vector<float> partial_space;
   if (partial_space.size() < static_cast<size_t>(partial_count * pf)) partial_space.resize(partial_count * pf);
   float* const partials = partial_space.data();
-  const int64_t num_units = static_cast<int64_t>(chunks.size()) * hk;
+  const auto& units = schedule.units;
+  const int64_t num_units = static_cast<int64_t>(units.size());
 
 #pragma omp parallel num_threads(plan.num_threads)
   {
     static thread_local std::vector<float> queries, scores;  // per OpenMP thread, reused
     static thread_local std::vector<uint16_t> raw_queries, pair_space;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < num_units; ++u) {
-      const ChunkRef& c = chunks[u / hk];
-      const int h = static_cast<int>(u % hk);
+    // One head of one chunk: its queries (copied as the path wants them) against the head's keys.
+    auto attend_head = [&](const ChunkRef& c, int h) {
       const Segment& s = segments[c.segment];
       const int nq = s.num_rows * group;
       // bfloat16 pair products (attention_many.h, attention_pairs.h) read q as stored; the other
@@ -237,6 +252,21 @@ int run(const StepPlan& plan, const Schedule& schedule, const void* q_ptr, const
       attend_chunk<kDtype, kD, kBlock>(queries.data(), raw_queries.data(), plan.scale, nq, group, s.first_position,
                                        k + h * plan.kv_head_stride, v + h * plan.kv_head_stride, page_size, c.chunk,
                                        scores.data(), pair_space.data(), dest);
+    };
+    auto fetch_start = [&](const Unit& unit, int h) {
+      const int64_t head_offset = static_cast<int64_t>(h) * plan.kv_head_stride;
+      prefetch_chunk_start(k + head_offset, v + head_offset, page_size, kD, chunks[unit.chunk].chunk);
+    };
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < num_units; ++u) {
+      const Unit& unit = units[u];
+      for (int h = unit.head_begin; h < unit.head_end; ++h) {
+        // While this head runs, the next one's first pages (this unit's or the next unit's) move
+        // toward L2.
+        if (h + 1 < unit.head_end) fetch_start(unit, h + 1);
+        else if (u + 1 < num_units) fetch_start(units[u + 1], units[u + 1].head_begin);
+        attend_head(chunks[unit.chunk], h);
+      }
     }
 
     // Merge: out[r, head] = sum_i acc_i e^(m_i - M) / sum_i l_i e^(m_i - M).
