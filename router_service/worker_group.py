@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterable, Iterator
+from typing import TypeVar
 
 import grpc
 
@@ -22,6 +23,8 @@ from radixserve.serving import CHANNEL_OPTIONS, NO_SECURITY
 from radixserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class WorkerFault(Exception):
@@ -108,9 +111,8 @@ class WorkerGroup:
         if not self._calls:
             raise WorkerFault("not connected")
         with self._faults(task, timeout_s):
-            await asyncio.wait_for(
-                asyncio.gather(*(call.write(task) for call in self._calls)), timeout_s
-            )
+            async with asyncio.timeout(timeout_s):
+                await _each(call.write(task) for call in self._calls)
 
     async def receive(self, task: worker_pb2.DecodeTask, timeout_s: float) -> worker_pb2.TaskResult:
         """Wait at most `timeout_s` for every rank's answer to `task`, the oldest one sent and
@@ -119,9 +121,8 @@ class WorkerGroup:
         if not self._calls:
             raise WorkerFault("not connected")
         with self._faults(task, timeout_s):
-            results = await asyncio.wait_for(
-                asyncio.gather(*(call.read() for call in self._calls)), timeout_s
-            )
+            async with asyncio.timeout(timeout_s):
+                results = await _each(call.read() for call in self._calls)
         errors = []
         for address, result in zip(self.addresses, results):
             if result is grpc.aio.EOF:
@@ -157,3 +158,13 @@ class WorkerGroup:
             call.cancel()
         for channel in channels:
             await channel.close()
+
+
+async def _each(calls: Iterable[Awaitable[T]]) -> list[T]:
+    """The results of `calls`, awaited together. One rank's (TP=1) is awaited in place: gather
+    would wrap it in a task of its own, one more turn of the event loop on the path between two
+    steps."""
+    calls = list(calls)
+    if len(calls) == 1:
+        return [await calls[0]]
+    return list(await asyncio.gather(*calls))
