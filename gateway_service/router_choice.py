@@ -1,4 +1,5 @@
-"""Choosing a router replica: prefix-affine rendezvous hashing, failover order, probing.
+"""Choosing a router replica: prefix-affine rendezvous hashing, failover order, probing; and
+the calls that carry requests to it (router_stream.py).
 
 Requests whose prompts share their first `affinity_tokens` token ids hash to the same router,
 so each replica's prefix cache stays warm without any shared state between gateways. The
@@ -10,14 +11,17 @@ removing one replica only moves the prompts that hashed to it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
 from radixserve.security import Security
 from radixserve.serving import CHANNEL_OPTIONS, NO_SECURITY
+from gateway_service.router_stream import RouterStream
 from radixserve.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -71,6 +75,8 @@ class RouterPool:
         self._stubs = {a: router_pb2_grpc.RouterServiceStub(c) for a, c in self._channels.items()}
         self._up = dict.fromkeys(self.addresses, False)
         self._info: dict[str, router_pb2.GetServerInfoResponse] = {}
+        self._streams: dict[str, RouterStream] = {}
+        self._no_stream: set[str] = set()
 
     @property
     def info(self) -> router_pb2.GetServerInfoResponse | None:
@@ -82,6 +88,34 @@ class RouterPool:
 
     def stub(self, address: str) -> router_pb2_grpc.RouterServiceStub:
         return self._stubs[address]
+
+    async def generate(
+        self, address: str, request: router_pb2.RouterGenerateRequest, deadline: float | None
+    ) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
+        """One request's responses from the router at `address` (`deadline` on
+        `time.monotonic()`): on the gateway's shared Stream call to it, or on a Generate call of
+        its own where the router has no Stream (an older one). Raises `grpc.aio.AioRpcError`."""
+        if address not in self._no_stream:
+            stream = self._streams.get(address)
+            if stream is None or stream.failed is not None:
+                stream = self._streams[address] = RouterStream(self._stubs[address], self.call_metadata)
+            try:
+                async with contextlib.aclosing(stream.generate(request, deadline)) as responses:
+                    async for response in responses:
+                        yield response
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                log.info("router %s has no Stream: one Generate call per request", address)
+                self._no_stream.add(address)
+        timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        call = self._stubs[address].Generate(request, timeout=timeout, metadata=self.call_metadata)
+        try:
+            async for response in call:
+                yield response
+        finally:
+            call.cancel()  # no-op once finished; frees the router's pages otherwise
 
     def order(self, prompt_token_ids: Sequence[int]) -> list[str]:
         """Failover order for a prompt: rendezvous order, routers known to be down last."""
@@ -116,4 +150,5 @@ class RouterPool:
         return any(results)
 
     async def close(self) -> None:
+        await asyncio.gather(*(stream.close() for stream in self._streams.values()))
         await asyncio.gather(*(c.close() for c in self._channels.values()))

@@ -178,23 +178,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         one is UNAVAILABLE before it streamed anything."""
         failures: list[str] = []
         for address in self._pool.order(request.prompt_token_ids):
-            timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            call = self._pool.stub(address).Generate(
-                request, timeout=timeout, metadata=self._pool.call_metadata
-            )
             streamed = False
             try:
-                async for response in call:
-                    streamed = streamed or bool(response.token_ids) or response.finish_reason != 0
-                    yield response
+                async with contextlib.aclosing(self._pool.generate(address, request, deadline)) as responses:
+                    async for response in responses:
+                        streamed = streamed or bool(response.token_ids) or response.finish_reason != 0
+                        yield response
                 return
             except grpc.aio.AioRpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE or streamed:
                     raise
                 self._pool.mark_down(address)
                 failures.append(f"{address}: {exc.details() or exc.code().name}")
-            finally:
-                call.cancel()  # no-op once finished; frees the router's pages otherwise
         # Router addresses and their errors are for the operator, not for the caller.
         log.warning("request %s: no router could take it (%s)", request.request_id, "; ".join(failures))
         raise NoRouterAvailable("no router could take the request")

@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from radixserve.security import Security
 from radixserve.serving import NO_SECURITY
@@ -47,12 +48,19 @@ class StreamEvent:
     error: RouterError | None = None
 
 
+class EventSink(Protocol):
+    """Where one request's events go: Generate's queue, or a Stream call's (request_stream.py)."""
+
+    def put_nowait(self, event: StreamEvent) -> None: ...
+
+
 class Engine:
     """Owns the scheduler and the worker connection; everything runs on one asyncio loop.
 
     The service calls `submit` / `cancel` / `stats` (never blocking); `run` is the step loop.
-    A request's events arrive on the queue `submit` returns; its last event is `finished` or
-    carries an `error`. The scheduler exists only while the workers are connected.
+    A request's events arrive where `submit` says (a queue, or a Stream call's sink); its last
+    event is `finished` or carries an `error`. The scheduler exists only while the workers are
+    connected.
     """
 
     def __init__(
@@ -67,9 +75,9 @@ class Engine:
         self.summary: router_pb2.GetServerInfoResponse | None = None
         self.scheduler: Scheduler | None = None
         self._on_health = on_health
-        self._streams: dict[str, asyncio.Queue[StreamEvent]] = {}
-        # Events not yet handed to their callers' queues (see `_flush`).
-        self._outbox: list[tuple[asyncio.Queue[StreamEvent], StreamEvent]] = []
+        self._streams: dict[str, EventSink] = {}
+        # Events not yet handed to their callers (see `_flush`).
+        self._outbox: list[tuple[EventSink, StreamEvent]] = []
         self._cancelled: list[Request] = []
         # Tasks sent whose results are not back, oldest first: at most two (one ahead).
         self._in_flight: list[InFlightStep] = []
@@ -87,8 +95,9 @@ class Engine:
 
     # ---- called by the service -----------------------------------------------------------
 
-    def submit(self, request: Request) -> asyncio.Queue[StreamEvent]:
-        """Queue a request; returns the queue its events arrive on. Raises `RouterError`."""
+    def submit(self, request: Request, sink: EventSink | None = None) -> EventSink:
+        """Queue a request; returns where its events arrive: `sink`, or else a new queue.
+        Raises `RouterError`."""
         scheduler, summary = self.scheduler, self.summary
         if scheduler is None or summary is None:
             raise WorkersUnavailable("the workers are not connected")
@@ -100,10 +109,11 @@ class Engine:
         request.request_id = f"{request.request_id or 'req'}#{next(self._request_ids)}"
         scheduler.add(request)
         self.metrics.submitted(request.request_id)
-        queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
-        self._streams[request.request_id] = queue
+        if sink is None:
+            sink = asyncio.Queue()
+        self._streams[request.request_id] = sink
         self._wakeup.set()
-        return queue
+        return sink
 
     def cancel(self, request: Request) -> None:
         """The caller went away: take the request out within one step."""

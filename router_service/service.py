@@ -1,7 +1,8 @@
-"""`RouterService` on grpc.aio: Generate, GetStats and GetServerInfo over the engine."""
+"""`RouterService` on grpc.aio: Generate, Stream, GetStats and GetServerInfo over the engine."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 
@@ -11,6 +12,7 @@ from radixserve.v1 import router_pb2, router_pb2_grpc
 from router_service import convert
 from router_service.engine import Engine
 from router_service.errors import RouterError, WorkersUnavailable
+from router_service.request_stream import RequestStream
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,31 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         finally:
             if not ended:  # the caller cancelled or went away
                 self.engine.cancel(generate)
+
+    async def Stream(
+        self, request_iterator: AsyncIterator[router_pb2.RouterStreamRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.RouterStreamResponse]:
+        """Many requests of one caller on one call, each step's updates in one message
+        (request_stream.py). The call ending cancels what is still open on it."""
+        stream = RequestStream(self.engine)
+
+        async def read() -> None:
+            try:
+                async for message in request_iterator:
+                    if message.HasField("open"):
+                        stream.open(message.open)
+                    elif message.HasField("cancel"):
+                        stream.cancel(message.cancel)
+            finally:
+                stream.caller_done()
+
+        reader = asyncio.ensure_future(read())
+        try:
+            async for response in stream.responses():
+                yield response
+        finally:
+            reader.cancel()
+            stream.close()
 
     async def GetStats(
         self, request: router_pb2.GetStatsRequest, context: grpc.aio.ServicerContext

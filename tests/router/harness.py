@@ -113,3 +113,17 @@ async def end_codes(calls) -> list[grpc.StatusCode]:
         except grpc.aio.AioRpcError as exc:
             codes.append(exc.code())
     return codes
+
+
+async def settled(h: Harness, timeout_s: float = 5.0) -> router_pb2.GetStatsResponse:
+    """The router's stats once nothing runs or waits and every release reached rank 0 (releases
+    go with the next, idle, task); AssertionError if that takes longer than `timeout_s`."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        stats = await h.stub.GetStats(router_pb2.GetStatsRequest())
+        if (stats.num_running, stats.num_waiting) == (0, 0) and not h.workers[0].model.requests:
+            return stats
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"still running after {timeout_s}s: {stats}")
+        await asyncio.sleep(0.05)
+

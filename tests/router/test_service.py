@@ -11,7 +11,7 @@ import pytest
 from radixserve.v1 import generation_pb2, router_pb2
 from router.fake_model import EOS_TOKEN_ID, expected_tokens
 from router.fake_worker import fake_logprob
-from router.harness import collect, generate_request, running_router
+from router.harness import collect, generate_request, running_router, settled
 from router_service.config import RouterConfig
 
 EOS_EVERY = 40
@@ -127,12 +127,7 @@ def test_cancelled_streams_leave_and_pages_come_back() -> None:
                 tokens, last = result
                 assert tokens == expected_tokens(prompts[index], max_tokens, eos_every=0)
                 assert last.finish_reason == generation_pb2.FINISH_REASON_LENGTH
-            for _ in range(100):  # releases reach the workers with the next (idle) task
-                stats = await h.stub.GetStats(router_pb2.GetStatsRequest())
-                if stats.num_running == 0 and not h.workers[0].model.requests:
-                    break
-                await asyncio.sleep(0.05)
-            assert (stats.num_running, stats.num_waiting) == (0, 0)
+            stats = await settled(h)
             assert stats.num_pages_free + stats.num_pages_evictable == stats.num_pages_total
             assert stats.num_pages_used == stats.num_pages_evictable
             assert h.workers[0].model.requests == {}  # every request was released on the worker

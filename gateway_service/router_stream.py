@@ -1,0 +1,116 @@
+"""The gateway's side of `RouterService.Stream`: one call per router, shared by every request the
+gateway sends there (the router's side, and why: router_service/request_stream.py).
+
+Each request registers a queue under its (unique) request id, opens itself on the call, and
+reads its updates from the queue; one reader task per call hands each message's updates to
+their queues. A request that ends early (its caller cancelled, a stop string, its deadline)
+sends a cancel. Failures look as they would on Generate: a router's error update, the call
+breaking, or the deadline passing raise `grpc.aio.AioRpcError` with the status Generate would
+have ended with, so failover and the mapping to the caller's status stay as they are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+
+from radixserve.v1 import router_pb2, router_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details)
+
+
+class RouterStream:
+    """One open Stream call to one router. Once `failed` is set the call is over: every request
+    on it got that error, and the pool opens a new call for the next request."""
+
+    def __init__(self, stub: router_pb2_grpc.RouterServiceStub, metadata: Sequence[tuple[str, str]]) -> None:
+        self._call = stub.Stream(metadata=metadata)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._write_lock = asyncio.Lock()
+        self.failed: grpc.aio.AioRpcError | None = None
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def generate(
+        self, request: router_pb2.RouterGenerateRequest, deadline: float | None
+    ) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
+        """The request's responses, as Generate would stream them (`deadline` on
+        `time.monotonic()`); raises `grpc.aio.AioRpcError` as Generate would end."""
+        if self.failed is not None:
+            raise self.failed
+        request_id = request.request_id
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        ended = False
+        try:
+            await self._write(router_pb2.RouterStreamRequest(open=request))
+            while True:
+                try:
+                    async with asyncio.timeout(None if deadline is None else deadline - time.monotonic()):
+                        update = await queue.get()
+                except TimeoutError:
+                    raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+                if isinstance(update, grpc.aio.AioRpcError):
+                    ended = True
+                    raise update
+                if update.error_code:
+                    ended = True
+                    code = _CODES.get(update.error_code, grpc.StatusCode.UNKNOWN)
+                    raise rpc_error(code, update.error_message)
+                ended = bool(update.response.finish_reason)
+                yield update.response
+                if ended:
+                    return
+        finally:
+            del self._queues[request_id]
+            if not ended and self.failed is None:
+                # Not awaited here: a generator being closed must not wait on the network.
+                asyncio.ensure_future(self._cancel(request_id))
+
+    async def close(self) -> None:
+        self._call.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader
+
+    async def _read(self) -> None:
+        try:
+            async for message in self._call:
+                for update in message.updates:
+                    queue = self._queues.get(update.request_id)
+                    if queue is not None:  # else: cancelled by its caller meanwhile
+                        queue.put_nowait(update)
+            error = rpc_error(grpc.StatusCode.UNAVAILABLE, "the router ended the stream")
+        except grpc.aio.AioRpcError as exc:
+            error = exc
+        except asyncio.CancelledError:
+            error = rpc_error(grpc.StatusCode.UNAVAILABLE, "the gateway closed the stream")
+        self.failed = error
+        if self._queues:
+            log.warning("stream to the router ended with %s: failing %d request(s)", error.code().name, len(self._queues))
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+
+    async def _write(self, message: router_pb2.RouterStreamRequest) -> None:
+        async with self._write_lock:
+            if self.failed is not None:
+                raise self.failed
+            try:
+                await self._call.write(message)
+            except (grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
+                # The call ended meanwhile; its status is what the reader reports.
+                await asyncio.shield(self._reader)
+                raise self.failed or rpc_error(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+
+    async def _cancel(self, request_id: str) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
+            await self._write(router_pb2.RouterStreamRequest(cancel=request_id))
