@@ -24,6 +24,7 @@ from radixserve.v1 import router_pb2, router_pb2_grpc
 log = logging.getLogger(__name__)
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+_DEADLINE = object()  # what a request's deadline timer puts in its queue
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -51,15 +52,17 @@ class RouterStream:
         request_id = request.request_id
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
+        # The deadline is one timer that puts its error in the queue, not a timeout per read.
+        loop = asyncio.get_running_loop()
+        timer = None if deadline is None else loop.call_at(
+            loop.time() + deadline - time.monotonic(), queue.put_nowait, _DEADLINE)
         ended = False
         try:
             await self._write(router_pb2.RouterStreamRequest(open=request))
             while True:
-                try:
-                    async with asyncio.timeout(None if deadline is None else deadline - time.monotonic()):
-                        update = await queue.get()
-                except TimeoutError:
-                    raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded") from None
+                update = await queue.get()
+                if update is _DEADLINE:  # still open on the router: cancelled below
+                    raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
                 if isinstance(update, grpc.aio.AioRpcError):
                     ended = True
                     raise update
@@ -72,6 +75,8 @@ class RouterStream:
                 if ended:
                     return
         finally:
+            if timer is not None:
+                timer.cancel()
             del self._queues[request_id]
             if not ended and self.failed is None:
                 # Not awaited here: a generator being closed must not wait on the network.
