@@ -40,6 +40,7 @@ class RouterStream:
         self._queues: dict[str, asyncio.Queue] = {}
         self._write_lock = asyncio.Lock()
         self.failed: grpc.aio.AioRpcError | None = None
+        self._cancels: set[asyncio.Future] = set()
         self._reader = asyncio.ensure_future(self._read())
 
     async def generate(
@@ -79,8 +80,11 @@ class RouterStream:
                 timer.cancel()
             del self._queues[request_id]
             if not ended and self.failed is None:
-                # Not awaited here: a generator being closed must not wait on the network.
-                asyncio.ensure_future(self._cancel(request_id))
+                # Not awaited here: a generator being closed must not wait on the network. (The
+                # loop keeps only weak references to tasks: `_cancels` holds it until it is done.)
+                task = asyncio.ensure_future(self._cancel(request_id))
+                self._cancels.add(task)
+                task.add_done_callback(self._cancels.discard)
 
     async def close(self) -> None:
         self._call.cancel()
