@@ -83,9 +83,11 @@ struct ChunkRef {
   int64_t partial_offset;  // in partials of (kD + 2) floats: [kv head][row of the segment][group]
 };
 
-// A unit of work: one chunk against kv heads [head_begin, head_end). A chunk of few queries (a
-// decode row's own keys) takes all its heads in one unit: alone, each head's unit is a few pages,
-// and what the threads pay to hand units out and to start one is a large part of it.
+// A unit of work: one chunk against kv heads [head_begin, head_end). A short chunk of few queries
+// (a decode row's own keys, up to kMinChunkPages pages) takes all its heads in one unit: alone,
+// each head's unit is a few pages, and what the threads pay to hand units out and to start one is
+// a large part of it. Longer chunks keep a unit per head, so that the threads have units enough to
+// share the work evenly.
 struct Unit {
   int32_t chunk, head_begin, head_end;
 };
@@ -163,7 +165,9 @@ Schedule* build_schedule(const StepPlan& plan) {
     }
   }
   for (int ci = 0; ci < static_cast<int>(chunks.size()); ++ci) {
-    if (segments[chunks[ci].segment].num_rows * group < kManyQueries) {
+    const bool short_few = segments[chunks[ci].segment].num_rows * group < kManyQueries &&
+                           chunks[ci].chunk.num_pages <= kMinChunkPages;
+    if (short_few) {
       schedule->units.push_back({ci, 0, hk});
     } else {
       for (int h = 0; h < hk; ++h) schedule->units.push_back({ci, h, h + 1});
