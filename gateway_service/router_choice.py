@@ -19,9 +19,9 @@ from collections.abc import AsyncIterator, Sequence
 
 import grpc
 
+from gateway_service.router_stream import RouterStream
 from radixserve.security import Security
 from radixserve.serving import CHANNEL_OPTIONS, NO_SECURITY
-from gateway_service.router_stream import RouterStream
 from radixserve.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -58,9 +58,9 @@ class Engine:
     """Owns the scheduler and the worker connection; everything runs on one asyncio loop.
 
     The service calls `submit` / `cancel` / `stats` (never blocking); `run` is the step loop.
-    A request's events arrive where `submit` says (a queue, or a Stream call's sink); its last
-    event is `finished` or carries an `error`. The scheduler exists only while the workers are
-    connected.
+    A request's events go to the sink given to `submit` (Generate's queue, or a Stream call's);
+    its last event is `finished` or carries an `error`. The scheduler exists only while the
+    workers are connected.
     """
 
     def __init__(
@@ -95,9 +95,8 @@ class Engine:
 
     # ---- called by the service -----------------------------------------------------------
 
-    def submit(self, request: Request, sink: EventSink | None = None) -> EventSink:
-        """Queue a request; returns where its events arrive: `sink`, or else a new queue.
-        Raises `RouterError`."""
+    def submit(self, request: Request, sink: EventSink) -> None:
+        """Queue a request whose events go to `sink`. Raises `RouterError`."""
         scheduler, summary = self.scheduler, self.summary
         if scheduler is None or summary is None:
             raise WorkersUnavailable("the workers are not connected")
@@ -109,11 +108,8 @@ class Engine:
         request.request_id = f"{request.request_id or 'req'}#{next(self._request_ids)}"
         scheduler.add(request)
         self.metrics.submitted(request.request_id)
-        if sink is None:
-            sink = asyncio.Queue()
         self._streams[request.request_id] = sink
         self._wakeup.set()
-        return sink
 
     def cancel(self, request: Request) -> None:
         """The caller went away: take the request out within one step."""

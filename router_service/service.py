@@ -10,7 +10,7 @@ import grpc
 
 from radixserve.v1 import router_pb2, router_pb2_grpc
 from router_service import convert
-from router_service.engine import Engine
+from router_service.engine import Engine, StreamEvent
 from router_service.errors import RouterError, WorkersUnavailable
 from router_service.request_stream import RequestStream
 
@@ -30,7 +30,8 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         usage. A caller that cancels or disconnects takes its request out of the batch."""
         try:
             generate = convert.request_from_proto(request, self.engine.config.max_request_id_bytes)
-            queue = self.engine.submit(generate)
+            queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
+            self.engine.submit(generate, queue)
         except RouterError as exc:
             await context.abort(*convert.status_of(exc))
         ended = False
