@@ -85,6 +85,8 @@ class RequestStream:
 
     def event(self, caller_id: str, request: Request, event: StreamEvent) -> None:
         """One of the engine's events for an open request (see `_Sink`)."""
+        if self._open.get(caller_id) is not request:
+            return  # cancelled by the caller while the event waited in the engine's outbox
         if event.error is not None:
             update = self._error_update(caller_id, event.error)
         else:
