@@ -138,20 +138,21 @@ def response_to_proto(
     logprobs: list[generation_pb2.TokenLogprob],
     request: Request,
     finished: bool,
+    into: router_pb2.RouterGenerateResponse | None = None,
 ) -> router_pb2.RouterGenerateResponse:
+    """The response for new tokens, written into `into` (an empty message, such as a Stream
+    update's own field, so that nothing is built twice) or a new one."""
+    response = router_pb2.RouterGenerateResponse() if into is None else into
+    response.token_ids.extend(token_ids)
+    response.logprobs.extend(logprobs)
     # Usage rides on every response, so a caller that stops reading early (the gateway, on a
     # stop string) still knows the prompt's cached tokens.
-    response = router_pb2.RouterGenerateResponse(
-        token_ids=token_ids,
-        logprobs=logprobs,
-        usage=generation_pb2.Usage(
-            prompt_tokens=request.num_prompt,
-            completion_tokens=request.num_output,
-            cached_tokens=max(request.num_cached_tokens, 0),
-            draft_tokens=request.draft.num_drafted,
-            accepted_draft_tokens=request.draft.num_accepted,
-        ),
-    )
+    usage = response.usage
+    usage.prompt_tokens = request.num_prompt
+    usage.completion_tokens = request.num_output
+    usage.cached_tokens = max(request.num_cached_tokens, 0)
+    usage.draft_tokens = request.draft.num_drafted
+    usage.accepted_draft_tokens = request.draft.num_accepted
     if finished and request.finish_reason in _FINISH:
         response.finish_reason = _FINISH[request.finish_reason]
     return response

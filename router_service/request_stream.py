@@ -90,10 +90,8 @@ class RequestStream:
         if event.error is not None:
             update = self._error_update(caller_id, event.error)
         else:
-            update = router_pb2.RouterStreamUpdate(
-                request_id=caller_id,
-                response=convert.response_to_proto(event.token_ids, event.logprobs, request, event.finished),
-            )
+            update = router_pb2.RouterStreamUpdate(request_id=caller_id)
+            convert.response_to_proto(event.token_ids, event.logprobs, request, event.finished, into=update.response)
         if event.error is not None or event.finished:
             self._open.pop(caller_id, None)
         self._add(update)
