@@ -50,7 +50,7 @@ def memory_bandwidth() -> float:
     best = BANDWIDTH_BYTES / _best_seconds(buffer.sum)
     del buffer
     kernels = native.load()
-    if kernels is not None and kernels.gemv_supported:
+    if kernels is not None and torch.bfloat16 in kernels.gemv_dtypes:
         columns = 1024
         weight = kernels.pack_gemv(torch.ones(BANDWIDTH_BYTES // 2 // columns, columns, dtype=torch.bfloat16))
         x = torch.ones(1, columns, dtype=torch.bfloat16)

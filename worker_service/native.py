@@ -20,8 +20,8 @@ threads, SmolLM2's heads: 1 / 32 / 2,048 tokens 23 -> 5, 44 -> 15, 1,279 -> 405 
 took a bfloat16 decode step of the worker alone (`bench_worker`'s shapes, five alternating pairs,
 medians) from 73 to 85 tok/s at batch 1 and from 640 to 738 at batch 32.
 
-`csrc/gemv.cpp` multiplies a decode step's rows by a bfloat16 weight in its own layout
-(AVX512-BF16; see `layers/linear.py`); `csrc/decode_layer.cpp` runs a whole decoder layer of such
+`csrc/gemv.cpp` multiplies a decode step's rows by a bfloat16 (AVX512-BF16) or float32 weight in
+its own layout (see `layers/linear.py`); `csrc/decode_layer.cpp` runs a whole decoder layer of such
 a step in one call (see `layers/fused_layer.py`). The attention kernel's
 per-step plan is `native_plan.py`.
 
@@ -137,12 +137,17 @@ class NativeKernels:
         self._rope_store.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_int32] * 4,
                                      *[ctypes.c_void_p] * 5, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32]
         self._lib.radix_gemv_packed_size.restype = ctypes.c_int64
-        self._lib.radix_gemv_packed_size.argtypes = [ctypes.c_int64, ctypes.c_int64]
-        self._lib.radix_pack_gemv_weight.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        self._lib.radix_gemv_packed_size.argtypes = [ctypes.c_int32, ctypes.c_int64, ctypes.c_int64]
+        self._lib.radix_pack_gemv_weight.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                                     ctypes.c_void_p]
         self._gemv = self._lib.radix_gemv
-        self._gemv.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p,
-                               ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32]
-        self.gemv_supported = bool(self._lib.radix_gemv_supported())
+        self._gemv.argtypes = [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int64,
+                               ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                               ctypes.c_int32]
+        self._lib.radix_gemv_supported.argtypes = [ctypes.c_int32]
+        # The dtypes the small-batch linear kernel runs in on this build (bfloat16 needs AVX512-BF16).
+        self.gemv_dtypes = frozenset(dtype for dtype in (torch.bfloat16, torch.float32)
+                                     if self._lib.radix_gemv_supported(DTYPE_CODES[dtype]))
         self.decode_layer = self._lib.radix_decode_layer  # see layers/fused_layer.py
         self.decode_layer.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int32]
         self.decode_layer.restype = ctypes.c_int
@@ -150,7 +155,7 @@ class NativeKernels:
             raise RuntimeError("paged_attention.cpp's StepPlan and native_plan.py's mirror differ")
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """RMSNorm of half-precision rows `x` `[..., H]` (last dim contiguous) -> a new `[..., H]`."""
+        """RMSNorm of rows `x` `[..., H]` (last dim contiguous) -> a new `[..., H]`."""
         if x.stride(-1) != 1 or (x.dim() > 2 and not x.is_contiguous()):
             x = x.contiguous()
         size = x.shape[-1]
@@ -219,25 +224,33 @@ class NativeKernels:
             raise RuntimeError(f"rope_store kernel refused the call (status {status})")
 
     def pack_gemv(self, weight: torch.Tensor) -> GemvWeight | None:
-        """`weight` `[N, K]` (bfloat16, CPU) in the small-batch linear's layout (`csrc/gemv.cpp`), or
-        None where that kernel does not run (another dtype, no AVX512-BF16, odd K)."""
-        if not self.gemv_supported or weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.shape[1] % 2:
+        """`weight` `[N, K]` (bfloat16 or float32, CPU) in the small-batch linear's layout
+        (`csrc/gemv.cpp`), or None where that kernel does not run (another dtype, bfloat16 without
+        AVX512-BF16 or with an odd K)."""
+        if weight.dtype not in self.gemv_dtypes or weight.dim() != 2:
+            return None
+        if weight.dtype == torch.bfloat16 and weight.shape[1] % 2:
             return None
         n, k = weight.shape
+        code = DTYPE_CODES[weight.dtype]
         weight = weight.detach().contiguous()
-        packed = torch.empty(self._lib.radix_gemv_packed_size(n, k), dtype=torch.bfloat16)
-        self._lib.radix_pack_gemv_weight(weight.data_ptr(), n, k, packed.data_ptr())
+        packed = torch.empty(self._lib.radix_gemv_packed_size(code, n, k), dtype=weight.dtype)
+        self._lib.radix_pack_gemv_weight(code, weight.data_ptr(), n, k, packed.data_ptr())
         return GemvWeight(packed, n, k)
 
     def gemv(self, x: torch.Tensor, weight: GemvWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """`x` `[rows, K]` (bfloat16, last dim contiguous) times the packed weight's transpose
-        (+ `bias`) -> `[rows, N]`, the weight read from memory once."""
+        """`x` `[rows, K]` (the weight's dtype, last dim contiguous) times the packed weight's
+        transpose (+ `bias`) -> `[rows, N]`, the weight read from memory once."""
         if x.stride(-1) != 1:
             x = x.contiguous()
+        dtype = weight.packed.dtype
+        if x.dtype != dtype or (bias is not None and bias.dtype != dtype):
+            raise TypeError(f"gemv of a {dtype} weight got {x.dtype} rows"
+                            + ("" if bias is None else f" and a {bias.dtype} bias"))
         rows = x.shape[0]
-        out = torch.empty((rows, weight.n), dtype=torch.bfloat16)
-        status = self._gemv(x.data_ptr(), x.stride(0), rows, weight.k, weight.packed.data_ptr(), weight.n,
-                            None if bias is None else bias.data_ptr(), out.data_ptr(), weight.n,
+        out = torch.empty((rows, weight.n), dtype=dtype)
+        status = self._gemv(DTYPE_CODES[dtype], x.data_ptr(), x.stride(0), rows, weight.k, weight.packed.data_ptr(),
+                            weight.n, None if bias is None else bias.data_ptr(), out.data_ptr(), weight.n,
                             torch.get_num_threads())
         if status != 0:
             raise RuntimeError(f"gemv kernel refused the call (status {status})")
@@ -256,7 +269,7 @@ class NativeKernels:
 
 @dataclass(slots=True, frozen=True)
 class GemvWeight:
-    """A `[n, k]` bfloat16 weight packed for `NativeKernels.gemv`."""
+    """A `[n, k]` weight packed for `NativeKernels.gemv` (in `packed`'s dtype)."""
 
     packed: torch.Tensor
     n: int

@@ -1,10 +1,10 @@
 """Whole decoder layers as one compiled call (`layers/fused_layer.py`) give the same bits as the
 layers' own code with the compiled kernels: same kernels, same order, same buffers.
 
-Through the tiny Llama and Qwen2 (q/k/v biases) models in bfloat16, a prompt of 3 tokens and
-then decode steps of 1 to 11 sequences behind a shared prefix, with and without the
-fused path: logits equal. Steps of more than `GEMV_MAX_ROWS` tokens and float32 take the module
-path.
+Through the tiny Llama and Qwen2 (q/k/v biases) models in bfloat16 and float32, a prompt of 3
+tokens and then decode steps of 1 to 11 sequences behind a shared prefix, with and without the
+fused path: logits equal. Steps of more than `GEMV_MAX_ROWS` tokens and float16 (no small-batch
+linear kernel) take the module path.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from worker_service.layers.linear import GEMV_MAX_ROWS
 from worker_service.model_runner import ModelRunner, RunnerConfig
 
 KERNEL = native.load()
-pytestmark = pytest.mark.skipif(KERNEL is None or not KERNEL.gemv_supported,
-                                reason="the fused layer needs the compiled kernels with AVX512-BF16")
+pytestmark = pytest.mark.skipif(KERNEL is None, reason="the fused layer needs the compiled kernels")
+DTYPES = [pytest.param(name, marks=pytest.mark.skipif(KERNEL is None or getattr(torch, name) not in KERNEL.gemv_dtypes,
+                                                     reason=f"no small-batch linear kernel for {name} here"))
+          for name in ("bfloat16", "float32")]
 
 
 def runner(model_dir, dtype: str = "bfloat16") -> ModelRunner:
@@ -50,22 +52,24 @@ def decode(run: ModelRunner, use_fused: bool, num_seqs: int, steps: int) -> list
     return logits
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("make", [make_tiny_llama, make_tiny_qwen2], ids=["llama", "qwen2"])
 @pytest.mark.parametrize("num_seqs", [1, 2, 4, 11])
-def test_fused_layers_give_the_module_paths_bits(tmp_path, make, num_seqs) -> None:
+def test_fused_layers_give_the_module_paths_bits(tmp_path, dtype, make, num_seqs) -> None:
     model_dir = make(tmp_path)
-    with_fused = runner(model_dir)
+    with_fused = runner(model_dir, dtype)
     assert with_fused.model.fused is not None
     fused_logits = decode(with_fused, True, num_seqs, 5)
-    plain_logits = decode(runner(model_dir), False, num_seqs, 5)
+    plain_logits = decode(runner(model_dir, dtype), False, num_seqs, 5)
     for fused, plain in zip(fused_logits, plain_logits):
         assert torch.equal(fused, plain)
 
 
-def test_fused_layers_run_only_where_every_kernel_does(tmp_path) -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_layers_run_only_where_every_kernel_does(tmp_path, dtype) -> None:
     model_dir = make_tiny_llama(tmp_path)
-    assert runner(model_dir, "float32").model.fused is None  # no small-batch linear kernel in float32
-    bf16 = runner(model_dir)
+    assert runner(model_dir, "float16").model.fused is None  # no small-batch linear kernel in float16
+    bf16 = runner(model_dir, dtype)
     fused = bf16.model.fused
     calls = []
     original = FusedDecode.run

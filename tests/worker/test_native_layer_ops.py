@@ -140,42 +140,55 @@ def test_rope_store_refuses_what_it_cannot_read() -> None:
         KERNEL.rope_store(qkv, 3, positions, cos[:, ::2], sin, pool[0], pool[1], slots)
 
 
-needs_gemv = pytest.mark.skipif(KERNEL is None or not KERNEL.gemv_supported,
-                                reason="the small-batch linear kernel needs AVX512-BF16")
+def gemv_dtypes() -> list:
+    """bfloat16 where this CPU has AVX512-BF16 (skipped otherwise), float32 wherever the kernel builds."""
+    return [pytest.param(dtype, marks=pytest.mark.skipif(KERNEL is None or dtype not in KERNEL.gemv_dtypes,
+                                                         reason=f"no small-batch linear kernel for {dtype} here"))
+            for dtype in (torch.bfloat16, torch.float32)]
 
 
-@needs_gemv
-@pytest.mark.parametrize("n,k", [(832, 576), (50, 64), (130, 18), (64, 2)])
+@pytest.mark.parametrize("dtype", gemv_dtypes(), ids=["bf16", "fp32"])
+@pytest.mark.parametrize("n,k", [(832, 576), (50, 64), (130, 18), (64, 2), (70, 7)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 33, 64, 65])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-def test_gemv_equals_a_linear_layer_within_one_bfloat16_step(n, k, rows, bias, threads) -> None:
-    """x W^T (+ b) against float32's product of the same bfloat16 values: within one rounding of
-    the result to bfloat16 (float32 sums in another order); rows read from a wider tensor."""
+def test_gemv_equals_a_linear_layer_within_one_rounding(dtype, n, k, rows, bias, threads) -> None:
+    """x W^T (+ b) against the exact product of the same values (float64): within one rounding of
+    the result to bfloat16, or in float32 within float32's error of sums of K products (sums in
+    another order); rows read from a wider tensor. Odd K only in float32 (bfloat16 refuses it)."""
+    if dtype == torch.bfloat16 and k % 2:
+        pytest.skip("bfloat16 needs an even K (see the refusal test)")
     generator = torch.Generator().manual_seed(n * k + rows)
-    weight = (torch.randn(n, k, generator=generator) * 0.1).bfloat16()
-    b = torch.randn(n, generator=generator).bfloat16() if bias else None
-    wide = torch.randn(rows, k + 6, generator=generator).bfloat16()
+    weight = (torch.randn(n, k, generator=generator) * 0.1).to(dtype)
+    b = torch.randn(n, generator=generator).to(dtype) if bias else None
+    wide = torch.randn(rows, k + 6, generator=generator).to(dtype)
     x = wide[:, 3:3 + k]
     packed = KERNEL.pack_gemv(weight)
     got = KERNEL.gemv(x, packed, b)
-    exact = F.linear(x.float(), weight.float(), None if b is None else b.float())
-    assert got.shape == (rows, n) and got.dtype == torch.bfloat16
-    step = torch.finfo(torch.bfloat16).eps * exact.abs() + 1e-6
-    assert bool(((got.float() - exact).abs() <= step).all())
+    exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
+    assert got.shape == (rows, n) and got.dtype == dtype
+    if dtype == torch.bfloat16:
+        step = torch.finfo(torch.bfloat16).eps * exact.abs() + 1e-6
+    else:  # each of the K + 1 float32 additions errs by at most eps of the running magnitude
+        magnitude = F.linear(x.double().abs(), weight.double().abs(), None if b is None else b.double().abs())
+        step = (k + 2) * torch.finfo(torch.float32).eps * magnitude + 1e-30
+    assert bool(((got.double() - exact).abs() <= step).all())
 
 
 def test_gemv_packing_is_refused_where_the_kernel_does_not_run() -> None:
-    assert KERNEL.pack_gemv(torch.zeros(8, 8)) is None  # float32: oneDNN's kernel serves it
-    assert KERNEL.pack_gemv(torch.zeros(8, 7, dtype=torch.bfloat16)) is None  # odd K
+    assert KERNEL.pack_gemv(torch.zeros(8, 8, dtype=torch.float16)) is None  # oneDNN's kernel serves it
+    assert KERNEL.pack_gemv(torch.zeros(8, 7, dtype=torch.bfloat16)) is None  # odd K: pairs of x
+    assert KERNEL.pack_gemv(torch.zeros(8, 7)) is not None  # float32 takes any K
+    with pytest.raises(TypeError, match="float32"):
+        KERNEL.gemv(torch.zeros(1, 7, dtype=torch.bfloat16), KERNEL.pack_gemv(torch.zeros(8, 7)))
 
 
-@needs_gemv
-def test_linear_layers_use_the_small_batch_kernel_for_decode_sized_products_only(monkeypatch) -> None:
+@pytest.mark.parametrize("dtype", gemv_dtypes(), ids=["bf16", "fp32"])
+def test_linear_layers_use_the_small_batch_kernel_for_decode_sized_products_only(dtype, monkeypatch) -> None:
     from worker_service.layers.linear import GEMV_MAX_ROWS, Linear
 
     generator = torch.Generator().manual_seed(7)
-    weight = (torch.randn(96, 64, generator=generator) * 0.1).bfloat16()
-    bias = torch.randn(96, generator=generator).bfloat16()
+    weight = (torch.randn(96, 64, generator=generator) * 0.1).to(dtype)
+    bias = torch.randn(96, generator=generator).to(dtype)
     plain, fast = Linear(weight.clone(), bias.clone()), Linear(weight.clone(), bias.clone())
     plain.pack()
     fast.pack(KERNEL)
@@ -189,6 +202,6 @@ def test_linear_layers_use_the_small_batch_kernel_for_decode_sized_products_only
 
     monkeypatch.setattr(native.NativeKernels, "gemv", counted)
     for rows in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 3 * GEMV_MAX_ROWS):
-        x = torch.randn(rows, 64, generator=generator).bfloat16()
+        x = torch.randn(rows, 64, generator=generator).to(dtype)
         torch.testing.assert_close(fast(x).float(), plain(x).float(), atol=2e-2, rtol=1e-2)
     assert calls == [1, GEMV_MAX_ROWS]  # more rows go to oneDNN's kernel

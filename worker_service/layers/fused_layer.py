@@ -6,8 +6,8 @@ the same kernels in the same order on the same buffers (so the results are the s
 `models/llama.py`'s path with the compiled kernels); here the per-layer arguments are laid out
 once at load and the per-step ones once per step.
 
-It runs where every kernel of the layer does: bfloat16 with the small-batch linear kernel
-(AVX512-BF16), a single TP rank (a row-parallel layer's all-reduce would sit between kernels), and
+It runs where every kernel of the layer does: bfloat16 (with AVX512-BF16) or float32 with the
+small-batch linear kernel, a single TP rank (a row-parallel layer's all-reduce would sit between kernels), and
 steps of at most `GEMV_MAX_ROWS` tokens. Other steps take the module path.
 """
 
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from worker_service.layers.linear import GEMV_MAX_ROWS
+from worker_service.native_plan import DTYPE_CODES
 
 if TYPE_CHECKING:
     from worker_service.kv_pool import KVPool
@@ -30,6 +31,7 @@ class _LayerWeights(ctypes.Structure):
     """Mirror of `LayerWeights` in decode_layer.cpp."""
 
     _fields_ = [
+        ("dtype", ctypes.c_int32),
         ("hidden", ctypes.c_int32), ("num_q_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32),
         ("head_dim", ctypes.c_int32), ("intermediate", ctypes.c_int32),
         ("input_eps", ctypes.c_float), ("post_eps", ctypes.c_float),
@@ -68,7 +70,7 @@ class FusedDecode:
             k_slots, v_slots = pool.slots(index)
             bias = attention.qkv_proj.bias
             self._layers.append(_LayerWeights(
-                hidden=model.config.hidden_size, num_q_heads=num_q, num_kv_heads=num_kv, head_dim=head_dim,
+                dtype=DTYPE_CODES[pool.buffer.dtype], hidden=model.config.hidden_size, num_q_heads=num_q, num_kv_heads=num_kv, head_dim=head_dim,
                 intermediate=intermediate,
                 input_eps=layer.input_layernorm.eps, post_eps=layer.post_attention_layernorm.eps,
                 input_norm=layer.input_layernorm.weight.data_ptr(),
@@ -87,12 +89,13 @@ class FusedDecode:
         # Room for the largest step; a step of fewer rows uses the start of each buffer.
         widths = [self._hidden_size, (num_q + 2 * num_kv) * head_dim, num_q * head_dim, self._hidden_size,
                   2 * intermediate, intermediate]
-        self._scratch = [torch.empty(GEMV_MAX_ROWS, width, dtype=torch.bfloat16) for width in widths]
+        self._dtype = pool.buffer.dtype
+        self._scratch = [torch.empty(GEMV_MAX_ROWS, width, dtype=self._dtype) for width in widths]
 
     @classmethod
     def build(cls, kernels: NativeKernels | None, model: LlamaForCausalLM, pool: KVPool) -> FusedDecode | None:
         """The fused layers where every kernel of a layer runs for this model (see the module doc)."""
-        if kernels is None or model.group.world_size != 1 or pool.buffer.dtype != torch.bfloat16:
+        if kernels is None or model.group.world_size != 1 or pool.buffer.dtype not in kernels.gemv_dtypes:
             return None
         for layer in model.layers:
             linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
@@ -108,7 +111,7 @@ class FusedDecode:
         the residual stream), as the module loop returns them."""
         rows = hidden.shape[0]
         num_q, num_kv, head_dim, intermediate = self._shape
-        plan, schedule = step.attention.native.bound(num_q, head_dim, torch.bfloat16, (num_q + 2 * num_kv) * head_dim,
+        plan, schedule = step.attention.native.bound(num_q, head_dim, self._dtype, (num_q + 2 * num_kv) * head_dim,
                                                      num_kv, self._layers[0].kv_head_stride)
         args = self._args
         args.rows, args.num_threads = rows, torch.get_num_threads()

@@ -1,8 +1,9 @@
 """RMSNorm: x / rms(x) * weight, computed in float32 whatever the model dtype.
 
 With the compiled kernels (`worker_service.native`, set as `kernels` by the model runner) it is one
-pass in half precision, and `add` (the residual add before the norm) is one pass in every dtype;
-PyTorch's ops otherwise. In float32 plain RMSNorm stays PyTorch's: one fused kernel already."""
+pass, and `add` (the residual add before the norm) too; PyTorch's ops otherwise (in float32 one
+fused kernel, in half precision a chain of casts and ops). The fused decode layers
+(`fused_layer.py`) call the same kernels, so both paths give the same bits in every dtype."""
 
 from __future__ import annotations
 
@@ -32,11 +33,11 @@ class RMSNorm(torch.nn.Module):
         return self(residual), residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            # One fused kernel where no casts are needed (the hot path on CPU in fp32).
-            return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         if self.kernels is not None:
             return self.kernels.rms_norm(x, self.weight, self.eps)
+        if x.dtype == torch.float32:
+            # One fused kernel where no casts are needed.
+            return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         # Cast back before the weight, as the reference Llama/Qwen2 code does.
