@@ -30,6 +30,12 @@ pytestmark = pytest.mark.skipif(KERNEL is None, reason=f"the kernel does not bui
 CPU = torch.device("cpu")
 # Output rounding to the pool's dtype dominates: one bfloat16 step near 1 is 2^-7.
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+# Float32 sums taken in other orders than the reference's err by a few steps of the result's own
+# magnitude: up to 6.3 float32 epsilons of a value near 2.9 (2.1e-6) against a float64 reference,
+# where the root-mean-square error over test_kernel_equals_attention_of_each_row_alone's cases
+# is 8.7e-8 (8.6e-8 before the float32 many-query path); so float32 also allows 2.5 epsilons of
+# the expected value.
+RELATIVE = {torch.float32: 3e-7, torch.bfloat16: 0.0, torch.float16: 0.0}
 
 
 reference = cascade.reference_attention  # plain float32 attention of each row over its own context
@@ -82,7 +88,7 @@ def test_kernel_equals_attention_of_each_row_alone(seed, page_size, head_dim, dt
         got = attend(q, k, v, tables, lens, page_size)
         assert got.dtype == dtype and got.shape == q.shape
         torch.testing.assert_close(got.float(), reference(q, k, v, tables, lens, page_size),
-                                   atol=TOLERANCE[dtype], rtol=0)
+                                   atol=TOLERANCE[dtype], rtol=RELATIVE[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -107,7 +113,7 @@ def test_long_contexts_and_large_groups(dtype, threads) -> None:
     q = torch.randn(len(tables), num_q_heads, head_dim, generator=generator).to(dtype)
     got = attend(q, k, v, tables, lens, page_size)
     torch.testing.assert_close(got.float(), reference(q, k, v, tables, lens, page_size),
-                               atol=TOLERANCE[dtype], rtol=0)
+                               atol=TOLERANCE[dtype], rtol=RELATIVE[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -136,7 +142,7 @@ def test_prefill_spans_attend_causally_beside_decode_rows(seed, dtype, threads) 
     v = torch.cat([v, torch.randn(num_kv_heads, grow, head_dim, generator=generator).to(dtype)], 1)
     q = torch.randn(row, num_q_heads, head_dim, generator=generator).to(dtype)
     got, expected = attend_with_spans(q, k, v, tables, lens, spans, page_size)
-    torch.testing.assert_close(got, expected, atol=TOLERANCE[dtype], rtol=0)
+    torch.testing.assert_close(got, expected, atol=TOLERANCE[dtype], rtol=RELATIVE[dtype])
 
 
 @pytest.mark.parametrize("num_q_heads,num_kv_heads,head_dim", [(8, 1, 128), (12, 2, 96), (4, 2, 32)])
@@ -158,7 +164,7 @@ def test_wide_query_groups_in_every_tile_shape(num_q_heads, num_kv_heads, head_d
     v = torch.randn(num_kv_heads, next_page * page_size, head_dim, generator=generator).to(dtype)
     q = torch.randn(row, num_q_heads, head_dim, generator=generator).to(dtype)
     got, expected = attend_with_spans(q, k, v, tables, lens, spans, page_size)
-    torch.testing.assert_close(got, expected, atol=TOLERANCE[dtype], rtol=0)
+    torch.testing.assert_close(got, expected, atol=TOLERANCE[dtype], rtol=RELATIVE[dtype])
 
 
 def test_queries_may_be_a_strided_view() -> None:
@@ -169,7 +175,7 @@ def test_queries_may_be_a_strided_view() -> None:
     q = merged[: len(tables), :9]
     assert not q.is_contiguous()
     torch.testing.assert_close(attend(q, k, v, tables, lens, 4), reference(q, k, v, tables, lens, 4),
-                               atol=TOLERANCE[torch.float32], rtol=0)
+                               atol=TOLERANCE[torch.float32], rtol=RELATIVE[torch.float32])
 
 
 def test_one_plan_serves_every_layer_and_rebinds_for_another_layout() -> None:

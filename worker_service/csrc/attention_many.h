@@ -5,7 +5,8 @@
 // per unit (q^T), the softmax runs down each lane, and the weights of two keys sit side by side in
 // each lane, ready for the values (interleaved once per unit by key pairs, attention_pairs.h).
 //
-// It replaced a layout with keys across the lanes (16 keys gathered into pairs per pass, each
+// The pieces the float32 unit shares (tiles, blocks of query vectors, the last transposition) are
+// in attention_lanes.h. It replaced a layout with keys across the lanes (16 keys gathered into pairs per pass, each
 // query's pair broadcast): 32 rows behind a 992-token prefix, one layer, one thread, four
 // alternating runs, 410-494 -> 313-323 us.
 #pragma once
@@ -15,9 +16,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 #include <vector>
 
+#include "attention_lanes.h"
 #include "attention_pairs.h"
 #include "page_walk.h"
 #include "vector_math.h"
@@ -25,9 +26,6 @@
 namespace radix {
 
 #ifdef __AVX512BF16__
-
-// Most keys a score tile takes.
-constexpr int kMaxTileKeys = 8;
 
 // Scores of kK keys (rows `keys[i]`) against kQ vectors of 16 queries: st[i * st_stride + 16 t]
 // = scale * q . k. qt holds the queries' pairs transposed: pair e of the 16 queries of vector t at
@@ -50,11 +48,6 @@ inline void score_tile(const int32_t* qt, int qt_stride, const uint16_t* const* 
     for (int t = 0; t < kQ; ++t) _mm512_storeu_ps(st + i * st_stride + 16 * t, _mm512_mul_ps(acc[i][t], vscale));
 }
 
-// Keys per score tile for kQ vectors of queries: up to 24 sums in registers (with the kQ query
-// vectors and a broadcast key pair, 31 of the 32), and at least 8 where the queries allow, to cover
-// `vdpbf16ps`'s latency at two per cycle.
-constexpr int keys_per_tile(int kQ) { return std::min(kMaxTileKeys, 24 / kQ); }
-
 template <int kD, int kQ, int kCount = keys_per_tile(kQ)>
 inline void score_tile_keys(int count, const int32_t* qt, int qt_stride, const uint16_t* const* keys, float* st,
                             int st_stride, __m512 vscale) {
@@ -64,9 +57,6 @@ inline void score_tile_keys(int count, const int32_t* qt, int qt_stride, const u
     score_tile_keys<kD, kQ, kCount - 1>(count, qt, qt_stride, keys, st, st_stride, vscale);
   }
 }
-
-// Dimensions per value tile for kQ vectors of queries (12-24 sums in registers).
-constexpr int dims_per_tile(int kQ) { return kQ == 1 ? 16 : kQ <= 3 ? 8 : 4; }
 
 // ot[d * ot_stride + 16 t] (+)= sum over pairs [p_begin, p_end) of (v[2p][d], v[2p+1][d]) .
 // (w[2p], w[2p+1]) for kQ vectors of 16 queries and dimensions [d0, d0 + dims_per_tile(kQ)),
@@ -98,22 +88,6 @@ inline void value_tile(const int32_t* pp, int pp_stride, const uint16_t* vp, int
 // tile of dimensions passes over them.
 constexpr int kValuePairsPerBlock = 64;
 
-// Vectors of 16 queries taken together by the tiles (their sums and operands fill the registers;
-// blocks of 6 measured slower).
-constexpr int kMaxVectors = 4;
-
-// f(std::integral_constant<int, count>{}) for a count of query vectors in [1, kMaxVectors].
-template <typename F>
-inline void with_vectors(int count, F&& f) {
-  switch (count) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    default: f(std::integral_constant<int, 4>{}); break;
-  }
-}
-static_assert(kMaxVectors == 4, "with_vectors covers 1 to 4");
-
 // Scores of kQ vectors of queries (qt, lanes apart per pair) against every key of the chunk into
 // st (lanes apart per key). With `values_ahead` (the values' head), each page's values are fetched
 // to L2 as its keys are read: the scores are compute bound, and the values' memory latency hides
@@ -144,32 +118,6 @@ void values_block(const int32_t* pp, int lanes, const uint16_t* vp, int num_pair
     const int p1 = std::min(num_pairs, p0 + kValuePairsPerBlock);
     for (int d0 = 0; d0 < kD; d0 += dims_per_tile(kQ))
       value_tile<kD, kQ>(pp, lanes, vp, p0, p1, d0, ot, lanes, p0 == 0);
-  }
-}
-
-// c[i][j] = r[j][i] for 16 x 16 floats: pairs of rows interleaved, then fours, then the 128-bit
-// blocks gathered across (64 shuffles).
-inline void transpose16(const __m512 (&r)[16], __m512 (&c)[16]) {
-  __m512 t[16], u[16];
-  for (int k = 0; k < 8; ++k) {
-    t[2 * k] = _mm512_unpacklo_ps(r[2 * k], r[2 * k + 1]);
-    t[2 * k + 1] = _mm512_unpackhi_ps(r[2 * k], r[2 * k + 1]);
-  }
-  for (int k = 0; k < 4; ++k) {
-    u[4 * k + 0] = _mm512_shuffle_ps(t[4 * k], t[4 * k + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    u[4 * k + 1] = _mm512_shuffle_ps(t[4 * k], t[4 * k + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    u[4 * k + 2] = _mm512_shuffle_ps(t[4 * k + 1], t[4 * k + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    u[4 * k + 3] = _mm512_shuffle_ps(t[4 * k + 1], t[4 * k + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  for (int q = 0; q < 4; ++q) {
-    const __m512 x0 = _mm512_shuffle_f32x4(u[q], u[4 + q], _MM_SHUFFLE(2, 0, 2, 0));
-    const __m512 x1 = _mm512_shuffle_f32x4(u[q], u[4 + q], _MM_SHUFFLE(3, 1, 3, 1));
-    const __m512 y0 = _mm512_shuffle_f32x4(u[8 + q], u[12 + q], _MM_SHUFFLE(2, 0, 2, 0));
-    const __m512 y1 = _mm512_shuffle_f32x4(u[8 + q], u[12 + q], _MM_SHUFFLE(3, 1, 3, 1));
-    c[q] = _mm512_shuffle_f32x4(x0, y0, _MM_SHUFFLE(2, 0, 2, 0));
-    c[4 + q] = _mm512_shuffle_f32x4(x1, y1, _MM_SHUFFLE(2, 0, 2, 0));
-    c[8 + q] = _mm512_shuffle_f32x4(x0, y0, _MM_SHUFFLE(3, 1, 3, 1));
-    c[12 + q] = _mm512_shuffle_f32x4(x1, y1, _MM_SHUFFLE(3, 1, 3, 1));
   }
 }
 
@@ -243,11 +191,10 @@ void attend_many_pairs(const uint16_t* queries, int num_queries, int group, int 
   // Scores, key by key: st[key * lanes + n]; the vectors of queries in blocks of at most
   // kMaxVectors, as even as can be (5 vectors: 3 + 2, not 4 + 1).
   const __m512 vscale = _mm512_set1_ps(scale);
-  const int num_blocks = (nv + kMaxVectors - 1) / kMaxVectors;
-  auto block_of = [&](int b, int& v0) { v0 = nv * b / num_blocks; return nv * (b + 1) / num_blocks - v0; };
-  for (int b = 0; b < num_blocks; ++b) {
-    int v0;
-    with_vectors(block_of(b, v0), [&](auto count) {
+  const VectorBlocks blocks(nv);
+  for (int b = 0; b < blocks.count; ++b) {
+    const int v0 = blocks.first(b);
+    with_vectors(blocks.size(b), [&](auto count) {
       scores_block<kD, decltype(count)::value>(qt + 16 * v0, lanes, k_head, b == 0 ? v_head : nullptr, page_size,
                                                chunk, st + 16 * v0, vscale);
     });
@@ -257,49 +204,24 @@ void attend_many_pairs(const uint16_t* queries, int num_queries, int group, int 
 
   // Softmax down each lane, a vector of queries at a time. The weights multiply V rounded to
   // bfloat16, as in every other path; the sum l keeps them unrounded.
-  alignas(64) float m_out[16], l_out[16];
   for (int v = 0; v < nv; ++v) {
-    // The last key each lane may see, as a chunk index (prefill rows: their own positions).
-    __m512i last_key = _mm512_set1_epi32(num_keys - 1);
-    if (first_position >= 0) {
-      alignas(64) int32_t last[16];
-      for (int i = 0; i < 16; ++i) {
-        const int n = std::min(v * 16 + i, num_queries - 1);
-        last[i] = std::min(first_position + n / group - chunk.first_key, num_keys - 1);
-      }
-      last_key = _mm512_load_si512(last);
-    }
+    const __m512i last_key = last_visible_keys(v, num_queries, group, first_position, chunk);
     __m512 vmax, vsum;
     if (first_position < 0 || first_position - chunk.first_key >= num_keys - 1)  // every lane sees every key
       softmax_lanes<false>(st + 16 * v, lanes, num_keys, last_key, pp + 16 * v, vmax, vsum);
     else
       softmax_lanes<true>(st + 16 * v, lanes, num_keys, last_key, pp + 16 * v, vmax, vsum);
-    _mm512_store_ps(m_out, vmax);
-    _mm512_store_ps(l_out, vsum);
-    for (int i = 0; i < 16 && v * 16 + i < num_queries; ++i) {
-      float* out = partials + static_cast<int64_t>(v * 16 + i) * (kD + 2);
-      out[0] = m_out[i];
-      out[1] = l_out[i];
-    }
+    store_max_and_sum(vmax, vsum, v, num_queries, kD, partials);
   }
 
   // Weighted sums of the values: ot[d * lanes + n], then into each query's partial.
-  for (int b = 0; b < num_blocks; ++b) {
-    int v0;
-    with_vectors(block_of(b, v0), [&](auto count) {
+  for (int b = 0; b < blocks.count; ++b) {
+    const int v0 = blocks.first(b);
+    with_vectors(blocks.size(b), [&](auto count) {
       values_block<kD, decltype(count)::value>(pp + 16 * v0, lanes, pair_space, num_pairs, ot + 16 * v0);
     });
   }
-  for (int v = 0; v < nv; ++v) {  // 16 queries x 16 dimensions at a time, transposed in registers
-    const int present = std::min(16, num_queries - 16 * v);
-    for (int d0 = 0; d0 < kD; d0 += 16) {
-      __m512 dims[16], rows[16];
-      for (int j = 0; j < 16; ++j) dims[j] = _mm512_loadu_ps(ot + static_cast<int64_t>(d0 + j) * lanes + 16 * v);
-      transpose16(dims, rows);
-      for (int i = 0; i < present; ++i)
-        _mm512_storeu_ps(partials + static_cast<int64_t>(16 * v + i) * (kD + 2) + 2 + d0, rows[i]);
-    }
-  }
+  sums_to_partials<kD>(ot, lanes, num_queries, partials);
 }
 
 #endif  // __AVX512BF16__

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "attention_many.h"
+#include "attention_many_f32.h"
 #include "attention_pairs.h"
 #include "page_walk.h"
 #include "vector_math.h"
@@ -22,8 +23,9 @@ namespace radix {
 inline int partial_floats(int head_dim) { return head_dim + 2; }
 
 // A unit with at least this many queries (a shared prefix's group, a prefill tile) is a small
-// matrix product: in bfloat16 with AVX512-BF16, queries across the lanes (attention_many.h),
-// otherwise 16 keys at a time against transposed keys. Fewer queries (a decode row's own keys) read
+// matrix product: in bfloat16 with AVX512-BF16 and in float32, queries across the lanes
+// (attention_many.h, attention_many_f32.h), otherwise (float16) 16 keys at a time against
+// transposed keys. Fewer queries (a decode row's own keys) read
 // the rows as they lie: in bfloat16 with AVX512-BF16, pair products summed 16 keys at once
 // (attention_pairs.h), otherwise one dot product per key and query.
 constexpr int kManyQueries = 8;
@@ -102,7 +104,13 @@ void attend_chunk(const float* queries, const uint16_t* raw_queries, float scale
     }
   }
 #endif
-  if (many)  // (a bfloat16 unit with AVX512-BF16 went to attend_many_pairs above)
+  if constexpr (kDtype == kFloat32) {
+    if (many) {
+      attend_many_f32<kD>(queries, num_queries, group, first_position, k_head, v_head, page_size, chunk, partials);
+      return;
+    }
+  }
+  if (many)  // (bfloat16 with AVX512-BF16 and float32 units went to their own paths above)
     scores_transposed<kDtype, kD>(queries, num_queries, k_head, page_size, chunk, all_scores, stride);
   for (int q0 = 0; q0 < num_queries; q0 += kBlock) {
     const int nb = std::min(kBlock, num_queries - q0);

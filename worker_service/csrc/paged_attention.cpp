@@ -223,12 +223,13 @@ int run(const StepPlan& plan, const Schedule& schedule, const void* q_ptr, const
       const Segment& s = segments[c.segment];
       const int nq = s.num_rows * group;
       // bfloat16 pair products (attention_many.h, attention_pairs.h) read q as stored; the other
-      // paths, scaled float32 copies. The many-query pair path keeps its own buffers.
+      // paths, scaled float32 copies. The many-query paths keep their own buffers.
       bool raw = false, many_pairs = false;
       if constexpr (kDtype == kBFloat16 && kBf16Pairs) {
         many_pairs = nq >= kManyQueries;
         raw = many_pairs || kRowPairs<kD>;
       }
+      const bool own_buffers = many_pairs || (kDtype == kFloat32 && nq >= kManyQueries);
       if (raw) {
         if (raw_queries.size() < static_cast<size_t>(nq) * kD) raw_queries.resize(static_cast<size_t>(nq) * kD);
         for (int i = 0; i < s.num_rows; ++i)
@@ -247,7 +248,7 @@ int run(const StepPlan& plan, const Schedule& schedule, const void* q_ptr, const
       if (many_pairs) {  // room for the interleaved values
         const size_t pairs_size = static_cast<size_t>(c.chunk.num_keys + 1) * kD;
         if (pair_space.size() < pairs_size) pair_space.resize(pairs_size);
-      } else {
+      } else if (!own_buffers) {
         const size_t scores_size = static_cast<size_t>(std::max(kBlock, nq)) * ((c.chunk.num_keys + 15) & ~15);
         if (scores.size() < scores_size) scores.resize(scores_size);
       }
