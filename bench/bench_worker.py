@@ -240,9 +240,11 @@ def main() -> None:
         print(" | ".join([f"{label:>18}"] + [f"{fraction(figures[k], limits[k]):>18}" for k in figures]), flush=True)
         goals.append((f"{label}: decode x{args.batch} at {figures['batched'] / limits['batched']:.0%} of its bound "
                       f"(goal {BATCHED_BOUND_GOAL:.0%})", figures["batched"] >= BATCHED_BOUND_GOAL * limits["batched"]))
-        speedup = figures["shared"] / figures["batched"]
-        goals.append((f"{label}: shared-prefix decode {speedup:.2f}x the unshared (goal {SHARED_SPEEDUP_GOAL:.0f}x)",
-                      speedup >= SHARED_SPEEDUP_GOAL))
+        # What the bounds themselves allow: both steps at 100% of their bounds. At a batch of 32 the
+        # shared step is compute bound (its linear layers alone), so this is well under 3x here.
+        speedup, at_bounds = figures["shared"] / figures["batched"], limits["shared"] / limits["batched"]
+        goals.append((f"{label}: shared-prefix decode {speedup:.2f}x the unshared (goal {SHARED_SPEEDUP_GOAL:.0f}x; "
+                      f"{at_bounds:.2f}x if both ran at their bounds)", speedup >= SHARED_SPEEDUP_GOAL))
         if dtype == "bfloat16":
             bandwidth = machine.decode_bound_tokens_per_s(shape, bounds, dtype, 1, args.context)
             goals.append((f"{label}: decode x1 at {figures['x1'] / bandwidth:.0%} of its bandwidth bound "
