@@ -20,8 +20,8 @@ threads, SmolLM2's heads: 1 / 32 / 2,048 tokens 23 -> 5, 44 -> 15, 1,279 -> 405 
 took a bfloat16 decode step of the worker alone (`bench_worker`'s shapes, five alternating pairs,
 medians) from 73 to 85 tok/s at batch 1 and from 640 to 738 at batch 32.
 
-`csrc/gemv.cpp` multiplies a decode step's rows by a bfloat16 (AVX512-BF16) or float32 weight in
-its own layout (see `layers/linear.py`); `csrc/decode_layer.cpp` runs a whole decoder layer of such
+`csrc/gemv.cpp` multiplies a decode step's rows by a bfloat16 (AVX512-BF16), float32 or float16
+weight in its own layout (see `layers/linear.py`); `csrc/decode_layer.cpp` runs a whole decoder layer of such
 a step in one call (see `layers/fused_layer.py`). The attention kernel's
 per-step plan is `native_plan.py`.
 
@@ -146,7 +146,7 @@ class NativeKernels:
                                ctypes.c_int32]
         self._lib.radix_gemv_supported.argtypes = [ctypes.c_int32]
         # The dtypes the small-batch linear kernel runs in on this build (bfloat16 needs AVX512-BF16).
-        self.gemv_dtypes = frozenset(dtype for dtype in (torch.bfloat16, torch.float32)
+        self.gemv_dtypes = frozenset(dtype for dtype in (torch.bfloat16, torch.float32, torch.float16)
                                      if self._lib.radix_gemv_supported(DTYPE_CODES[dtype]))
         self.decode_layer = self._lib.radix_decode_layer  # see layers/fused_layer.py
         self.decode_layer.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int32]
@@ -224,8 +224,8 @@ class NativeKernels:
             raise RuntimeError(f"rope_store kernel refused the call (status {status})")
 
     def pack_gemv(self, weight: torch.Tensor) -> GemvWeight | None:
-        """`weight` `[N, K]` (bfloat16 or float32, CPU) in the small-batch linear's layout
-        (`csrc/gemv.cpp`), or None where that kernel does not run (another dtype, bfloat16 without
+        """`weight` `[N, K]` (bfloat16, float32 or float16, CPU) in the small-batch linear's
+        layout (`csrc/gemv.cpp`), or None where that kernel does not run (bfloat16 without
         AVX512-BF16 or with an odd K)."""
         if weight.dtype not in self.gemv_dtypes or weight.dim() != 2:
             return None

@@ -1,10 +1,10 @@
 """Whole decoder layers as one compiled call (`layers/fused_layer.py`) give the same bits as the
 layers' own code with the compiled kernels: same kernels, same order, same buffers.
 
-Through the tiny Llama and Qwen2 (q/k/v biases) models in bfloat16 and float32, a prompt of 3
-tokens and then decode steps of 1 to 11 sequences behind a shared prefix, with and without the
-fused path: logits equal. Steps of more than `GEMV_MAX_ROWS` tokens and float16 (no small-batch
-linear kernel) take the module path.
+Through the tiny Llama and Qwen2 (q/k/v biases) models in bfloat16, float32 and float16, a prompt
+of 3 tokens and then decode steps of 1 to 11 sequences behind a shared prefix, with and without
+the fused path: logits equal. Steps of more than `GEMV_MAX_ROWS` tokens and TP ranks of a group
+take the module path.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ KERNEL = native.load()
 pytestmark = pytest.mark.skipif(KERNEL is None, reason="the fused layer needs the compiled kernels")
 DTYPES = [pytest.param(name, marks=pytest.mark.skipif(KERNEL is None or getattr(torch, name) not in KERNEL.gemv_dtypes,
                                                      reason=f"no small-batch linear kernel for {name} here"))
-          for name in ("bfloat16", "float32")]
+          for name in ("bfloat16", "float32", "float16")]
 
 
 def runner(model_dir, dtype: str = "bfloat16") -> ModelRunner:
@@ -68,7 +68,6 @@ def test_fused_layers_give_the_module_paths_bits(tmp_path, dtype, make, num_seqs
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_layers_run_only_where_every_kernel_does(tmp_path, dtype) -> None:
     model_dir = make_tiny_llama(tmp_path)
-    assert runner(model_dir, "float16").model.fused is None  # no small-batch linear kernel in float16
     bf16 = runner(model_dir, dtype)
     fused = bf16.model.fused
     calls = []

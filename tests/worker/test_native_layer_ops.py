@@ -141,20 +141,21 @@ def test_rope_store_refuses_what_it_cannot_read() -> None:
 
 
 def gemv_dtypes() -> list:
-    """bfloat16 where this CPU has AVX512-BF16 (skipped otherwise), float32 wherever the kernel builds."""
-    return [pytest.param(dtype, marks=pytest.mark.skipif(KERNEL is None or dtype not in KERNEL.gemv_dtypes,
-                                                         reason=f"no small-batch linear kernel for {dtype} here"))
-            for dtype in (torch.bfloat16, torch.float32)]
+    """bfloat16 where this CPU has AVX512-BF16 (skipped otherwise), float32 and float16 wherever the
+    kernel builds."""
+    return [pytest.param(dtype, id=name, marks=pytest.mark.skipif(
+                KERNEL is None or dtype not in KERNEL.gemv_dtypes, reason=f"no small-batch linear kernel for {dtype} here"))
+            for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "fp32"), (torch.float16, "fp16"))]
 
 
-@pytest.mark.parametrize("dtype", gemv_dtypes(), ids=["bf16", "fp32"])
+@pytest.mark.parametrize("dtype", gemv_dtypes())
 @pytest.mark.parametrize("n,k", [(832, 576), (50, 64), (130, 18), (64, 2), (70, 7)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 33, 64, 65])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 def test_gemv_equals_a_linear_layer_within_one_rounding(dtype, n, k, rows, bias, threads) -> None:
-    """x W^T (+ b) against the exact product of the same values (float64): within one rounding of
-    the result to bfloat16, or in float32 within float32's error of sums of K products (sums in
-    another order); rows read from a wider tensor. Odd K only in float32 (bfloat16 refuses it)."""
+    """x W^T (+ b) against the exact product of the same values (float64): within float32's error
+    of sums of K products (float32 sums in another order), plus one rounding of the result to
+    bfloat16 or float16; rows read from a wider tensor. Odd K except in bfloat16 (which refuses it)."""
     if dtype == torch.bfloat16 and k % 2:
         pytest.skip("bfloat16 needs an even K (see the refusal test)")
     generator = torch.Generator().manual_seed(n * k + rows)
@@ -166,25 +167,27 @@ def test_gemv_equals_a_linear_layer_within_one_rounding(dtype, n, k, rows, bias,
     got = KERNEL.gemv(x, packed, b)
     exact = F.linear(x.double(), weight.double(), None if b is None else b.double())
     assert got.shape == (rows, n) and got.dtype == dtype
-    if dtype == torch.bfloat16:
-        step = torch.finfo(torch.bfloat16).eps * exact.abs() + 1e-6
-    else:  # each of the K + 1 float32 additions errs by at most eps of the running magnitude
-        magnitude = F.linear(x.double().abs(), weight.double().abs(), None if b is None else b.double().abs())
-        step = (k + 2) * torch.finfo(torch.float32).eps * magnitude + 1e-30
+    # Each of the K + 1 float32 additions errs by at most float32's eps of the running magnitude;
+    # bfloat16 and float16 results are then rounded once more, to their own eps of the value.
+    magnitude = F.linear(x.double().abs(), weight.double().abs(), None if b is None else b.double().abs())
+    step = (k + 2) * torch.finfo(torch.float32).eps * magnitude + 1e-30
+    if dtype != torch.float32:
+        step = step + torch.finfo(dtype).eps * exact.abs()
     assert bool(((got.double() - exact).abs() <= step).all())
 
 
 def test_gemv_packing_is_refused_where_the_kernel_does_not_run() -> None:
-    assert KERNEL.pack_gemv(torch.zeros(8, 8, dtype=torch.float16)) is None  # oneDNN's kernel serves it
+    assert KERNEL.pack_gemv(torch.zeros(8, 8, dtype=torch.float64)) is None  # no such kernel
     assert KERNEL.pack_gemv(torch.zeros(8, 7, dtype=torch.bfloat16)) is None  # odd K: pairs of x
-    assert KERNEL.pack_gemv(torch.zeros(8, 7)) is not None  # float32 takes any K
+    assert KERNEL.pack_gemv(torch.zeros(8, 7)) is not None  # float32 and float16 take any K
+    assert KERNEL.pack_gemv(torch.zeros(8, 7, dtype=torch.float16)) is not None
     with pytest.raises(TypeError, match="float32"):
         KERNEL.gemv(torch.zeros(1, 7, dtype=torch.bfloat16), KERNEL.pack_gemv(torch.zeros(8, 7)))
 
 
-@pytest.mark.parametrize("dtype", gemv_dtypes(), ids=["bf16", "fp32"])
+@pytest.mark.parametrize("dtype", gemv_dtypes())
 def test_linear_layers_use_the_small_batch_kernel_for_decode_sized_products_only(dtype, monkeypatch) -> None:
-    from worker_service.layers.linear import GEMV_MAX_ROWS, Linear
+    from worker_service.layers.linear import GEMV_MAX_ROWS, Linear, widens_to_float32
 
     generator = torch.Generator().manual_seed(7)
     weight = (torch.randn(96, 64, generator=generator) * 0.1).to(dtype)
@@ -203,5 +206,8 @@ def test_linear_layers_use_the_small_batch_kernel_for_decode_sized_products_only
     monkeypatch.setattr(native.NativeKernels, "gemv", counted)
     for rows in (1, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 3 * GEMV_MAX_ROWS):
         x = torch.randn(rows, 64, generator=generator).to(dtype)
-        torch.testing.assert_close(fast(x).float(), plain(x).float(), atol=2e-2, rtol=1e-2)
+        got, expected = fast(x), plain(x)
+        assert got.dtype == expected.dtype == dtype  # float16 widened for oneDNN: rounded back
+        torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=1e-2)
     assert calls == [1, GEMV_MAX_ROWS]  # more rows go to oneDNN's kernel
+    assert plain.widened == fast.widened == widens_to_float32(weight)

@@ -23,9 +23,9 @@ namespace radix {
 inline int partial_floats(int head_dim) { return head_dim + 2; }
 
 // A unit with at least this many queries (a shared prefix's group, a prefill tile) is a small
-// matrix product: in bfloat16 with AVX512-BF16 and in float32, queries across the lanes
-// (attention_many.h, attention_many_f32.h), otherwise (float16) 16 keys at a time against
-// transposed keys. Fewer queries (a decode row's own keys) read
+// matrix product with the queries across the lanes: bfloat16 pairs with AVX512-BF16
+// (attention_many.h), float32 arithmetic for float32 and float16 (attention_many_f32.h);
+// otherwise (bfloat16 without AVX512-BF16) 16 keys at a time against transposed keys. Fewer queries (a decode row's own keys) read
 // the rows as they lie: in bfloat16 with AVX512-BF16, pair products summed 16 keys at once
 // (attention_pairs.h), otherwise one dot product per key and query.
 constexpr int kManyQueries = 8;
@@ -104,13 +104,14 @@ void attend_chunk(const float* queries, const uint16_t* raw_queries, float scale
     }
   }
 #endif
-  if constexpr (kDtype == kFloat32) {
+  if constexpr (kDtype == kFloat32 || kDtype == kFloat16) {
     if (many) {
-      attend_many_f32<kD>(queries, num_queries, group, first_position, k_head, v_head, page_size, chunk, partials);
+      attend_many_f32<kDtype, kD>(queries, num_queries, group, first_position, k_head, v_head, page_size, chunk,
+                                  partials);
       return;
     }
   }
-  if (many)  // (bfloat16 with AVX512-BF16 and float32 units went to their own paths above)
+  if (many)  // (bfloat16 without AVX512-BF16: the other units went to their own paths above)
     scores_transposed<kDtype, kD>(queries, num_queries, k_head, page_size, chunk, all_scores, stride);
   for (int q0 = 0; q0 < num_queries; q0 += kBlock) {
     const int nb = std::min(kBlock, num_queries - q0);

@@ -12,7 +12,9 @@
 //   vectors of 16 features x 2 weights, two products per lane per instruction (`vdpbf16ps`), summed
 //   in float32, rounded to bfloat16 once at the end as oneDNN does;
 // - float32: a step is one input feature, packed[group][k][feature]: four vectors of 16 features,
-//   one fused multiply-add per lane.
+//   one fused multiply-add per lane;
+// - float16: as float32 (128 bytes a step), each vector widened to float32 as it is read (F16C),
+//   for CPUs without a float16 GEMM (see layers/linear.py).
 // Only the order of the float32 sums differs from oneDNN's. Rows of the output past N and (in
 // bfloat16) the odd input feature past K are zero in the packing.
 
@@ -53,7 +55,7 @@ void gemv_groups(const typename Elem<kDtype>::type* x, int64_t x_stride, const t
                  int64_t steps, int64_t g_begin, int64_t g_end, const typename Elem<kDtype>::type* bias,
                  typename Elem<kDtype>::type* out, int64_t out_stride, int64_t n, const char*& ahead,
                  const char* ahead_end, int ahead_per_step) {
-  constexpr int64_t kStepValues = kGroup * kPerStep<kDtype>;  // 256 bytes either way
+  constexpr int64_t kStepValues = kGroup * kPerStep<kDtype>;  // 256 bytes (float16: 128)
   for (int64_t g = g_begin; g < g_end; ++g) {
     __m512 acc[kRows][4];
     for (int m = 0; m < kRows; ++m)
@@ -76,9 +78,9 @@ void gemv_groups(const typename Elem<kDtype>::type* x, int64_t x_stride, const t
 #endif
       } else {
         __m512 wv[4];
-        for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_ps(w + 16 * j);
+        for (int j = 0; j < 4; ++j) wv[j] = load_vec<kDtype>(w + 16 * j);
         for (int m = 0; m < kRows; ++m) {
-          const __m512 xb = _mm512_set1_ps(x[m * x_stride + p]);
+          const __m512 xb = _mm512_set1_ps(to_float<kDtype>(x[m * x_stride + p]));
           for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_fmadd_ps(wv[j], xb, acc[m][j]);
         }
       }
@@ -91,6 +93,16 @@ void gemv_groups(const typename Elem<kDtype>::type* x, int64_t x_stride, const t
       for (int m = 0; m < kRows; ++m)
         store_masked<kDtype>(out + m * out_stride + first, lanes, _mm512_add_ps(acc[m][j], b));
     }
+  }
+}
+
+// The float32 and float16 layout: packed[group][k][feature], features past n zero.
+template <typename T>
+void pack_by_feature(const T* w, int64_t n, int64_t k, T* packed, int64_t size) {
+  std::memset(packed, 0, static_cast<size_t>(size) * sizeof(T));
+  for (int64_t row = 0; row < n; ++row) {
+    T* group = packed + (row / kGroup) * k * kGroup;
+    for (int64_t col = 0; col < k; ++col) group[col * kGroup + row % kGroup] = w[row * k + col];
   }
 }
 
@@ -156,7 +168,7 @@ int radix_gemv_supported(int32_t dtype) {
 #ifdef __AVX512BF16__
   if (dtype == kBFloat16) return 1;
 #endif
-  return dtype == kFloat32 ? 1 : 0;
+  return dtype == kFloat32 || dtype == kFloat16 ? 1 : 0;
 }
 
 // Values (of the dtype) in the packed form of an [n, k] weight.
@@ -168,13 +180,11 @@ int64_t radix_gemv_packed_size(int32_t dtype, int64_t n, int64_t k) {
 void radix_pack_gemv_weight(int32_t dtype, const void* w_in, int64_t n, int64_t k, void* packed_in) {
   const int64_t size = radix_gemv_packed_size(dtype, n, k);
   if (dtype == kFloat32) {
-    const auto* w = static_cast<const float*>(w_in);
-    auto* packed = static_cast<float*>(packed_in);
-    std::memset(packed, 0, static_cast<size_t>(size) * sizeof(float));
-    for (int64_t row = 0; row < n; ++row) {
-      float* group = packed + (row / kGroup) * k * kGroup;
-      for (int64_t col = 0; col < k; ++col) group[col * kGroup + row % kGroup] = w[row * k + col];
-    }
+    pack_by_feature(static_cast<const float*>(w_in), n, k, static_cast<float*>(packed_in), size);
+    return;
+  }
+  if (dtype == kFloat16) {
+    pack_by_feature(static_cast<const uint16_t*>(w_in), n, k, static_cast<uint16_t*>(packed_in), size);
     return;
   }
   const auto* w = static_cast<const uint16_t*>(w_in);
@@ -196,6 +206,10 @@ int radix_gemv(int32_t dtype, const void* x, int64_t x_stride, int32_t rows, int
   if (!radix_gemv_supported(dtype)) return 2;
   if (dtype == kFloat32) {
     gemv<kFloat32>(x, x_stride, rows, k, packed, n, bias, out, out_stride, num_threads);
+    return 0;
+  }
+  if (dtype == kFloat16) {
+    gemv<kFloat16>(x, x_stride, rows, k, packed, n, bias, out, out_stride, num_threads);
     return 0;
   }
   if (k % 2 != 0) return 2;

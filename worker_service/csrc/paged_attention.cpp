@@ -229,7 +229,7 @@ int run(const StepPlan& plan, const Schedule& schedule, const void* q_ptr, const
         many_pairs = nq >= kManyQueries;
         raw = many_pairs || kRowPairs<kD>;
       }
-      const bool own_buffers = many_pairs || (kDtype == kFloat32 && nq >= kManyQueries);
+      const bool own_buffers = many_pairs || ((kDtype == kFloat32 || kDtype == kFloat16) && nq >= kManyQueries);
       if (raw) {
         if (raw_queries.size() < static_cast<size_t>(nq) * kD) raw_queries.resize(static_cast<size_t>(nq) * kD);
         for (int i = 0; i < s.num_rows; ++i)

@@ -49,6 +49,14 @@ inline void store_vec(typename Elem<kDtype>::type* p, __m512 x) {
   else _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow<kDtype>(x));
 }
 
+// One value of the dtype as float32.
+template <int kDtype>
+inline float to_float(typename Elem<kDtype>::type x) {
+  if constexpr (kDtype == kFloat32) return x;
+  else if constexpr (kDtype == kFloat16) return _cvtsh_ss(x);
+  else return _mm_cvtss_f32(_mm_castsi128_ps(_mm_cvtsi32_si128(static_cast<int>(x) << 16)));
+}
+
 // The first min(remaining, 16) of 16 lanes.
 inline __mmask16 lanes_from(int remaining) {
   return remaining >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << remaining) - 1);

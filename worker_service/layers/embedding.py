@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from worker_service.distributed import TPGroup, all_reduce_sum, gather_last_dim
-from worker_service.layers.linear import GEMV_MAX_ROWS, can_pack
+from worker_service.layers.linear import GEMV_MAX_ROWS, can_pack, widens_to_float32
 from worker_service.layers.sharding import balanced_range
 from worker_service.layers.weights import WeightSlice, make_param
 
@@ -66,21 +66,34 @@ class ParallelLMHead(VocabShard):
     gemv: GemvWeight | None = None  # the small-batch kernel's copy (`layers/linear.py`)
     kernels: NativeKernels | None = None
 
+    # Float16 without a float16 GEMM: products beyond the small-batch kernel's in float32
+    # (layers/linear.py), by the packed copy, or by this widened weight where none packs.
+    in_float32 = False
+    float32_weight: torch.Tensor | None = None
+
     def pack(self, kernels: NativeKernels | None = None) -> None:
         """Use a oneDNN-packed copy of the (loaded) weight where that is faster (see module doc),
         and with `kernels` the small-batch kernel's copy where it runs."""
+        weight = self.weight.detach()
         if kernels is not None and self.gemv is None:
-            self.gemv = kernels.pack_gemv(self.weight)
+            self.gemv = kernels.pack_gemv(weight)
             self.kernels = kernels if self.gemv is not None else None
-        if self.packed_weight is None and can_pack(self.weight):
-            packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
+        if widens_to_float32(weight):
+            weight = weight.float()
+            self.in_float32 = True
+        if self.packed_weight is None and can_pack(weight):
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
             self.packed_weight = packed
+        if self.in_float32 and self.packed_weight is None:
+            self.float32_weight = weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         if self.gemv is not None and hidden.shape[0] <= GEMV_MAX_ROWS:
-            logits = self.kernels.gemv(hidden, self.gemv)
-        elif self.packed_weight is not None:
+            return gather_last_dim(self.kernels.gemv(hidden, self.gemv), self.shard_sizes, self.group)
+        if self.in_float32:
+            hidden = hidden.float()  # logits are float32 from here on anyway
+        if self.packed_weight is not None:
             logits = torch.ops.mkldnn._linear_pointwise(hidden, self.packed_weight, None, "none", [], "")
         else:
-            logits = F.linear(hidden, self.weight)
+            logits = F.linear(hidden, self.float32_weight if self.in_float32 else self.weight)
         return gather_last_dim(logits, self.shard_sizes, self.group)

@@ -17,7 +17,15 @@ layer also keeps its weight in the small-batch layout of `csrc/gemv.cpp`, and pr
 `GEMV_MAX_ROWS` rows (decode steps) use it: oneDNN's kernel costs ~11-20 us per call beyond its
 bytes, ~120 calls per step. Measured here, 2 threads, one row: 832 x 576
 27 -> 10 us, 3,072 x 576 45 -> 27 us, the 49,152 x 576 LM head 1,406 -> 952 us. The cost is a
-second copy of every linear weight in memory.
+second copy of every linear weight in memory. Float32 runs the same kernel (one multiply-add per
+lane instead of bfloat16's pairs).
+
+Float16 runs the small-batch kernel too (each weight vector widened to float32 as it is read). On
+a CPU without a float16 GEMM (no AVX512-FP16 or AMX-FP16: oneDNN refuses it, and PyTorch's
+fallback ran SmolLM2's 512-token prefill at 207 tokens/s here against 1,640 in float32) the larger
+products (prefill) multiply in float32: oneDNN's copy of the weight is widened once at `pack`, the
+rows are widened before each product and its result rounded back to float16 after, so the
+model's activations and KV cache stay float16 and the sums are float32's either way.
 """
 
 from __future__ import annotations
@@ -42,6 +50,12 @@ if TYPE_CHECKING:
 GEMV_MAX_ROWS = 64
 
 
+def widens_to_float32(weight: torch.Tensor) -> bool:
+    """Whether a float16 CPU weight is multiplied in float32 here (no float16 GEMM; module doc)."""
+    return (weight.dtype == torch.float16 and weight.device.type == "cpu"
+            and not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_fp16_supported()))
+
+
 def can_pack(weight: torch.Tensor) -> bool:
     """Whether oneDNN's packed CPU matmul is available and faster for this weight."""
     if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
@@ -61,6 +75,10 @@ class _Linear(torch.nn.Module):
     packed = False
     gemv: GemvWeight | None = None  # the small-batch kernel's copy of the weight
     kernels: NativeKernels | None = None
+    # Float16 without a float16 GEMM: oneDNN's copy (`weight`) is float32, and so is this bias for it
+    # (`bias` stays float16 for the small-batch kernel). See the module doc.
+    widened = False
+    widened_bias: torch.Tensor | None = None
 
     def pack(self, kernels: NativeKernels | None = None) -> None:
         """Repack the (loaded) weight for oneDNN when this CPU and dtype profit; else no-op. With
@@ -73,6 +91,10 @@ class _Linear(torch.nn.Module):
         if kernels is not None:
             self.gemv = kernels.pack_gemv(self.weight)  # from the plain weight, before oneDNN's
             self.kernels = kernels if self.gemv is not None else None
+        if widens_to_float32(self.weight):
+            self.weight = torch.nn.Parameter(self.weight.detach().float(), requires_grad=False)
+            self.widened_bias = None if self.bias is None else self.bias.detach().float()
+            self.widened = True
         if not can_pack(self.weight):
             return
         # A batch-size hint of 1: decode steps are the latency-critical case.
@@ -83,9 +105,14 @@ class _Linear(torch.nn.Module):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
             return self.kernels.gemv(x, self.gemv, self.bias)
+        if self.widened:
+            return self._gemm(x.float(), self.widened_bias).to(x.dtype)
+        return self._gemm(x, self.bias)
+
+    def _gemm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
+        return F.linear(x, self.weight, bias)
 
 
 class Linear(_Linear):
