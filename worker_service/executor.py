@@ -76,7 +76,8 @@ class Executor:
         # Only rank 0 samples; the other ranks never see logits.
         self.sampler: Sampler | None = None
         if self.info.rank == 0:
-            self.sampler = sampler if sampler is not None else Sampler(self.info.device)
+            self.sampler = sampler if sampler is not None else Sampler(
+                self.info.device, kernels=getattr(runner, "kernels", None))
         self.constraints = constraints if self.info.rank == 0 else None
 
     def execute(self, task: worker_pb2.DecodeTask) -> worker_pb2.TaskResult:

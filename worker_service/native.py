@@ -20,6 +20,7 @@ threads, SmolLM2's heads: 1 / 32 / 2,048 tokens 23 -> 5, 44 -> 15, 1,279 -> 405 
 took a bfloat16 decode step of the worker alone (`bench_worker`'s shapes, five alternating pairs,
 medians) from 73 to 85 tok/s at batch 1 and from 640 to 738 at batch 32.
 
+`csrc/argmax.cpp` is greedy sampling's argmax over float32 logits (see `sampler.py`).
 `csrc/gemv.cpp` multiplies a decode step's rows by a bfloat16 (AVX512-BF16), float32 or float16
 weight in its own layout (see `layers/linear.py`); `csrc/decode_layer.cpp` runs a whole decoder layer of such
 a step in one call (see `layers/fused_layer.py`). The attention kernel's
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp", CSRC / "rope_store.cpp", CSRC / "gemv.cpp",
-           CSRC / "decode_layer.cpp"]  # headers beside them are included
+           CSRC / "decode_layer.cpp", CSRC / "argmax.cpp"]  # headers beside them are included
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 COMPILE_TIMEOUT_S = 300.0
 
@@ -148,6 +149,9 @@ class NativeKernels:
         # The dtypes the small-batch linear kernel runs in on this build (bfloat16 needs AVX512-BF16).
         self.gemv_dtypes = frozenset(dtype for dtype in (torch.bfloat16, torch.float32, torch.float16)
                                      if self._lib.radix_gemv_supported(DTYPE_CODES[dtype]))
+        self._argmax_rows = self._lib.radix_argmax_rows
+        self._argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
+                                      ctypes.c_void_p, ctypes.c_int32]
         self.decode_layer = self._lib.radix_decode_layer  # see layers/fused_layer.py
         self.decode_layer.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int32]
         self.decode_layer.restype = ctypes.c_int
@@ -255,6 +259,16 @@ class NativeKernels:
         if status != 0:
             raise RuntimeError(f"gemv kernel refused the call (status {status})")
         return out
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor | None:
+        """torch.argmax(x, dim=-1) of float32 CPU rows `x` `[rows, cols]` (the first index of the
+        maximum), as int64; None where a row holds a NaN (torch's argmax then says where)."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        status = self._argmax_rows(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr(),
+                                   torch.get_num_threads())
+        return out if status == 0 else None
 
     def supports(self, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
         return (device.type == "cpu" and dtype in DTYPE_CODES
