@@ -23,6 +23,7 @@ from radixserve.metrics import serve_metrics
 from radixserve.security import load_security
 from radixserve.serving import start_server
 from radixserve.v1 import worker_pb2_grpc
+from worker_service.allocator import keep_freed_memory
 from worker_service.config import WorkerConfig
 from worker_service.distributed import init_distributed
 from worker_service.executor import Executor
@@ -96,6 +97,7 @@ class Worker:
     @classmethod
     async def start(cls, config: WorkerConfig) -> "Worker":
         """Serve at once (NOT_SERVING); join the group and load in the background."""
+        keep_freed_memory()  # before the model loads: see allocator.py
         worker = cls(config)
         worker._server, worker._health, worker.port = await start_server(
             config.host, config.port,
