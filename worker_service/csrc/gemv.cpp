@@ -1,13 +1,13 @@
 // Linear layers for decode steps (a few to a few dozen rows) on CPUs with AVX-512, in bfloat16
-// (AVX512-BF16) or float32: y = x W^T (+ b), reading the weight from memory once: rows go in passes
+// (AVX512-BF16), float32 or float16: y = x W^T (+ b), reading the weight from memory once: rows go in passes
 // of up to six over a few output groups at a time, which stay in cache for every pass. For a few
 // rows such a product is memory bound; what costs beside the weight's bytes is per call: oneDNN's
 // packed kernel spends ~11 us in each call of a 64 x 64 product here, against ~120 calls per
 // decode step (figures for more rows: layers/linear.py).
 //
 // Layout (`radix_pack_gemv_weight`): output features in groups of 64; within a group, one step of
-// the inner loop reads 256 consecutive bytes, the group's 64 features' weights for the step's input
-// features, and multiplies them with each row's inputs broadcast:
+// the inner loop reads consecutive bytes (256, float16 128), the group's 64 features' weights for
+// the step's input features, and multiplies them with each row's inputs broadcast:
 // - bfloat16: a step is a pair of input features (k, k + 1), packed[group][k / 2][feature][2]: four
 //   vectors of 16 features x 2 weights, two products per lane per instruction (`vdpbf16ps`), summed
 //   in float32, rounded to bfloat16 once at the end as oneDNN does;
