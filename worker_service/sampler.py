@@ -243,11 +243,22 @@ def _keep_top(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> 
     rows_keep = torch.zeros_like(probs, dtype=torch.bool)
     pending = torch.arange(len(active), device=probs.device)
     for width in widths:
-        sub = probs[pending]
+        # While every row is pending (the first pass) the rows are read in place, and where every
+        # row is decided its mask is made whole: copies of the whole batch cost more than the
+        # ranking's other steps together.
+        whole = pending.numel() == probs.shape[0]
+        sub = probs if whole else probs[pending]
         values, order = sub.topk(width, dim=-1) if width < vocab else sub.sort(dim=-1, descending=True)
         keep_sorted, mass = _keep_sorted(values, k[pending], top_p[pending], totals[pending])
         # At full width every row is decided: k <= vocab always.
         decided = (k[pending] <= width) | (mass >= top_p[pending])
+        if bool(decided.all()):
+            chosen = torch.zeros_like(sub, dtype=torch.bool).scatter_(1, order, keep_sorted)
+            if whole:
+                rows_keep = chosen
+            else:
+                rows_keep[pending] = chosen
+            break
         rows = pending[decided]
         rows_keep[rows] = torch.zeros_like(sub[decided], dtype=torch.bool).scatter(
             1, order[decided], keep_sorted[decided]
