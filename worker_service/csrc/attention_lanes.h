@@ -7,10 +7,12 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
 #include "page_walk.h"
+#include "vector_math.h"
 
 namespace radix {
 
@@ -50,6 +52,41 @@ struct VectorBlocks {
   int size(int b) const { return first(b + 1) - first(b); }
   int vectors, count;
 };
+
+// Rows of `words` 32-bit words (a unit's queries: float32 values, or bfloat16 pairs) transposed:
+// word e of row n at out[e * lanes + n], lanes past the last row zero.
+inline void transpose_words(const void* rows, int num_rows, int words, void* out_words, int lanes) {
+  auto* out = static_cast<int32_t*>(out_words);
+  for (int v = 0; v * 16 < num_rows; ++v) {
+    const __m512i firsts = _mm512_mullo_epi32(
+        _mm512_add_epi32(_mm512_set1_epi32(16 * v), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+        _mm512_set1_epi32(words));
+    const __mmask16 present = lanes_from(num_rows - 16 * v);
+    for (int e = 0; e < words; ++e)
+      _mm512_storeu_si512(out + static_cast<int64_t>(e) * lanes + 16 * v,
+                          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present,
+                                                      _mm512_add_epi32(firsts, _mm512_set1_epi32(e)), rows, 4));
+  }
+}
+
+// Whether every query of the unit sees every key of the chunk (decode rows always; prefill rows
+// whose first position is at or past the chunk's last key).
+inline bool sees_every_key(int first_position, const Chunk& chunk) {
+  return first_position < 0 || first_position - chunk.first_key >= chunk.num_keys - 1;
+}
+
+// The lanes' max score down the keys (st: key k's scores at st[k * lanes]); kMasked: lane i
+// counts keys up to last_key[i] only (a lane that sees none keeps -inf).
+template <bool kMasked>
+inline __m512 lanes_max(const float* st, int lanes, int num_keys, __m512i last_key) {
+  __m512 vmax = _mm512_set1_ps(-INFINITY);
+  for (int key = 0; key < num_keys; ++key) {
+    const __m512 scores = _mm512_loadu_ps(st + static_cast<int64_t>(key) * lanes);
+    if constexpr (kMasked) vmax = _mm512_mask_max_ps(vmax, _mm512_cmpge_epi32_mask(last_key, _mm512_set1_epi32(key)), vmax, scores);
+    else vmax = _mm512_max_ps(vmax, scores);
+  }
+  return vmax;
+}
 
 // The last key each lane of query vector v may see, as a chunk index: every key, or with
 // `first_position` >= 0 (prefill rows, `group` queries per position) each query's own position.

@@ -136,11 +136,7 @@ inline void softmax_lanes(const float* st, int lanes, int num_keys, __m512i last
     if constexpr (kMasked) return _mm512_maskz_mov_ps(visible(key), e);
     else return e;
   };
-  vmax = _mm512_set1_ps(-INFINITY);
-  for (int key = 0; key < num_keys; ++key) {
-    if constexpr (kMasked) vmax = _mm512_mask_max_ps(vmax, visible(key), vmax, scores(key));
-    else vmax = _mm512_max_ps(vmax, scores(key));
-  }
+  vmax = lanes_max<kMasked>(st, lanes, num_keys, last_key);
   vsum = _mm512_setzero_ps();
   const int num_pairs = (num_keys + 1) / 2;
   for (int p = 0; p < num_pairs; ++p) {
@@ -176,17 +172,7 @@ void attend_many_pairs(const uint16_t* queries, int num_queries, int group, int 
   int32_t* const pp = pp_space.data();
   float* const ot = ot_space.data();
 
-  // q^T: pair e of query n at qt[e * lanes + n]; lanes past the last query are zero.
-  for (int v = 0; v < nv; ++v) {
-    const __m512i first_pairs = _mm512_mullo_epi32(
-        _mm512_add_epi32(_mm512_set1_epi32(16 * v), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
-        _mm512_set1_epi32(kD / 2));
-    const __mmask16 present = lanes_from(num_queries - 16 * v);
-    for (int e = 0; e < kD / 2; ++e)
-      _mm512_storeu_si512(qt + static_cast<int64_t>(e) * lanes + 16 * v,
-                          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), present,
-                                                      _mm512_add_epi32(first_pairs, _mm512_set1_epi32(e)), queries, 4));
-  }
+  transpose_words(queries, num_queries, kD / 2, qt, lanes);  // q^T: pair e of query n at qt[e * lanes + n]
 
   // Scores, key by key: st[key * lanes + n]; the vectors of queries in blocks of at most
   // kMaxVectors, as even as can be (5 vectors: 3 + 2, not 4 + 1).
@@ -207,7 +193,7 @@ void attend_many_pairs(const uint16_t* queries, int num_queries, int group, int 
   for (int v = 0; v < nv; ++v) {
     const __m512i last_key = last_visible_keys(v, num_queries, group, first_position, chunk);
     __m512 vmax, vsum;
-    if (first_position < 0 || first_position - chunk.first_key >= num_keys - 1)  // every lane sees every key
+    if (sees_every_key(first_position, chunk))
       softmax_lanes<false>(st + 16 * v, lanes, num_keys, last_key, pp + 16 * v, vmax, vsum);
     else
       softmax_lanes<true>(st + 16 * v, lanes, num_keys, last_key, pp + 16 * v, vmax, vsum);

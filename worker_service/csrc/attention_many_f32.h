@@ -121,11 +121,7 @@ template <int kDtype, bool kMasked>
 inline void softmax_lanes_f32(float* st, int lanes, int num_keys, __m512i last_key, __m512& vmax, __m512& vsum) {
   auto scores = [&](int key) { return _mm512_loadu_ps(st + static_cast<int64_t>(key) * lanes); };
   auto visible = [&](int key) { return _mm512_cmpge_epi32_mask(last_key, _mm512_set1_epi32(key)); };
-  vmax = _mm512_set1_ps(-INFINITY);
-  for (int key = 0; key < num_keys; ++key) {
-    if constexpr (kMasked) vmax = _mm512_mask_max_ps(vmax, visible(key), vmax, scores(key));
-    else vmax = _mm512_max_ps(vmax, scores(key));
-  }
+  vmax = lanes_max<kMasked>(st, lanes, num_keys, last_key);
   // Four running sums, key by key in turn: a thousand keys in one chain would lose float32 precision.
   __m512 sums[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
   for (int key = 0; key < num_keys; ++key) {
@@ -158,17 +154,7 @@ void attend_many_f32(const float* queries, int num_queries, int group, int first
   float* const st = st_space.data();
   float* const ot = ot_space.data();
 
-  // q^T: dimension d of query n at qt[d * lanes + n]; lanes past the last query are zero.
-  for (int v = 0; v < nv; ++v) {
-    const __m512i firsts = _mm512_mullo_epi32(
-        _mm512_add_epi32(_mm512_set1_epi32(16 * v), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
-        _mm512_set1_epi32(kD));
-    const __mmask16 present = lanes_from(num_queries - 16 * v);
-    for (int d = 0; d < kD; ++d)
-      _mm512_storeu_ps(qt + static_cast<int64_t>(d) * lanes + 16 * v,
-                       _mm512_mask_i32gather_ps(_mm512_setzero_ps(), present,
-                                                _mm512_add_epi32(firsts, _mm512_set1_epi32(d)), queries, 4));
-  }
+  transpose_words(queries, num_queries, kD, qt, lanes);  // q^T: dimension d of query n at qt[d * lanes + n]
 
   const VectorBlocks blocks(nv);
   for (int b = 0; b < blocks.count; ++b) {
@@ -181,7 +167,7 @@ void attend_many_f32(const float* queries, int num_queries, int group, int first
   for (int v = 0; v < nv; ++v) {
     const __m512i last_key = last_visible_keys(v, num_queries, group, first_position, chunk);
     __m512 vmax, vsum;
-    if (first_position < 0 || first_position - chunk.first_key >= num_keys - 1)  // every lane sees every key
+    if (sees_every_key(first_position, chunk))
       softmax_lanes_f32<kDtype, false>(st + 16 * v, lanes, num_keys, last_key, vmax, vsum);
     else
       softmax_lanes_f32<kDtype, true>(st + 16 * v, lanes, num_keys, last_key, vmax, vsum);

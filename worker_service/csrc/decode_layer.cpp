@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "vector_math.h"
+
 extern "C" {
 int radix_rms_norm(int32_t dtype, const void* x, int64_t x_stride, const void* weight, void* out, int32_t rows,
                    int32_t size, float eps, int32_t num_threads);
@@ -69,7 +71,7 @@ int radix_decode_layer(const LayerWeights* w, const StepArgs* s, void* hidden, v
   const int32_t q_width = w->num_q_heads * d, qkv_width = (w->num_q_heads + 2 * w->num_kv_heads) * d;
   int status = 0;
   if (first) {
-    const size_t value_bytes = dtype == 0 ? 4 : 2;
+    const size_t value_bytes = dtype == radix::kFloat32 ? 4 : 2;
     std::memcpy(residual, hidden, static_cast<size_t>(rows) * h * value_bytes);
     status = radix_rms_norm(dtype, residual, h, w->input_norm, s->normed, rows, h, w->input_eps, threads);
   } else {
