@@ -113,7 +113,7 @@ class Sampler:
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """torch.argmax(logits, dim=-1), by the compiled kernel where it runs."""
-        if self._kernels is not None and logits.dtype == torch.float32 and logits.device.type == "cpu":
+        if self._kernels is not None and logits.dtype == torch.float32:
             token_ids = self._kernels.argmax_rows(logits)
             if token_ids is not None:
                 return token_ids
@@ -240,7 +240,7 @@ def _keep_top(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> 
     limited = k[k < vocab]
     narrowest = max(CANDIDATE_WIDTHS[0], int(limited.max()) if limited.numel() else 0)
     widths = sorted({min(vocab, w) for w in (narrowest, *CANDIDATE_WIDTHS[1:], vocab) if w >= narrowest})
-    rows_keep = torch.zeros_like(probs, dtype=torch.bool)
+    rows_keep: torch.Tensor | None = None  # made by the first pass that leaves rows undecided
     pending = torch.arange(len(active), device=probs.device)
     for width in widths:
         # While every row is pending (the first pass) the rows are read in place, and where every
@@ -256,16 +256,16 @@ def _keep_top(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> 
             chosen = torch.zeros_like(sub, dtype=torch.bool).scatter_(1, order, keep_sorted)
             if whole:
                 rows_keep = chosen
-            else:
+            else:  # an earlier pass left these rows undecided, and made rows_keep
                 rows_keep[pending] = chosen
             break
+        if rows_keep is None:
+            rows_keep = torch.zeros_like(probs, dtype=torch.bool)
         rows = pending[decided]
         rows_keep[rows] = torch.zeros_like(sub[decided], dtype=torch.bool).scatter(
             1, order[decided], keep_sorted[decided]
         )
-        pending = pending[~decided]
-        if pending.numel() == 0:
-            break
+        pending = pending[~decided]  # not empty: a pass deciding every row ends the loop above
     if everyone:
         return rows_keep
     keep = torch.ones((batch, vocab), dtype=torch.bool, device=rows_keep.device)
