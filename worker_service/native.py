@@ -20,7 +20,7 @@ threads, SmolLM2's heads: 1 / 32 / 2,048 tokens 23 -> 5, 44 -> 15, 1,279 -> 405 
 took a bfloat16 decode step of the worker alone (`bench_worker`'s shapes, five alternating pairs,
 medians) from 73 to 85 tok/s at batch 1 and from 640 to 738 at batch 32.
 
-`csrc/argmax.cpp` is greedy sampling's argmax over float32 logits (see `sampler.py`).
+`csrc/sample.cpp` is rank 0's sampling over float32 logits, greedy and sampled (see `sampler.py`).
 `csrc/gemv.cpp` multiplies a decode step's rows by a bfloat16 (AVX512-BF16), float32 or float16
 weight in its own layout (see `layers/linear.py`); `csrc/decode_layer.cpp` runs a whole decoder layer of such
 a step in one call (see `layers/fused_layer.py`). The attention kernel's
@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp", CSRC / "rope_store.cpp", CSRC / "gemv.cpp",
-           CSRC / "decode_layer.cpp", CSRC / "argmax.cpp"]  # headers beside them are included
+           CSRC / "decode_layer.cpp", CSRC / "sample.cpp"]  # headers beside them are included
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 COMPILE_TIMEOUT_S = 300.0
 
@@ -152,6 +152,9 @@ class NativeKernels:
         self._argmax_rows = self._lib.radix_argmax_rows
         self._argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
                                       ctypes.c_void_p, ctypes.c_int32]
+        self._sample_rows = self._lib.radix_sample_rows
+        self._sample_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
+                                      *[ctypes.c_void_p] * 6, ctypes.c_int32]
         self.decode_layer = self._lib.radix_decode_layer  # see layers/fused_layer.py
         self.decode_layer.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int32]
         self.decode_layer.restype = ctypes.c_int
@@ -269,6 +272,26 @@ class NativeKernels:
         status = self._argmax_rows(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr(),
                                    torch.get_num_threads())
         return out if status == 0 else None
+
+    def sample_rows(self, x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    min_p: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+        """One token per float32 CPU row of `x` `[rows, cols]`: the argmax where `temperature` is 0,
+        else the draw at that temperature after `top_k` (int32, 0: off), `top_p` (1: off) and
+        `min_p` (0: off; all three float32 per row) with the float64 `uniform` number in [0, 1) (see
+        `csrc/sample.cpp`), as int64; -1 for a row holding a NaN or +inf or only -inf."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        rows = x.shape[0]
+        for name, values, dtype in (("temperature", temperature, torch.float32), ("top_k", top_k, torch.int32),
+                                    ("top_p", top_p, torch.float32), ("min_p", min_p, torch.float32),
+                                    ("uniform", uniform, torch.float64)):
+            if values.dtype != dtype or values.shape != (rows,) or not values.is_contiguous():
+                raise TypeError(f"{name} must be a contiguous {dtype} vector of {rows}")
+        out = torch.empty(rows, dtype=torch.int64)
+        self._sample_rows(x.data_ptr(), x.stride(0), rows, x.shape[1], temperature.data_ptr(), top_k.data_ptr(),
+                          top_p.data_ptr(), min_p.data_ptr(), uniform.data_ptr(), out.data_ptr(),
+                          torch.get_num_threads())
+        return out
 
     def supports(self, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
         return (device.type == "cpu" and dtype in DTYPE_CODES

@@ -1,4 +1,5 @@
-"""The sampler: greedy, penalties, truncation, seeded reproducibility and logprobs."""
+"""The sampler: greedy, penalties, truncation, seeded reproducibility and logprobs, in PyTorch's
+ops and in the compiled kernel (`csrc/sample.cpp`), which must draw the same tokens."""
 
 from __future__ import annotations
 
@@ -6,25 +7,36 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import worker_service.sampler as sampler_module
 from radixserve.sampling import SamplingParams
+from worker_service import native
 from worker_service.sampler import Sampler, SampleRow, apply_penalties, truncate
+
+KERNEL = native.load()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"the kernels do not build here: {native.failure()}")
 
 # Probabilities of a crafted 6-token distribution; logits are their logs.
 PROBS = [0.40, 0.25, 0.15, 0.10, 0.06, 0.04]
 CRAFTED = torch.tensor([math.log(p) for p in PROBS])
 
 
+@pytest.fixture(params=["torch", pytest.param("kernel", marks=needs_kernel)])
+def new_sampler(request: pytest.FixtureRequest):
+    """Makes samplers that draw in PyTorch's ops, or in the compiled kernel."""
+    kernels = KERNEL if request.param == "kernel" else None
+    return lambda seed=None: Sampler("cpu", seed=seed, kernels=kernels)
+
+
 def row(params: SamplingParams, token_ids: list[int] | None = None, num_prompt: int = 0) -> SampleRow:
     return SampleRow(params=params, token_ids=token_ids or [], num_prompt_tokens=num_prompt)
 
 
-def test_greedy_is_argmax() -> None:
+def test_greedy_is_argmax(new_sampler) -> None:
     logits = torch.randn(8, 500, generator=torch.Generator().manual_seed(0))
-    samples = Sampler(seed=1).sample(logits, [row(SamplingParams())] * 8)
+    samples = new_sampler(seed=1).sample(logits, [row(SamplingParams())] * 8)
     assert [s.token_id for s in samples] == logits.argmax(dim=-1).tolist()
     assert all(s.logprob is None and s.top_logprobs is None for s in samples)
 
@@ -65,10 +77,10 @@ def test_penalties_apply_per_row_only() -> None:
         (SamplingParams(temperature=0.7, top_k=5, min_p=0.2), {0, 1, 2}),
     ],
 )
-def test_truncation_never_emits_excluded_tokens(params: SamplingParams, allowed: set[int]) -> None:
+def test_truncation_never_emits_excluded_tokens(params: SamplingParams, allowed: set[int], new_sampler) -> None:
     num_draws = 2000
     logits = CRAFTED.repeat(num_draws, 1)
-    samples = Sampler(seed=7).sample(logits, [row(params)] * num_draws)
+    samples = new_sampler(seed=7).sample(logits, [row(params)] * num_draws)
     drawn = [s.token_id for s in samples]
     assert set(drawn) == allowed  # every allowed token shows up, nothing else does
     # The draw follows the renormalised distribution (5 sigma bounds for 2,000 draws).
@@ -136,7 +148,8 @@ def test_truncate_keeps_the_top_token_even_with_tiny_top_p() -> None:
     assert kept[0].tolist() == [1.0, 0, 0, 0, 0, 0]
 
 
-@settings(max_examples=60, deadline=None)
+# The fixture only picks a sampler kind; nothing in it carries over between examples.
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     seed=st.integers(0, 2**32),
     top_k=st.integers(0, 12),
@@ -145,37 +158,37 @@ def test_truncate_keeps_the_top_token_even_with_tiny_top_p() -> None:
     temperature=st.floats(0.1, 3.0),
 )
 def test_drawn_token_always_survives_truncation(
-    seed: int, top_k: int, top_p: float, min_p: float, temperature: float
+    seed: int, top_k: int, top_p: float, min_p: float, temperature: float, new_sampler
 ) -> None:
     logits = torch.randn(4, 12, generator=torch.Generator().manual_seed(seed)) * 3
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     rows = [row(params)] * 4
     kept = truncate(torch.softmax(logits / temperature, dim=-1), rows)
-    for index, sample in enumerate(Sampler(seed=seed).sample(logits, rows)):
+    for index, sample in enumerate(new_sampler(seed=seed).sample(logits, rows)):
         assert kept[index, sample.token_id] > 0
         if top_k:
             assert int((kept[index] > 0).sum()) <= top_k
 
 
-def test_seeded_rows_reproduce_alone_or_batched() -> None:
+def test_seeded_rows_reproduce_alone_or_batched(new_sampler) -> None:
     vocab = 1000
     logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(3))
     seeded = SamplingParams(temperature=1.0, seed=1234)
     history = [5, 6, 7, 8]  # 2 prompt + 2 output tokens
-    alone = Sampler().sample(logits[:1], [row(seeded, history, num_prompt=2)])[0].token_id
+    alone = new_sampler().sample(logits[:1], [row(seeded, history, num_prompt=2)])[0].token_id
     others = [row(SamplingParams(temperature=1.5)), row(SamplingParams(temperature=0.8, seed=99))]
     for position in range(3):
         batch_rows = list(others)
         batch_rows.insert(position, row(seeded, history, num_prompt=2))
         batch_logits = torch.cat([logits[1:3], logits[1:3]])[: len(batch_rows)].clone()
         batch_logits[position] = logits[0]
-        samples = Sampler().sample(batch_logits, batch_rows)  # a fresh shared generator each time
+        samples = new_sampler().sample(batch_logits, batch_rows)  # a fresh shared generator each time
         assert samples[position].token_id == alone
 
 
-def test_seeded_draw_depends_on_seed_and_step() -> None:
+def test_seeded_draw_depends_on_seed_and_step(new_sampler) -> None:
     logits = torch.zeros(1, 5000)  # uniform: the token is the noise's choice alone
-    sampler = Sampler()
+    sampler = new_sampler()
 
     def draw(seed: int, num_outputs: int) -> int:
         params = SamplingParams(temperature=1.0, seed=seed)
@@ -187,15 +200,15 @@ def test_seeded_draw_depends_on_seed_and_step() -> None:
     assert [draw(43, n) for n in range(8)] != steps
 
 
-def test_unseeded_rows_vary_and_shared_seed_reproduces() -> None:
+def test_unseeded_rows_vary_and_shared_seed_reproduces(new_sampler) -> None:
     logits = torch.zeros(64, 5000)
     rows = [row(SamplingParams(temperature=1.0))] * 64
-    first = [s.token_id for s in Sampler(seed=5).sample(logits, rows)]
+    first = [s.token_id for s in new_sampler(seed=5).sample(logits, rows)]
     assert len(set(first)) > 32
-    assert first == [s.token_id for s in Sampler(seed=5).sample(logits, rows)]
+    assert first == [s.token_id for s in new_sampler(seed=5).sample(logits, rows)]
 
 
-def test_logprobs_are_log_softmax_of_raw_logits() -> None:
+def test_logprobs_are_log_softmax_of_raw_logits(new_sampler) -> None:
     logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(11)) * 4
     params = [
         SamplingParams(temperature=0.5, top_k=3, repetition_penalty=1.3, logprobs=True, top_logprobs=5, seed=1),
@@ -203,7 +216,7 @@ def test_logprobs_are_log_softmax_of_raw_logits() -> None:
         SamplingParams(temperature=2.0, top_logprobs=20, presence_penalty=1.0),
     ]
     rows = [row(params[0], [1, 2, 3], 1), row(params[1]), row(params[2], [4, 4], 1)]
-    samples = Sampler(seed=0).sample(logits, rows)
+    samples = new_sampler(seed=0).sample(logits, rows)
     reference = torch.log_softmax(logits, dim=-1)
     for index, sample in enumerate(samples):
         assert sample.logprob == pytest.approx(reference[index, sample.token_id].item(), abs=1e-5)
@@ -232,3 +245,86 @@ def test_bad_sampling_values_are_named(params: SamplingParams, needle: str) -> N
     problems = params.problems()
     assert len(problems) == 1 and needle in problems[0]
     assert SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.05, seed=2**64 - 1).problems() == []
+
+
+# ---- the compiled kernel against the torch path ------------------------------------------------
+
+def kernel_and_torch_tokens(logits: torch.Tensor, rows: list[SampleRow], seed: int) -> tuple[list[int], list[int]]:
+    """Tokens from both samplers with the same uniform numbers (the same shared generator seed)."""
+    compiled = Sampler("cpu", seed=seed, kernels=KERNEL).sample(logits, rows)
+    plain = Sampler("cpu", seed=seed).sample(logits, rows)
+    return [s.token_id for s in compiled], [s.token_id for s in plain]
+
+
+@needs_kernel
+@pytest.mark.parametrize("vocab", [7, 16, 33, 1000, 49152])
+@pytest.mark.parametrize("scale", [0.3, 3.0, 12.0])
+def test_kernel_draws_the_torch_paths_tokens(vocab: int, scale: float) -> None:
+    """Every combination of the truncations, several temperatures and levels of peakedness, some
+    rows partly masked to -inf (as constrained rows are) and greedy rows among them: the same token
+    for the same uniform number, row by row."""
+    generator = torch.Generator().manual_seed(vocab * 31 + int(scale * 10))
+    configs = [
+        SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)
+        for t in (0.05, 0.7, 1.0, 1.9) for k in (0, 1, 5, 60, 2000) for p in (1.0, 0.95, 0.5) for m in (0.0, 0.02, 0.4)
+    ] + [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, top_k=3)]
+    rows = [row(params) for params in configs]
+    logits = torch.randn(len(rows), vocab, generator=generator) * scale
+    masked = torch.rand(len(rows), vocab, generator=generator) < 0.3
+    masked[::2] = False  # every other row unmasked
+    masked[:, 0] = False  # never a row of nothing but -inf here
+    logits[masked] = float("-inf")
+    compiled, plain = kernel_and_torch_tokens(logits, rows, seed=vocab)
+    differ = [(i, configs[i], compiled[i], plain[i]) for i in range(len(rows)) if compiled[i] != plain[i]]
+    assert not differ
+    assert all(not masked[i, token] for i, token in enumerate(compiled))
+
+
+@needs_kernel
+def test_kernel_leaves_non_finite_rows_to_torch() -> None:
+    """A NaN, a +inf, a row of nothing but -inf: those rows take the torch path's answer, the other
+    rows still the kernel's, and the result is the torch path's throughout."""
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(2)) * 2
+    logits[1, 17] = float("nan")
+    logits[2, 40] = float("inf")
+    logits[3] = float("-inf")
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+    rows = [row(params)] * 6
+    uniform = torch.rand(6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    direct = KERNEL.sample_rows(logits, torch.full((6,), 0.8), torch.zeros(6, dtype=torch.int32),
+                                torch.full((6,), 0.9), torch.zeros(6), uniform)
+    assert direct[[1, 2, 3]].tolist() == [-1, -1, -1] and bool((direct[[0, 4, 5]] >= 0).all())
+    compiled, plain = kernel_and_torch_tokens(logits, rows, seed=4)
+    assert compiled == plain
+
+
+@needs_kernel
+def test_kernel_rejects_mismatched_parameters() -> None:
+    logits = torch.zeros(2, 10)
+    ones = torch.ones(2)
+    with pytest.raises(TypeError, match="top_k"):
+        KERNEL.sample_rows(logits, ones, torch.zeros(2), ones, torch.zeros(2), torch.zeros(2, dtype=torch.float64))
+    with pytest.raises(TypeError, match="uniform"):
+        KERNEL.sample_rows(logits, ones, torch.zeros(2, dtype=torch.int32), ones, torch.zeros(2), torch.zeros(3))
+
+
+@needs_kernel
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.9, top_p=0.9), SamplingParams(temperature=1.0),
+                                    SamplingParams(temperature=0.6, top_k=40), SamplingParams(temperature=1.0, min_p=0.1)])
+def test_kernel_draws_follow_the_distribution(params: SamplingParams) -> None:
+    """Many draws from one flat-ish row of 40,000 logits (the ranking needs its lower levels): each
+    token's frequency within 5 sigma of its truncated, renormalised probability."""
+    vocab, num_draws = 40_000, 3000
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(9)) * 1.5
+    logits[0, :4] = torch.tensor([9.0, 8.5, 8.0, 7.0])  # a few likely tokens, a long tail
+    probs = truncate(torch.softmax(logits.double() / params.temperature, dim=-1), [row(params)])[0]
+    samples = Sampler("cpu", seed=3, kernels=KERNEL).sample(logits.repeat(num_draws, 1), [row(params)] * num_draws)
+    drawn = torch.bincount(torch.tensor([s.token_id for s in samples]), minlength=vocab).double() / num_draws
+    assert bool((probs[drawn > 0] > 0).all()), "a token outside the truncated set was drawn"
+    for token in range(4):
+        expected = float(probs[token])
+        sigma = math.sqrt(expected * (1 - expected) / num_draws)
+        assert abs(float(drawn[token]) - expected) < 5 * sigma + 1e-3
+    tail = float(probs[4:].sum())
+    sigma = math.sqrt(tail * (1 - tail) / num_draws)
+    assert abs(float(drawn[4:].sum()) - tail) < 5 * sigma + 1e-3
