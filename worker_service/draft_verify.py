@@ -26,8 +26,9 @@ def verify_rows(state: RequestState, num_drafts: int) -> list[SampleRow]:
     """
     tokens, params, num_prompt = state.token_ids, state.sampling, state.num_prompt_tokens
     first = len(tokens) - num_drafts
-    rows = [SampleRow(params, tokens[: first + j], num_prompt) for j in range(num_drafts)]
-    rows.append(SampleRow(params, tokens, num_prompt))
+    history = state.token_array
+    rows = [SampleRow(params, tokens[: first + j], num_prompt, history) for j in range(num_drafts)]
+    rows.append(SampleRow(params, tokens, num_prompt, history))
     return rows
 
 

@@ -155,6 +155,9 @@ class NativeKernels:
         self._sample_rows = self._lib.radix_sample_rows
         self._sample_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
                                       *[ctypes.c_void_p] * 6, ctypes.c_int32]
+        self._apply_penalties = self._lib.radix_apply_penalties
+        self._apply_penalties.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
+                                          *[ctypes.c_void_p] * 6, ctypes.c_int32]
         self.decode_layer = self._lib.radix_decode_layer  # see layers/fused_layer.py
         self.decode_layer.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int32]
         self.decode_layer.restype = ctypes.c_int
@@ -292,6 +295,30 @@ class NativeKernels:
                           top_p.data_ptr(), min_p.data_ptr(), uniform.data_ptr(), out.data_ptr(),
                           torch.get_num_threads())
         return out
+
+    def apply_penalties(self, x: torch.Tensor, histories: list[tuple[int, int, int]], repetition: torch.Tensor,
+                        presence: torch.Tensor, frequency: torch.Tensor) -> None:
+        """Penalise float32 CPU rows `x` `[rows, cols]` in place (see `csrc/sample.cpp`).
+
+        `histories[r]` is row r's token history as (address of its int32 token ids, how many,
+        how many of them are prompt); the three penalties are float32 per row (1, 0, 0: off).
+        Raises ValueError, leaving those rows untouched, where a token id is outside [0, cols).
+        """
+        rows = x.shape[0]
+        if x.dtype != torch.float32 or x.stride(-1) != 1 or len(histories) != rows:
+            raise TypeError(f"penalties take contiguous float32 rows and one history per row ({len(histories)} "
+                            f"for {tuple(x.shape)})")
+        for name, values in (("repetition", repetition), ("presence", presence), ("frequency", frequency)):
+            if values.dtype != torch.float32 or values.shape != (rows,) or not values.is_contiguous():
+                raise TypeError(f"{name} must be a contiguous float32 vector of {rows}")
+        addresses = (ctypes.c_void_p * rows)(*(address or None for address, _, _ in histories))
+        counts = torch.tensor([count for _, count, _ in histories], dtype=torch.int32)
+        prompts = torch.tensor([prompt for _, _, prompt in histories], dtype=torch.int32)
+        bad = self._apply_penalties(x.data_ptr(), x.stride(0), rows, x.shape[1], addresses, counts.data_ptr(),
+                                    prompts.data_ptr(), repetition.data_ptr(), presence.data_ptr(),
+                                    frequency.data_ptr(), torch.get_num_threads())
+        if bad:
+            raise ValueError(f"{bad} row(s) hold token ids outside [0, {x.shape[1]})")
 
     def supports(self, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
         return (device.type == "cpu" and dtype in DTYPE_CODES

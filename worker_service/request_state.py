@@ -13,6 +13,7 @@ Invariants a state keeps:
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -31,7 +32,9 @@ class RequestState:
     token computed since (prompt chunks, then the sampled tokens fed back as decode tokens).
     Positions `[0, num_prompt_tokens)` are prompt; the rest are output, which the presence and
     frequency penalties count and which step the seeded generator is on. The lists grow in
-    place, so a step costs its new tokens and pages, not the request's length.
+    place, so a step costs its new tokens and pages, not the request's length. `token_array`
+    holds the same ids as int32, kept in step with `token_ids` by every method here: the sampler's
+    compiled penalties read it in place (no conversion of the whole sequence per step).
     """
 
     request_id: str
@@ -45,6 +48,11 @@ class RequestState:
     matcher: RequestMatcher | None = None
     # Drafts at the end of `token_ids` from the last entry (speculative decoding).
     num_unverified: int = 0
+    token_array: array = field(default_factory=lambda: array("i"))
+
+    def __post_init__(self) -> None:
+        if len(self.token_array) != len(self.token_ids):
+            self.token_array = array("i", self.token_ids)
 
     @property
     def num_written(self) -> int:
@@ -60,7 +68,9 @@ class RequestState:
         """Record tokens whose K/V this step writes and the pages that were added for them."""
         self.page_table.extend(page_ids)
         self.page_set.update(self.page_table[len(self.page_set):])
+        start = len(self.token_ids)
         self.token_ids.extend(token_ids)
+        self.token_array.extend(self.token_ids[start:])
 
     def append_entry(self, start_position: int, token_ids: Iterable[int], page_ids: Iterable[int],
                      num_drafts: int) -> StepMark:
@@ -69,6 +79,7 @@ class RequestState:
         mark = StepMark(len(self.token_ids), len(self.page_table), self.token_ids[start_position:],
                         self.num_unverified)
         del self.token_ids[start_position:]
+        del self.token_array[start_position:]
         self.append(token_ids, page_ids)
         self.num_unverified = num_drafts
         return mark
@@ -77,6 +88,7 @@ class RequestState:
         """Undo `append_entry` (a failed step): the state is as it was before it."""
         self.truncate(mark.num_tokens - len(mark.dropped), mark.num_pages)
         self.token_ids.extend(mark.dropped)
+        self.token_array.extend(mark.dropped)
         self.num_unverified = mark.num_unverified
 
     def truncate(self, num_tokens: int, num_pages: int) -> None:
@@ -84,6 +96,7 @@ class RequestState:
         self.page_set.difference_update(self.page_table[num_pages:])
         del self.page_table[num_pages:]
         del self.token_ids[num_tokens:]
+        del self.token_array[num_tokens:]
 
 
 @dataclass(slots=True, frozen=True)

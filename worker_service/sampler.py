@@ -20,6 +20,7 @@ grammar.py), so its logprobs are of the constrained distribution.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,11 +41,15 @@ class SampleRow:
 
     `token_ids` is the request's whole sequence so far (cached prefix, prompt and output tokens
     whose K/V is written); positions `[0, num_prompt_tokens)` are prompt, the rest output.
+    `history`, where given, holds the same ids as int32 from its start (it may run on, past
+    `len(token_ids)`): the request state's own copy, which the compiled penalties read in place
+    instead of converting the sequence every step.
     """
 
     params: SamplingParams
     token_ids: list[int]
     num_prompt_tokens: int
+    history: array | None = None
 
     @property
     def output_ids(self) -> list[int]:
@@ -100,7 +105,7 @@ class Sampler:
         if not rows:
             return []
         raw = logits.float()
-        logits = apply_penalties(raw, rows)
+        logits = self._penalise(raw, rows)
         is_random = [row.params.temperature > 0 for row in rows]
         if not any(is_random):
             return _with_logprobs(raw, self._argmax(logits), rows)
@@ -121,6 +126,29 @@ class Sampler:
             token_ids[left] = self._sample_torch(
                 logits[left], [rows[i] for i in indices], [is_random[i] for i in indices], uniform[left])
         return _with_logprobs(raw, token_ids, rows)
+
+    def _penalise(self, raw: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """`apply_penalties`, by the compiled kernel where it runs (same result, float32 alike)."""
+        penalised = [row.params.repetition_penalty != 1.0 or row.params.presence_penalty != 0
+                     or row.params.frequency_penalty != 0 for row in rows]
+        if self._kernels is None or raw.dtype != torch.float32 or not any(penalised):
+            return apply_penalties(raw, rows)
+        histories, keep_alive = [], []
+        for row, wanted in zip(rows, penalised):
+            if not wanted:
+                histories.append((0, 0, 0))
+                continue
+            history = row.history if row.history is not None else array("i", row.token_ids)
+            keep_alive.append(history)
+            histories.append((history.buffer_info()[0], len(row.token_ids), row.num_prompt_tokens))
+        out = raw.clone()
+        self._kernels.apply_penalties(
+            out, histories,
+            torch.tensor([row.params.repetition_penalty for row in rows], dtype=torch.float32),
+            torch.tensor([row.params.presence_penalty for row in rows], dtype=torch.float32),
+            torch.tensor([row.params.frequency_penalty for row in rows], dtype=torch.float32),
+        )
+        return out
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """torch.argmax(logits, dim=-1), by the compiled kernel where it runs."""

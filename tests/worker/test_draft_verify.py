@@ -23,6 +23,7 @@ from radixserve.v1 import worker_pb2
 from worker_service.executor import Executor
 from worker_service.grammar import ConstraintMasks
 from worker_service.model_runner import ModelRunner, RunnerConfig
+from worker_service import native
 from worker_service.sampler import Sampler
 
 EOS = 2
@@ -110,15 +111,21 @@ class SpecDriver:
         return result.tokens
 
 
-@pytest.fixture(scope="module")
-def driver(tmp_path_factory, smollm2_dir) -> SpecDriver:
+KERNELS = native.load()
+
+
+# Both samplers: the compiled one reads draft rows' histories as prefixes of the state's own copy.
+@pytest.fixture(scope="module", params=[
+    "torch", pytest.param("kernel", marks=pytest.mark.skipif(KERNELS is None, reason="the kernels do not build here"))])
+def driver(request, tmp_path_factory, smollm2_dir) -> SpecDriver:
     # Large weights make the random model's distributions peaked like a trained model's, so
     # top_p is decided among a few candidates (a flat one makes the sampler sort the vocabulary).
     model_dir = make_constrained_model(tmp_path_factory.mktemp("spec"), smollm2_dir, initializer_range=PEAKED_INIT)
     runner = ModelRunner(RunnerConfig(model_dir=model_dir, kv_cache_bytes=KV_CACHE_BYTES))
     masks = ConstraintMasks.load(model_dir, runner.info.vocab_size, list(runner.info.eos_token_ids), 16, 1)
     assert masks is not None
-    return SpecDriver(Executor(runner, Sampler(seed=0), constraints=masks))
+    kernels = KERNELS if request.param == "kernel" else None
+    return SpecDriver(Executor(runner, Sampler(seed=0, kernels=kernels), constraints=masks))
 
 
 def requests(rng: random.Random) -> tuple[list[list[int]], list[SamplingParams], list[Constraint | None]]:

@@ -14,6 +14,7 @@ import worker_service.sampler as sampler_module
 from radixserve.sampling import SamplingParams
 from worker_service import native
 from worker_service.sampler import Sampler, SampleRow, apply_penalties, truncate
+from array import array
 
 KERNEL = native.load()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"the kernels do not build here: {native.failure()}")
@@ -328,3 +329,37 @@ def test_kernel_draws_follow_the_distribution(params: SamplingParams) -> None:
     tail = float(probs[4:].sum())
     sigma = math.sqrt(tail * (1 - tail) / num_draws)
     assert abs(float(drawn[4:].sum()) - tail) < 5 * sigma + 1e-3
+
+
+@needs_kernel
+@pytest.mark.parametrize("given_history", [False, True])
+def test_kernel_penalties_equal_the_torch_paths(given_history: bool) -> None:
+    """Repetition, presence and frequency penalties alone and together, tokens repeated within the
+    prompt, within the output and across both, rows without penalties among them: the same float32
+    logits as `apply_penalties`. With `given_history`, rows read the ids from an int32 copy that
+    runs on past their own sequence (a draft row's prefix of the request state's copy)."""
+    rng = torch.Generator().manual_seed(5)
+    vocab = 3000
+    logits = torch.randn(12, vocab, generator=rng) * 4
+    variants = [SamplingParams(), SamplingParams(repetition_penalty=1.3), SamplingParams(repetition_penalty=0.7),
+                SamplingParams(presence_penalty=0.6), SamplingParams(frequency_penalty=0.35),
+                SamplingParams(presence_penalty=-0.4, frequency_penalty=1.25, repetition_penalty=1.1)]
+    rows = []
+    for index in range(12):
+        length = int(torch.randint(1, 400, (1,), generator=rng))
+        tokens = torch.randint(0, 60 if index % 3 else vocab, (length,), generator=rng).tolist()  # many repeats
+        num_prompt = int(torch.randint(0, length + 1, (1,), generator=rng))
+        history = array("i", tokens + [7, 8, 9]) if given_history else None
+        rows.append(SampleRow(variants[index % len(variants)], tokens, num_prompt, history))
+    expected = apply_penalties(logits, rows)
+    got = Sampler("cpu", kernels=KERNEL)._penalise(logits, rows)
+    assert torch.equal(got, expected)
+    assert got.data_ptr() != logits.data_ptr()  # a penalised copy; the raw logits stay for logprobs
+
+
+@needs_kernel
+def test_kernel_penalties_refuse_token_ids_outside_the_vocabulary() -> None:
+    logits = torch.zeros(2, 10)
+    rows = [row(SamplingParams(presence_penalty=1.0), [1, 2, 10], 1), row(SamplingParams(), [3])]
+    with pytest.raises(ValueError, match="outside"):
+        Sampler("cpu", kernels=KERNEL)._penalise(logits, rows)
