@@ -20,7 +20,8 @@ threads, SmolLM2's heads: 1 / 32 / 2,048 tokens 23 -> 5, 44 -> 15, 1,279 -> 405 
 took a bfloat16 decode step of the worker alone (`bench_worker`'s shapes, five alternating pairs,
 medians) from 73 to 85 tok/s at batch 1 and from 640 to 738 at batch 32.
 
-`csrc/sample.cpp` is rank 0's sampling over float32 logits, greedy and sampled (see `sampler.py`).
+`csrc/sample.cpp` and `csrc/logprobs.cpp` are rank 0's sampling over float32 logits: penalties, greedy
+and sampled tokens, logprobs (bound in `native_sampling.py`, used by `sampler.py`).
 `csrc/gemv.cpp` multiplies a decode step's rows by a bfloat16 (AVX512-BF16), float32 or float16
 weight in its own layout (see `layers/linear.py`); `csrc/decode_layer.cpp` runs a whole decoder layer of such
 a step in one call (see `layers/fused_layer.py`). The attention kernel's
@@ -48,12 +49,14 @@ from pathlib import Path
 import torch
 
 from worker_service.native_plan import DTYPE_CODES, NativePlan, PlanStruct, build_plan
+from worker_service.native_sampling import SamplingKernels
 
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp", CSRC / "rope_store.cpp", CSRC / "gemv.cpp",
-           CSRC / "decode_layer.cpp", CSRC / "sample.cpp"]  # headers beside them are included
+           CSRC / "decode_layer.cpp", CSRC / "sample.cpp",
+           CSRC / "logprobs.cpp"]  # headers beside them are included
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 COMPILE_TIMEOUT_S = 300.0
 
@@ -149,15 +152,7 @@ class NativeKernels:
         # The dtypes the small-batch linear kernel runs in on this build (bfloat16 needs AVX512-BF16).
         self.gemv_dtypes = frozenset(dtype for dtype in (torch.bfloat16, torch.float32, torch.float16)
                                      if self._lib.radix_gemv_supported(DTYPE_CODES[dtype]))
-        self._argmax_rows = self._lib.radix_argmax_rows
-        self._argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
-                                      ctypes.c_void_p, ctypes.c_int32]
-        self._sample_rows = self._lib.radix_sample_rows
-        self._sample_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
-                                      *[ctypes.c_void_p] * 6, ctypes.c_int32]
-        self._apply_penalties = self._lib.radix_apply_penalties
-        self._apply_penalties.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
-                                          *[ctypes.c_void_p] * 6, ctypes.c_int32]
+        self.sampling = SamplingKernels(self._lib)  # rank 0's sampling: see native_sampling.py
         self.decode_layer = self._lib.radix_decode_layer  # see layers/fused_layer.py
         self.decode_layer.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int32]
         self.decode_layer.restype = ctypes.c_int
@@ -265,60 +260,6 @@ class NativeKernels:
         if status != 0:
             raise RuntimeError(f"gemv kernel refused the call (status {status})")
         return out
-
-    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor | None:
-        """torch.argmax(x, dim=-1) of float32 CPU rows `x` `[rows, cols]` (the first index of the
-        maximum), as int64; None where a row holds a NaN (torch's argmax then says where)."""
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        out = torch.empty(x.shape[0], dtype=torch.int64)
-        status = self._argmax_rows(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr(),
-                                   torch.get_num_threads())
-        return out if status == 0 else None
-
-    def sample_rows(self, x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                    min_p: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
-        """One token per float32 CPU row of `x` `[rows, cols]`: the argmax where `temperature` is 0,
-        else the draw at that temperature after `top_k` (int32, 0: off), `top_p` (1: off) and
-        `min_p` (0: off; all three float32 per row) with the float64 `uniform` number in [0, 1) (see
-        `csrc/sample.cpp`), as int64; -1 for a row holding a NaN or +inf or only -inf."""
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        rows = x.shape[0]
-        for name, values, dtype in (("temperature", temperature, torch.float32), ("top_k", top_k, torch.int32),
-                                    ("top_p", top_p, torch.float32), ("min_p", min_p, torch.float32),
-                                    ("uniform", uniform, torch.float64)):
-            if values.dtype != dtype or values.shape != (rows,) or not values.is_contiguous():
-                raise TypeError(f"{name} must be a contiguous {dtype} vector of {rows}")
-        out = torch.empty(rows, dtype=torch.int64)
-        self._sample_rows(x.data_ptr(), x.stride(0), rows, x.shape[1], temperature.data_ptr(), top_k.data_ptr(),
-                          top_p.data_ptr(), min_p.data_ptr(), uniform.data_ptr(), out.data_ptr(),
-                          torch.get_num_threads())
-        return out
-
-    def apply_penalties(self, x: torch.Tensor, histories: list[tuple[int, int, int]], repetition: torch.Tensor,
-                        presence: torch.Tensor, frequency: torch.Tensor) -> None:
-        """Penalise float32 CPU rows `x` `[rows, cols]` in place (see `csrc/sample.cpp`).
-
-        `histories[r]` is row r's token history as (address of its int32 token ids, how many,
-        how many of them are prompt); the three penalties are float32 per row (1, 0, 0: off).
-        Raises ValueError, leaving those rows untouched, where a token id is outside [0, cols).
-        """
-        rows = x.shape[0]
-        if x.dtype != torch.float32 or x.stride(-1) != 1 or len(histories) != rows:
-            raise TypeError(f"penalties take contiguous float32 rows and one history per row ({len(histories)} "
-                            f"for {tuple(x.shape)})")
-        for name, values in (("repetition", repetition), ("presence", presence), ("frequency", frequency)):
-            if values.dtype != torch.float32 or values.shape != (rows,) or not values.is_contiguous():
-                raise TypeError(f"{name} must be a contiguous float32 vector of {rows}")
-        addresses = (ctypes.c_void_p * rows)(*(address or None for address, _, _ in histories))
-        counts = torch.tensor([count for _, count, _ in histories], dtype=torch.int32)
-        prompts = torch.tensor([prompt for _, _, prompt in histories], dtype=torch.int32)
-        bad = self._apply_penalties(x.data_ptr(), x.stride(0), rows, x.shape[1], addresses, counts.data_ptr(),
-                                    prompts.data_ptr(), repetition.data_ptr(), presence.data_ptr(),
-                                    frequency.data_ptr(), torch.get_num_threads())
-        if bad:
-            raise ValueError(f"{bad} row(s) hold token ids outside [0, {x.shape[1]})")
 
     def supports(self, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
         return (device.type == "cpu" and dtype in DTYPE_CODES

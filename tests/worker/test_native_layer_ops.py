@@ -227,7 +227,7 @@ def test_argmax_rows_equal_torch_argmax_ties_and_infinities_included(cols, threa
     rows[2] = float("-inf")
     rows[3, cols - 1] = float("inf")
     rows[4, : cols // 2 + 1] = float("inf")
-    got = KERNEL.argmax_rows(rows)
+    got = KERNEL.sampling.argmax_rows(rows)
     assert got is not None and got.dtype == torch.int64
     assert torch.equal(got, rows.argmax(dim=-1))
 
@@ -238,7 +238,7 @@ def test_argmax_rows_leave_a_nan_to_torch_and_the_sampler_agrees() -> None:
 
     rows = torch.randn(6, 300, generator=torch.Generator().manual_seed(3))
     rows[4, 7] = float("nan")
-    assert KERNEL.argmax_rows(rows) is None  # torch.argmax says where the NaN is
+    assert KERNEL.sampling.argmax_rows(rows) is None  # torch.argmax says where the NaN is
     sample_rows = [SampleRow(SamplingParams(temperature=0.0), [1], 1) for _ in range(6)]
     with_kernel = Sampler("cpu", seed=0, kernels=KERNEL).sample(rows, sample_rows)
     without = Sampler("cpu", seed=0).sample(rows, sample_rows)

@@ -4,17 +4,18 @@ ops and in the compiled kernel (`csrc/sample.cpp`), which must draw the same tok
 from __future__ import annotations
 
 import math
+from array import array
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import worker_service.sampler as sampler_module
+import worker_service.sampling_torch as sampling_torch
 from radixserve.sampling import SamplingParams
 from worker_service import native
-from worker_service.sampler import Sampler, SampleRow, apply_penalties, truncate
-from array import array
+from worker_service.sampler import Sampler, SampleRow
+from worker_service.sampling_torch import apply_penalties, truncate
 
 KERNEL = native.load()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"the kernels do not build here: {native.failure()}")
@@ -129,7 +130,7 @@ def test_truncate_matches_a_plain_reference(seed: int, vocab: int, top_k: int, t
         return  # top_p sits on a boundary: rounding, not the code, would decide
     # Narrow ranking widths so that the topk -> wider -> full-sort passes all get exercised.
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sampler_module, "CANDIDATE_WIDTHS", (2, 5))
+        patch.setattr(sampling_torch, "CANDIDATE_WIDTHS", (2, 5))
         kept = truncate(probs, [row(params)])
     assert {i for i, p in enumerate(kept[0].tolist()) if p > 0} == reference_keep(probs[0].tolist(), params)
     assert float(kept.sum()) == pytest.approx(1.0)
@@ -220,14 +221,18 @@ def test_logprobs_are_log_softmax_of_raw_logits(new_sampler) -> None:
     samples = new_sampler(seed=0).sample(logits, rows)
     reference = torch.log_softmax(logits, dim=-1)
     for index, sample in enumerate(samples):
-        assert sample.logprob == pytest.approx(reference[index, sample.token_id].item(), abs=1e-5)
-        wanted = params[index].top_logprobs
-        if wanted:
-            values, ids = reference[index].topk(wanted)
-            assert [t for t, _ in sample.top_logprobs] == ids.tolist()
-            assert [v for _, v in sample.top_logprobs] == pytest.approx(values.tolist(), abs=1e-5)
-        else:
-            assert sample.top_logprobs is None
+        assert_logprobs(sample, reference[index], params[index].top_logprobs)
+
+
+def assert_logprobs(sample, reference: torch.Tensor, wanted: int) -> None:
+    """`sample`'s logprob and `wanted` top logprobs are those of the log-softmax row `reference`."""
+    assert sample.logprob == pytest.approx(reference[sample.token_id].item(), abs=1e-5)
+    if wanted:
+        values, ids = reference.topk(wanted)
+        assert [t for t, _ in sample.top_logprobs] == ids.tolist()
+        assert [v for _, v in sample.top_logprobs] == pytest.approx(values.tolist(), abs=1e-5)
+    else:
+        assert sample.top_logprobs is None
 
 
 @pytest.mark.parametrize(
@@ -292,7 +297,7 @@ def test_kernel_leaves_non_finite_rows_to_torch() -> None:
     params = SamplingParams(temperature=0.8, top_p=0.9)
     rows = [row(params)] * 6
     uniform = torch.rand(6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    direct = KERNEL.sample_rows(logits, torch.full((6,), 0.8), torch.zeros(6, dtype=torch.int32),
+    direct = KERNEL.sampling.sample_rows(logits, torch.full((6,), 0.8), torch.zeros(6, dtype=torch.int32),
                                 torch.full((6,), 0.9), torch.zeros(6), uniform)
     assert direct[[1, 2, 3]].tolist() == [-1, -1, -1] and bool((direct[[0, 4, 5]] >= 0).all())
     compiled, plain = kernel_and_torch_tokens(logits, rows, seed=4)
@@ -304,9 +309,9 @@ def test_kernel_rejects_mismatched_parameters() -> None:
     logits = torch.zeros(2, 10)
     ones = torch.ones(2)
     with pytest.raises(TypeError, match="top_k"):
-        KERNEL.sample_rows(logits, ones, torch.zeros(2), ones, torch.zeros(2), torch.zeros(2, dtype=torch.float64))
+        KERNEL.sampling.sample_rows(logits, ones, torch.zeros(2), ones, torch.zeros(2), torch.zeros(2, dtype=torch.float64))
     with pytest.raises(TypeError, match="uniform"):
-        KERNEL.sample_rows(logits, ones, torch.zeros(2, dtype=torch.int32), ones, torch.zeros(2), torch.zeros(3))
+        KERNEL.sampling.sample_rows(logits, ones, torch.zeros(2, dtype=torch.int32), ones, torch.zeros(2), torch.zeros(3))
 
 
 @needs_kernel
@@ -363,3 +368,43 @@ def test_kernel_penalties_refuse_token_ids_outside_the_vocabulary() -> None:
     rows = [row(SamplingParams(presence_penalty=1.0), [1, 2, 10], 1), row(SamplingParams(), [3])]
     with pytest.raises(ValueError, match="outside"):
         Sampler("cpu", kernels=KERNEL)._penalise(logits, rows)
+
+
+@needs_kernel
+@pytest.mark.parametrize("vocab", [5, 16, 300, 49152])
+def test_kernel_logprobs_equal_the_torch_paths(vocab: int) -> None:
+    """The chosen token's logprob and the top logprobs (as many as the most any row asks for, each
+    row given its own count), rows partly masked to -inf among them: torch's log-softmax and topk."""
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(8, vocab, generator=generator) * 5
+    logits[1, ::3] = float("-inf")
+    num_top = min(vocab - 1, 20)
+    params = [SamplingParams(temperature=0.9, logprobs=True, top_logprobs=min(i * 3, num_top)) for i in range(7)]
+    params.append(SamplingParams(temperature=0.9))  # no logprobs asked for
+    rows = [row(p) for p in params]
+    samples = Sampler("cpu", seed=1, kernels=KERNEL).sample(logits, rows)
+    reference = torch.log_softmax(logits, dim=-1)
+    for index, sample in enumerate(samples):
+        assert reference[index, sample.token_id] > float("-inf")
+        if not params[index].logprobs:
+            assert sample.logprob is None and sample.top_logprobs is None
+            continue
+        assert_logprobs(sample, reference[index], params[index].top_logprobs)
+
+
+@needs_kernel
+def test_kernel_logprobs_leave_non_finite_rows_to_torch() -> None:
+    logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(1))
+    logits[1, 4] = float("nan")
+    chosen, which = torch.tensor([0, 1, 2]), torch.tensor([2, 1, 0])
+    assert KERNEL.sampling.logprobs(logits, which, chosen, 3) is None
+    logits[1, 4] = 0.0
+    got = KERNEL.sampling.logprobs(logits, which, chosen, 3)
+    assert got is not None and torch.allclose(got[0], torch.log_softmax(logits, -1)[[2, 1, 0], [0, 1, 2]], atol=1e-6)
+    with pytest.raises(ValueError, match="num_top"):
+        KERNEL.sampling.logprobs(logits, which, chosen, 65)
+    with pytest.raises(IndexError, match="row numbers"):
+        KERNEL.sampling.logprobs(logits, torch.tensor([0, 1, 3]), chosen, 3)
+    samples = Sampler("cpu", seed=0, kernels=KERNEL).sample(
+        torch.where(torch.arange(100) == 7, float("nan"), logits), [row(SamplingParams(logprobs=True))] * 3)
+    assert len(samples) == 3  # the torch path answered the NaN rows

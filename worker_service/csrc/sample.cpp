@@ -34,6 +34,7 @@
 #include <functional>
 #include <vector>
 
+#include "logit_rows.h"
 #include "vector_math.h"
 
 namespace {
@@ -153,17 +154,8 @@ int32_t walk_to(const float* weights, int cols, float threshold, double target) 
 // The sampled token of one row (temperature > 0), or -1 if the row holds a NaN or +inf or nothing
 // above -inf.
 int64_t sample_row(const float* x, int cols, const RowParams& params) {
-  // The best logit; NaN and +inf rows go back.
-  __m512 vmax = _mm512_set1_ps(-INFINITY);
-  __mmask16 bad = 0;
-  for (int i = 0; i < cols; i += 16) {
-    const __mmask16 lanes = lanes_from(cols - i);
-    const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), lanes, x + i);
-    bad |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v, _mm512_set1_ps(INFINITY), _CMP_EQ_OQ);
-    vmax = _mm512_max_ps(vmax, v);
-  }
-  const float best = _mm512_reduce_max_ps(vmax);
-  if (bad || best == -INFINITY) return -1;
+  float best;
+  if (!finite_max(x, cols, &best)) return -1;
 
   // Tempered exponentials relative to the best token (the best's is exactly 1), their sum, and the
   // candidate levels' counts and masses.
