@@ -27,12 +27,13 @@ async def _one_request(
     max_tokens: int,
     record: RequestRecord,
     timeout_s: float,
+    workload: Workload,
 ) -> str:
     request = generation_pb2.GenerateRequest(
         messages=[generation_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
         max_tokens=max_tokens,
         ignore_eos=True,
-        sampling=generation_pb2.SamplingParams(temperature=0.0),
+        sampling=generation_pb2.SamplingParams(temperature=workload.temperature, top_p=workload.top_p),
     )
     pieces: list[str] = []
     try:
@@ -99,7 +100,7 @@ async def run_workload(
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
 
         async def send(messages: list[dict[str, str]], max_tokens: int, record: RequestRecord) -> str:
-            return await _one_request(stub, messages, max_tokens, record, request_timeout_s)
+            return await _one_request(stub, messages, max_tokens, record, request_timeout_s, workload)
 
         return await run_closed_loop(send, workload, concurrency, time_limit_s)
 

@@ -33,7 +33,8 @@ async def run_workload_http(
     async with httpx.AsyncClient(base_url=base_url, timeout=request_timeout_s, limits=limits) as client:
 
         async def send(messages: list[dict[str, str]], max_tokens: int, record: RequestRecord) -> str:
-            body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0,
+            body = {"model": model, "messages": messages, "max_tokens": max_tokens,
+                    "temperature": workload.temperature, "top_p": workload.top_p,
                     "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
             pieces: list[str] = []
             try:

@@ -32,6 +32,13 @@ class StepClock(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
+def sampling_kwargs(workload: Workload) -> dict:
+    """`generate`'s arguments for the workload's sampling (greedy, or draws at its temperature)."""
+    if workload.temperature <= 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": workload.temperature, "top_p": workload.top_p, "top_k": 0}
+
+
 def run_peer(model_dir: str, workload: Workload, concurrency: int, time_limit_s: float, dtype: str = "float32"
              ) -> tuple[list[RequestRecord], float]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
@@ -55,7 +62,7 @@ def run_peer(model_dir: str, workload: Workload, concurrency: int, time_limit_s:
         batch_start = time.monotonic()
         with torch.inference_mode():
             output = model.generate(
-                **batch, max_new_tokens=workload.max_tokens, do_sample=False,
+                **batch, max_new_tokens=workload.max_tokens, **sampling_kwargs(workload),
                 pad_token_id=pad_id, stopping_criteria=StoppingCriteriaList([clock]),
             )
         prompt_lens = batch["attention_mask"].sum(dim=1).tolist()

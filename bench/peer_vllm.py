@@ -29,7 +29,8 @@ def run_job(llm, tokenizer, workload: Workload, concurrency: int, time_limit_s: 
             ) -> tuple[list[RequestRecord], float]:
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=workload.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=workload.temperature, top_p=workload.top_p, max_tokens=workload.max_tokens,
+                            ignore_eos=True)
     records: list[RequestRecord] = []
     started = time.monotonic()
     for turn, active, histories in lockstep_turns(workload, concurrency, time_limit_s):

@@ -31,12 +31,18 @@ def _cell(value) -> str:
     return "n/a" if value is None else str(value)
 
 
+def _sampling_text(sampling: dict | None) -> str:
+    if not sampling or sampling["temperature"] <= 0:
+        return "greedy"
+    return f"sampled at temperature {sampling['temperature']}, top_p {sampling['top_p']}"
+
+
 def markdown(report: dict) -> str:
     ours = _index(report["radixserve"]["results"])
     peers = {name: _index(report[name]["results"]) for name in PEERS if report.get(name)}
     lines = [
         f"Measured {report['date']} on {report['machine']}; model `{report['model']}`, "
-        f"{report['dtype']}, TP={report['tp']}.",
+        f"{report['dtype']}, TP={report['tp']}, {_sampling_text(report.get('sampling'))}.",
         "",
         "| workload | conc. | engine | out tok/s | total tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms "
         "| cache hit | out vs vLLM | out vs transformers | TTFT p50 vs transformers |",

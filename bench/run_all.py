@@ -28,7 +28,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from bench import bench_eviction
@@ -61,7 +61,7 @@ def build_jobs(args: argparse.Namespace, variant_base: int = 0) -> list[tuple[wl
     jobs.append((wl.single_stream(args.single_stream_tokens, variant_base), 1))
     if not args.skip_multi_turn:
         jobs.append((wl.multi_turn(4 * scale, 4, args.max_tokens, variant_base), 4))
-    return jobs
+    return [(replace(w, temperature=args.temperature, top_p=args.top_p), c) for w, c in jobs]
 
 
 def worker_pids(launcher_pid: int) -> list[int]:
@@ -198,6 +198,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16],
                         help="comma-separated concurrency levels for the shared-prefix and distinct workloads")
     parser.add_argument("--max-tokens", type=int, default=32, help="output tokens per request")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="every engine samples at this temperature (0: greedy, the issue's workloads)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="top_p of the sampled replies (with --temperature)")
     parser.add_argument("--single-stream-tokens", type=int, default=256, help="output tokens of the single stream")
     parser.add_argument("--time-limit-s", type=float, default=180.0, help="per run: no new conversations after this")
     parser.add_argument("--startup-timeout-s", type=float, default=300.0, help="wait this long for the stack")
@@ -251,6 +254,7 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.python_implementation()} "
                    f"{platform.python_version()}",
         "model": args.model, "tp": args.tp, "dtype": dtype,
+        "sampling": {"temperature": args.temperature, "top_p": args.top_p},
         "radixserve": server, "vllm": vllm, "vllm_skipped": vllm_skipped, "transformers": peer,
         "eviction_seconds_per_call": eviction,
         "speculation": spec,

@@ -38,6 +38,10 @@ class Workload:
     system_prompt: str | None
     conversations: list[list[str]]
     max_tokens: int
+    # How every engine samples the replies: 0 is greedy (the default); otherwise unseeded draws at
+    # this temperature after top_p (`run_all --temperature / --top-p`).
+    temperature: float = 0.0
+    top_p: float = 1.0
 
     @property
     def num_requests(self) -> int:

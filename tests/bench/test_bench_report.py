@@ -70,3 +70,24 @@ def test_report_has_ratios_and_plots(tmp_path: Path) -> None:
     write_report(report, tmp_path)
     for name in ("latest.json", "latest.md", "throughput.png", "ttft.png"):
         assert (tmp_path / name).stat().st_size > 0
+
+
+def test_sampling_settings_reach_every_engine_and_the_report() -> None:
+    import argparse
+
+    from bench.peer_transformers import sampling_kwargs
+    from bench.run_all import build_jobs
+
+    args = argparse.Namespace(quick=True, concurrency=[2], num_requests=2, max_tokens=4, system_prompt_words=20,
+                              distinct_words=10, single_stream_tokens=8, skip_multi_turn=False,
+                              temperature=0.7, top_p=0.9)
+    jobs = build_jobs(args)
+    assert len(jobs) == 4 and all((w.temperature, w.top_p) == (0.7, 0.9) for w, _ in jobs)
+    assert sampling_kwargs(jobs[0][0]) == {"do_sample": True, "temperature": 0.7, "top_p": 0.9, "top_k": 0}
+    greedy = build_jobs(argparse.Namespace(**{**vars(args), "temperature": 0.0, "top_p": 1.0}))
+    assert sampling_kwargs(greedy[0][0]) == {"do_sample": False}
+    report = {"date": "d", "machine": "m", "model": "m", "tp": 1, "dtype": "bfloat16",
+              "radixserve": {"results": [], "worker_peak_rss_mb": []}}
+    assert "TP=1, greedy." in markdown(report)
+    report["sampling"] = {"temperature": 0.7, "top_p": 0.9}
+    assert "TP=1, sampled at temperature 0.7, top_p 0.9." in markdown(report)
