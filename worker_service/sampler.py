@@ -85,9 +85,9 @@ class Sampler:
 
     def __init__(self, device: torch.device | str = "cpu", seed: int | None = None,
                  kernels: NativeKernels | None = None) -> None:
-        """`kernels`: the compiled kernels, which sample float32 rows on CPU (`csrc/sample.cpp`:
-        the same distribution and draw as the torch path below, which took ~5 ms for 32 rows of
-        49,152 logits here where the kernel takes a tenth of that)."""
+        """`kernels`: the compiled kernels, which penalise, sample and take logprobs of float32 rows
+        on CPU (`native_sampling.py`: the same results as the torch path, which took ~5 ms to
+        sample 32 rows of 49,152 logits here where the kernel takes a tenth of that)."""
         self.device = torch.device(device)
         self._kernels = kernels.sampling if kernels is not None and self.device.type == "cpu" else None
         self._shared = torch.Generator(device=self.device)
@@ -108,7 +108,7 @@ class Sampler:
         if not any(is_random):
             return self._with_logprobs(raw, self._argmax(logits), rows)
         uniform = self._uniform(rows, is_random)
-        if self._kernels is None or logits.dtype != torch.float32:
+        if self._kernels is None:
             return self._with_logprobs(raw, self._sample_torch(logits, rows, is_random, uniform), rows)
         token_ids = self._kernels.sample_rows(
             logits,
@@ -129,9 +129,9 @@ class Sampler:
         """`apply_penalties`, by the compiled kernel where it runs (same result, float32 alike)."""
         penalised = [row.params.repetition_penalty != 1.0 or row.params.presence_penalty != 0
                      or row.params.frequency_penalty != 0 for row in rows]
-        if self._kernels is None or raw.dtype != torch.float32 or not any(penalised):
+        if self._kernels is None or not any(penalised):
             return apply_penalties(raw, rows)
-        histories, keep_alive = [], []
+        histories, keep_alive = [], []  # keep_alive: the arrays made here live until the call returns
         for row, wanted in zip(rows, penalised):
             if not wanted:
                 histories.append((0, 0, 0))
@@ -150,7 +150,7 @@ class Sampler:
 
     def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """torch.argmax(logits, dim=-1), by the compiled kernel where it runs."""
-        if self._kernels is not None and logits.dtype == torch.float32:
+        if self._kernels is not None:
             token_ids = self._kernels.argmax_rows(logits)
             if token_ids is not None:
                 return token_ids
@@ -197,6 +197,8 @@ class Sampler:
         return token_ids
 
     def _with_logprobs(self, raw: torch.Tensor, token_ids: torch.Tensor, rows: list[SampleRow]) -> list[Sample]:
+        """The samples of `token_ids`, with the logprobs and top logprobs their rows ask for (of
+        the raw logits: see the module docstring)."""
         ids = token_ids.tolist()
         wanted = [index for index, row in enumerate(rows) if row.params.logprobs or row.params.top_logprobs > 0]
         if not wanted:
@@ -204,7 +206,7 @@ class Sampler:
         picked = torch.tensor(wanted, device=raw.device)
         num_top = max(rows[index].params.top_logprobs for index in wanted)
         computed = None
-        if self._kernels is not None and raw.dtype == torch.float32:
+        if self._kernels is not None:
             computed = self._kernels.logprobs(raw, picked, token_ids[picked].contiguous(), num_top)
         if computed is not None:
             chosen, top_ids, top_values = computed
