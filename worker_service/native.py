@@ -20,8 +20,8 @@ threads, SmolLM2's heads: 1 / 32 / 2,048 tokens 23 -> 5, 44 -> 15, 1,279 -> 405 
 took a bfloat16 decode step of the worker alone (`bench_worker`'s shapes, five alternating pairs,
 medians) from 73 to 85 tok/s at batch 1 and from 640 to 738 at batch 32.
 
-`csrc/sample.cpp` and `csrc/logprobs.cpp` are rank 0's sampling over float32 logits: penalties, greedy
-and sampled tokens, logprobs (bound in `native_sampling.py`, used by `sampler.py`).
+`csrc/penalties.cpp`, `csrc/sample.cpp` and `csrc/logprobs.cpp` are rank 0's sampling over float32
+logits: penalties, greedy and sampled tokens, logprobs (bound in `native_sampling.py`, used by `sampler.py`).
 `csrc/gemv.cpp` multiplies a decode step's rows by a bfloat16 (AVX512-BF16), float32 or float16
 weight in its own layout (see `layers/linear.py`); `csrc/decode_layer.cpp` runs a whole decoder layer of such
 a step in one call (see `layers/fused_layer.py`). The attention kernel's
@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp", CSRC / "rope_store.cpp", CSRC / "gemv.cpp",
            CSRC / "decode_layer.cpp", CSRC / "sample.cpp",
-           CSRC / "logprobs.cpp"]  # headers beside them are included
+           CSRC / "penalties.cpp", CSRC / "logprobs.cpp"]  # headers beside them are included
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 COMPILE_TIMEOUT_S = 300.0
 

@@ -1,5 +1,5 @@
-"""Bindings of rank 0's sampling kernels (`csrc/sample.cpp`, `csrc/logprobs.cpp`), over float32 CPU
-logits; `NativeKernels.sampling` holds them, `sampler.py` calls them. Each leaves rows it cannot
+"""Bindings of rank 0's sampling kernels (`csrc/penalties.cpp`, `csrc/sample.cpp`, `csrc/logprobs.cpp`),
+over float32 CPU logits; `NativeKernels.sampling` holds them, `sampler.py` calls them. Each leaves rows it cannot
 take (a NaN or +inf logit, nothing but -inf) for the torch path to answer, and says which.
 """
 
@@ -60,7 +60,7 @@ class SamplingKernels:
 
     def apply_penalties(self, x: torch.Tensor, histories: list[tuple[int, int, int]], repetition: torch.Tensor,
                         presence: torch.Tensor, frequency: torch.Tensor) -> None:
-        """Penalise float32 CPU rows `x` `[rows, cols]` in place (see `csrc/sample.cpp`).
+        """Penalise float32 CPU rows `x` `[rows, cols]` in place (see `csrc/penalties.cpp`).
 
         `histories[r]` is row r's token history as (address of its int32 token ids, how many,
         how many of them are prompt); the three penalties are float32 per row (1, 0, 0: off).

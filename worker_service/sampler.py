@@ -9,7 +9,7 @@ Reproducibility: a seeded row draws its random number from a generator seeded fr
 the row's own logits, its seed and its step, never on what else shares the batch or on how the
 request's steps were batched (or retracted and resumed). Unseeded rows share one generator.
 
-Where the compiled kernels run (CPU), every step runs in them (`csrc/sample.cpp`: penalties, the
+Where the compiled kernels run (CPU), every step runs in them (`csrc/penalties.cpp`; `csrc/sample.cpp`: the
 same token as the torch path in `sampling_torch.py` for the same random number; `csrc/logprobs.cpp`);
 the torch path stays for other devices, and for rows the kernels leave (a NaN or +inf logit, or
 nothing but -inf).

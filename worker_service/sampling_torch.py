@@ -1,7 +1,7 @@
 """The sampler's steps in PyTorch's ops: penalties, truncation and the draw (see `sampler.py`).
 
 They run on any device and for rows the compiled kernels leave; where the kernels run, they give
-the same results (`csrc/sample.cpp`), and the tests hold the two to each other.
+the same results (`csrc/penalties.cpp`, `csrc/sample.cpp`), and the tests hold the two to each other.
 """
 
 from __future__ import annotations

@@ -408,3 +408,17 @@ def test_kernel_logprobs_leave_non_finite_rows_to_torch() -> None:
     samples = Sampler("cpu", seed=0, kernels=KERNEL).sample(
         torch.where(torch.arange(100) == 7, float("nan"), logits), [row(SamplingParams(logprobs=True))] * 3)
     assert len(samples) == 3  # the torch path answered the NaN rows
+
+
+@needs_kernel
+@pytest.mark.parametrize(("vocab", "top_k"), [(1000, 10), (49152, 10_000)])
+def test_kernel_breaks_ties_towards_lower_token_ids(vocab: int, top_k: int) -> None:
+    """Equal logits: top_k keeps the lowest ids among the tied (the kernel's documented order; few
+    candidates, then so many that the draw walks the whole row), and draws spread over all of them."""
+    num_draws = 400
+    logits = torch.zeros(num_draws, vocab)
+    samples = Sampler("cpu", seed=2, kernels=KERNEL).sample(logits, [row(SamplingParams(temperature=1.0, top_k=top_k))]
+                                                             * num_draws)
+    drawn = [s.token_id for s in samples]
+    assert max(drawn) < top_k
+    assert len(set(drawn)) > min(top_k, num_draws) // 2

@@ -11,12 +11,10 @@
 // spent ~5 ms on 32 rows in its softmax, topk, masks and cumsum. A row's tempered exponentials are
 // computed once into a scratch row; only the tokens that can survive truncation are ranked: the
 // candidates are the tokens above the highest of a few levels (relative to the best token) that
-// provably holds the top_k tokens or top_p of the mass, counted while the exponentials are made.
-//
-// Penalties (repetition over prompt and output tokens, presence and frequency over output tokens)
-// are applied to a copy of the logits in place, one pass over each row's token history through a
-// per-thread count of each token, where the torch path built a key per token in Python and sorted
-// them (4 ms a step for 32 rows of 1,000 tokens).
+// provably holds the top_k tokens or top_p of the mass, counted while the exponentials are made,
+// and they are selected (nth_element for top_k, a partition by mass for top_p), never sorted whole:
+// over flat distributions, where every token is a candidate, 32 rows took 20-85 ms with a sort
+// (the torch path 15-72 ms) and take 5-9 ms so.
 //
 // A row holding a NaN or +inf, or nothing but -inf, is left to the caller (the torch path says what
 // such a row does), reported per row as -1.
@@ -42,7 +40,6 @@ namespace {
 using namespace radix;
 
 constexpr int64_t kParallelValues = 1 << 16;  // fewer values: one thread, a team costs more
-constexpr int64_t kParallelTokens = 1 << 13;  // the same for the penalties' token histories
 
 // The row's argmax into *out; false if the row holds a NaN (then *out is not set).
 bool argmax_row(const float* x, int cols, int64_t* out) {
@@ -84,6 +81,10 @@ constexpr int kNumLevels = 4;
 constexpr float kLevels[kNumLevels] = {-3.0f, -7.0f, -13.0f, -24.0f};
 // Tempered logits further than this below the best get probability 0 (exp would be < 1.7e-38).
 constexpr float kLowest = -87.0f;
+// Candidates left to rank at which the mass selection sorts them instead of partitioning again.
+constexpr size_t kSortBelow = 32;
+// Candidates up to which the draw walks the kept ones alone; with more, it walks the whole row.
+constexpr size_t kWalkCandidates = 4096;
 
 struct RowParams {
   float temperature;
@@ -93,7 +94,7 @@ struct RowParams {
   double uniform;  // in [0, 1)
 };
 
-// Per thread: the row's exponentials and its ranked candidates.
+// Per thread: the row's exponentials, its candidates and the kept ones among them.
 struct Scratch {
   std::vector<float> weights;
   std::vector<uint64_t> keys;
@@ -101,8 +102,9 @@ struct Scratch {
 };
 thread_local Scratch scratch;
 
-// A candidate's sort key: its weight's bits above (positive floats order as their bits), its index
-// inverted below, so a larger key is a likelier token, or as likely with a lower index.
+// A candidate's key: its weight's bits above (positive floats order as their bits), its index
+// inverted below, so a larger key is a likelier token, or as likely with a lower index. Keys are
+// distinct, so "the tokens top_k and top_p keep" is "the keys at or above the last kept one's".
 inline uint64_t rank_key(float weight, int index) {
   uint32_t bits;
   std::memcpy(&bits, &weight, sizeof bits);
@@ -122,26 +124,53 @@ inline __m512d add_wide(__m512d acc, __m512 x) {
   return _mm512_add_pd(acc, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1))));
 }
 
-// The first token, in vocabulary order, whose running sum of `weights` (those at or above
-// `threshold`, all positive) passes `target`; the last such token where rounding leaves the target
-// at the very top.
-int32_t walk_to(const float* weights, int cols, float threshold, double target) {
-  const __m512 floor = _mm512_set1_ps(threshold);
+// Which tokens a row keeps: weight above 0 and at least `min_weight` (min_p), and at or above the
+// last token top_k and top_p keep (`last_weight`, `last_index`: the key order; 0 and -1 keep every
+// positive weight).
+struct Kept {
+  __m512 last_weight, min_weight;
+  int32_t last_index;
+
+  Kept(float last_weight_, int32_t last_index_, float min_weight_)
+      : last_weight(_mm512_set1_ps(last_weight_)), min_weight(_mm512_set1_ps(min_weight_)), last_index(last_index_) {}
+
+  // The kept lanes of weights w, tokens [i, i + 16) (`lanes` of them real).
+  __mmask16 lanes_of(__m512 w, int i, __mmask16 lanes) const {
+    __mmask16 ranked = _mm512_mask_cmp_ps_mask(lanes, w, last_weight, _CMP_GT_OQ);
+    const __mmask16 tied = _mm512_mask_cmp_ps_mask(lanes, w, last_weight, _CMP_EQ_OQ);
+    if (tied && last_index >= i) ranked |= tied & lanes_from(last_index - i + 1);  // tied: the lower indices
+    return ranked & _mm512_cmp_ps_mask(w, _mm512_setzero_ps(), _CMP_GT_OQ) &
+           _mm512_cmp_ps_mask(w, min_weight, _CMP_GE_OQ);
+  }
+};
+
+double kept_mass(const float* weights, int cols, const Kept& kept) {
+  __m512d acc = _mm512_setzero_pd();
+  for (int i = 0; i < cols; i += 16) {
+    const __mmask16 lanes = lanes_from(cols - i);
+    const __m512 w = _mm512_maskz_loadu_ps(lanes, weights + i);
+    acc = add_wide(acc, _mm512_maskz_mov_ps(kept.lanes_of(w, i, lanes), w));
+  }
+  return _mm512_reduce_add_pd(acc);
+}
+
+// The first kept token, in vocabulary order (the torch path's cumsum), whose running sum of
+// weights passes `target`; the last kept token where rounding leaves the target at the very top.
+int32_t walk_to(const float* weights, int cols, const Kept& kept, double target) {
   double cum = 0.0;
   int32_t last = -1;
   for (int i = 0; i < cols; i += 16) {
     const __mmask16 lanes = lanes_from(cols - i);
     const __m512 w = _mm512_maskz_loadu_ps(lanes, weights + i);
-    const __mmask16 kept = _mm512_mask_cmp_ps_mask(lanes, w, floor, _CMP_GE_OQ) &
-                           _mm512_cmp_ps_mask(w, _mm512_setzero_ps(), _CMP_GT_OQ);
-    if (!kept) continue;
-    const double block = _mm512_mask_reduce_add_ps(kept, w);
+    const __mmask16 in = kept.lanes_of(w, i, lanes);
+    if (!in) continue;
+    const double block = _mm512_mask_reduce_add_ps(in, w);
     if (cum + block <= target) {
       cum += block;
-      last = i + 31 - __builtin_clz(kept);
+      last = i + 31 - __builtin_clz(in);
       continue;
     }
-    for (unsigned bits = kept; bits; bits &= bits - 1) {
+    for (unsigned bits = in; bits; bits &= bits - 1) {
       const int index = i + __builtin_ctz(bits);
       cum += weights[index];
       last = index;
@@ -149,6 +178,87 @@ int32_t walk_to(const float* weights, int cols, float threshold, double target) 
     }
   }
   return last;
+}
+
+// Among keys[0, n) (in any order), the key of the token that brings the mass of it and the likelier
+// ones to `limit` (top_p: keep a token while the likelier ones hold less); false if all n together
+// stay below it. A selection by mass, no sort of the whole: partition around a pivot, go on in
+// the side that holds the answer, sort the last few.
+bool mass_cut(uint64_t* keys, size_t n, double limit, uint64_t* cut) {
+  size_t lo = 0, hi = n;
+  double above = 0.0;  // the mass of keys[0, lo), all likelier than keys[lo, n)
+  while (hi - lo > kSortBelow) {
+    const uint64_t a = keys[lo], b = keys[lo + (hi - lo) / 2], c = keys[hi - 1];
+    const uint64_t pivot = std::max(std::min(a, b), std::min(std::max(a, b), c));
+    uint64_t* mid = std::partition(keys + lo, keys + hi, [pivot](uint64_t key) { return key > pivot; });
+    std::iter_swap(mid, std::find(mid, keys + hi, pivot));  // the pivot right after the likelier ones
+    double upper = 0.0;
+    for (const uint64_t* key = keys + lo; key < mid; ++key) upper += key_weight(*key);
+    const size_t at = mid - keys;
+    if (above + upper >= limit) {
+      hi = at;  // within the likelier ones (never empty here: above < limit)
+      continue;
+    }
+    above += upper + key_weight(pivot);
+    if (above >= limit) {
+      *cut = pivot;
+      return true;
+    }
+    lo = at + 1;
+  }
+  std::sort(keys + lo, keys + hi, std::greater<uint64_t>());
+  for (size_t r = lo; r < hi; ++r) {
+    above += key_weight(keys[r]);
+    if (above >= limit) {
+      *cut = keys[r];
+      return true;
+    }
+  }
+  if (hi < n && hi > lo) {  // summed in another order than when this part was chosen: its last
+    *cut = keys[hi - 1];
+    return true;
+  }
+  return false;
+}
+
+// The key of the last token top_k and top_p keep, ranking the candidates from `level` on.
+uint64_t rank_cut(const float* weights, int cols, const RowParams& params, double total, int level,
+                  std::vector<uint64_t>& keys) {
+  const bool by_count = params.top_k > 0 && params.top_k < cols;
+  for (;; ++level) {
+    const float floor = level < kNumLevels ? std::exp(kLevels[level]) : 0.0f;
+    const __m512 floor_v = _mm512_set1_ps(floor);
+    keys.clear();
+    for (int i = 0; i < cols; i += 16) {
+      const __mmask16 lanes = lanes_from(cols - i);
+      const __m512 w = _mm512_maskz_loadu_ps(lanes, weights + i);
+      const __mmask16 in = _mm512_mask_cmp_ps_mask(lanes, w, floor_v, _CMP_GE_OQ) &
+                           _mm512_cmp_ps_mask(w, _mm512_setzero_ps(), _CMP_GT_OQ);
+      for (unsigned bits = in; bits; bits &= bits - 1) {
+        const int index = i + __builtin_ctz(bits);
+        keys.push_back(rank_key(weights[index], index));
+      }
+    }
+    uint64_t* const k = keys.data();
+    size_t ranked = keys.size();
+    if (by_count && ranked > static_cast<size_t>(params.top_k)) {  // the top_k likeliest first, unsorted
+      ranked = params.top_k;
+      std::nth_element(k, k + (ranked - 1), k + keys.size(), std::greater<uint64_t>());
+    }
+    const uint64_t least = *std::min_element(k, k + ranked);
+    if (params.top_p >= 1.0f) return least;
+    // top_p of the top_k tokens' mass (of every token's without top_k).
+    double normaliser = total;
+    if (by_count) {
+      normaliser = 0.0;
+      for (size_t r = 0; r < ranked; ++r) normaliser += key_weight(k[r]);
+    }
+    uint64_t cut;
+    if (mass_cut(k, ranked, double{params.top_p} * normaliser, &cut)) return cut;
+    // Rounding can leave a level's candidates just short of the mass counted for it: rank more.
+    if (!by_count && level < kNumLevels) continue;
+    return least;
+  }
 }
 
 // The sampled token of one row (temperature > 0), or -1 if the row holds a NaN or +inf or nothing
@@ -172,9 +282,7 @@ int64_t sample_row(const float* x, int cols, const RowParams& params) {
     level_at[l] = _mm512_set1_ps(std::exp(kLevels[l]));
     level_mass[l] = _mm512_setzero_ps();
   }
-  const __m512 min_weight = _mm512_set1_ps(params.min_p);
   __m512d total_acc = _mm512_setzero_pd();
-  __m512d min_p_acc = _mm512_setzero_pd();
   for (int i = 0; i < cols; i += 16) {
     const __mmask16 lanes = lanes_from(cols - i);
     const __m512 t = _mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, x + i), m), inv_t);
@@ -187,18 +295,18 @@ int64_t sample_row(const float* x, int cols, const RowParams& params) {
       level_count[l] += __builtin_popcount(in);
       level_mass[l] = _mm512_mask_add_ps(level_mass[l], in, level_mass[l], w);
     }
-    if (params.min_p > 0.0f)
-      min_p_acc = add_wide(min_p_acc, _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(w, min_weight, _CMP_GE_OQ), w));
   }
   const double total = _mm512_reduce_add_pd(total_acc);
   if (!(total > 0.0)) return -1;  // a temperature so small that even the best token's weight is lost
 
+  // top_k and top_p keep the tokens at or above one key; min_p those of weight min_p or more (the
+  // best's weight is 1).
   const bool by_count = params.top_k > 0 && params.top_k < cols;
-  if (!by_count && params.top_p >= 1.0f) {  // min_p alone, or nothing: no ranking
-    if (params.min_p > 0.0f) return walk_to(weights, cols, params.min_p, params.uniform * _mm512_reduce_add_pd(min_p_acc));
-    return walk_to(weights, cols, 0.0f, params.uniform * total);
+  if (!by_count && params.top_p >= 1.0f) {
+    const Kept kept(0.0f, -1, params.min_p);
+    const double mass = params.min_p > 0.0f ? kept_mass(weights, cols, kept) : total;
+    return walk_to(weights, cols, kept, params.uniform * mass);
   }
-
   // The highest level that holds every token truncation can keep; past the last, every token.
   int level = 0;
   for (; level < kNumLevels; ++level) {
@@ -207,123 +315,34 @@ int64_t sample_row(const float* x, int cols, const RowParams& params) {
       break;
   }
   std::vector<uint64_t>& keys = s.keys;
-  for (;; ++level) {
-    // The candidates at this level, ranked likeliest first.
-    const float floor = level < kNumLevels ? std::exp(kLevels[level]) : 0.0f;
-    const __m512 floor_v = _mm512_set1_ps(floor);
-    keys.clear();
-    for (int i = 0; i < cols; i += 16) {
-      const __mmask16 lanes = lanes_from(cols - i);
-      const __m512 w = _mm512_maskz_loadu_ps(lanes, weights + i);
-      const __mmask16 in = _mm512_mask_cmp_ps_mask(lanes, w, floor_v, _CMP_GE_OQ) &
-                           _mm512_cmp_ps_mask(w, _mm512_setzero_ps(), _CMP_GT_OQ);
-      for (unsigned bits = in; bits; bits &= bits - 1) {
-        const int index = i + __builtin_ctz(bits);
-        keys.push_back(rank_key(weights[index], index));
-      }
-    }
-    size_t ranked = keys.size();
-    if (by_count && ranked > static_cast<size_t>(params.top_k)) {
-      ranked = params.top_k;
-      std::nth_element(keys.begin(), keys.begin() + (ranked - 1), keys.end(), std::greater<uint64_t>());
-    }
-    std::sort(keys.begin(), keys.begin() + ranked, std::greater<uint64_t>());
-    // top_p over the top_k tokens' mass (every token's without top_k): keep a token while the mass
-    // of the likelier ones is below top_p of it; the best token always.
-    double normaliser = total;
-    if (by_count) {
-      normaliser = 0.0;
-      for (size_t r = 0; r < ranked; ++r) normaliser += key_weight(keys[r]);
-    }
-    size_t keep = ranked;
-    double mass = 0.0;
-    if (params.top_p < 1.0f) {
-      const double limit = double{params.top_p} * normaliser;
-      keep = 0;
-      while (keep < ranked && (keep == 0 || mass < limit)) mass += key_weight(keys[keep++]);
-      // Rounding can leave a level's candidates just short of the mass counted for it: rank more.
-      if (!by_count && keep == ranked && mass < limit && level < kNumLevels) continue;
-    }
-    while (keep > 1 && key_weight(keys[keep - 1]) < params.min_p) --keep;  // the best's weight is 1
-    // The draw walks the kept tokens in vocabulary order, as the torch path's cumsum does.
-    std::vector<int32_t>& kept = s.kept;
-    kept.resize(keep);
-    double kept_mass = 0.0;
-    for (size_t r = 0; r < keep; ++r) {
-      kept[r] = key_index(keys[r]);
-      kept_mass += key_weight(keys[r]);
-    }
-    std::sort(kept.begin(), kept.end());
-    const double target = params.uniform * kept_mass;
-    double cum = 0.0;
-    for (const int32_t index : kept) {
-      cum += weights[index];
-      if (cum > target) return index;
-    }
-    return kept.back();  // rounding put the target at the very top
+  const uint64_t cut = rank_cut(weights, cols, params, total, level, keys);
+  if (keys.size() > kWalkCandidates) {  // many kept, likely: walk the whole row
+    const Kept kept(key_weight(cut), key_index(cut), params.min_p);
+    return walk_to(weights, cols, kept, params.uniform * kept_mass(weights, cols, kept));
   }
-}
-
-// Per thread: how often each token occurs among a row's output tokens (kApplied once its logit is
-// penalised); zero again between rows.
-thread_local std::vector<int32_t> token_counts;
-constexpr int32_t kApplied = INT32_MIN;
-
-// Penalises one row of logits in place (see radix_apply_penalties); false on a token id outside
-// [0, cols) (the row is then untouched).
-bool penalise_row(float* logits, int cols, const int32_t* tokens, int num_tokens, int num_prompt, float repetition,
-                  float presence, float frequency) {
-  for (int i = 0; i < num_tokens; ++i)
-    if (tokens[i] < 0 || tokens[i] >= cols) return false;
-  std::vector<int32_t>& counts = token_counts;
-  if (static_cast<int>(counts.size()) < cols) counts.assign(cols, 0);
-  num_prompt = std::clamp(num_prompt, 0, num_tokens);
-  for (int i = num_prompt; i < num_tokens; ++i) ++counts[tokens[i]];
-  // Repetition sees every token, presence and frequency only output tokens (their count is 0 for
-  // tokens seen only in the prompt). Each distinct token is penalised once, in the torch path's
-  // order and float32 operations: the repetition factor, then presence + frequency * count.
-  const bool additive = presence != 0.0f || frequency != 0.0f;
-  for (int i = repetition != 1.0f ? 0 : num_prompt; i < num_tokens; ++i) {
-    const int32_t token = tokens[i];
-    const int32_t count = counts[token];
-    if (count == kApplied) continue;
-    float x = logits[token];
-    if (repetition != 1.0f) x = x > 0.0f ? x / repetition : x * repetition;
-    if (additive && count > 0) {
-      volatile float scaled = frequency * static_cast<float>(count);  // rounded alone, as torch does (no FMA)
-      x -= presence + scaled;
+  // Few candidates: the kept ones among them, in vocabulary order.
+  std::vector<int32_t>& kept = s.kept;
+  kept.clear();
+  double mass = 0.0;
+  for (const uint64_t key : keys) {
+    if (key >= cut && key_weight(key) >= params.min_p) {
+      kept.push_back(key_index(key));
+      mass += key_weight(key);
     }
-    logits[token] = x;
-    counts[token] = kApplied;
   }
-  for (int i = 0; i < num_tokens; ++i) counts[tokens[i]] = 0;
-  return true;
+  std::sort(kept.begin(), kept.end());
+  const double target = params.uniform * mass;
+  double cum = 0.0;
+  for (const int32_t index : kept) {
+    cum += weights[index];
+    if (cum > target) return index;
+  }
+  return kept.back();  // rounding put the target at the very top
 }
 
 }  // namespace
 
 extern "C" {
-
-// Penalises rows of float32 logits in place: row r's tokens are tokens[r][0, num_tokens[r]), the
-// first num_prompt[r] of them prompt. A seen token's logit is divided by repetition[r] when positive,
-// multiplied when not (1: off); an output token's loses presence[r] + frequency[r] * its count.
-// Returns the number of rows with a token id outside [0, cols), which are left untouched.
-int radix_apply_penalties(float* x, int64_t row_stride, int32_t rows, int32_t cols, const int32_t* const* tokens,
-                          const int32_t* num_tokens, const int32_t* num_prompt, const float* repetition,
-                          const float* presence, const float* frequency, int32_t num_threads) {
-  int64_t total = 0;
-  for (int r = 0; r < rows; ++r) total += num_tokens[r];
-  int bad = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (total >= kParallelTokens) \
-    reduction(+ : bad)
-  for (int r = 0; r < rows; ++r) {
-    if (num_tokens[r] == 0 || (repetition[r] == 1.0f && presence[r] == 0.0f && frequency[r] == 0.0f)) continue;
-    if (!penalise_row(x + r * row_stride, cols, tokens[r], num_tokens[r], num_prompt[r], repetition[r], presence[r],
-                      frequency[r]))
-      ++bad;
-  }
-  return bad;
-}
 
 // out[r] = the argmax of row r of x (rows `row_stride` floats apart, `cols` each). 0: done; 1: some
 // row holds a NaN (out is then incomplete: the caller takes torch's argmax instead).

@@ -1,0 +1,21 @@
+"""The compiled kernels build wherever they can: a CPU with AVX-512 and a C++ compiler.
+
+Every kernel test skips when the kernels do not build (a machine without them takes the torch
+path), so a source that stopped compiling would only show as skips; this test makes it a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from worker_service import native
+
+
+def test_the_kernels_build_on_a_machine_that_can_build_them() -> None:
+    compiler = shutil.which(os.environ.get("CXX") or "g++")
+    if compiler is None or " avx512f" not in native._cpu_flags():
+        pytest.skip("no C++ compiler or no AVX-512 here: the worker takes the torch path")
+    assert native.load() is not None, native.failure()
