@@ -12,9 +12,8 @@
 // computed once into a scratch row; only the tokens that can survive truncation are ranked: the
 // candidates are the tokens above the highest of a few levels (relative to the best token) that
 // provably holds the top_k tokens or top_p of the mass, counted while the exponentials are made,
-// and they are selected (nth_element for top_k, a partition by mass for top_p), never sorted whole:
-// over flat distributions, where every token is a candidate, 32 rows took 20-85 ms with a sort
-// (the torch path 15-72 ms) and take 5-9 ms so.
+// and they are selected (nth_element for top_k, a partition by mass for top_p), never sorted whole
+// (truncation.h; rows with many candidates rank only the histogram bucket that holds the cut).
 //
 // A row holding a NaN or +inf, or nothing but -inf, is left to the caller (the torch path says what
 // such a row does), reported per row as -1.
@@ -33,6 +32,7 @@
 #include <vector>
 
 #include "logit_rows.h"
+#include "truncation.h"
 #include "vector_math.h"
 
 namespace {
@@ -73,50 +73,19 @@ bool argmax_row(const float* x, int cols, int64_t* out) {
 
 // ---- sampled rows ------------------------------------------------------------------------------
 
-// Candidate levels: a token is a candidate at level L when its tempered logit is at most kLevels[L]
-// below the best one's (its probability at least exp(kLevels[L]) times the best's). Each level's
-// count and mass are summed while the exponentials are made; the highest level holding the top_k
-// tokens (or, without top_k, top_p of the mass) bounds the ranking. Below the last: every token.
-constexpr int kNumLevels = 4;
-constexpr float kLevels[kNumLevels] = {-3.0f, -7.0f, -13.0f, -24.0f};
 // Tempered logits further than this below the best get probability 0 (exp would be < 1.7e-38).
 constexpr float kLowest = -87.0f;
-// Candidates left to rank at which the mass selection sorts them instead of partitioning again.
-constexpr size_t kSortBelow = 32;
 // Candidates up to which the draw walks the kept ones alone; with more, it walks the whole row.
 constexpr size_t kWalkCandidates = 4096;
-
-struct RowParams {
-  float temperature;
-  int32_t top_k;  // 0: off
-  float top_p;    // 1: off
-  float min_p;    // 0: off
-  double uniform;  // in [0, 1)
-};
 
 // Per thread: the row's exponentials, its candidates and the kept ones among them.
 struct Scratch {
   std::vector<float> weights;
   std::vector<uint64_t> keys;
   std::vector<int32_t> kept;
+  Histogram histogram;
 };
 thread_local Scratch scratch;
-
-// A candidate's key: its weight's bits above (positive floats order as their bits), its index
-// inverted below, so a larger key is a likelier token, or as likely with a lower index. Keys are
-// distinct, so "the tokens top_k and top_p keep" is "the keys at or above the last kept one's".
-inline uint64_t rank_key(float weight, int index) {
-  uint32_t bits;
-  std::memcpy(&bits, &weight, sizeof bits);
-  return (uint64_t{bits} << 32) | static_cast<uint32_t>(~static_cast<uint32_t>(index));
-}
-inline float key_weight(uint64_t key) {
-  const uint32_t bits = static_cast<uint32_t>(key >> 32);
-  float weight;
-  std::memcpy(&weight, &bits, sizeof weight);
-  return weight;
-}
-inline int32_t key_index(uint64_t key) { return static_cast<int32_t>(~static_cast<uint32_t>(key)); }
 
 // Adds 16 float lanes into 8 double lanes.
 inline __m512d add_wide(__m512d acc, __m512 x) {
@@ -180,87 +149,6 @@ int32_t walk_to(const float* weights, int cols, const Kept& kept, double target)
   return last;
 }
 
-// Among keys[0, n) (in any order), the key of the token that brings the mass of it and the likelier
-// ones to `limit` (top_p: keep a token while the likelier ones hold less); false if all n together
-// stay below it. A selection by mass, no sort of the whole: partition around a pivot, go on in
-// the side that holds the answer, sort the last few.
-bool mass_cut(uint64_t* keys, size_t n, double limit, uint64_t* cut) {
-  size_t lo = 0, hi = n;
-  double above = 0.0;  // the mass of keys[0, lo), all likelier than keys[lo, n)
-  while (hi - lo > kSortBelow) {
-    const uint64_t a = keys[lo], b = keys[lo + (hi - lo) / 2], c = keys[hi - 1];
-    const uint64_t pivot = std::max(std::min(a, b), std::min(std::max(a, b), c));
-    uint64_t* mid = std::partition(keys + lo, keys + hi, [pivot](uint64_t key) { return key > pivot; });
-    std::iter_swap(mid, std::find(mid, keys + hi, pivot));  // the pivot right after the likelier ones
-    double upper = 0.0;
-    for (const uint64_t* key = keys + lo; key < mid; ++key) upper += key_weight(*key);
-    const size_t at = mid - keys;
-    if (above + upper >= limit) {
-      hi = at;  // within the likelier ones (never empty here: above < limit)
-      continue;
-    }
-    above += upper + key_weight(pivot);
-    if (above >= limit) {
-      *cut = pivot;
-      return true;
-    }
-    lo = at + 1;
-  }
-  std::sort(keys + lo, keys + hi, std::greater<uint64_t>());
-  for (size_t r = lo; r < hi; ++r) {
-    above += key_weight(keys[r]);
-    if (above >= limit) {
-      *cut = keys[r];
-      return true;
-    }
-  }
-  if (hi < n && hi > lo) {  // summed in another order than when this part was chosen: its last
-    *cut = keys[hi - 1];
-    return true;
-  }
-  return false;
-}
-
-// The key of the last token top_k and top_p keep, ranking the candidates from `level` on.
-uint64_t rank_cut(const float* weights, int cols, const RowParams& params, double total, int level,
-                  std::vector<uint64_t>& keys) {
-  const bool by_count = params.top_k > 0 && params.top_k < cols;
-  for (;; ++level) {
-    const float floor = level < kNumLevels ? std::exp(kLevels[level]) : 0.0f;
-    const __m512 floor_v = _mm512_set1_ps(floor);
-    keys.clear();
-    for (int i = 0; i < cols; i += 16) {
-      const __mmask16 lanes = lanes_from(cols - i);
-      const __m512 w = _mm512_maskz_loadu_ps(lanes, weights + i);
-      const __mmask16 in = _mm512_mask_cmp_ps_mask(lanes, w, floor_v, _CMP_GE_OQ) &
-                           _mm512_cmp_ps_mask(w, _mm512_setzero_ps(), _CMP_GT_OQ);
-      for (unsigned bits = in; bits; bits &= bits - 1) {
-        const int index = i + __builtin_ctz(bits);
-        keys.push_back(rank_key(weights[index], index));
-      }
-    }
-    uint64_t* const k = keys.data();
-    size_t ranked = keys.size();
-    if (by_count && ranked > static_cast<size_t>(params.top_k)) {  // the top_k likeliest first, unsorted
-      ranked = params.top_k;
-      std::nth_element(k, k + (ranked - 1), k + keys.size(), std::greater<uint64_t>());
-    }
-    const uint64_t least = *std::min_element(k, k + ranked);
-    if (params.top_p >= 1.0f) return least;
-    // top_p of the top_k tokens' mass (of every token's without top_k).
-    double normaliser = total;
-    if (by_count) {
-      normaliser = 0.0;
-      for (size_t r = 0; r < ranked; ++r) normaliser += key_weight(k[r]);
-    }
-    uint64_t cut;
-    if (mass_cut(k, ranked, double{params.top_p} * normaliser, &cut)) return cut;
-    // Rounding can leave a level's candidates just short of the mass counted for it: rank more.
-    if (!by_count && level < kNumLevels) continue;
-    return least;
-  }
-}
-
 // The sampled token of one row (temperature > 0), or -1 if the row holds a NaN or +inf or nothing
 // above -inf.
 int64_t sample_row(const float* x, int cols, const RowParams& params) {
@@ -315,8 +203,12 @@ int64_t sample_row(const float* x, int cols, const RowParams& params) {
       break;
   }
   std::vector<uint64_t>& keys = s.keys;
-  const uint64_t cut = rank_cut(weights, cols, params, total, level, keys);
-  if (keys.size() > kWalkCandidates) {  // many kept, likely: walk the whole row
+  const int64_t candidates = level < kNumLevels ? level_count[level] : cols;
+  const uint64_t cut = candidates > static_cast<int64_t>(kWalkCandidates)
+                           ? hist_cut(weights, cols, params, total, s.histogram, keys)
+                           : rank_cut(weights, cols, params, total, level, keys);
+  if (candidates > static_cast<int64_t>(kWalkCandidates) || keys.size() > kWalkCandidates) {
+    // Many candidates: the kept ones may be many too; walk the whole row.
     const Kept kept(key_weight(cut), key_index(cut), params.min_p);
     return walk_to(weights, cols, kept, params.uniform * kept_mass(weights, cols, kept));
   }
