@@ -41,13 +41,16 @@ from worker_service.layers.weights import WeightSlice, make_param
 if TYPE_CHECKING:
     from worker_service.native import GemvWeight, NativeKernels
 
-# Products of at most this many rows (the router runs 64 requests at most by default) use the
-# small-batch kernel where a layer has it, the LM head included. It takes the rows in passes of up
-# to six over a few output groups at a time, so each weight is read from memory once; it beat
-# oneDNN here at every size up to 64 rows (2 threads; 30 layers' four products: 8 rows 2.9 vs
-# 5.1 ms, 32 rows 8.7 vs 11.0, 64 rows 16.3 vs 18.5; the 49,152 x 576 LM head: 1 row 1,023 vs
-# 1,467 us, 32 rows 3,099 vs 3,418, 64 rows 5,644 vs 5,555). Prefill steps keep oneDNN's kernel.
-GEMV_MAX_ROWS = 64
+# Products of at most this many rows use the small-batch kernel where a layer has it, the LM head
+# included (and the fused decode layer runs for steps of at most this many tokens). It takes the
+# rows in passes of up to six over a few output groups at a time, so each weight is read from
+# memory once; it beat oneDNN here at every size up to 64 rows (2 threads; 30 layers' four
+# products: 8 rows 2.9 vs 5.1 ms, 32 rows 8.7 vs 11.0, 64 rows 16.3 vs 18.5; the 49,152 x 576 LM
+# head: 1 row 1,023 vs 1,467 us, 32 rows 3,099 vs 3,418, 64 rows 5,644 vs 5,555), and whole
+# bfloat16 decode steps of 128 rows with it up to 128 against 64 (two alternating pairs, medians of
+# 15 steps): behind a shared 1,000-token prefix 82.6 / 85.5 -> 71.3 / 69.8 ms, unshared at 1,024
+# 139.4 / 141.5 -> 126.0 / 123.7 ms. Larger steps (prefill) keep oneDNN's kernel.
+GEMV_MAX_ROWS = 128
 
 
 def widens_to_float32(weight: torch.Tensor) -> bool:
