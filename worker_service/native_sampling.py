@@ -82,27 +82,27 @@ class SamplingKernels:
         if bad:
             raise ValueError(f"{bad} row(s) hold token ids outside [0, {x.shape[1]})")
 
-    def logprobs(self, x: torch.Tensor, which: torch.Tensor, chosen: torch.Tensor, num_top: int
+    def logprobs(self, x: torch.Tensor, row_ids: torch.Tensor, chosen: torch.Tensor, num_top: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """The log-softmax of float32 CPU rows `x[which]` (int64 row numbers; read in place, not
+        """The log-softmax of float32 CPU rows `x[row_ids]` (int64 row numbers; read in place, not
         gathered) at the int64 tokens `chosen`, and each such row's `num_top` (at most 64) largest
         log-softmax values with their ids, largest first: `(chosen_logprobs [n], top_ids [n,
-        num_top], top_values [n, num_top])` for n = len(which). None where some row holds a NaN or
+        num_top], top_values [n, num_top])` for n = len(row_ids). None where some row holds a NaN or
         +inf or only -inf (the torch path then gives what such rows give)."""
         if x.stride(-1) != 1:
             x = x.contiguous()
-        rows = which.shape[0]
-        for name, values in (("which", which), ("chosen", chosen)):
+        rows = row_ids.shape[0]
+        for name, values in (("row_ids", row_ids), ("chosen", chosen)):
             if values.dtype != torch.int64 or values.shape != (rows,) or not values.is_contiguous():
                 raise TypeError(f"{name} must be a contiguous int64 vector of {rows}")
-        if rows and not (0 <= int(which.min()) and int(which.max()) < x.shape[0]):
+        if rows and not (0 <= int(row_ids.min()) and int(row_ids.max()) < x.shape[0]):
             raise IndexError(f"row numbers outside [0, {x.shape[0]})")
         if not 0 <= num_top <= min(64, x.shape[1]):
             raise ValueError(f"num_top {num_top} is outside [0, {min(64, x.shape[1])}]")
         chosen_out = torch.empty(rows, dtype=torch.float32)
         top_ids = torch.empty((rows, num_top), dtype=torch.int64)
         top_values = torch.empty((rows, num_top), dtype=torch.float32)
-        left = self._logprobs(x.data_ptr(), x.stride(0), which.data_ptr(), rows, x.shape[1], chosen.data_ptr(),
+        left = self._logprobs(x.data_ptr(), x.stride(0), row_ids.data_ptr(), rows, x.shape[1], chosen.data_ptr(),
                               chosen_out.data_ptr(), num_top, top_ids.data_ptr(), top_values.data_ptr(),
                               torch.get_num_threads())
         return None if left else (chosen_out, top_ids, top_values)

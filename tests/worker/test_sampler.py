@@ -1,5 +1,6 @@
 """The sampler: greedy, penalties, truncation, seeded reproducibility and logprobs, in PyTorch's
-ops and in the compiled kernel (`csrc/sample.cpp`), which must draw the same tokens."""
+ops and in the compiled kernels (`csrc/penalties.cpp`, `sample.cpp`, `logprobs.cpp`), which must
+give the same results."""
 
 from __future__ import annotations
 
@@ -396,13 +397,13 @@ def test_kernel_logprobs_equal_the_torch_paths(vocab: int) -> None:
 def test_kernel_logprobs_leave_non_finite_rows_to_torch() -> None:
     logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(1))
     logits[1, 4] = float("nan")
-    chosen, which = torch.tensor([0, 1, 2]), torch.tensor([2, 1, 0])
-    assert KERNEL.sampling.logprobs(logits, which, chosen, 3) is None
+    chosen, row_ids = torch.tensor([0, 1, 2]), torch.tensor([2, 1, 0])
+    assert KERNEL.sampling.logprobs(logits, row_ids, chosen, 3) is None
     logits[1, 4] = 0.0
-    got = KERNEL.sampling.logprobs(logits, which, chosen, 3)
+    got = KERNEL.sampling.logprobs(logits, row_ids, chosen, 3)
     assert got is not None and torch.allclose(got[0], torch.log_softmax(logits, -1)[[2, 1, 0], [0, 1, 2]], atol=1e-6)
     with pytest.raises(ValueError, match="num_top"):
-        KERNEL.sampling.logprobs(logits, which, chosen, 65)
+        KERNEL.sampling.logprobs(logits, row_ids, chosen, 65)
     with pytest.raises(IndexError, match="row numbers"):
         KERNEL.sampling.logprobs(logits, torch.tensor([0, 1, 3]), chosen, 3)
     samples = Sampler("cpu", seed=0, kernels=KERNEL).sample(

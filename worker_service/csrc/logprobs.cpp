@@ -77,11 +77,11 @@ void top_tokens(const float* x, int cols, int count, int64_t* ids, float* values
 
 extern "C" {
 
-// For rows x[which[r]] (rows `row_stride` floats apart, `cols` each), r in [0, rows): chosen_out[r] = the
+// For rows x[row_ids[r]] (rows `row_stride` floats apart, `cols` each), r in [0, rows): chosen_out[r] = the
 // log-softmax at token chosen[r], and, with num_top > 0 (at most 64), the num_top largest
 // log-softmax values and their token ids, largest first, into top_values / top_ids [rows, num_top].
 // Returns the number of rows left undone (a NaN or +inf, or only -inf): their chosen_out is NaN.
-int radix_logprobs(const float* x, int64_t row_stride, const int64_t* which, int32_t rows, int32_t cols,
+int radix_logprobs(const float* x, int64_t row_stride, const int64_t* row_ids, int32_t rows, int32_t cols,
                    const int64_t* chosen,
                    float* chosen_out, int32_t num_top, int64_t* top_ids, float* top_values, int32_t num_threads) {
   if (num_top < 0 || num_top > kMaxTop || num_top > cols) return rows;
@@ -89,7 +89,7 @@ int radix_logprobs(const float* x, int64_t row_stride, const int64_t* which, int
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) \
     if (int64_t{rows} * cols >= kParallelValues) reduction(+ : left)
   for (int r = 0; r < rows; ++r) {
-    const float* row = x + which[r] * row_stride;
+    const float* row = x + row_ids[r] * row_stride;
     float best, log_sum;
     if (!log_sum_exp(row, cols, &best, &log_sum) || chosen[r] < 0 || chosen[r] >= cols) {
       chosen_out[r] = NAN;
