@@ -214,38 +214,3 @@ def test_linear_layers_use_the_small_batch_kernel_for_decode_sized_products_only
         torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=1e-2)
     assert calls == [1, GEMV_MAX_ROWS]  # more rows go to oneDNN's kernel
     assert plain.widened == fast.widened == widens_to_float32(weight)
-
-
-@pytest.mark.parametrize("cols", [1, 15, 16, 17, 100, 49_152])
-def test_argmax_rows_equal_torch_argmax_ties_and_infinities_included(cols, threads) -> None:
-    """The first index of each row's maximum, as torch.argmax: random rows, rows whose maximum
-    repeats (the first counts), -0.0 beside 0.0, +inf, and rows of -inf only."""
-    generator = torch.Generator().manual_seed(cols)
-    rows = torch.randn(40, cols + 3, generator=generator)[:, 1:cols + 1]  # rows apart by more than cols
-    top = rows.max(dim=-1).values
-    for r in range(0, 40, 5):  # repeat the maximum after its first place
-        rows[r, torch.randint(0, cols, (3,), generator=generator)] = top[r]
-    rows[1] = 0.0
-    rows[1, cols // 2:] = -0.0
-    rows[2] = float("-inf")
-    rows[3, cols - 1] = float("inf")
-    rows[4, : cols // 2 + 1] = float("inf")
-    got = KERNEL.sampling.argmax_rows(rows)
-    assert got is not None and got.dtype == torch.int64
-    assert torch.equal(got, rows.argmax(dim=-1))
-
-
-def test_argmax_rows_leave_a_nan_to_torch_and_the_sampler_agrees() -> None:
-    from worker_service.sampler import Sampler, SampleRow
-    from radixserve.sampling import SamplingParams
-
-    rows = torch.randn(6, 300, generator=torch.Generator().manual_seed(3))
-    rows[4, 7] = float("nan")
-    assert KERNEL.sampling.argmax_rows(rows) is None  # torch.argmax says where the NaN is
-    sample_rows = [SampleRow(SamplingParams(temperature=0.0), [1], 1) for _ in range(6)]
-    with_kernel = Sampler("cpu", seed=0, kernels=KERNEL).sample(rows, sample_rows)
-    without = Sampler("cpu", seed=0).sample(rows, sample_rows)
-    assert [s.token_id for s in with_kernel] == [s.token_id for s in without] == rows.argmax(dim=-1).tolist()
-    rows[4, 7] = 0.0
-    assert [s.token_id for s in Sampler("cpu", seed=0, kernels=KERNEL).sample(rows, sample_rows)] == \
-        rows.argmax(dim=-1).tolist()
