@@ -67,6 +67,11 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
 
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any of the three penalties is on (the sampler skips them otherwise)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
     def problems(self) -> list[str]:
         """What is wrong with these values, one message per field (empty when they are usable)."""
         found = [problem for name, bounds in RANGES.items() if (problem := bounds.problem(name, getattr(self, name)))]

@@ -10,6 +10,11 @@ import ctypes
 import torch
 
 
+# The most top logprobs the logprobs kernel keeps per row (`kMaxTop` in csrc/logprobs.cpp); requests
+# ask for at most `radixserve.sampling.MAX_TOP_LOGPROBS`.
+KERNEL_MAX_TOP = 64
+
+
 class SamplingKernels:
     """The sampling kernels of one loaded build."""
 
@@ -85,7 +90,7 @@ class SamplingKernels:
     def logprobs(self, x: torch.Tensor, row_ids: torch.Tensor, chosen: torch.Tensor, num_top: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The log-softmax of float32 CPU rows `x[row_ids]` (int64 row numbers; read in place, not
-        gathered) at the int64 tokens `chosen`, and each such row's `num_top` (at most 64) largest
+        gathered) at the int64 tokens `chosen`, and each such row's `num_top` (at most KERNEL_MAX_TOP) largest
         log-softmax values with their ids, largest first: `(chosen_logprobs [n], top_ids [n,
         num_top], top_values [n, num_top])` for n = len(row_ids). None where some row holds a NaN or
         +inf or only -inf (the torch path then gives what such rows give)."""
@@ -97,8 +102,9 @@ class SamplingKernels:
                 raise TypeError(f"{name} must be a contiguous int64 vector of {rows}")
         if rows and not (0 <= int(row_ids.min()) and int(row_ids.max()) < x.shape[0]):
             raise IndexError(f"row numbers outside [0, {x.shape[0]})")
-        if not 0 <= num_top <= min(64, x.shape[1]):
-            raise ValueError(f"num_top {num_top} is outside [0, {min(64, x.shape[1])}]")
+        most = min(KERNEL_MAX_TOP, x.shape[1])
+        if not 0 <= num_top <= most:
+            raise ValueError(f"num_top {num_top} is outside [0, {most}]")
         chosen_out = torch.empty(rows, dtype=torch.float32)
         top_ids = torch.empty((rows, num_top), dtype=torch.int64)
         top_values = torch.empty((rows, num_top), dtype=torch.float32)

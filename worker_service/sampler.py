@@ -127,8 +127,7 @@ class Sampler:
 
     def _penalise(self, raw: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """`apply_penalties`, by the compiled kernel where it runs (same result, float32 alike)."""
-        penalised = [row.params.repetition_penalty != 1.0 or row.params.presence_penalty != 0
-                     or row.params.frequency_penalty != 0 for row in rows]
+        penalised = [row.params.has_penalties for row in rows]
         if self._kernels is None or not any(penalised):
             return apply_penalties(raw, rows)
         histories, keep_alive = [], []  # keep_alive: the arrays made here live until the call returns

@@ -24,7 +24,7 @@ namespace {
 using namespace radix;
 
 constexpr int64_t kParallelValues = 1 << 16;  // fewer values: one thread, a team costs more
-constexpr int kMaxTop = 64;
+constexpr int kMaxTop = 64;  // KERNEL_MAX_TOP in native_sampling.py
 
 // The row's max into *best and log(sum(exp(x - max))) into *log_sum (the log-softmax is then
 // (x - max) - log_sum, torch's order of operations); false where the row holds a NaN or +inf or
