@@ -67,7 +67,9 @@ class ServiceProcesses:
         # One torch thread per service process unless the caller says otherwise: tests start
         # several processes on a 2-core machine, and oversubscribed threads slow them tenfold.
         # HTTP and metrics ports off unless the test asks: fixed defaults would collide.
-        full_env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1",
+        # The repository first, then whatever the caller's own path adds (packages installed beside).
+        python_path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        full_env = {**os.environ, "PYTHONPATH": python_path, "PYTHONUNBUFFERED": "1",
                     "OMP_NUM_THREADS": "1", "RADIXSERVE_HTTP_PORT": "0", "RADIXSERVE_METRICS_PORT": "0"}
         full_env.update(env or {})
         log = self._logdir / f"{name}.log"

@@ -50,6 +50,15 @@ def init_distributed(
         raise ValueError(f"rank {rank} is outside world size {world_size}")
     if world_size == 1:
         return TPGroup(0, 1)
+    return join_group(rank, world_size, master_addr, master_port, device, timeout_s, collective_timeout_s)
+
+
+def join_group(
+    rank: int, world_size: int, master_addr: str, master_port: int, device: str,
+    timeout_s: float, collective_timeout_s: float,
+) -> TPGroup:
+    """Join the process group (NCCL on CUDA, gloo otherwise) through our own store; a group of
+    one joins too (what a single GPU can check of the NCCL path)."""
     is_cuda = torch.device(device).type == "cuda"
     if is_cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())

@@ -81,6 +81,8 @@ def launch(
     env: dict[str, str] | None = None, extra_args: Sequence[str] = (),
     credentials: grpc.ChannelCredentials | None = None,
     with_http: bool = False,
+    device: str = "cpu",
+    dtype: str = "float32",
 ) -> LaunchedStack:
     """`extra_args` go to `radixserve up`; `credentials` are for its health (TLS stacks);
     `with_http`: also the HTTP API and every /metrics endpoint, on free ports."""
@@ -92,7 +94,7 @@ def launch(
     procs.start(
         "stack",
         [sys.executable, "-m", "radixserve.launcher", "up", "--model", str(model_dir),
-         "--tp", str(tp), "--port", str(port), "--device", "cpu", "--dtype", "float32", "--kv-cache-mb", "64",
+         "--tp", str(tp), "--port", str(port), "--device", device, "--dtype", dtype, "--kv-cache-mb", "64",
          "--shutdown-timeout-s", "20", "--http-port", str(http_port),
          "--metrics-port", str(metrics_port), *extra_args],
         # The launcher passes its environment on: the gateway reads the first; one torch

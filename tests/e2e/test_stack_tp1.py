@@ -5,14 +5,11 @@ draining on SIGTERM, after which the launcher stops everything (last: it ends th
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import pytest
@@ -21,6 +18,7 @@ from hypothesis import strategies as st
 
 from radixserve_client import Client
 from e2e.faults import RecordedStream, greedy, wait_until
+from e2e.grpcurl_call import GRPCURL, readme_generate
 from e2e.parity import check_greedy_parity
 from e2e.reference import CHATS, MAX_NEW_TOKENS
 from e2e.stack import LaunchedStack, launch, wait_gone
@@ -29,7 +27,6 @@ from procs import ServiceProcesses, is_serving
 from radixserve.v1 import generation_pb2 as pb
 from radixserve.v1 import generation_pb2_grpc, router_pb2, router_pb2_grpc
 
-GRPCURL = str(Path(sys.executable).parent / "grpcurl")
 # The gateway's default --shutdown-grace-s, and what its drained streams generate.
 GATEWAY_GRACE_S = 20.0
 DRAIN_TOKENS = 24
@@ -117,17 +114,7 @@ def test_grpcurl_lists_the_service_and_streams_the_readme_call(stack):
     listed = subprocess.run([GRPCURL, "-plaintext", stack.gateway, "list"],
                             capture_output=True, text=True, timeout=30)
     assert "radixserve.v1.GenerationService" in listed.stdout.split(), listed.stderr
-    done = subprocess.run(
-        [GRPCURL, "-plaintext", "-d", '{"prompt": "Hello", "max_tokens": 16}', stack.gateway,
-         "radixserve.v1.GenerationService/Generate"],
-        capture_output=True, text=True, timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    decoder, text, chunks = json.JSONDecoder(), done.stdout.strip(), []
-    while text:
-        chunk, end = decoder.raw_decode(text)
-        chunks.append(chunk)
-        text = text[end:].lstrip()
+    chunks = readme_generate(stack.gateway)
     assert len(chunks) > 1 and "finish_reason" in chunks[-1]
     assert chunks[-1]["usage"]["completion_tokens"] == sum(len(c.get("token_ids", [])) for c in chunks)
 
