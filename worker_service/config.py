@@ -36,11 +36,15 @@ class WorkerConfig:
     num_threads: int = setting(0, "torch intra-op threads (0: torch's default)", min=0)
     attention_kernel: str = setting("auto", "native: C++ kernels compiled for this CPU on first use (paged attention "
                                     "for decode and prefill, reading K/V through page tables; RoPE with the K/V "
-                                    "write, residual add + RMSNorm and SwiGLU in one pass each; bfloat16 linear "
-                                    "layers of decode steps (up to 64 rows); needs a C++ "
-                                    "compiler and AVX-512); torch: PyTorch's kernels "
-                                    "(gathers pages); auto: native where it builds",
+                                    "write, residual add + RMSNorm and SwiGLU in one pass each; linear "
+                                    "layers of decode steps (up to 128 rows); needs a C++ "
+                                    "compiler and AVX-512); triton: on CUDA, a Triton kernel reading every "
+                                    "decode row's K/V through its page table; torch: PyTorch's kernels "
+                                    "(gathers pages); auto: native on CPU where it builds, triton on CUDA "
+                                    "where triton imports",
                                     choices=KERNEL_CHOICES)
+    cuda_graph_max_batch: int = setting(128, "on CUDA (with the triton kernel, one rank), decode steps of up to "
+                                        "this many rows replay captured CUDA graphs; 0: never", min=0)
     rank: int = setting(0, "this rank", min=0, also_env="RANK")
     world_size: int = setting(1, "tensor-parallel size", min=1, also_env="WORLD_SIZE")
     master_addr: str = setting("127.0.0.1", "rank 0's address for the TP group's rendezvous", also_env="MASTER_ADDR")

@@ -21,11 +21,14 @@ from radixserve.v1 import worker_pb2
 from worker_service import native
 from worker_service.attention import AttentionBatch, GatherSpace, PrefillSpan, additive_mask, plan_decode
 from worker_service.attention.decode_plan import shared_prefixes
+from worker_service.attention.gpu_decode import plan_gpu_decode, use_triton
+from worker_service.cuda_graphs import DecodeGraphs
 from worker_service.distributed import TPGroup
 from worker_service.dtypes import DTYPES, resolve_dtype
 from worker_service.forward_batch import ForwardEntry
 from worker_service.kv_pool import KVPool
 from worker_service.layers.fused_layer import FusedDecode
+from worker_service.layers import triton_ops
 from worker_service.layers.linear import pack_linear_weights
 from worker_service.layers.norm import RMSNorm
 from worker_service.loader import load_weights
@@ -50,7 +53,10 @@ class RunnerConfig:
     kv_cache_bytes: int = 1 << 30
     rank: int = 0
     world_size: int = 1
-    attention_kernel: str = "auto"  # see `worker_service.native.select`
+    attention_kernel: str = "auto"  # see `worker_service.native.select` and `attention.gpu_decode`
+    # Decode steps of up to this many rows replay CUDA graphs (`cuda_graphs.py`; 0: never). Only
+    # on CUDA with the Triton decode kernel and one rank.
+    cuda_graph_max_batch: int = 0
 
 
 def eos_token_ids(model_dir: Path, config_eos: int | list[int] | None) -> list[int]:
@@ -102,18 +108,26 @@ class ModelRunner:
         # After loading: packed weights cannot be loaded into.
         pack_linear_weights(self.model, self.kernels)
         self.model.eval()
+        self.use_triton = self.kernels is None and use_triton(config.attention_kernel, head_dim_of(self.hf_config),
+                                                              self.dtype, self.device)
+        with_graphs = self.use_triton and config.world_size == 1 and config.cuda_graph_max_batch > 0
 
         shape = (self.hf_config.num_hidden_layers, config.page_size, self.model.num_kv_heads,
                  head_dim_of(self.hf_config))
         num_pages = KVPool.pages_for_budget(config.kv_cache_bytes, *shape, dtype=self.dtype)
-        self.pool = KVPool(shape[0], num_pages, config.page_size, shape[2], shape[3],
+        # With graphs, one more page than the router is told of: the padding rows' (`cuda_graphs.py`).
+        self.pool = KVPool(shape[0], num_pages + with_graphs, config.page_size, shape[2], shape[3],
                            self.dtype, self.device)
         self.gather_space = GatherSpace()
         self.model.fused = FusedDecode.build(self.kernels, self.model, self.pool)
-        if self.kernels is not None:
+        # The row-wise ops as one kernel each: the compiled ones on CPU, Triton's beside its attention.
+        row_ops = self.kernels
+        if row_ops is None and self.use_triton and triton_ops.available(self.device):
+            row_ops = triton_ops.TritonRowOps()
+        if row_ops is not None:
             for module in self.model.modules():
                 if isinstance(module, (RMSNorm, LlamaMLP)):
-                    module.kernels = self.kernels
+                    module.kernels = row_ops
         # What this rank reports (GetWorkerInfo); the executor copies it with the group's page count.
         self.info = worker_pb2.GetWorkerInfoResponse(
             model_name=model_dir.name,
@@ -127,6 +141,7 @@ class ModelRunner:
             rank=config.rank,
             world_size=config.world_size,
         )
+        self.graphs = DecodeGraphs(self, config.cuda_graph_max_batch, pad_page=num_pages) if with_graphs else None
 
     def weight_bytes(self) -> int:
         """Bytes of this rank's parameters (a tied embedding counted once)."""
@@ -139,6 +154,8 @@ class ModelRunner:
         if not entries:  # every rank gets the same entries, so every rank skips the collectives
             empty = torch.empty(0, self.info.vocab_size, dtype=torch.float32, device=self.device)
             return empty if self.config.rank == 0 else None
+        if self.graphs is not None and self.graphs.applies(entries):
+            return self.graphs.run(entries)
         token_ids, positions, attention, sample_indices = self._layout(entries)
         step = StepContext(positions=positions, attention=attention, pool=self.pool)
         logits = self.model(token_ids, step, sample_indices)
@@ -164,8 +181,10 @@ class ModelRunner:
 
         tables = [entries[i].page_table for i in decode]
         context_lens = [position + 1 for position in positions]
-        native_plan = decode_plan = None
-        if decode and self.kernels is None:
+        native_plan = decode_plan = gpu_plan = None
+        if decode and self.use_triton:
+            gpu_plan = plan_gpu_decode(tables, context_lens, page_size, device)
+        elif decode and self.kernels is None:
             decode_plan = plan_decode(tables, context_lens, page_size, device)
 
         spans: list[PrefillSpan] = []
@@ -200,6 +219,7 @@ class ModelRunner:
             prefills=spans,
             space=self.gather_space,
             native=native_plan,
+            gpu_decode=gpu_plan,
         )
         sample_indices = [
             index

@@ -301,7 +301,8 @@ def failure() -> str | None:
     return _failure
 
 
-KERNEL_CHOICES = ("auto", "native", "torch")
+# `triton` is CUDA's decode kernel (`attention/gpu_decode.py`); `auto` picks per device.
+KERNEL_CHOICES = ("auto", "native", "torch", "triton")
 
 
 def select(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device) -> NativeKernels | None:
@@ -310,7 +311,7 @@ def select(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device) -
     `auto` takes the compiled kernel where it builds and supports the model's head size and dtype;
     `native` insists on it (raises, saying why, where it cannot be used); `torch` never loads it.
     """
-    if kind == "torch":
+    if kind in ("torch", "triton"):
         return None
     kernel = load() if device.type == "cpu" else None
     if kernel is not None and kernel.supports(head_dim, dtype, device):

@@ -56,13 +56,14 @@ def load_executor(config: WorkerConfig, metrics_registry: CollectorRegistry | No
             rank=config.rank,
             world_size=config.world_size,
             attention_kernel=config.attention_kernel,
+            cuda_graph_max_batch=config.cuda_graph_max_batch,
         )
     )
     num_pages = group_num_pages(runner.info.num_pages, config)
     log.info(
         "rank %d loaded %.1f MiB of weights; KV pool holds %d pages, the group %d; kernels: %s",
         config.rank, runner.weight_bytes() / BYTES_PER_MIB, runner.info.num_pages, num_pages,
-        "compiled kernels" if runner.kernels is not None else "torch",
+        "compiled kernels" if runner.kernels is not None else "triton" if runner.use_triton else "torch",
     )
     metrics = WorkerMetrics(runner.info.model_name, config.rank, metrics_registry)
     constraints = None

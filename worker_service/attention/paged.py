@@ -14,7 +14,8 @@ first, one token each, then each prefill chunk as a contiguous span. Per layer:
 Which physical pages hold a sequence cannot change the result: only gather indices differ.
 
 With the compiled kernel (`native.py`), step 1 is the same and one kernel call per layer does 2
-and 3 for every row, reading K/V through the page tables with no gather.
+and 3 for every row, reading K/V through the page tables with no gather. On CUDA with Triton,
+step 2 is one kernel call reading every decode row through its page table (`gpu_decode.py`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 
 from worker_service.attention.cascade import decode_attention
 from worker_service.attention.decode_plan import DecodePlan
+from worker_service.attention.gpu_decode import GpuDecodePlan
 from worker_service.attention.kernels import GatherSpace, gather_pages
 from worker_service.native_plan import NativePlan
 
@@ -60,6 +62,8 @@ class AttentionBatch:
     space: GatherSpace | None = None
     # The compiled kernel's plan for every row (`native.py`); then `decode` and `prefills` are unused.
     native: NativePlan | None = None
+    # The decode rows' plan for the Triton kernel (`gpu_decode.py`), used instead of `decode`.
+    gpu_decode: GpuDecodePlan | None = None
 
 
 def paged_attention(
@@ -82,7 +86,9 @@ def paged_attention(
     group_size = q.shape[1] // k.shape[1]
     parts: list[torch.Tensor] = []  # outputs in flat-layout order: decode block, then each span
 
-    if batch.decode is not None:
+    if batch.gpu_decode is not None:
+        parts.append(batch.gpu_decode.attend(q[: batch.gpu_decode.num_rows], k_slots, v_slots))
+    elif batch.decode is not None:
         parts.append(decode_attention(q[: batch.decode.num_rows], k_slots, v_slots, batch.decode,
                                       batch.page_size, batch.space))
 

@@ -1,0 +1,76 @@
+"""Decode attention on CUDA: every decode row read through its page table by one Triton kernel.
+
+On a GPU the CPU path's approach (gather each row's pages into a padded buffer, then attend)
+spends most of its memory traffic on the copy, and its shapes change every step. Here the step's
+page tables become one padded int32 tensor `[rows, pages]` plus each row's length, and the kernel
+(`triton_decode.py`) reads K/V straight from the pool's slots. Shared prefixes are not grouped:
+on a GPU the rows sharing a prefix read the same pages from its L2 cache, and a kernel whose
+launch depends only on shapes is what lets a decode step be replayed as a CUDA graph
+(`worker_service/cuda_graphs.py`).
+
+`attention_kernel` settings (see `worker_service.native.KERNEL_CHOICES`): `auto` takes this
+kernel on CUDA where Triton imports and supports the model's head size and dtype; `triton` insists
+(raises, saying why, where it cannot be used); `torch` keeps the pure PyTorch path, which is also
+the reference the kernel is tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker_service.attention import triton_decode
+
+
+@dataclass(slots=True)
+class GpuDecodePlan:
+    """The decode rows of one step: `block_tables` int32 `[rows, pages]` (entries past a row's
+    pages are ignored) and `context_lens` int32 `[rows]`, both on the pool's device."""
+
+    block_tables: torch.Tensor
+    context_lens: torch.Tensor
+    page_size: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.context_lens.shape[0]
+
+    def attend(self, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor) -> torch.Tensor:
+        """`q` `[rows, Hq, D]` against each row's context in the head-major pool -> `[rows, Hq, D]`."""
+        return triton_decode.paged_decode(q, k_slots, v_slots, self.block_tables, self.context_lens,
+                                          self.page_size)
+
+
+def pages_of(length: int, page_size: int) -> int:
+    """Pages holding positions 0 .. length - 1."""
+    return -(-length // page_size)
+
+
+def plan_gpu_decode(tables: list[list[int]], context_lens: list[int], page_size: int,
+                    device: torch.device) -> GpuDecodePlan:
+    """The plan for rows with page tables `tables` attending to `context_lens` positions each."""
+    width = max(pages_of(length, page_size) for length in context_lens)
+    padded = [table[:pages_of(length, page_size)] for table, length in zip(tables, context_lens)]
+    padded = [row + [0] * (width - len(row)) for row in padded]
+    return GpuDecodePlan(
+        block_tables=torch.tensor(padded, dtype=torch.int32).to(device, non_blocking=True),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32).to(device, non_blocking=True),
+        page_size=page_size,
+    )
+
+
+def use_triton(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether decode attention takes the Triton kernel for the `attention_kernel` setting `kind`."""
+    if kind not in ("auto", "triton"):
+        return False
+    why = None
+    if device.type != "cuda":
+        why = f"it runs on CUDA only, not {device.type}"
+    elif not triton_decode.available(device):
+        why = "triton cannot be imported"
+    elif not triton_decode.supports(head_dim, dtype):
+        why = f"no kernel for head_dim {head_dim} in {dtype}"
+    if why is not None and kind == "triton":
+        raise RuntimeError(f"--attention-kernel triton: {why}")
+    return why is None

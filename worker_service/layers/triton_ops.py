@@ -1,0 +1,99 @@
+"""The row-wise ops of a layer as one Triton kernel each on CUDA: RMSNorm, the residual add with
+the RMSNorm after it, and SwiGLU's silu(gate) * up.
+
+In PyTorch's ops a half-precision RMSNorm is a chain of six kernels (cast, square, mean, rsqrt,
+multiply, cast and weight) and SwiGLU two or three; a small model's decode step on a GPU is bound
+by how many kernels it runs, not by their bytes, so these three ops were half of its launches.
+Each kernel here is one program per token row and rounds where PyTorch's chain rounds (the sum to
+the model dtype before the norm, the normalised row to the dtype before the weight, silu to the
+dtype before the product), so results differ from the torch path only by the order of the
+mean's float32 additions.
+
+The object has the methods of `NativeKernels` that `RMSNorm` and `LlamaMLP` call (set as their
+`kernels` by the model runner on CUDA with Triton).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # The CI machine has no Triton: the module must import anyway, and `available` says False.
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernels run on `device`: CUDA with Triton, or CPU under TRITON_INTERPRET=1."""
+    if triton is None:
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(x, residual, weight, out, size, eps, ADD: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        columns = tl.arange(0, BLOCK)
+        mask = columns < size
+        values = tl.load(x + row * size + columns, mask=mask, other=0.0)
+        if ADD:  # the residual stream's sum, rounded to the dtype as a plain add is, stored back
+            values = (values.to(tl.float32) + tl.load(residual + row * size + columns, mask=mask,
+                                                      other=0.0).to(tl.float32)).to(x.dtype.element_ty)
+            tl.store(residual + row * size + columns, values, mask=mask)
+        values = values.to(tl.float32)
+        scale = tl.math.rsqrt(tl.sum(values * values, 0) / size + eps)
+        normed = (values * scale).to(x.dtype.element_ty).to(tl.float32)
+        scaled = normed * tl.load(weight + columns, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out + row * size + columns, scaled.to(out.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _silu_mul_kernel(gate_up, out, size, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        start = tl.program_id(1) * BLOCK
+        columns = start + tl.arange(0, BLOCK)
+        mask = columns < size
+        gate = tl.load(gate_up + row * 2 * size + columns, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gate_up + row * 2 * size + size + columns, mask=mask, other=0.0).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(out.dtype.element_ty).to(tl.float32)
+        tl.store(out + row * size + columns, (silu * up).to(out.dtype.element_ty), mask=mask)
+
+
+SILU_BLOCK = 1024  # columns per SwiGLU program
+
+
+class TritonRowOps:
+    """RMSNorm, residual add + RMSNorm and SwiGLU for contiguous `[T, size]` rows."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self._norm(x, None, weight, eps)
+
+    def add_rms_norm(self, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of `residual + x`; `residual` becomes that sum (in place)."""
+        return self._norm(x, residual, weight, eps)
+
+    def _norm(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x = x.contiguous()
+        size = x.shape[-1]
+        out = torch.empty_like(x)
+        rows = x.numel() // size
+        if rows:
+            _rms_norm_kernel[(rows,)](x, x if residual is None else residual, weight, out, size, eps,
+                                      ADD=residual is not None, BLOCK=triton.next_power_of_2(size))
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of `[T, 2 * I]` (gate first) -> `[T, I]`."""
+        gate_up = gate_up.contiguous()
+        size = gate_up.shape[-1] // 2
+        rows = gate_up.numel() // (2 * size)
+        out = torch.empty(*gate_up.shape[:-1], size, dtype=gate_up.dtype, device=gate_up.device)
+        if rows:
+            _silu_mul_kernel[(rows, triton.cdiv(size, SILU_BLOCK))](gate_up, out, size, BLOCK=SILU_BLOCK)
+        return out
