@@ -213,7 +213,7 @@ async def _drain(call) -> None:
 
 def worker_step_s(model: Path, dtype: str, batch: int, context: int, repeats: int, steps: int) -> float:
     """Seconds per decode step of `batch` sequences at `context` tokens (best of `repeats`)."""
-    args = argparse.Namespace(context=context, steps=steps, repeats=repeats, batch=batch)
+    args = argparse.Namespace(context=context, steps=steps, repeats=repeats, batch=[batch])
     runner = ModelRunner(RunnerConfig(
         model_dir=model, device="cpu", dtype=dtype, page_size=PAGE_SIZE,
         kv_cache_bytes=kv_budget(runner_shape(model), dtype, args), rank=0, world_size=1,

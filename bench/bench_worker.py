@@ -1,21 +1,28 @@
 """Speed of one worker's `ModelRunner` with no gRPC around it, against this machine's bounds.
 
     .venv/bin/python -m bench.bench_worker [--model DIR] [--dtypes float32,bfloat16] [--num-threads 2]
+    python -m bench.bench_worker --device cuda --dtypes bfloat16 --batch 32,128 --prefill-len 2048 --transformers
 
 The machine's bounds are measured in the same run (`bench.bounds`: read bandwidth, GEMM throughput
 per dtype), at its start and again at its end, and the larger of each counts. Figures (per dtype),
 each printed at the end with its fraction of the bound (the tokens/s the step would reach at full
 bandwidth or full GEMM throughput, whichever limits it):
 - decode x1: one sequence with a prompt of --context tokens decodes --steps tokens;
-- decode xB: --batch such sequences (nothing shared) decode together, one step = B tokens;
-- decode xB shared: --batch sequences behind one --shared-len-token prefix (held once, in the same
+- decode xB: B such sequences (nothing shared) decode together, one step = B tokens, for each B
+  of --batch (a comma-separated list);
+- decode xB shared: B sequences behind one --shared-len-token prefix (held once, in the same
   pages, as the router's radix cache places it), each with its own short rest up to --context;
 - prefill:   one prompt of --prefill-len tokens computed at once (after one warm-up);
 - prefill xN: N prompts of --prefill-len / N tokens in one step.
 Each figure is the best of --repeats runs (others may be loading the machine; best-of shows what
 the code can do). The issue's goals are checked at the end. `--profile` prints a torch.profiler
 table of one decode step of one sequence and of the batch, unshared and shared; `--transformers`
-adds transformers' `generate` for one sequence as the reference point.
+adds transformers' `generate` as the reference point (its decode steps only: a run of one new
+token, the prefill, is subtracted), for one sequence and, on CUDA, for each batch.
+
+`--device cuda` runs the worker on the GPU (decode steps replayed from CUDA graphs up to
+--cuda-graph-max-batch rows) against the GPU's bounds (`bench.bounds.cuda_bounds`); every time
+is taken after the GPU has finished (a host copy of the tokens, or a synchronisation).
 """
 
 from __future__ import annotations
@@ -108,22 +115,32 @@ def prefill_tokens_per_s(runner: ModelRunner, length: int, num_prompts: int) -> 
     entries = [ForwardEntry(prompt(each, 100 + i, runner.info.vocab_size), 0, tables[i], True)
                for i in range(num_prompts)]
     start = time.perf_counter()
-    runner.forward(entries)
+    runner.forward(entries).cpu()  # on a GPU: the time until its work is done
     return num_prompts * each / (time.perf_counter() - start)
 
 
-def transformers_decode_tokens_per_s(model_dir: Path, dtype: str, context: int, steps: int) -> float:
-    """The reference point: transformers' own greedy `generate` for one sequence."""
+def transformers_decode_tokens_per_s(model_dir: Path, dtype: str, context: int, steps: int,
+                                     batch: int = 1, device: str = "cpu") -> float:
+    """The reference point: transformers' own greedy `generate` over `batch` sequences, its decode
+    steps only (a run of `steps + 1` new tokens less a run of one, which is the prefill)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
     model.generation_config.eos_token_id = None
-    ids = torch.tensor([prompt(context, 0, model.config.vocab_size)])
-    with torch.inference_mode():
-        model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    ids = torch.tensor([prompt(context, seed, model.config.vocab_size) for seed in range(batch)], device=device)
+    mask = torch.ones_like(ids)
+
+    def run(new_tokens: int) -> float:
         start = time.perf_counter()
-        model.generate(ids, max_new_tokens=steps, do_sample=False, pad_token_id=0)
-    return steps / (time.perf_counter() - start)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=0)
+        out.cpu()
+        return time.perf_counter() - start
+
+    with torch.inference_mode():
+        run(2)  # warm-up
+        decode_s = run(steps + 1) - run(1)
+    return batch * steps / decode_s
 
 
 def profile_decode(bench: DecodeBench, title: str) -> None:
@@ -152,7 +169,7 @@ def runner_shape(model_dir: Path) -> tuple[int, int, int]:
 def kv_budget(shape: tuple[int, int, int], dtype: str, args: argparse.Namespace) -> int:
     """Bytes of KV pages that the single, batched and shared benches need side by side."""
     pages_each = -(-(args.context + args.steps * args.repeats) // PAGE_SIZE)
-    num_pages = (1 + 2 * args.batch) * pages_each + 1
+    num_pages = (1 + 2 * sum(args.batch)) * pages_each + 1
     num_layers, num_kv_heads, head_dim = shape
     return num_pages * KVPool.bytes_per_page(num_layers, PAGE_SIZE, num_kv_heads, head_dim, getattr(torch, dtype))
 
@@ -169,7 +186,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024, help="tokens of each sequence before decoding")
     parser.add_argument("--shared-len", type=int, default=1000, help="shared prefix of the shared batch")
     parser.add_argument("--steps", type=int, default=16, help="decode steps per measurement")
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--batch", type=lambda text: [int(b) for b in text.split(",")], default=[32],
+                        help="batch sizes of the batched and shared decode figures (comma-separated)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--cuda-graph-max-batch", type=int, default=128, help="on CUDA (0: no graphs)")
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--prefill-prompts", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
@@ -182,73 +202,91 @@ def main() -> None:
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
     dtypes = args.dtypes.split(",")
-    print(f"model {args.model.name}, torch threads {torch.get_num_threads()}, "
-          f"load average {os.getloadavg()[0]:.2f} at start", flush=True)
-    first_bounds = machine.measure(dtypes)
+    on = args.device
+    print(f"model {args.model.name} on {on}"
+          + (f" ({torch.cuda.get_device_name()})" if on.startswith("cuda") else "")
+          + f", torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f} at start", flush=True)
+    first_bounds = machine.measure(dtypes, on)
     print_bounds("at start", first_bounds)
     measured: list[tuple[str, str, object, dict[str, float]]] = []  # label, dtype, step shape, figures
+    references: dict[str, dict[int, float]] = {}  # transformers' decode tokens/s by dtype and batch
     for dtype, kernel in [(d, k) for d in dtypes for k in args.attention_kernels.split(",")]:
-        runner = ModelRunner(RunnerConfig(model_dir=args.model, dtype=dtype, page_size=PAGE_SIZE,
+        runner = ModelRunner(RunnerConfig(model_dir=args.model, device=on, dtype=dtype, page_size=PAGE_SIZE,
                                           kv_cache_bytes=kv_budget(runner_shape(args.model), dtype, args),
-                                          attention_kernel=kernel))
+                                          attention_kernel=kernel, cuda_graph_max_batch=args.cuda_graph_max_batch))
         label = dtype if kernel == "auto" else f"{dtype} {kernel}"
         shape = machine.step_shape(runner)
         prefill_tokens_per_s(runner, args.prefill_len, 1)  # warm-up: first calls pick kernels
         # Best of --repeats: others may be loading the machine; the best shows what the code can do.
         single = DecodeBench(runner, 1, args.context, args.steps, args.repeats)
-        batched = DecodeBench(runner, args.batch, args.context, args.steps, args.repeats,
-                              first_page=single.end_page)
-        shared = DecodeBench(runner, args.batch, args.context, args.steps, args.repeats, args.shared_len,
-                             first_page=batched.end_page)
-        figures = {
-            "x1": max(single.run() for _ in range(args.repeats)),
-            "batched": max(batched.run() for _ in range(args.repeats)),
-            "shared": max(shared.run() for _ in range(args.repeats)),
-            "prefill": max(prefill_tokens_per_s(runner, args.prefill_len, 1) for _ in range(args.repeats)),
-            "prefill_n": max(prefill_tokens_per_s(runner, args.prefill_len, args.prefill_prompts)
-                             for _ in range(args.repeats)),
-        }
+        benches = {"x1": single}
+        first_page = single.end_page
+        for batch in args.batch:
+            benches[f"x{batch}"] = DecodeBench(runner, batch, args.context, args.steps, args.repeats,
+                                               first_page=first_page)
+            benches[f"x{batch} shared"] = DecodeBench(runner, batch, args.context, args.steps, args.repeats,
+                                                      args.shared_len, first_page=benches[f"x{batch}"].end_page)
+            first_page = benches[f"x{batch} shared"].end_page
+        figures = {name: max(bench.run() for _ in range(args.repeats)) for name, bench in benches.items()}
+        figures["prefill"] = max(prefill_tokens_per_s(runner, args.prefill_len, 1) for _ in range(args.repeats))
+        figures["prefill_n"] = max(prefill_tokens_per_s(runner, args.prefill_len, args.prefill_prompts)
+                                   for _ in range(args.repeats))
         measured.append((label, dtype, shape, figures))
         print(f"{label}: " + ", ".join(f"{name} {value:.1f}" for name, value in figures.items()) + " tokens/s",
               flush=True)
-        if args.transformers:
-            reference = transformers_decode_tokens_per_s(args.model, dtype, args.context, args.steps)
-            print(f"{'transformers ' + dtype:>18} | {reference:>18.1f}", flush=True)
         if args.profile:
-            profile_decode(single, f"{label}, decode x1 at {args.context}")
-            profile_decode(batched, f"{label}, decode x{args.batch} at {args.context}, nothing shared")
-            profile_decode(shared, f"{label}, decode x{args.batch} at {args.context}, {args.shared_len} shared")
-        del runner, single, batched, shared
+            for name, bench in benches.items():
+                profile_decode(bench, f"{label}, decode {name} at {args.context}")
+        del runner, benches, single
+        if args.transformers and dtype not in references:
+            reference_batches = [1] + (args.batch if on.startswith("cuda") else [])
+            references[dtype] = {batch: transformers_decode_tokens_per_s(args.model, dtype, args.context, args.steps,
+                                                                         batch, on)
+                                 for batch in reference_batches}
+            print(f"transformers {dtype}: " + ", ".join(f"x{b} {v:.1f}" for b, v in references[dtype].items())
+                  + " tokens/s", flush=True)
     # The bounds again at the end, and the larger of each: the machine is shared, and a slow moment
     # while a bound was measured would flatter every fraction (a figure past 100% of its bound).
-    bounds = machine.best_of(first_bounds, machine.measure(dtypes))
+    bounds = machine.best_of(first_bounds, machine.measure(dtypes, on))
     print_bounds("best of start and end", bounds)
-    header = ("dtype", "decode x1", f"decode x{args.batch}", f"x{args.batch} shared {args.shared_len}",
-              f"prefill {args.prefill_len}", f"prefill {args.prefill_prompts}x{args.prefill_len // args.prefill_prompts}")
-    print("tokens/s (fraction of the bound)\n" + " | ".join(f"{h:>18}" for h in header), flush=True)
+    each = args.prefill_len // args.prefill_prompts
+
+    def limit(name: str, dtype: str, shape) -> float:
+        if name == "prefill":
+            return machine.prefill_bound_tokens_per_s(shape, bounds, dtype, args.prefill_len)
+        if name == "prefill_n":
+            return machine.prefill_bound_tokens_per_s(shape, bounds, dtype, each)
+        batch = int(name.split()[0][1:])
+        shared = args.shared_len if name.endswith("shared") else 0
+        return machine.decode_bound_tokens_per_s(shape, bounds, dtype, batch, args.context, shared)
+
+    names = list(measured[0][3])
+    titles = {"prefill": f"prefill {args.prefill_len}", "prefill_n": f"prefill {args.prefill_prompts}x{each}"}
+    print(f"tokens/s (fraction of the bound), decode at {args.context} positions, shared prefixes of "
+          f"{args.shared_len}\n" + " | ".join(f"{h:>18}" for h in ["dtype"] + [titles.get(n, n) for n in names]),
+          flush=True)
     goals: list[tuple[str, bool]] = []
     for label, dtype, shape, figures in measured:
-        each = args.prefill_len // args.prefill_prompts
-        limits = {
-            "x1": machine.decode_bound_tokens_per_s(shape, bounds, dtype, 1, args.context),
-            "batched": machine.decode_bound_tokens_per_s(shape, bounds, dtype, args.batch, args.context),
-            "shared": machine.decode_bound_tokens_per_s(shape, bounds, dtype, args.batch, args.context,
-                                                        args.shared_len),
-            "prefill": machine.prefill_bound_tokens_per_s(shape, bounds, dtype, args.prefill_len),
-            "prefill_n": machine.prefill_bound_tokens_per_s(shape, bounds, dtype, each),
-        }
-        print(" | ".join([f"{label:>18}"] + [f"{fraction(figures[k], limits[k]):>18}" for k in figures]), flush=True)
-        goals.append((f"{label}: decode x{args.batch} at {figures['batched'] / limits['batched']:.0%} of its bound "
-                      f"(goal {BATCHED_BOUND_GOAL:.0%})", figures["batched"] >= BATCHED_BOUND_GOAL * limits["batched"]))
-        # What the bounds themselves allow: both steps at 100% of their bounds. At a batch of 32 the
-        # shared step is compute bound (its linear layers alone), so this is well under 3x here.
-        speedup, at_bounds = figures["shared"] / figures["batched"], limits["shared"] / limits["batched"]
-        goals.append((f"{label}: shared-prefix decode {speedup:.2f}x the unshared (goal {SHARED_SPEEDUP_GOAL:.0f}x; "
-                      f"{at_bounds:.2f}x if both ran at their bounds)", speedup >= SHARED_SPEEDUP_GOAL))
+        print(" | ".join([f"{label:>18}"] + [f"{fraction(figures[n], limit(n, dtype, shape)):>18}" for n in names]),
+              flush=True)
+        for batch in args.batch:
+            unshared, shared = figures[f"x{batch}"], figures[f"x{batch} shared"]
+            bound, shared_bound = limit(f"x{batch}", dtype, shape), limit(f"x{batch} shared", dtype, shape)
+            goals.append((f"{label}: decode x{batch} at {unshared / bound:.0%} of its bound "
+                          f"(goal {BATCHED_BOUND_GOAL:.0%})", unshared >= BATCHED_BOUND_GOAL * bound))
+            # What the bounds themselves allow: both steps at 100% of their bounds. On this CPU at a
+            # batch of 32 the shared step is compute bound (its linear layers alone): well under 3x.
+            goals.append((f"{label}: shared-prefix decode x{batch} {shared / unshared:.2f}x the unshared (goal "
+                          f"{SHARED_SPEEDUP_GOAL:.0f}x; {shared_bound / bound:.2f}x if both ran at their bounds)",
+                          shared >= SHARED_SPEEDUP_GOAL * unshared))
         if dtype == "bfloat16":
-            bandwidth = machine.decode_bound_tokens_per_s(shape, bounds, dtype, 1, args.context)
+            bandwidth = limit("x1", dtype, shape)
             goals.append((f"{label}: decode x1 at {figures['x1'] / bandwidth:.0%} of its bandwidth bound "
                           f"(goal {SINGLE_BANDWIDTH_GOAL:.0%})", figures["x1"] >= SINGLE_BANDWIDTH_GOAL * bandwidth))
+    for dtype, by_batch in references.items():
+        shape = next(s for _, d, s, _ in measured if d == dtype)
+        print(" | ".join([f"{'transformers ' + dtype:>18}"]
+                         + [f"x{b} {fraction(v, limit(f'x{b}', dtype, shape)):>14}" for b, v in by_batch.items()]))
     for text, met in goals:
         print(f"goal {'met    ' if met else 'NOT met'}: {text}")
     print(f"load average {os.getloadavg()[0]:.2f} at end")

@@ -7,6 +7,9 @@
 - GEMM throughput per dtype: FLOP/s of a large matmul through the same packed linear kernel the
   worker uses for that dtype.
 
+On CUDA (`device="cuda"`): the read bandwidth of `tensor.sum` over a buffer far past the L2
+cache, and the FLOP/s of a large `torch.matmul` (cuBLAS), both timed with CUDA events.
+
 A step's bound is the larger of (bytes it must read / bandwidth) and (FLOPs / GEMM throughput);
 a figure divided by its bound's tokens/s says how close the code comes to the machine.
 Each measurement is the best of a few tries: the machine is shared, and the best shows the
@@ -25,6 +28,8 @@ from worker_service.layers.linear import Linear
 
 BANDWIDTH_BYTES = 512 << 20  # far past any last-level cache
 GEMM_SIZE = 1024  # M = N = K: large enough to reach a kernel's steady state
+CUDA_BANDWIDTH_BYTES = 4 << 30  # ~80x an H100's L2
+CUDA_GEMM_SIZE = 8192  # a GPU's matrix units need large products to fill
 TRIES = 5
 
 
@@ -42,6 +47,31 @@ def _best_seconds(fn, tries: int = TRIES) -> float:
         fn()
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def _best_cuda_seconds(fn, tries: int = TRIES) -> float:
+    """The fastest of `tries` runs of `fn` on the GPU, timed with CUDA events after a warm-up."""
+    fn()
+    best = float("inf")
+    for _ in range(tries):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return best
+
+
+def cuda_bounds(dtype_names: list[str]) -> MachineBounds:
+    """The GPU's read bandwidth and cuBLAS GEMM throughput per dtype (see the module doc)."""
+    buffer = torch.ones(CUDA_BANDWIDTH_BYTES // 2, dtype=torch.bfloat16, device="cuda")
+    bandwidth = CUDA_BANDWIDTH_BYTES / _best_cuda_seconds(lambda: buffer.sum(dtype=torch.float32))
+    flops = {}
+    for name in dtype_names:
+        a, b = (torch.randn(CUDA_GEMM_SIZE, CUDA_GEMM_SIZE, device="cuda").to(getattr(torch, name)) for _ in range(2))
+        flops[name] = 2 * CUDA_GEMM_SIZE ** 3 / _best_cuda_seconds(lambda: torch.matmul(a, b))
+    return MachineBounds(bandwidth, flops)
 
 
 def memory_bandwidth() -> float:
@@ -73,7 +103,9 @@ def best_of(a: MachineBounds, b: MachineBounds) -> MachineBounds:
                          {name: max(flops, b.gemm_flops_per_s.get(name, 0.0)) for name, flops in a.gemm_flops_per_s.items()})
 
 
-def measure(dtype_names: list[str]) -> MachineBounds:
+def measure(dtype_names: list[str], device: str = "cpu") -> MachineBounds:
+    if device.startswith("cuda"):
+        return cuda_bounds(dtype_names)
     return MachineBounds(memory_bandwidth(), {name: gemm_throughput(getattr(torch, name)) for name in dtype_names})
 
 
