@@ -33,7 +33,7 @@ from worker_service.layers.linear import pack_linear_weights
 from worker_service.layers.norm import RMSNorm
 from worker_service.loader import load_weights
 from worker_service.models import model_class
-from worker_service.models.llama import LlamaMLP, StepContext, head_dim_of
+from worker_service.models.llama import LlamaAttention, LlamaMLP, StepContext, head_dim_of
 
 
 @dataclass(slots=True, frozen=True)
@@ -128,6 +128,9 @@ class ModelRunner:
             for module in self.model.modules():
                 if isinstance(module, (RMSNorm, LlamaMLP)):
                     module.kernels = row_ops
+                if isinstance(module, LlamaAttention) and isinstance(row_ops, triton_ops.TritonRowOps):
+                    module.rope_kernels = row_ops
+                    self.model.whole_rope_tables = True
         # What this rank reports (GetWorkerInfo); the executor copies it with the group's page count.
         self.info = worker_pb2.GetWorkerInfoResponse(
             model_name=model_dir.name,

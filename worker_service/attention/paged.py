@@ -73,14 +73,16 @@ def paged_attention(
     k_slots: torch.Tensor,
     v_slots: torch.Tensor,
     batch: AttentionBatch,
+    stored: bool = False,
 ) -> torch.Tensor:
     """Attention for the flat layout: q [T, Hq, D], k/v [T, Hk, D] -> [T, Hq, D].
 
     `k_slots` / `v_slots` are this layer's head-major pool, `[Hk, num_slots, D]`; the new K/V are
-    stored there before anything is read.
+    stored there before anything is read (unless `stored`: the caller has written them).
     """
-    k_slots.index_copy_(1, batch.write_slots, k.transpose(0, 1))
-    v_slots.index_copy_(1, batch.write_slots, v.transpose(0, 1))
+    if not stored:
+        k_slots.index_copy_(1, batch.write_slots, k.transpose(0, 1))
+        v_slots.index_copy_(1, batch.write_slots, v.transpose(0, 1))
     if batch.native is not None:
         return batch.native.attend(q, k_slots, v_slots)
     group_size = q.shape[1] // k.shape[1]

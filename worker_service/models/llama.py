@@ -31,6 +31,7 @@ from worker_service.layers.sharding import balanced_range, shard_heads
 
 if TYPE_CHECKING:
     from worker_service.layers.fused_layer import FusedDecode
+    from worker_service.layers.triton_ops import TritonRowOps
     from worker_service.native import NativeKernels
 
 
@@ -44,7 +45,7 @@ class StepContext:
 
 
 # cos, signed sin: [T, 1, head_dim] at the step's positions on the torch path; the whole tables
-# [max_positions, head_dim] with the compiled kernels, which look the positions up themselves.
+# [max_positions, head_dim] with the compiled or Triton kernels, which look the positions up themselves.
 Rope = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -53,6 +54,9 @@ def head_dim_of(config: Any) -> int:
 
 
 class LlamaAttention(torch.nn.Module):
+    # Set by the model runner on CUDA with Triton: RoPE and the K/V write in one kernel.
+    rope_kernels: TritonRowOps | None = None
+
     def __init__(
         self, config: Any, layer: int, group: TPGroup, qkv_bias: bool,
         dtype: torch.dtype, device: torch.device,
@@ -84,6 +88,12 @@ class LlamaAttention(torch.nn.Module):
             native.kernels.rope_store(qkv, self.num_q_heads, step.positions, *rope, k_slots, v_slots,
                                       step.attention.write_slots)
             attended = native.attend(qkv[:, : self.num_q_heads], k_slots, v_slots)
+        elif self.rope_kernels is not None:
+            # q and k rotated in place, k and v already in the pool.
+            self.rope_kernels.rope_store(qkv, self.num_q_heads, step.positions, *rope, k_slots, v_slots,
+                                         step.attention.write_slots)
+            q, k, v = qkv.split([self.num_q_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+            attended = paged_attention(q, k, v, k_slots, v_slots, step.attention, stored=True)
         else:
             # q and k sit side by side in the merged output: rotate both with one call.
             qk = apply_rotary(qkv[:, : self.num_q_heads + self.num_kv_heads], *rope)
@@ -150,6 +160,8 @@ class LlamaForCausalLM(torch.nn.Module):
     qkv_bias = False
     # Set by the model runner where a whole layer runs as one compiled call (`layers/fused_layer.py`).
     fused: FusedDecode | None = None
+    # Set by the model runner where the layers' `rope_kernels` look RoPE's positions up themselves.
+    whole_rope_tables = False
 
     def __init__(self, config: Any, group: TPGroup, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -183,7 +195,7 @@ class LlamaForCausalLM(torch.nn.Module):
         if self.fused is not None and self.fused.applies(len(token_ids), step):
             hidden, residual = self.fused.run(hidden, step)  # the same kernels, one call per layer
         else:
-            rope = ((self.rotary.cos, self.rotary.sin) if step.attention.native is not None
+            rope = ((self.rotary.cos, self.rotary.sin) if step.attention.native is not None or self.whole_rope_tables
                     else self.rotary.lookup(step.positions))
             residual = None
             for layer in self.layers:
