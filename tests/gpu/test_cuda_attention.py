@@ -9,7 +9,6 @@ import torch
 from worker.test_cascade_attention import HEAD_DIM, NUM_KV_HEADS, NUM_Q_HEADS, build_batch, reference_attention
 from worker_service.attention.cascade import decode_attention
 from worker_service.attention.decode_plan import plan_decode
-from worker_service.attention.gpu_decode import plan_gpu_decode
 
 DEVICE = torch.device("cuda")
 FP32_ATOL = 1e-5
@@ -28,11 +27,3 @@ def test_cascade_on_cuda_equals_plain_attention(seed: int, page_size: int, dtype
     torch.testing.assert_close(got.float().cpu(), expected, rtol=0,
                                atol=FP32_ATOL if dtype == torch.float32 else BF16_ATOL)
 
-
-def test_the_gpu_plan_holds_each_rows_pages_and_lengths() -> None:
-    tables = [[5, 9, 2], [7], [3, 1, 8, 4]]
-    lens = [33, 16, 49]
-    plan = plan_gpu_decode(tables, lens, 16, DEVICE)
-    assert plan.num_rows == 3 and plan.block_tables.dtype == torch.int32 and plan.block_tables.is_cuda
-    assert plan.context_lens.tolist() == lens
-    assert plan.block_tables[:, :4].tolist() == [[5, 9, 2, 0], [7, 0, 0, 0], [3, 1, 8, 4]]

@@ -1,0 +1,46 @@
+"""What decides the CUDA path, checked where no GPU is: the attention kernel setting, the Triton
+plan's layout, and the CUDA graphs' batch buckets (the kernels themselves: tests/gpu/)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.tiny_models import make_tiny_llama
+from worker_service import native
+from worker_service.attention.gpu_decode import plan_gpu_decode, use_triton
+from worker_service.cuda_graphs import bucket_sizes
+from worker_service.model_runner import ModelRunner, RunnerConfig
+
+CPU = torch.device("cpu")
+
+
+def test_triton_is_never_chosen_off_cuda_and_insisting_on_it_says_why() -> None:
+    assert not use_triton("auto", 64, torch.bfloat16, CPU)
+    assert not use_triton("torch", 64, torch.bfloat16, CPU)
+    with pytest.raises(RuntimeError, match="--attention-kernel triton: it runs on CUDA only, not cpu"):
+        use_triton("triton", 64, torch.bfloat16, CPU)
+    assert native.select("triton", 64, torch.float32, CPU) is None  # no compiled kernels either
+
+
+def test_a_worker_asked_for_triton_on_cpu_refuses_to_start(tmp_path) -> None:
+    with pytest.raises(RuntimeError, match="--attention-kernel triton"):
+        ModelRunner(RunnerConfig(model_dir=make_tiny_llama(tmp_path / "model"), attention_kernel="triton",
+                                 kv_cache_bytes=1 << 20))
+
+
+def test_the_plan_holds_each_rows_used_pages_and_length() -> None:
+    plan = plan_gpu_decode([[5, 9, 2, 6], [7], [3, 1, 8, 4]], [33, 16, 49], 16, CPU)
+    assert plan.num_rows == 3 and plan.page_size == 16
+    assert plan.block_tables.dtype == torch.int32 and plan.context_lens.dtype == torch.int32
+    assert plan.context_lens.tolist() == [33, 16, 49]
+    # Pages past a row's length are left out (row 0's fourth), the rest padded with page 0.
+    assert plan.block_tables.tolist() == [[5, 9, 2, 0], [7, 0, 0, 0], [3, 1, 8, 4]]
+
+
+@pytest.mark.parametrize(("max_batch", "sizes"), [
+    (1, [1]), (8, [1, 2, 4, 8]), (16, [1, 2, 4, 8, 16]), (20, [1, 2, 4, 8, 16, 20]),
+    (128, [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128]),
+])
+def test_graph_buckets_cover_every_batch_up_to_the_largest(max_batch: int, sizes: list[int]) -> None:
+    assert bucket_sizes(max_batch) == sizes
