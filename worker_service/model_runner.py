@@ -120,17 +120,7 @@ class ModelRunner:
                            self.dtype, self.device)
         self.gather_space = GatherSpace()
         self.model.fused = FusedDecode.build(self.kernels, self.model, self.pool)
-        # The row-wise ops as one kernel each: the compiled ones on CPU, Triton's beside its attention.
-        row_ops = self.kernels
-        if row_ops is None and self.use_triton and triton_ops.available(self.device):
-            row_ops = triton_ops.TritonRowOps()
-        if row_ops is not None:
-            for module in self.model.modules():
-                if isinstance(module, (RMSNorm, LlamaMLP)):
-                    module.kernels = row_ops
-                if isinstance(module, LlamaAttention) and isinstance(row_ops, triton_ops.TritonRowOps):
-                    module.rope_kernels = row_ops
-                    self.model.whole_rope_tables = True
+        self._attach_row_ops()
         # What this rank reports (GetWorkerInfo); the executor copies it with the group's page count.
         self.info = worker_pb2.GetWorkerInfoResponse(
             model_name=model_dir.name,
@@ -145,6 +135,22 @@ class ModelRunner:
             world_size=config.world_size,
         )
         self.graphs = DecodeGraphs(self, config.cuda_graph_max_batch, pad_page=num_pages) if with_graphs else None
+
+    def _attach_row_ops(self) -> None:
+        """The layers' row-wise ops as one kernel each: the compiled ones on CPU; on CUDA beside the
+        Triton attention, Triton's (`layers/triton_ops.py`), RoPE with the K/V write among them."""
+        if self.kernels is not None:
+            row_ops = self.kernels
+        elif self.use_triton:
+            row_ops = triton_ops.TritonRowOps()
+            self.model.whole_rope_tables = True
+        else:
+            return
+        for module in self.model.modules():
+            if isinstance(module, (RMSNorm, LlamaMLP)):
+                module.kernels = row_ops
+            if isinstance(module, LlamaAttention) and self.use_triton:
+                module.rope_kernels = row_ops
 
     def weight_bytes(self) -> int:
         """Bytes of this rank's parameters (a tied embedding counted once)."""
