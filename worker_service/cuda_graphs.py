@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from worker_service.attention import AttentionBatch
-from worker_service.attention.gpu_decode import GpuDecodePlan, pages_of
+from worker_service.attention.gpu_decode import GpuDecodePlan, padded_tables, pages_of
 from worker_service.forward_batch import ForwardEntry
 from worker_service.models.llama import StepContext
 
@@ -65,6 +65,8 @@ class DecodeGraphs:
         # Pinned staging: host-to-device copies of the inputs without a pageable bounce.
         self._host_ints = torch.zeros(3, rows, dtype=torch.int64, pin_memory=True)
         self._host_lens = torch.ones(rows, dtype=torch.int32, pin_memory=True)
+        # A padding row's token, position and write slot (a column of `_host_ints`).
+        self._padding = torch.tensor([[0], [0], [pad_page * self.page_size]])
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._capture()
 
@@ -111,7 +113,7 @@ class DecodeGraphs:
         batch = next(size for size in self.sizes if size >= num_rows)
         page_size, pad = self.page_size, self.pad_page
         host = self._host_ints
-        host[:, num_rows:batch] = torch.tensor([[0], [0], [pad * page_size]])
+        host[:, num_rows:batch] = self._padding
         host[:, :num_rows] = torch.tensor([
             [entry.token_ids[0] for entry in entries],
             [entry.start_position for entry in entries],
@@ -119,15 +121,13 @@ class DecodeGraphs:
              for entry in entries],
         ])
         lens = [entry.start_position + 1 for entry in entries]
-        width = max(pages_of(length, page_size) for length in lens)
-        tables = [entry.page_table[:pages_of(length, page_size)] for entry, length in zip(entries, lens)]
+        tables = padded_tables([entry.page_table for entry in entries], lens, page_size, pad)
         self._host_lens[:num_rows] = torch.tensor(lens, dtype=torch.int32)
         self._host_lens[num_rows:batch] = 1
         self._ints[:, :batch].copy_(host[:, :batch])
         self._context_lens[:batch].copy_(self._host_lens[:batch])
         # Only the columns a row reads need to be current; the padding rows keep `pad_page`.
-        self._block_tables[:num_rows, :width].copy_(
-            torch.tensor([table + [pad] * (width - len(table)) for table in tables], dtype=torch.int32))
+        self._block_tables[:num_rows, :len(tables[0])].copy_(torch.tensor(tables, dtype=torch.int32))
         self._block_tables[num_rows:batch, 0] = pad
         graph, logits = self._graphs[batch]
         graph.replay()

@@ -143,7 +143,6 @@ class ModelRunner:
             row_ops = self.kernels
         elif self.use_triton:
             row_ops = triton_ops.TritonRowOps()
-            self.model.whole_rope_tables = True
         else:
             return
         for module in self.model.modules():

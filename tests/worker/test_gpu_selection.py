@@ -8,7 +8,7 @@ import torch
 
 from worker.tiny_models import make_tiny_llama
 from worker_service import native
-from worker_service.attention.gpu_decode import plan_gpu_decode, use_triton
+from worker_service.attention.gpu_decode import padded_tables, plan_gpu_decode, use_triton
 from worker_service.cuda_graphs import bucket_sizes
 from worker_service.model_runner import ModelRunner, RunnerConfig
 
@@ -36,6 +36,12 @@ def test_the_plan_holds_each_rows_used_pages_and_length() -> None:
     assert plan.context_lens.tolist() == [33, 16, 49]
     # Pages past a row's length are left out (row 0's fourth), the rest padded with page 0.
     assert plan.block_tables.tolist() == [[5, 9, 2, 0], [7, 0, 0, 0], [3, 1, 8, 4]]
+
+
+def test_graph_tables_pad_with_the_padding_page_to_the_widest_used_row() -> None:
+    """What a graph replay copies into its static page tables (`cuda_graphs.py`)."""
+    tables = padded_tables([[4, 8, 1], [2, 6, 3, 9]], [1, 33], 16, fill=99)
+    assert tables == [[4, 99, 99], [2, 6, 3]]
 
 
 @pytest.mark.parametrize(("max_batch", "sizes"), [

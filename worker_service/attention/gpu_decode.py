@@ -47,12 +47,17 @@ def pages_of(length: int, page_size: int) -> int:
     return -(-length // page_size)
 
 
+def padded_tables(tables: list[list[int]], context_lens: list[int], page_size: int, fill: int) -> list[list[int]]:
+    """Each row's pages that hold its `context_lens` positions, padded with `fill` to the widest row's."""
+    used = [table[:pages_of(length, page_size)] for table, length in zip(tables, context_lens)]
+    width = max(len(row) for row in used)
+    return [row + [fill] * (width - len(row)) for row in used]
+
+
 def plan_gpu_decode(tables: list[list[int]], context_lens: list[int], page_size: int,
                     device: torch.device) -> GpuDecodePlan:
     """The plan for rows with page tables `tables` attending to `context_lens` positions each."""
-    width = max(pages_of(length, page_size) for length in context_lens)
-    padded = [table[:pages_of(length, page_size)] for table, length in zip(tables, context_lens)]
-    padded = [row + [0] * (width - len(row)) for row in padded]
+    padded = padded_tables(tables, context_lens, page_size, 0)
     return GpuDecodePlan(
         block_tables=torch.tensor(padded, dtype=torch.int32).to(device, non_blocking=True),
         context_lens=torch.tensor(context_lens, dtype=torch.int32).to(device, non_blocking=True),

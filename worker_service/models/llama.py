@@ -160,8 +160,6 @@ class LlamaForCausalLM(torch.nn.Module):
     qkv_bias = False
     # Set by the model runner where a whole layer runs as one compiled call (`layers/fused_layer.py`).
     fused: FusedDecode | None = None
-    # Set by the model runner where the layers' `rope_kernels` look RoPE's positions up themselves.
-    whole_rope_tables = False
 
     def __init__(self, config: Any, group: TPGroup, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -195,8 +193,9 @@ class LlamaForCausalLM(torch.nn.Module):
         if self.fused is not None and self.fused.applies(len(token_ids), step):
             hidden, residual = self.fused.run(hidden, step)  # the same kernels, one call per layer
         else:
-            rope = ((self.rotary.cos, self.rotary.sin) if step.attention.native is not None or self.whole_rope_tables
-                    else self.rotary.lookup(step.positions))
+            # Kernels that look RoPE's positions up themselves take the whole tables.
+            looks_up = step.attention.native is not None or self.layers[0].self_attn.rope_kernels is not None
+            rope = (self.rotary.cos, self.rotary.sin) if looks_up else self.rotary.lookup(step.positions)
             residual = None
             for layer in self.layers:
                 hidden, residual = layer(hidden, residual, step, rope)
