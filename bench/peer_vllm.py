@@ -59,7 +59,8 @@ def main() -> None:
     parser.add_argument("--job", type=Path, required=True, help="JSON list of jobs from bench.run_all")
     parser.add_argument("--out", type=Path, required=True, help="where to write the results JSON")
     parser.add_argument("--dtype", default="bfloat16", help="vLLM's model dtype")
-    parser.add_argument("--max-model-len", type=int, default=2048, help="vLLM's context limit")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="vLLM's context limit (default: the model's, as radixserve serves it)")
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
