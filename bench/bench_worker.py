@@ -16,7 +16,8 @@ bandwidth or full GEMM throughput, whichever limits it):
 - prefill xN: N prompts of --prefill-len / N tokens in one step.
 Each figure is the best of --repeats runs (others may be loading the machine; best-of shows what
 the code can do). The issue's goals are checked at the end. `--profile` prints a torch.profiler
-table of one decode step of one sequence and of the batch, unshared and shared; `--transformers`
+table of one decode step of one sequence and of the batch, unshared and shared, and the share of
+the step it covers (the compiled kernels are not PyTorch ops); `--transformers`
 adds transformers' `generate` as the reference point (its decode steps only: a run of one new
 token, the prefill, is subtracted), for one sequence and, on CUDA, for each batch.
 
@@ -84,7 +85,8 @@ class DecodeBench:
         cached = num_shared_pages * page_size
         # Shared pages first, in reverse (page ids need not be in order), then each one's own.
         shared_pages = list(range(first_page + num_shared_pages - 1, first_page - 1, -1))
-        own = page_tables(batch, context + steps * runs - cached, page_size, first_page + num_shared_pages)
+        # Room for every timed step and one more (`profile_decode` runs a step at the last position).
+        own = page_tables(batch, context + steps * runs + 1 - cached, page_size, first_page + num_shared_pages)
         self.tables = [shared_pages + table for table in own]
         self.end_page = own[-1][-1] + 1  # the next bench's first page
         common = prompt(shared_len, 10_000, vocab)
@@ -144,15 +146,23 @@ def transformers_decode_tokens_per_s(model_dir: Path, dtype: str, context: int, 
 
 
 def profile_decode(bench: DecodeBench, title: str) -> None:
-    """A torch.profiler table of one decode step of `bench` (it does not advance the sequences)."""
+    """A torch.profiler table of one decode step of `bench` (it does not advance the sequences),
+    and how much of the step's time the table accounts for: the compiled kernels, called through
+    ctypes, are not PyTorch ops and the profiler does not see them."""
     from torch.profiler import ProfilerActivity, profile
 
     entries = bench.entries()
     bench.runner.forward(entries)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
         bench.runner.forward(entries)
+        step_us = (time.perf_counter() - start) * 1e6
+    averages = prof.key_averages()
+    torch_us = sum(event.self_cpu_time_total for event in averages)
     print(f"profile: {title}")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=15))
+    print(f"PyTorch ops {torch_us:.0f} us of the {step_us:.0f} us step; the rest is the compiled kernels "
+          "(not visible to torch.profiler) and Python", flush=True)
 
 
 def print_bounds(when: str, bounds: machine.MachineBounds) -> None:
