@@ -67,6 +67,12 @@ def prompt(length: int, seed: int, vocab_size: int) -> list[int]:
     return torch.randint(3, vocab_size, (length,), generator=generator).tolist()
 
 
+def tokens_each(context: int, steps: int, runs: int) -> int:
+    """KV positions one bench sequence needs: its context, every timed step, and one more
+    (`profile_decode` runs a step at the last position)."""
+    return context + steps * runs + 1
+
+
 class DecodeBench:
     """`batch` sequences of `context` tokens, prefilled once; each `run` times `steps` decode steps.
 
@@ -85,8 +91,7 @@ class DecodeBench:
         cached = num_shared_pages * page_size
         # Shared pages first, in reverse (page ids need not be in order), then each one's own.
         shared_pages = list(range(first_page + num_shared_pages - 1, first_page - 1, -1))
-        # Room for every timed step and one more (`profile_decode` runs a step at the last position).
-        own = page_tables(batch, context + steps * runs + 1 - cached, page_size, first_page + num_shared_pages)
+        own = page_tables(batch, tokens_each(context, steps, runs) - cached, page_size, first_page + num_shared_pages)
         self.tables = [shared_pages + table for table in own]
         self.end_page = own[-1][-1] + 1  # the next bench's first page
         common = prompt(shared_len, 10_000, vocab)
@@ -178,7 +183,7 @@ def runner_shape(model_dir: Path) -> tuple[int, int, int]:
 
 def kv_budget(shape: tuple[int, int, int], dtype: str, args: argparse.Namespace) -> int:
     """Bytes of KV pages that the single, batched and shared benches need side by side."""
-    pages_each = -(-(args.context + args.steps * args.repeats) // PAGE_SIZE)
+    pages_each = -(-tokens_each(args.context, args.steps, args.repeats) // PAGE_SIZE)
     num_pages = (1 + 2 * sum(args.batch)) * pages_each + 1
     num_layers, num_kv_heads, head_dim = shape
     return num_pages * KVPool.bytes_per_page(num_layers, PAGE_SIZE, num_kv_heads, head_dim, getattr(torch, dtype))

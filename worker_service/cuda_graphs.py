@@ -117,8 +117,7 @@ class DecodeGraphs:
         host[:, :num_rows] = torch.tensor([
             [entry.token_ids[0] for entry in entries],
             [entry.start_position for entry in entries],
-            [entry.page_table[entry.start_position // page_size] * page_size + entry.start_position % page_size
-             for entry in entries],
+            [entry.slot(entry.start_position, page_size) for entry in entries],
         ])
         lens = [entry.start_position + 1 for entry in entries]
         tables = padded_tables([entry.page_table for entry in entries], lens, page_size, pad)

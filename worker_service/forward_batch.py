@@ -30,3 +30,7 @@ class ForwardEntry:
     sample: bool
     # With `sample`: logits of this many last positions (1 + the entry's drafts).
     num_logits: int = 1
+
+    def slot(self, position: int, page_size: int) -> int:
+        """The KV pool slot of `position` (see the class doc)."""
+        return self.page_table[position // page_size] * page_size + position % page_size

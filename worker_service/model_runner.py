@@ -184,8 +184,7 @@ class ModelRunner:
         positions: list[int] = [entries[i].start_position for i in decode]
         last_token_index = {i: flat_index for flat_index, i in enumerate(decode)}
         write_slots: list[torch.Tensor] = [torch.tensor(
-            [entries[i].page_table[p // page_size] * page_size + p % page_size
-             for i, p in zip(decode, positions)], dtype=torch.int64)]
+            [entries[i].slot(p, page_size) for i, p in zip(decode, positions)], dtype=torch.int64)]
 
         tables = [entries[i].page_table for i in decode]
         context_lens = [position + 1 for position in positions]

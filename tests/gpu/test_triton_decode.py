@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 
 from worker_service.attention import triton_decode  # noqa: E402
 from worker_service.attention.triton_decode import paged_decode  # noqa: E402
+from worker_service.triton_support import available  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 PAGE_SIZE = 16
@@ -160,7 +161,7 @@ def test_unsupported_shapes_are_refused():
     assert triton_decode.supports(64, torch.bfloat16) and triton_decode.supports(128, torch.float32)
     assert not triton_decode.supports(80, torch.bfloat16)
     assert not triton_decode.supports(64, torch.float64)
-    assert triton_decode.available(DEVICE)
+    assert available(DEVICE)
     case = Case([5], 2, 1, 64, torch.float32, seed=6)
     args = case.on_device()
     args["q"] = torch.zeros(1, 2, 80, device=DEVICE)

@@ -11,14 +11,15 @@ import torch.nn.functional as F
 triton_ops = pytest.importorskip("worker_service.layers.triton_ops")
 from worker_service.layers.norm import RMSNorm  # noqa: E402
 from worker_service.layers.rotary import apply_rotary  # noqa: E402
+from worker_service.triton_support import available  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = pytest.mark.skipif(not triton_ops.available(DEVICE), reason="no Triton for this device")
+pytestmark = pytest.mark.skipif(not available(DEVICE), reason="no Triton for this device")
 EPS = 1e-5
 # One rounding step apart at most where the mean's additions are ordered differently.
 TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2 ** -7, atol=1e-3),
              torch.float16: dict(rtol=2 ** -10, atol=1e-4)}
-INTERPRETER = DEVICE.type == "cpu" and triton_ops.available(DEVICE)
+INTERPRETER = DEVICE.type == "cpu" and available(DEVICE)
 DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     INTERPRETER, reason="Triton's CPU interpreter truncates float32 to bfloat16 (the GPU rounds to nearest)"))]
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from worker_service import triton_support
 from worker_service.attention import triton_decode
 
 
@@ -72,7 +73,7 @@ def use_triton(kind: str, head_dim: int, dtype: torch.dtype, device: torch.devic
     why = None
     if device.type != "cuda":
         why = f"it runs on CUDA only, not {device.type}"
-    elif not triton_decode.available(device):
+    elif not triton_support.available(device):
         why = "triton cannot be imported"
     elif not triton_decode.supports(head_dim, dtype):
         why = f"no kernel for head_dim {head_dim} in {dtype}"

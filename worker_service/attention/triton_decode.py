@@ -28,15 +28,10 @@ Invariants:
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
-try:  # The CI machine has no Triton: the module must import anyway, and `available` says False.
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
+from worker_service.triton_support import interpreting, tl, triton
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -54,21 +49,6 @@ FALLBACK_NUM_SMS = 132
 def supports(head_dim: int, dtype: torch.dtype) -> bool:
     """Whether `paged_decode` handles this head size and model dtype."""
     return head_dim in SUPPORTED_HEAD_DIMS and dtype in SUPPORTED_DTYPES
-
-
-def available(device: torch.device) -> bool:
-    """Whether Triton is importable and can run on `device`: CUDA, or CPU under TRITON_INTERPRET=1."""
-    if triton is None:
-        return False
-    if device.type == "cuda":
-        return True
-    return device.type == "cpu" and _interpreting()
-
-
-def _interpreting() -> bool:
-    # Triton's CPU interpreter multiplies bfloat16 `tl.dot` operands as raw bits
-    # (triton-lang/triton#11584), so there Q and K enter the dot as float32.
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if triton is not None:
@@ -220,7 +200,9 @@ def paged_decode(
         block_tables.stride(0), out.stride(0), out.stride(1), qk_scale,
         group_size, num_splits,
         PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_G=block_g, BLOCK_N=BLOCK_N, DIRECT=direct,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST_QK=_interpreting(),
+        # Triton's CPU interpreter multiplies bfloat16 `tl.dot` operands as raw bits
+        # (triton-lang/triton#11584), so there Q and K enter the dot as float32.
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST_QK=interpreting(),
     )
     if not direct:
         _merge_kernel[(batch_size * num_q_heads,)](

@@ -18,24 +18,9 @@ where it is set as its `rope_kernels`.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:  # The CI machine has no Triton: the module must import anyway, and `available` says False.
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
-
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-def available(device: torch.device) -> bool:
-    """Whether the kernels run on `device`: CUDA with Triton, or CPU under TRITON_INTERPRET=1."""
-    if triton is None:
-        return False
-    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+from worker_service.triton_support import tl, triton
 
 
 if triton is not None:
