@@ -59,7 +59,7 @@ $(PEER_STAMP):
 
 bench: model $(PEER_STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"
-	$(PY) -m bench.run_all --update-readme $(BENCH_ARGS)
+	$(PY) -m bench.run_all --update-docs $(BENCH_ARGS)
 
 # Opt-in (needs a Docker engine, Compose v2 and the base image; says which are missing).
 compose-test:

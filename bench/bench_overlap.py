@@ -371,7 +371,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--num-threads", type=int, default=1, help="torch threads of the worker (1: see the README on threads under load)")
+    parser.add_argument("--num-threads", type=int, default=1, help="torch threads of the worker (1: see docs/benchmarks.md on threads under load)")
     parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32])
     parser.add_argument("--prompt-words", type=int, default=60, help="words per prompt (~2 tokens each)")
     parser.add_argument("--prompt-tokens", type=int, default=150, help="the prompt's tokens, for the worker-alone context")

@@ -187,8 +187,9 @@ def plot(report: dict, out_dir: Path) -> list[Path]:
     return written
 
 
-README_START = "<!-- BENCH:START -->"
-README_END = "<!-- BENCH:END -->"
+# The results table's place in docs/benchmarks.md, which `make bench` rewrites.
+TABLE_START = "<!-- BENCH:START -->"
+TABLE_END = "<!-- BENCH:END -->"
 
 
 def write_report(report: dict, out_dir: Path) -> None:
@@ -198,11 +199,11 @@ def write_report(report: dict, out_dir: Path) -> None:
     plot(report, out_dir)
 
 
-def update_readme(readme: Path, table: str) -> bool:
-    """Put `table` between the README's benchmark markers; False when the markers are missing."""
-    text = readme.read_text()
-    start, end = text.find(README_START), text.find(README_END)
+def update_docs(page: Path, table: str) -> bool:
+    """Put `table` between the page's benchmark markers; False when the markers are missing."""
+    text = page.read_text()
+    start, end = text.find(TABLE_START), text.find(TABLE_END)
     if start < 0 or end < start:
         return False
-    readme.write_text(text[: start + len(README_START)] + "\n" + table + text[end:])
+    page.write_text(text[: start + len(TABLE_START)] + "\n" + table + text[end:])
     return True

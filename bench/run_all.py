@@ -38,10 +38,12 @@ from bench.loadgen import run_workload, wait_serving
 from bench.http_overhead import paired
 from bench.loadgen_http import run_workload_http
 from bench.records import summarize
-from bench.report import markdown, speculation, update_readme, write_report
+from bench.report import markdown, speculation, update_docs, write_report
 from worker_service.dtypes import DTYPE_CHOICES, resolve_dtype
 
 ROOT = Path(__file__).resolve().parent.parent
+# The page whose results table `--update-docs` rewrites.
+BENCHMARKS_PAGE = ROOT / "docs" / "benchmarks.md"
 
 
 # Workload variants of the HTTP run start here, far from the gRPC run's.
@@ -229,8 +231,8 @@ def main() -> None:
     bench_speculation.add_arguments(parser)
     parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results", help="where results go")
     parser.add_argument("--verbose", action="store_true", help="show the stack's logs")
-    parser.add_argument("--update-readme", action="store_true",
-                        help="also put the table into README.md between its benchmark markers")
+    parser.add_argument("--update-docs", action="store_true",
+                        help="also put the table into docs/benchmarks.md between its benchmark markers")
     args = parser.parse_args()
 
     dtype = resolve_dtype(args.dtype, "cpu")
@@ -260,8 +262,8 @@ def main() -> None:
         "speculation": spec,
     }
     write_report(report, args.out_dir)
-    if args.update_readme and not update_readme(ROOT / "README.md", markdown(report)):
-        print("[bench] README.md has no benchmark markers; left it alone", flush=True)
+    if args.update_docs and not update_docs(BENCHMARKS_PAGE, markdown(report)):
+        print(f"[bench] {BENCHMARKS_PAGE} has no benchmark markers; left it alone", flush=True)
     print(f"[bench] wrote {args.out_dir}/latest.json, latest.md and plots", flush=True)
 
 

@@ -89,7 +89,7 @@ class Flag:
 
     @property
     def shown_default(self) -> str:
-        """The default as `--help` and the README show it."""
+        """The default as `--help` and docs/flags.md show it."""
         return show(_default_value(self.setting.default))
 
 

@@ -33,7 +33,7 @@ class RouterConfig:
     # Plan and send the next step while the workers run the current one (see `lookahead`).
     # Off by default: on this project's 2-core CPU machine, where router, gateway and worker
     # share the cores, it cut the workers' idle time between steps but not the inter-token
-    # latency (README, Overlap scheduling).
+    # latency (docs/benchmarks.md, Overlap scheduling).
     overlap: bool = setting(False, "overlap scheduling: plan and send the next step while the workers run "
                             "the current one (--no-overlap: strictly one step at a time)")
     # It travels in every DecodeTask entry. Its own name, so that the gateway's

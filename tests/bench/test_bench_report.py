@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench.records import RequestRecord, percentile, summarize
-from bench.report import markdown, write_report
+from bench.report import TABLE_END, TABLE_START, markdown, update_docs, write_report
 from bench.workloads import distinct_prompts, multi_turn, shared_system_prompt
+from procs import ROOT
 
 
 def test_percentile_nearest_rank() -> None:
@@ -70,6 +71,27 @@ def test_report_has_ratios_and_plots(tmp_path: Path) -> None:
     write_report(report, tmp_path)
     for name in ("latest.json", "latest.md", "throughput.png", "ttft.png"):
         assert (tmp_path / name).stat().st_size > 0
+
+
+def test_update_docs_replaces_only_the_table_between_the_markers(tmp_path: Path) -> None:
+    page = tmp_path / "benchmarks.md"
+    page.write_text(f"# Benchmarks\n\nbefore\n{TABLE_START}\nold table\n{TABLE_END}\n\nafter\n")
+    assert update_docs(page, "| new | table |\n")
+    assert page.read_text() == f"# Benchmarks\n\nbefore\n{TABLE_START}\n| new | table |\n{TABLE_END}\n\nafter\n"
+    page.write_text("# no markers\n")
+    assert not update_docs(page, "| new | table |\n")
+    assert page.read_text() == "# no markers\n"
+
+
+def test_make_bench_updates_the_benchmarks_page_which_has_the_markers() -> None:
+    from bench.run_all import BENCHMARKS_PAGE
+
+    text = BENCHMARKS_PAGE.read_text()
+    assert BENCHMARKS_PAGE.relative_to(ROOT).as_posix() == "docs/benchmarks.md"
+    assert text.count(TABLE_START) == 1 and text.count(TABLE_END) == 1
+    assert text.index(TABLE_START) < text.index(TABLE_END)
+    makefile = (ROOT / "Makefile").read_text()
+    assert "bench.run_all --update-docs" in makefile
 
 
 def test_sampling_settings_reach_every_engine_and_the_report() -> None:

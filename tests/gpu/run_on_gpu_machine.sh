@@ -7,7 +7,7 @@
 #   tests/gpu/run_on_gpu_machine.sh bench [ARGS]     bench_worker on the GPU beside transformers
 #
 # What must travel with the repository (it is ignored by git): `.whl/` (wheels for the machine's
-# Python, named in the README's "On a GPU" section, and a grpcurl binary), `.gpu_model/` (the
+# Python, named in docs/gpu.md, "The CUDA suite", and a grpcurl binary), `.gpu_model/` (the
 # default model's config and tokenizer files, without its weights) and `radixserve/v1/` (the
 # generated protos). Each step appends its output to $OUT (default /tmp/gpu-out).
 set -uo pipefail

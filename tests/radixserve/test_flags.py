@@ -93,15 +93,28 @@ def test_every_flag_is_settable_from_its_variable_and_the_flag_wins(program):
         assert _value(config, flag) == expected_flag, flag.name
 
 
-README_SECTIONS = {"gateway": "python -m gateway_service", "router": "python -m router_service",
-                   "worker": "python -m worker_service", "radixserve up": "radixserve up"}
+# The flags reference: one `## `heading`` per program, its table listing every declared flag.
+FLAGS_PAGE = ROOT / "docs" / "flags.md"
+REFERENCE_SECTIONS = {"gateway": "python -m gateway_service", "router": "python -m router_service",
+                      "worker": "python -m worker_service", "radixserve up": "radixserve up",
+                      "health_probe": "python -m radixserve.health_probe"}
 
 
-@pytest.mark.parametrize("program", README_SECTIONS)
-def test_readme_flag_tables_list_every_declared_flag_and_no_other(program):
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split(f"**`{README_SECTIONS[program]}`**", 1)[1].split("\n\n**", 1)[0]
-    section = section.split("\n\n", 2)[1]  # the table after the heading's paragraph
-    listed = set(re.findall(r"`--([a-z0-9-]+)`", section))
+@pytest.mark.parametrize("program", REFERENCE_SECTIONS)
+def test_flags_reference_lists_every_declared_flag_once_and_no_other(program):
+    page = FLAGS_PAGE.read_text()
+    heading = f"\n## `{REFERENCE_SECTIONS[program]}`\n"
+    assert page.count(heading) == 1, heading
+    section = page.split(heading, 1)[1].split("\n## ", 1)[0]
+    table = [line for line in section.splitlines() if line.startswith("| `--")]
+    assert table, "no flag table"
+    listed = [name for line in table for name in re.findall(r"`--([a-z0-9-]+)`", line.split("|")[1])]
+    mentioned = set(re.findall(r"`--([a-z0-9-]+)`", "\n".join(table)))
     declared = {flag.name for flag in flags_of(PROGRAMS[program][0])}
-    assert listed == declared
+    assert set(listed) == declared
+    assert len(listed) == len(declared), "a flag listed in two rows"
+    assert mentioned <= declared, "a row names a flag the program does not have"
+
+
+def test_every_program_with_declared_flags_has_a_reference_section():
+    assert set(REFERENCE_SECTIONS) == set(PROGRAMS)
