@@ -120,35 +120,36 @@ class CacheAware:
         busiest, idlest = max(loads.values()), min(loads.values())
         imbalanced = (busiest - idlest > self.balance_abs_threshold
                       and busiest > self.balance_rel_threshold * idlest)
+        chunks = self._chunks(prompt_ids)
         if imbalanced:
             chosen = min(loads, key=loads.__getitem__)
         else:
-            matched_len, holders = self._match(prompt_ids)
+            matched_len, holders = self._match(chunks)
             if holders and matched_len > self.cache_threshold * len(prompt_ids):
                 chosen = min(holders, key=lambda worker: (loads[worker], worker))
             else:
                 chosen = min(loads, key=lambda worker: (self._tree_size[worker], loads[worker], worker))
-        self._insert(prompt_ids, chosen)
+        self._insert(chunks, chosen)
         return chosen
 
     def _chunks(self, prompt_ids: Sequence[int]) -> list[tuple[int, ...]]:
         size = self.CHUNK
         return [tuple(prompt_ids[start : start + size]) for start in range(0, len(prompt_ids) - size + 1, size)]
 
-    def _match(self, prompt_ids: Sequence[int]) -> tuple[int, set[int]]:
+    def _match(self, chunks: list[tuple[int, ...]]) -> tuple[int, set[int]]:
         """The longest whole-chunk match and the workers holding it (every node on a worker's
         path holds the worker, so the deepest node's holders are the best matches)."""
         node, depth, holders = self._root, 0, set()
-        for chunk in self._chunks(prompt_ids):
+        for chunk in chunks:
             child = node.children.get(chunk)
             if child is None or not child.tenants:
                 break
             node, depth, holders = child, depth + 1, child.tenants
         return depth * self.CHUNK, holders
 
-    def _insert(self, prompt_ids: Sequence[int], worker: int) -> None:
+    def _insert(self, chunks: list[tuple[int, ...]], worker: int) -> None:
         node = self._root
-        for chunk in self._chunks(prompt_ids):
+        for chunk in chunks:
             child = node.children.get(chunk)
             if child is None:
                 child = node.children[chunk] = _Node()

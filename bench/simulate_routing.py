@@ -37,9 +37,16 @@ from router_service.core.request import Request
 from router_service.core.scheduler import Scheduler
 from router_service.core.step_plan import StepPlan
 
-STEP_FIXED_S = 128 / 127 / 882.3 - 1 / 127 * 128 / 38921.0  # t(1) - (t(128) - t(1)) / 127
-DECODE_ROW_S = (128 / 38921.0 - 1 / 882.3) / 127
-PREFILL_TOKEN_S = (2048 / 180637.3 - STEP_FIXED_S) / 2048
+# bench_worker on one H100 (README, "On a GPU"), tokens per second.
+DECODE_X1_TOKENS_PER_S = 882.3
+DECODE_X128_TOKENS_PER_S = 38921.0
+PREFILL_2048_TOKENS_PER_S = 180637.3
+# A step: a fixed cost, plus one per decode row, plus one per prefill token. The decode figures
+# were taken at 1,024 positions; attention's growth with the context is left out.
+_DECODE_X1_S = 1 / DECODE_X1_TOKENS_PER_S
+DECODE_ROW_S = (128 / DECODE_X128_TOKENS_PER_S - _DECODE_X1_S) / 127
+STEP_FIXED_S = _DECODE_X1_S - DECODE_ROW_S
+PREFILL_TOKEN_S = (2048 / PREFILL_2048_TOKENS_PER_S - STEP_FIXED_S) / 2048
 
 PAGE_SIZE = 16
 DEFAULT_SCALES = {8: 250, 64: 60, 512: 16}  # replicas: requests per replica
@@ -182,14 +189,39 @@ def capacity_per_replica(trace: TraceConfig, replica: ReplicaConfig, seed: int) 
     return simulate(RoundRobin(1), 1, 3 * CALIBRATION_REQUESTS, overload, trace, replica, seed).completed_per_s
 
 
-def decision_microseconds(policy_class, num_replicas: int, prompts: Sequence[list[int]]) -> float:
-    """Mean cost of one `choose` over `prompts`, with no memo, loads spread over the replicas."""
-    policy = policy_class(num_replicas, memo=False) if issubclass(policy_class, PrefixAffinity) else policy_class(num_replicas)
-    loads = {index: (index * 7) % 23 for index in range(num_replicas)}
-    started = time.perf_counter()
-    for prompt in prompts:
-        policy.choose(prompt, loads)
-    return (time.perf_counter() - started) / len(prompts) * 1e6
+def decision_microseconds(policy_class, num_replicas: int, prompts: Sequence[list[int]], repeats: int = 3) -> float:
+    """Mean cost of one `choose` over `prompts` (a fresh policy, no memo, loads spread over the
+    replicas), the best of `repeats` runs: the machine's other work only ever adds to it."""
+    best = float("inf")
+    for _ in range(repeats):
+        if issubclass(policy_class, PrefixAffinity):
+            policy = policy_class(num_replicas, memo=False)
+        else:
+            policy = policy_class(num_replicas)
+        loads = {index: (index * 7) % 23 for index in range(num_replicas)}
+        started = time.perf_counter()
+        for prompt in prompts:
+            policy.choose(prompt, loads)
+        best = min(best, (time.perf_counter() - started) / len(prompts) * 1e6)
+    return best
+
+
+def _print_goals(results: dict[str, RunResult], bound: float) -> None:
+    """The issue's goals for bounded-load affinity, as ratios from this run."""
+    mine, affinity, aware = results["bounded load"], results["prefix affinity"], results["cache aware"]
+
+    def verdict(met: bool) -> str:
+        return "met" if met else "NOT met"
+
+    hit = mine.hit_rate / affinity.hit_rate
+    p99 = mine.ttft_p99_s / affinity.ttft_p99_s
+    print(f"      bounded load vs prefix affinity: hit rate {hit:.2f}x (goal >= 0.95x: {verdict(hit >= 0.95)}), "
+          f"TTFT p99 {p99:.2f}x (goal <= 0.5x: {verdict(p99 <= 0.5)}); busiest/mean {mine.busiest_over_mean:.2f} "
+          f"(goal <= {bound}: {verdict(mine.busiest_over_mean <= bound)})")
+    p99 = mine.ttft_p99_s / aware.ttft_p99_s
+    hit = mine.hit_rate / aware.hit_rate
+    print(f"      bounded load vs cache aware: TTFT p99 {p99:.2f}x at hit rate {hit:.2f}x "
+          f"(goal: < 1x at >= 1x: {verdict(p99 < 1 and hit >= 1)})")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -216,21 +248,25 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n{num_replicas} replicas, {per_replica * num_replicas} requests, "
               f"{trace.num_system_prompts} system prompts; capacity {capacity:.1f} requests/s per replica")
         print(f"{'load':>5} {'policy':<16} {'hit rate':>8} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} "
-              f"{'busiest/mean':>12} {'continued':>9}")
+              f"{'busiest/mean':>12} {'mean load':>9} {'continued':>9}")
         for load in (float(part) for part in args.loads.split(",")):
+            results = {}
             for policy_class in POLICIES:
                 if policy_class is BoundedLoad:
                     policy = BoundedLoad(num_replicas, bound=args.bound)
                 else:
                     policy = policy_class(num_replicas)
-                result = simulate(policy, num_replicas, per_replica * num_replicas,
-                                  load * capacity * num_replicas, trace, replica, args.seed)
+                result = results[policy.name] = simulate(
+                    policy, num_replicas, per_replica * num_replicas, load * capacity * num_replicas,
+                    trace, replica, args.seed,
+                )
                 print(f"{load:>5.0%} {result.policy:<16} {result.hit_rate:>8.1%} {result.ttft_p50_s * 1e3:>11.1f} "
                       f"{result.ttft_p99_s * 1e3:>11.1f} {result.busiest_over_mean:>12.2f} "
-                      f"{result.continued_share:>9.0%}", flush=True)
+                      f"{result.mean_load:>9.1f} {result.continued_share:>9.0%}", flush=True)
+            _print_goals(results, args.bound)
     source = TraceSource(trace_for(512), 1.0, args.seed)
     prompts = [source.take().prompt_ids for _ in range(args.decision_prompts)]
-    print("\nmicroseconds per routing decision (no memo):")
+    print(f"\nmicroseconds per routing decision (no memo; mean over {len(prompts)} prompts, best of 3):")
     for policy_class in POLICIES:
         costs = [decision_microseconds(policy_class, n, prompts) for n in (8, 512)]
         print(f"  {policy_class.name:<16} 8 replicas {costs[0]:8.1f}   512 replicas {costs[1]:8.1f}")

@@ -64,5 +64,5 @@ def test_main_prints_every_policy_and_the_decision_cost(monkeypatch, capsys) -> 
     simulate_routing.main()
     out = capsys.readouterr().out
     for name in ("round robin", "least loaded", "prefix affinity", "bounded load", "cache aware"):
-        assert re.search(rf"70% {name} +\d+\.\d% +\d+\.\d +\d+\.\d +\d+\.\d\d +\d+%", out), out
+        assert re.search(rf"70% {name} +\d+\.\d% +\d+\.\d +\d+\.\d +\d+\.\d\d +\d+\.\d +\d+%", out), out
         assert re.search(rf"{name} +8 replicas +\d+\.\d +512 replicas +\d+\.\d", out), out
