@@ -8,12 +8,12 @@ import grpc
 from radixserve import constraints, sampling
 from radixserve.sampling import SamplingParams
 from radixserve.v1 import generation_pb2, router_pb2, worker_pb2
-from router_service.errors import InvalidRequest, QueueFull, RouterError, WorkersUnavailable
 from router_service.core.request import FinishReason, Request
 from router_service.core.scheduler import Scheduler
 from router_service.core.stats import SchedulerStats
 from router_service.core.step_costs import StepCosts
 from router_service.core.step_plan import StepPlan
+from router_service.errors import InvalidRequest, QueueFull, RouterError, WorkersUnavailable
 
 _STATUS: dict[type[RouterError], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,

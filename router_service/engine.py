@@ -27,13 +27,13 @@ from radixserve.serving import NO_SECURITY
 from radixserve.v1 import generation_pb2, router_pb2, worker_pb2
 from router_service import convert
 from router_service.config import RouterConfig
-from router_service.errors import InvalidRequest, QueueFull, RouterError, WorkersUnavailable
-from router_service.lookahead import InFlightStep
-from router_service.metrics import RouterMetrics
 from router_service.core.request import FinishReason, Request
 from router_service.core.scheduler import Scheduler
 from router_service.core.stats import SchedulerStats
 from router_service.core.step_costs import StepCosts
+from router_service.errors import InvalidRequest, QueueFull, RouterError, WorkersUnavailable
+from router_service.lookahead import InFlightStep
+from router_service.metrics import RouterMetrics
 from router_service.worker_group import TaskRejected, WorkerFault, WorkerGroup
 
 log = logging.getLogger(__name__)

@@ -3,8 +3,9 @@
 State (running and waiting requests, KV pages, prefix-cache and retraction counters) is read
 from the engine when Prometheus scrapes, as GetStats' own answer (`Engine.stats`, the one
 conversion `convert.stats_to_proto`), so the two never disagree. The metrics know the engine
-only as a `StateSource`: the engine imports this module, never the other way round. Per-step and per-request timings (step duration, batch size, queue time) and
-worker reconnects are observed by the engine as they happen.
+only as a `StateSource`: the engine imports this module, never the other way round. Per-step
+and per-request timings (step duration, batch size, queue time) and worker reconnects are
+observed by the engine as they happen.
 """
 
 from __future__ import annotations

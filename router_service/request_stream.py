@@ -20,9 +20,9 @@ from collections.abc import AsyncIterator
 
 from radixserve.v1 import router_pb2
 from router_service import convert
+from router_service.core.request import Request
 from router_service.engine import Engine, StreamEvent
 from router_service.errors import InvalidRequest, RouterError
-from router_service.core.request import Request
 
 log = logging.getLogger(__name__)
 
