@@ -23,13 +23,25 @@ from gateway_service.router_choice import affinity_key, rendezvous_order
 AFFINITY_TOKENS = 64  # the gateway's default --affinity-tokens
 
 
+class Loads(dict[int, int]):
+    """Outstanding requests per replica index, and their sum (kept as they change)."""
+
+    def __init__(self, num_replicas: int) -> None:
+        super().__init__(dict.fromkeys(range(num_replicas), 0))
+        self.total = 0
+
+    def add(self, index: int, delta: int) -> None:
+        self[index] += delta
+        self.total += delta
+
+
 class RoundRobin:
     name = "round robin"
 
     def __init__(self, num_replicas: int) -> None:
         self._next = itertools.cycle(range(num_replicas))
 
-    def choose(self, prompt_ids: Sequence[int], loads: dict[int, int]) -> int:
+    def choose(self, prompt_ids: Sequence[int], loads: Loads) -> int:
         return next(self._next)
 
 
@@ -39,7 +51,7 @@ class LeastLoaded:
     def __init__(self, num_replicas: int) -> None:
         pass
 
-    def choose(self, prompt_ids: Sequence[int], loads: dict[int, int]) -> int:
+    def choose(self, prompt_ids: Sequence[int], loads: Loads) -> int:
         return min(loads, key=loads.__getitem__)
 
 
@@ -64,7 +76,7 @@ class PrefixAffinity:
             self._memo[key] = order
         return order
 
-    def choose(self, prompt_ids: Sequence[int], loads: dict[int, int]) -> int:
+    def choose(self, prompt_ids: Sequence[int], loads: Loads) -> int:
         return self.order(prompt_ids)[0]
 
 
@@ -75,8 +87,8 @@ class BoundedLoad(PrefixAffinity):
         super().__init__(num_replicas, memo)
         self.bound = bound
 
-    def choose(self, prompt_ids: Sequence[int], loads: dict[int, int]) -> int:
-        return choose_bounded(self.order(prompt_ids), loads, self.bound)
+    def choose(self, prompt_ids: Sequence[int], loads: Loads) -> int:
+        return choose_bounded(self.order(prompt_ids), loads, self.bound, loads.total)
 
 
 class _Node:
@@ -116,7 +128,7 @@ class CacheAware:
         self._root = _Node()
         self._tree_size = [0] * num_replicas  # chunks per worker
 
-    def choose(self, prompt_ids: Sequence[int], loads: dict[int, int]) -> int:
+    def choose(self, prompt_ids: Sequence[int], loads: Loads) -> int:
         busiest, idlest = max(loads.values()), min(loads.values())
         imbalanced = (busiest - idlest > self.balance_abs_threshold
                       and busiest > self.balance_rel_threshold * idlest)

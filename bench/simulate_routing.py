@@ -30,7 +30,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bench.routing_policies import POLICIES, BoundedLoad, CacheAware, PrefixAffinity, RoundRobin
+from bench.routing_policies import POLICIES, BoundedLoad, Loads, PrefixAffinity, RoundRobin
 from bench.routing_trace import TraceConfig, TraceSource, Turn
 from router_service.core.admission import Policy
 from router_service.core.request import Request
@@ -106,7 +106,7 @@ def simulate(policy, num_replicas: int, num_requests: int, rate_per_s: float, tr
     """Route `num_requests` arrivals of the trace over `num_replicas`; run until all are done."""
     schedulers = [replica.scheduler() for _ in range(num_replicas)]
     source = TraceSource(trace, rate_per_s, seed)
-    loads = dict.fromkeys(range(num_replicas), 0)
+    loads = Loads(num_replicas)
     load_area = [0.0] * num_replicas  # outstanding requests integrated over time
     load_since = [0.0] * num_replicas
     busy = [False] * num_replicas
@@ -122,7 +122,7 @@ def simulate(policy, num_replicas: int, num_requests: int, rate_per_s: float, tr
         if num_arrived < num_requests:
             load_area[index] += loads[index] * (now - load_since[index])
             load_since[index] = now
-        loads[index] += delta
+        loads.add(index, delta)
 
     def start_step(index: int) -> None:
         plan = schedulers[index].schedule()
@@ -198,7 +198,9 @@ def decision_microseconds(policy_class, num_replicas: int, prompts: Sequence[lis
             policy = policy_class(num_replicas, memo=False)
         else:
             policy = policy_class(num_replicas)
-        loads = {index: (index * 7) % 23 for index in range(num_replicas)}
+        loads = Loads(num_replicas)
+        for index in range(num_replicas):
+            loads.add(index, (index * 7) % 23)
         started = time.perf_counter()
         for prompt in prompts:
             policy.choose(prompt, loads)

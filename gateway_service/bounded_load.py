@@ -37,14 +37,18 @@ def capacity(total_load: int, num_replicas: int, bound: float) -> int:
 
 
 def choose_bounded(
-    order: Sequence[Replica], loads: Mapping[Replica, int], bound: float = DEFAULT_BOUND
+    order: Sequence[Replica], loads: Mapping[Replica, int], bound: float = DEFAULT_BOUND,
+    total_load: int | None = None,
 ) -> Replica:
     """The first of `order` (a rendezvous order, most preferred first) whose load plus this
     request is within the capacity; `loads` gives each replica's outstanding requests (a
-    replica missing from it has none)."""
+    replica missing from it has none). `total_load`: their sum over `order`, when the caller
+    keeps it (None: summed here, one addition per replica)."""
     if not order:
         raise ValueError("no replica to choose from")
-    limit = capacity(sum(loads.get(address, 0) for address in order), len(order), bound)
+    if total_load is None:
+        total_load = sum(loads.get(address, 0) for address in order)
+    limit = capacity(total_load, len(order), bound)
     for address in order:
         if loads.get(address, 0) + 1 <= limit:
             return address

@@ -25,6 +25,8 @@ def test_takes_the_first_choice_while_it_is_within_the_bound() -> None:
     assert choose_bounded(order, loads, 1.25) == order[0]
     loads[order[0]] = 7
     assert choose_bounded(order, loads, 1.25) == order[2]
+    assert choose_bounded(order, loads, 1.25, total_load=sum(loads.values())) == order[2]
+    assert choose_bounded(order, loads, 1.25, total_load=1000) == order[0]  # a larger mean
 
 
 def test_a_hot_prefix_spreads_and_the_busiest_stays_within_the_bound() -> None:
