@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from router_service.radix_cache import RadixCache, RadixNode  # noqa: E402
+from router_service.core.radix_cache import RadixCache, RadixNode  # noqa: E402
 
 PAGE_SIZE = 16  # the workers' default
 # Pages of the prefix each group of sequences shares, and sequences per group.

@@ -9,8 +9,8 @@ from radixserve import flags
 from radixserve.flags import nested, setting
 from radixserve.security import SecurityConfig, security_settings
 from radixserve.shared_flags import HOST, LOG_LEVEL, METRICS_PORT, PORT
-from router_service.admission import Policy
-from router_service.speculation import SpeculationConfig
+from router_service.core.admission import Policy
+from router_service.core.speculation import SpeculationConfig
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
@@ -31,9 +31,9 @@ class RouterConfig:
     step_timeout_s: float = setting(60.0, "seconds every rank together may take to answer one step; past it "
                                     "in-flight requests fail (UNAVAILABLE) and the router reconnects", above=0)
     # Plan and send the next step while the workers run the current one (see `lookahead`).
-    # Off by default: on this project's 2-core CPU machine, where router, gateway and worker
-    # share the cores, it cut the workers' idle time between steps but not the inter-token
-    # latency (docs/benchmarks.md, Overlap scheduling).
+    # Off by default: where router, gateway and worker share too few cores, the router's work
+    # moved out of the gap between steps competes with the forward pass instead (the measured
+    # figures: docs/router-core.md and docs/benchmarks.md, Overlap scheduling).
     overlap: bool = setting(False, "overlap scheduling: plan and send the next step while the workers run "
                             "the current one (--no-overlap: strictly one step at a time)")
     # It travels in every DecodeTask entry. Its own name, so that the gateway's

@@ -8,11 +8,12 @@ import grpc
 from radixserve import constraints, sampling
 from radixserve.sampling import SamplingParams
 from radixserve.v1 import generation_pb2, router_pb2, worker_pb2
+from router_service.core.request import FinishReason, Request
+from router_service.core.scheduler import Scheduler
+from router_service.core.stats import SchedulerStats
+from router_service.core.step_costs import StepCosts
+from router_service.core.step_plan import StepPlan
 from router_service.errors import InvalidRequest, QueueFull, RouterError, WorkersUnavailable
-from router_service.request import FinishReason, Request
-from router_service.scheduler import Scheduler, SchedulerStats
-from router_service.step_costs import StepCosts
-from router_service.step_plan import StepPlan
 
 _STATUS: dict[type[RouterError], grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
@@ -97,8 +98,8 @@ def task_to_proto(plan: StepPlan, task_id: int, previous_task_id: int) -> worker
 def stats_to_proto(
     stats: SchedulerStats, scheduler: Scheduler | None, costs: StepCosts
 ) -> router_pb2.GetStatsResponse:
-    """GetStats' answer (also what the metrics read): counters, step costs, and the scheduler's
-    state while the workers are connected."""
+    """GetStats' answer (also what the metrics read, through `Engine.stats`): counters, step
+    costs, and the scheduler's state while the workers are connected."""
     idle, cpu = costs.worker_idle.stats(), costs.router_cpu.stats()
     response = router_pb2.GetStatsResponse(
         cache_hit_tokens=stats.cache_hit_tokens,

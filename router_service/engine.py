@@ -27,12 +27,13 @@ from radixserve.serving import NO_SECURITY
 from radixserve.v1 import generation_pb2, router_pb2, worker_pb2
 from router_service import convert
 from router_service.config import RouterConfig
+from router_service.core.request import FinishReason, Request
+from router_service.core.scheduler import Scheduler
+from router_service.core.stats import SchedulerStats
+from router_service.core.step_costs import StepCosts
 from router_service.errors import InvalidRequest, QueueFull, RouterError, WorkersUnavailable
 from router_service.lookahead import InFlightStep
 from router_service.metrics import RouterMetrics
-from router_service.request import FinishReason, Request
-from router_service.scheduler import Scheduler, SchedulerStats
-from router_service.step_costs import StepCosts
 from router_service.worker_group import TaskRejected, WorkerFault, WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,15 @@ class Engine:
             self.scheduler.cancel(request)
         self._wakeup.set()
 
-    def stats(self) -> SchedulerStats:
+    def stats(self) -> router_pb2.GetStatsResponse:
+        """GetStats' answer, which the metrics also read: the one conversion of the counters."""
+        return convert.stats_to_proto(self._counters(), self.scheduler, self.costs)
+
+    @property
+    def model_name(self) -> str:
+        return self.summary.model.model_name if self.summary is not None else ""
+
+    def _counters(self) -> SchedulerStats:
         return self._past + (self.scheduler.stats if self.scheduler else SchedulerStats())
 
     # ---- the loop ------------------------------------------------------------------------
@@ -313,7 +322,7 @@ class Engine:
         """End every request with `error` and drop the connection (it reconnects and resets)."""
         log.error("failing all requests: %s", error)
         await self._set_health(False)
-        self._past = self.stats()
+        self._past = self._counters()
         scheduler = self.scheduler
         self.scheduler = None
         if scheduler is not None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from radixserve.v1 import worker_pb2
-from router_service.step_plan import StepPlan
+from router_service.core.step_plan import StepPlan
 
 
 @dataclass(slots=True, eq=False)

@@ -1,35 +1,47 @@
 """The router's Prometheus metrics.
 
 State (running and waiting requests, KV pages, prefix-cache and retraction counters) is read
-from the engine when Prometheus scrapes, as GetStats' own answer (`convert.stats_to_proto`), so
-the two never disagree. Per-step and per-request timings (step duration, batch size, queue time) and
-worker reconnects are observed by the engine as they happen.
+from the engine when Prometheus scrapes, as GetStats' own answer (`Engine.stats`, the one
+conversion `convert.stats_to_proto`), so the two never disagree. The metrics know the engine
+only as a `StateSource`: the engine imports this module, never the other way round. Per-step
+and per-request timings (step duration, batch size, queue time) and worker reconnects are
+observed by the engine as they happen.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from radixserve.metrics import MODEL_LABEL, count_histogram, counter, gap_histogram, latency_histogram, name
-from router_service import convert
+from radixserve.v1 import router_pb2
+from router_service.core.step_plan import StepPlan
 
-if TYPE_CHECKING:
-    from router_service.engine import Engine
-    from router_service.step_plan import StepPlan
+
+class StateSource(Protocol):
+    """What the metrics read at scrape time (the engine)."""
+
+    @property
+    def model_name(self) -> str:
+        """The model served ("" while the workers are not connected)."""
+        ...
+
+    def stats(self) -> router_pb2.GetStatsResponse:
+        """GetStats' answer."""
+        ...
 
 
 class RouterMetrics:
     """One per engine. Its methods are the engine's hooks; they never raise."""
 
-    def __init__(self, engine: "Engine", registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, source: StateSource, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        self._engine = engine
+        self._source = source
         self._arrivals: dict[str, float] = {}
         self._num_connects = 0
         r = self.registry
@@ -47,11 +59,10 @@ class RouterMetrics:
             r, "router_step_cpu_seconds",
             "The router's CPU time per step on its event loop: planning it and applying its result.", [])
         self.reconnects = counter(r, "worker_reconnects", "Connections to the worker group after the first one.", [])
-        self.registry.register(_StateCollector(engine))
+        self.registry.register(_StateCollector(source))
 
     def _model(self) -> str:
-        summary = self._engine.summary
-        return summary.model.model_name if summary is not None else ""
+        return self._source.model_name
 
     def submitted(self, request_id: str) -> None:
         self._arrivals[request_id] = time.monotonic()
@@ -59,7 +70,7 @@ class RouterMetrics:
     def ended(self, request_id: str) -> None:
         self._arrivals.pop(request_id, None)
 
-    def step(self, plan: "StepPlan", started: float) -> None:
+    def step(self, plan: StepPlan, started: float) -> None:
         """After a step that ran `plan` (began at `started`, on `time.monotonic()`)."""
         model = self._model()
         now = time.monotonic()
@@ -87,13 +98,12 @@ class RouterMetrics:
 class _StateCollector(Collector):
     """Gauges and counters read from the engine at scrape time (GetStats' numbers)."""
 
-    def __init__(self, engine: "Engine") -> None:
-        self._engine = engine
+    def __init__(self, source: StateSource) -> None:
+        self._source = source
 
     def collect(self) -> Iterator[Metric]:
-        engine = self._engine
-        model = engine.summary.model.model_name if engine.summary is not None else ""
-        stats = convert.stats_to_proto(engine.stats(), engine.scheduler, engine.costs)
+        model = self._source.model_name
+        stats = self._source.stats()
 
         total, used, cached = stats.num_pages_total, stats.num_pages_used, stats.num_pages_evictable
         gauges = [

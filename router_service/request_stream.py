@@ -1,8 +1,9 @@
 """One caller's multiplexed call (`RouterService.Stream`): many requests, one message per step.
 
 Generate answers each request on its own call, a gRPC message per request per step: at 32
-running requests that is 32 messages a step on each side, and on a 2-core machine their cost
-(~50 us of CPU per message and side in grpc's asyncio layer) is taken from the forward pass.
+running requests that is 32 messages a step on each side, and every message costs CPU in grpc's
+asyncio layer that a machine short of cores takes from the forward pass (the figures are in
+docs/router-core.md).
 On a Stream call the caller opens and cancels requests, and the engine's events for all of them
 go back together: the engine hands a step's events over in one go (`Engine._flush`), and the
 call writes whatever has gathered since its last message as one message.
@@ -19,9 +20,9 @@ from collections.abc import AsyncIterator
 
 from radixserve.v1 import router_pb2
 from router_service import convert
+from router_service.core.request import Request
 from router_service.engine import Engine, StreamEvent
 from router_service.errors import InvalidRequest, RouterError
-from router_service.request import Request
 
 log = logging.getLogger(__name__)
 

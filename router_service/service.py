@@ -82,7 +82,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
     async def GetStats(
         self, request: router_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> router_pb2.GetStatsResponse:
-        return convert.stats_to_proto(self.engine.stats(), self.engine.scheduler, self.engine.costs)
+        return self.engine.stats()
 
     async def GetServerInfo(
         self, request: router_pb2.GetServerInfoRequest, context: grpc.aio.ServicerContext

@@ -8,7 +8,7 @@ import pytest
 
 from procs import PYTHON, ROOT
 from router_service.config import RouterConfig, config_from_args
-from router_service.scheduler import Policy
+from router_service.core.scheduler import Policy
 
 AGREED_FLAGS = [
     "--host", "--port", "--workers", "--max-pages", "--max-batch-tokens",

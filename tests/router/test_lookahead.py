@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from router.fake_model import EOS_TOKEN_ID, FakeEntry, FakeModel, expected_tokens
 from router.test_scheduler import PAGE_SIZE, check_no_leak
-from router_service.request import FinishReason, Request
-from router_service.scheduler import Policy, Scheduler
-from router_service.step_plan import StepPlan
+from router_service.core.request import FinishReason, Request
+from router_service.core.scheduler import Policy, Scheduler
+from router_service.core.step_plan import StepPlan
 
 MAX_STEPS = 20_000
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from router_service.ngram_proposer import EncodedSequence, propose
+from router_service.core.ngram_proposer import EncodedSequence, propose
 
 
 def drafts(token_ids: list[int], k: int = 4, min_ngram: int = 1, max_ngram: int = 3) -> list[int]:

@@ -21,7 +21,7 @@ from router.fake_model import expected_tokens
 from router.fake_worker import fake_logprob
 from router.harness import collect, end_codes, generate_request, running_router
 from router_service.config import RouterConfig
-from router_service.speculation import SpeculationConfig
+from router_service.core.speculation import SpeculationConfig
 from router_service.engine import Engine
 
 FAKE_WORKER = Path(__file__).resolve().parent / "fake_worker.py"

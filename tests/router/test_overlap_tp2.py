@@ -18,9 +18,9 @@ from procs import ServiceProcesses, free_port, start_worker_ranks
 from radixserve.serving import CHANNEL_OPTIONS, serve_until
 from radixserve.v1 import generation_pb2, router_pb2, router_pb2_grpc, worker_pb2
 from router.harness import wait_serving
-from router_service.server import Router
 from router_service.config import RouterConfig
-from router_service.speculation import SpeculationConfig
+from router_service.core.speculation import SpeculationConfig
+from router_service.server import Router
 from worker.tiny_models import VOCAB_SIZE, make_tiny_llama
 
 READY_TIMEOUT_S = 120.0

@@ -15,10 +15,10 @@ from router.harness import collect, generate_request, running_router
 from router.test_radix_cache import check_leaf_queue
 from router.test_scheduler import check_no_leak, to_fake
 from router_service.config import RouterConfig
-from router_service.page_allocator import PageAllocator
-from router_service.radix_cache import RadixCache
-from router_service.request import Request
-from router_service.scheduler import Policy, Scheduler
+from router_service.core.page_allocator import PageAllocator
+from router_service.core.radix_cache import RadixCache
+from router_service.core.request import Request
+from router_service.core.scheduler import Policy, Scheduler
 
 PAGE_SIZE = 4
 PREFIX_LEN = 600  # 150 whole pages

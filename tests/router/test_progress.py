@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from router.fake_model import EOS_TOKEN_ID, FakeModel, expected_tokens
 from router.test_scheduler import PAGE_SIZE, check_no_leak, to_fake
+from router_service.core.request import FinishReason, Request
+from router_service.core.scheduler import Policy, Scheduler
 from router_service.errors import InvalidRequest
-from router_service.request import FinishReason, Request
-from router_service.scheduler import Policy, Scheduler
 
 MAX_STEPS = 5_000
 

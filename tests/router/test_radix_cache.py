@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router_service.page_allocator import PageAllocator
-from router_service.radix_cache import RadixCache, RadixNode
+from router_service.core.page_allocator import PageAllocator
+from router_service.core.radix_cache import RadixCache, RadixNode
 
 PAGE_SIZE = 2
 NUM_PAGES = 24

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 from router.fake_model import EOS_TOKEN_ID, FakeEntry, FakeModel, expected_tokens
-from router_service.request import FinishReason, Request
-from router_service.scheduler import Policy, Scheduler, StepPlan
+from router_service.core.request import FinishReason, Request
+from router_service.core.scheduler import Policy, Scheduler, StepPlan
 
 PAGE_SIZE = 4
 CONTEXT_LEN = 100

@@ -11,9 +11,9 @@ import random
 
 from router.fake_model import EOS_TOKEN_ID, FakeModel, cyclic_next_token, expected_tokens
 from router.test_scheduler import CONTEXT_LEN, PAGE_SIZE, to_fake
-from router_service.request import FinishReason, Request
-from router_service.scheduler import Policy, Scheduler
-from router_service.speculation import SpeculationConfig
+from router_service.core.request import FinishReason, Request
+from router_service.core.scheduler import Policy, Scheduler
+from router_service.core.speculation import SpeculationConfig
 
 SPECULATION = SpeculationConfig(speculative_k=5, speculative_min_ngram=1, speculative_max_ngram=3,
                                 speculative_max_running=3)

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from router_service.step_costs import RECENT_STEPS, StepCosts
+from router_service.core.step_costs import RECENT_STEPS, StepCosts
 
 
 def test_medians_sums_and_the_busy_period_line(caplog: pytest.LogCaptureFixture) -> None:
@@ -18,7 +18,7 @@ def test_medians_sums_and_the_busy_period_line(caplog: pytest.LogCaptureFixture)
     assert (idle.p50_s, idle.num_steps) == (0.0002, 3)
     assert idle.total_s == pytest.approx(0.0006)
     assert (cpu.p50_s, cpu.num_steps) == (0.0005, 4)
-    with caplog.at_level(logging.INFO, logger="router_service.step_costs"):
+    with caplog.at_level(logging.INFO, logger="router_service.core.step_costs"):
         costs.end_busy_period(overlap=True)
         costs.end_busy_period(overlap=True)  # nothing ran since: no second line
     (line,) = caplog.messages

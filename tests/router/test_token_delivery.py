@@ -16,8 +16,8 @@ import pytest
 from router.fake_model import expected_tokens
 from router.harness import collect, generate_request, running_router
 from router_service.config import RouterConfig
+from router_service.core.speculation import SpeculationConfig
 from router_service.engine import Engine
-from router_service.speculation import SpeculationConfig
 from router_service.worker_group import WorkerGroup
 
 CONFIG = RouterConfig(overlap=False, speculation=SpeculationConfig(speculative=False))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from router_service.request import Request
+from router_service.core.request import Request
 
 
 @dataclass(slots=True)

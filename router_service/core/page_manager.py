@@ -23,9 +23,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-from router_service.page_allocator import PageAllocator
-from router_service.radix_cache import MatchResult, RadixCache
-from router_service.request import Request
+from router_service.core.page_allocator import PageAllocator
+from router_service.core.radix_cache import MatchResult, RadixCache
+from router_service.core.request import Request
 
 
 class PageManager:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import enum
 
-from router_service.radix_cache import RadixCache
-from router_service.request import Request
+from router_service.core.radix_cache import RadixCache
+from router_service.core.request import Request
 
 # Above this many waiting requests, `lpm` stops matching every one of them each step.
 LPM_MAX_WAITING = 128

@@ -1,53 +1,36 @@
 """The continuous-batching scheduler: requests in, one step plan out, sampled tokens applied.
 
-The `Scheduler` composes three parts and keeps the requests' lifecycle itself:
+The `Scheduler` composes four parts:
 - `PageManager` (`page_manager`): the KV page bookkeeping, allocator and radix cache;
+- `Lifecycle` (`lifecycle`): the waiting and running requests and every move between them
+  (queue, start, retract, end), with the ids the workers must forget;
 - admission (`admission`): the waiting queue's policy order and deferral;
-- `StepBuilder` (`step_builder`): which tokens of which requests run in the next step.
-It owns the waiting and running requests and every move between them: `add` (queued, once it
-is known to fit the pool alone), `start` (admitted), `retract` (back to the queue, pages given
-back), `end` (finished, cancelled or failed, pages given back), and collects the ids the
-workers must forget. `schedule()` plans a step; `complete(plan, token_ids, num_accepted)` applies
-the sampled tokens (after the drafts rank 0 accepted, see `speculation`), ends finished requests
-and caches every page the step wrote whole.
+- `StepBuilder` (`step_builder`): which tokens of which requests run in the next step; it is
+  given the lifecycle to admit, retract and end requests while it plans.
+`add` queues a request once it is known to fit the pool alone; `schedule()` plans a step;
+`complete(plan, token_ids, num_accepted)` applies the sampled tokens (after the drafts rank 0
+accepted, see `speculation`), ends finished requests and caches every page the step wrote whole.
 
 Plain Python over ints and lists, like everything it uses: no grpc, no torch.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-from dataclasses import astuple, dataclass
 
-from router_service.admission import Policy, in_policy_order
+from router_service.core.admission import Policy, in_policy_order
+from router_service.core.lifecycle import Lifecycle
+from router_service.core.page_allocator import PageAllocator
+from router_service.core.page_manager import PageManager
+from router_service.core.radix_cache import RadixCache
+from router_service.core.request import FinishReason, Request
+from router_service.core.speculation import SpeculationConfig, Speculator
+from router_service.core.stats import SchedulerStats
+from router_service.core.step_builder import StepBuilder, StepLimits
+from router_service.core.step_plan import ScheduledEntry, StepPlan
 from router_service.errors import InvalidRequest
-from router_service.page_allocator import PageAllocator
-from router_service.page_manager import PageManager
-from router_service.radix_cache import RadixCache
-from router_service.request import FinishReason, Request
-from router_service.speculation import SpeculationConfig, Speculator
-from router_service.step_builder import StepBuilder
-from router_service.step_plan import ScheduledEntry, StepPlan
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    """Counters since the scheduler began (GetStats adds those of schedulers before it)."""
-
-    num_steps: int = 0
-    num_retractions: int = 0
-    cache_hit_tokens: int = 0
-    prompt_tokens: int = 0
-    # Speculative decoding: decode entries that carried drafts, drafts verified, drafts kept.
-    num_draft_entries: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_draft_tokens: int = 0
-
-    def __add__(self, other: SchedulerStats) -> SchedulerStats:
-        return SchedulerStats(*(mine + theirs for mine, theirs in zip(astuple(self), astuple(other))))
 
 
 class Scheduler:
@@ -65,19 +48,24 @@ class Scheduler:
     ) -> None:
         """`speculation` None: no drafts (as with `enabled=False`)."""
         self.page_size = page_size
-        self.max_batch_tokens = max_batch_tokens
-        self.max_running_requests = max_running_requests
-        self.policy = policy
-        self.context_len = context_len
-        self.eos_token_ids = eos_token_ids
+        self.limits = StepLimits(max_batch_tokens, max_running_requests, policy, context_len, eos_token_ids)
         self.pages = PageManager(num_pages, page_size)
-        self.waiting: list[Request] = []
-        self.running: list[Request] = []  # in admission order
         self.stats = SchedulerStats()
+        self.lifecycle = Lifecycle(self.pages, self.stats)
         self.speculator = Speculator(speculation, context_len) if speculation else None
-        self._releases: list[str] = []
-        self._arrivals = itertools.count()
-        self._admissions = itertools.count()
+
+    @property
+    def waiting(self) -> list[Request]:
+        return self.lifecycle.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        """The running requests, in admission order."""
+        return self.lifecycle.running
+
+    @property
+    def max_batch_tokens(self) -> int:
+        return self.limits.max_batch_tokens
 
     @property
     def cache(self) -> RadixCache:
@@ -102,12 +90,12 @@ class Scheduler:
         plus `max_tokens`, capped by the context; the last token's K/V is never written). Then
         it can always finish: other requests can make it wait or retract it, never cut it short.
         """
-        if request.num_prompt >= self.context_len:
+        if request.num_prompt >= self.limits.context_len:
             raise InvalidRequest(
                 f"prompt of {request.num_prompt} tokens leaves no room in the context of "
-                f"{self.context_len}"
+                f"{self.limits.context_len}"
             )
-        final_len = min(request.num_prompt + request.max_tokens, self.context_len)
+        final_len = min(request.num_prompt + request.max_tokens, self.limits.context_len)
         need = self.pages.pages_for(final_len - 1)
         if need > self.pages.num_pages:
             raise InvalidRequest(
@@ -115,26 +103,16 @@ class Scheduler:
                 f"needs {need} KV pages of {self.page_size} tokens; the pool holds "
                 f"{self.pages.num_pages} pages"
             )
-        request.arrival = next(self._arrivals)
-        self.stats.prompt_tokens += request.num_prompt
-        self.waiting.append(request)
+        self.lifecycle.queue(request)
 
     def cancel(self, request: Request) -> bool:
         """End a waiting or running request now; False when it had already ended."""
-        if request.finish_reason is not None:
-            return False
-        request.finish_reason = FinishReason.CANCELLED
-        if request.admitted_at < 0:
-            self.waiting.remove(request)
-        else:
-            self.end(request)
-        return True
+        return self.lifecycle.cancel(request)
 
     def schedule(self) -> StepPlan:
         """Plan the next step; it carries the releases collected since the last plan."""
-        plan = StepBuilder(self).build()
-        plan.release_request_ids = self._releases
-        self._releases = []
+        plan = StepBuilder(self.lifecycle, self.limits, self.speculator).build()
+        plan.release_request_ids = self.lifecycle.take_releases()
         return plan
 
     # ---- applying a step -----------------------------------------------------------------
@@ -172,10 +150,10 @@ class Scheduler:
             if entry.num_draft_tokens:
                 self._append_verified(entry, token_id, accepted)
             else:
-                request.append_token(token_id, self.eos_token_ids, self.context_len)
+                request.append_token(token_id, self.limits.eos_token_ids, self.limits.context_len)
             updated.append(request)
             if request.finish_reason is not None:
-                self.end(request)
+                self.lifecycle.end(request)
         size = self.page_size
         for entry in plan.entries:
             if entry.is_stale:
@@ -197,7 +175,7 @@ class Scheduler:
         drafts = entry.token_ids[len(entry.token_ids) - num_drafts:]
         num_appended = 0
         for token in [*drafts[:num_accepted], token_id]:
-            request.append_token(token, self.eos_token_ids, self.context_len)
+            request.append_token(token, self.limits.eos_token_ids, self.limits.context_len)
             num_appended += 1
             if request.finish_reason is not None:
                 break
@@ -210,40 +188,7 @@ class Scheduler:
         self.stats.num_draft_tokens += num_drafts
         self.stats.num_accepted_draft_tokens += num_used
 
-    # ---- moving requests between waiting and running -------------------------------------
-
-    def start(self, request: Request, matched_len: int) -> None:
-        """A waiting request was admitted (its pages are in place): it runs from now on."""
-        if request.num_cached_tokens < 0:
-            request.num_cached_tokens = matched_len
-            self.stats.cache_hit_tokens += matched_len
-        request.admitted_at = next(self._admissions)
-        self.waiting.remove(request)
-        self.running.append(request)
-
-    def end(self, request: Request) -> None:
-        """A running request is done (finish_reason set): cache, unlock and free its pages."""
-        self.running.remove(request)
-        self._give_back_pages(request)
-
-    def retract(self, request: Request) -> None:
-        """Send a running request back to the queue; its written pages stay in the cache."""
-        self.running.remove(request)
-        self._give_back_pages(request)
-        request.admitted_at = -1
-        request.num_computed = 0
-        self.waiting.append(request)
-        self.stats.num_retractions += 1
-
-    def _give_back_pages(self, request: Request) -> None:
-        # Work still in flight for it is stale from here on (see `complete`).
-        self.pages.give_back(request)
-        request.num_computed = request.num_written
-        request.num_in_flight = 0
-        request.num_unresolved = 0
-        if request.on_workers:
-            self._releases.append(request.request_id)
-            request.on_workers = False
+    # ---- failures ------------------------------------------------------------------------
 
     def audit_when_idle(self) -> list[Request]:
         """Check the page bookkeeping and progress; the engine calls this when a plan is empty.
@@ -259,20 +204,14 @@ class Scheduler:
             log.error("BUG: KV page bookkeeping is inconsistent (%s); failing %d running "
                       "request(s) and dropping the prefix cache", "; ".join(problems),
                       len(self.running))
-            failed = list(self.running)
-            for request in failed:
-                request.finish_reason = FinishReason.FAILED
-                if request.on_workers:
-                    self._releases.append(request.request_id)
-            self.running.clear()
+            failed = self.lifecycle.fail_running_without_pages()
             self.pages.drop_all()
             return failed
         if self.waiting and not self.running:
-            head = in_policy_order(self.waiting, self.policy, self.cache)[0]
+            head = in_policy_order(self.waiting, self.limits.policy, self.cache)[0]
             log.error("BUG: nothing runs and %s (%d tokens) is not admitted; failing it",
                       head.request_id, len(head.token_ids))
-            self.waiting.remove(head)
-            head.finish_reason = FinishReason.FAILED
+            self.lifecycle.fail_waiting(head)
             return [head]
         return []
 
@@ -283,7 +222,7 @@ class Scheduler:
         enter the cache; cached pages were written by earlier steps and stay trusted. The
         task's releases go again with the next plan. Returns the failed requests.
         """
-        self._releases = plan.release_request_ids + self._releases
+        self.lifecycle.restore_releases(plan.release_request_ids)
         failed = []
         for entry in plan.entries:
             request = entry.request
@@ -292,7 +231,7 @@ class Scheduler:
             request.finish_reason = FinishReason.FAILED
             request.num_computed = request.num_tree_pages * self.page_size
             request.num_in_flight = 0
-            self.end(request)
+            self.lifecycle.end(request)
             failed.append(request)
         return failed
 
@@ -301,9 +240,4 @@ class Scheduler:
 
         Nothing goes into the cache: the workers' K/V can no longer be trusted.
         """
-        ended = [*self.running, *self.waiting]
-        for request in ended:
-            request.finish_reason = FinishReason.FAILED
-        self.running.clear()
-        self.waiting.clear()
-        return ended
+        return self.lifecycle.fail_all()

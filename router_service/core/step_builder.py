@@ -1,6 +1,7 @@
 """The step builder: which tokens of which requests run in the next step.
 
-`StepBuilder(scheduler).build()` fills one `StepPlan` within `max_batch_tokens`, in this order:
+`StepBuilder(lifecycle, limits, speculator).build()` fills one `StepPlan` within
+`max_batch_tokens`, in this order:
 1. running requests that decode (one pending token), in admission order (when there are more
    than the budget, the oldest go first; the others wait for them to end). A decode that needs a
    page it cannot get even after eviction retracts the most recently admitted request (the one
@@ -18,6 +19,9 @@ decodes few requests: they are proposed once its page for the next token is secu
 slots only from free or evictable pages (drafts never retract anyone) and use the budget left
 once every decoding request has its one token.
 
+The builder moves requests only through the `Lifecycle` it is given (`start` to admit,
+`retract`, `end`), never by changing the waiting or running lists itself.
+
 Invariants: a request is in a plan at most once; only requests not (yet) in the plan are
 retracted while building it; every entry is made by `_add`, which advances the request's
 `num_computed` and `num_pages_sent` as if the step had already run (the workers apply tasks in
@@ -29,30 +33,45 @@ scheduling, see `lookahead`).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
-from router_service.admission import defers, in_policy_order
-from router_service.request import FinishReason, Request
-from router_service.step_plan import ScheduledEntry, StepPlan
-
-if TYPE_CHECKING:
-    from router_service.scheduler import Scheduler
+from router_service.core.admission import Policy, defers, in_policy_order
+from router_service.core.lifecycle import Lifecycle
+from router_service.core.request import FinishReason, Request
+from router_service.core.speculation import Speculator
+from router_service.core.step_plan import ScheduledEntry, StepPlan
 
 log = logging.getLogger(__name__)
 
 
-class StepBuilder:
-    """Builds one plan over the scheduler's requests; the scheduler makes one per step."""
+@dataclass(frozen=True, slots=True)
+class StepLimits:
+    """What bounds a step and ends a request: the scheduler's settings, fixed per connection."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
-        self.pages = scheduler.pages
+    max_batch_tokens: int
+    max_running_requests: int
+    policy: Policy
+    context_len: int
+    eos_token_ids: frozenset[int]
+
+
+class StepBuilder:
+    """Builds one plan over the lifecycle's requests; the scheduler makes one per step.
+
+    `speculator` None: no drafts.
+    """
+
+    def __init__(self, lifecycle: Lifecycle, limits: StepLimits, speculator: Speculator | None) -> None:
+        self.lifecycle = lifecycle
+        self.limits = limits
+        self.speculator = speculator
+        self.pages = lifecycle.pages
         self.plan = StepPlan()
-        self.budget = scheduler.max_batch_tokens
+        self.budget = limits.max_batch_tokens
         self.speculate = False  # whether this step proposes drafts (set with the decodes)
 
     def build(self) -> StepPlan:
-        running = self.scheduler.running
+        running = self.lifecycle.running
         # Requests whose prefill runs in this step or later, or in the step in flight (overlap):
         # their pages are not cached yet.
         prefilling = [
@@ -63,12 +82,12 @@ class StepBuilder:
         if self._admit_waiting(prefilling) and not self.plan.entries:
             self._admit_waiting(None)
         if not self.plan.entries and any(self._has_work(request) for request in running):
-            self.scheduler.retract(running[-1])
+            self.lifecycle.retract(running[-1])
         return self.plan
 
     def _add_decodes(self) -> None:
-        running = self.scheduler.running
-        speculator = self.scheduler.speculator
+        running = self.lifecycle.running
+        speculator = self.speculator
         num_decoding = sum(1 for request in running if request.num_pending == 1)
         self.speculate = speculate = speculator is not None and speculator.wants_drafts(num_decoding)
         spare = self.budget - num_decoding  # budget left once every decode has its token
@@ -80,7 +99,7 @@ class StepBuilder:
             if (
                 request.admitted_at >= 0
                 and request.num_pending == 1
-                and not request.ends_when_resolved(self.scheduler.context_len)
+                and not request.ends_when_resolved(self.limits.context_len)
                 and self._grow_for_decode(request)
             ):
                 # A request whose token is still in flight (overlap) has no known suffix to look up.
@@ -96,12 +115,12 @@ class StepBuilder:
         than any request's progress, so it never retracts one; without pages it is cut short.
         Nothing follows a stop token among them (not even for `ignore_eos`).
         """
-        scheduler = self.scheduler
-        drafts = scheduler.speculator.drafts(
+        assert self.speculator is not None  # drafts are asked for only when it wants them
+        drafts = self.speculator.drafts(
             request.draft, request.token_ids, request.max_tokens - request.num_output, limit
         )
         for index, token in enumerate(drafts):
-            if token in request.stop_token_ids or token in scheduler.eos_token_ids:
+            if token in request.stop_token_ids or token in self.limits.eos_token_ids:
                 drafts = drafts[: index + 1]
                 break
         if drafts and not self.pages.grow(request, 1 + len(drafts)):
@@ -111,7 +130,7 @@ class StepBuilder:
         return drafts
 
     def _add_prefill_chunks(self) -> None:
-        for request in list(self.scheduler.running):
+        for request in list(self.lifecycle.running):
             if self.budget == 0:
                 break
             if request.num_pending <= 1:
@@ -126,7 +145,7 @@ class StepBuilder:
 
         False when `request` itself was retracted (or ended because it cannot fit alone).
         """
-        running = self.scheduler.running
+        running = self.lifecycle.running
         while not self.pages.grow(request, 1):
             victim = running[-1]
             if victim is request and len(running) == 1:
@@ -134,10 +153,10 @@ class StepBuilder:
                 log.error("BUG: %s runs alone and finds no page for position %d; failing it",
                           request.request_id, request.num_computed)
                 request.finish_reason = FinishReason.FAILED
-                self.scheduler.end(request)
+                self.lifecycle.end(request)
                 self.plan.ended.append(request)
                 return False
-            self.scheduler.retract(victim)
+            self.lifecycle.retract(victim)
             if victim is request:
                 return False
         return True
@@ -148,11 +167,11 @@ class StepBuilder:
         `prefilling` (None: defer nothing) are the running requests whose prefill is not cached
         yet; requests admitted here join it, since their pages are cached only after the step.
         """
-        scheduler = self.scheduler
+        lifecycle = self.lifecycle
         deferred = False
-        if self.budget == 0 or not scheduler.waiting or not self._has_slot():
+        if self.budget == 0 or not lifecycle.waiting or not self._has_slot():
             return deferred
-        for request in in_policy_order(scheduler.waiting, scheduler.policy, self.pages.cache):
+        for request in in_policy_order(lifecycle.waiting, self.limits.policy, self.pages.cache):
             if self.budget == 0 or not self._has_slot():
                 break
             tokens = request.token_ids
@@ -164,9 +183,9 @@ class StepBuilder:
             num_tokens = min(len(tokens) - match.matched_len, self.budget)
             # Keep a page of headroom per running request, so that admitting does not make the
             # running ones retract at their next page boundary.
-            if not self.pages.admit(request, match, num_tokens, num_spare_pages=len(scheduler.running)):
+            if not self.pages.admit(request, match, num_tokens, num_spare_pages=len(lifecycle.running)):
                 break  # keep the order: nothing behind it jumps ahead for pages
-            scheduler.start(request, match.matched_len)
+            lifecycle.start(request, match.matched_len)
             self._add(request, num_tokens, new_request=True)
             if prefilling is not None:
                 prefilling.append(request)
@@ -175,10 +194,10 @@ class StepBuilder:
     def _has_work(self, request: Request) -> bool:
         """Whether a running request has positions to compute now (not: only its last token in
         flight, which ends it)."""
-        return request.num_pending > 0 and not request.ends_when_resolved(self.scheduler.context_len)
+        return request.num_pending > 0 and not request.ends_when_resolved(self.limits.context_len)
 
     def _has_slot(self) -> bool:
-        return len(self.scheduler.running) < self.scheduler.max_running_requests
+        return len(self.lifecycle.running) < self.limits.max_running_requests
 
     def _add(self, request: Request, num_tokens: int, *, new_request: bool, drafts: list[int] = ()) -> None:
         """Put `request`'s next `num_tokens` tokens, then `drafts`, in the plan (its pages

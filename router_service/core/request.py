@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 from radixserve.constraints import Constraint
 from radixserve.sampling import SamplingParams
-from router_service.radix_cache import RadixNode
-from router_service.speculation import DraftState
+from router_service.core.radix_cache import RadixNode
+from router_service.core.speculation import DraftState
 
 
 class FinishReason(enum.Enum):

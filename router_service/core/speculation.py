@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from radixserve import flags
 from radixserve.flags import setting
-from router_service.ngram_proposer import EncodedSequence, propose
+from router_service.core.ngram_proposer import EncodedSequence, propose
 
 # Weight of the newest step in a request's acceptance average: about the last five steps count.
 ACCEPTANCE_SMOOTHING = 0.3
