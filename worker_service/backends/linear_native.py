@@ -2,9 +2,9 @@
 
 The weight is kept twice: in the kernel's own layout for products of up to `GEMV_MAX_ROWS` rows
 (decode steps, the LM head included), and as `TorchLinear`'s for larger ones (prefill). Below
-that size the kernel reads each weight once in passes of up to six rows and beat oneDNN at every
-size measured, whose kernel costs a fixed ~11-20 us per call beyond its bytes (figures in
-docs/worker-backends.md). The cost is the second copy of every linear weight in memory.
+that size the kernel, which reads each weight once in passes of up to six rows, beat oneDNN, whose
+kernel costs a fixed time per call beyond its bytes (figures in docs/worker-backends.md). The cost
+is the second copy of every linear weight in memory.
 """
 
 from __future__ import annotations
