@@ -112,7 +112,7 @@ class FusedLlamaLayers:
                                                      num_kv, self._layers[0].kv_head_stride)
         args = self._args
         args.rows, args.num_threads = rows, torch.get_num_threads()
-        args.positions, args.write_slots = step.positions.data_ptr(), step.attention.write_slots.data_ptr()
+        args.positions, args.write_slots = step.positions.data_ptr(), step.write_slots.data_ptr()
         args.cos, args.sin = self._rotary.cos.data_ptr(), self._rotary.sin.data_ptr()
         args.plan, args.schedule = plan, schedule
         (args.normed, args.qkv, args.attended, args.delta, args.gate_up,

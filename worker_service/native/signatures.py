@@ -54,7 +54,7 @@ SIGNATURES: dict[str, Signature] = {
     "radix_decode_layer": Signature((_ptr, _ptr, _ptr, _ptr, _i32), checked=True),
     # rank 0's sampling (csrc/sample.cpp, penalties.cpp, logprobs.cpp): results, not statuses
     "radix_argmax_rows": Signature((_ptr, _i64, _i32, _i32, _ptr, _i32)),
-    "radix_sample_rows": Signature((_ptr, _i64, _i32, _i32, *(_ptr,) * 6, _i32), None),
+    "radix_sample_rows": Signature((_ptr, _i64, _i32, _i32, *(_ptr,) * 6, _i32)),
     "radix_apply_penalties": Signature((_ptr, _i64, _i32, _i32, *(_ptr,) * 6, _i32)),
     "radix_logprobs": Signature((_ptr, _i64, _ptr, _i32, _i32, _ptr, _ptr, _i32, _ptr, _ptr, _i32)),
 }
