@@ -65,6 +65,8 @@ class Executor:
         Ranks with fewer KV heads fit more pages in the same budget; validating page ids against
         the group's count, not the rank's own, keeps every rank's verdict the same.
         `constraints`: rank 0's grammar masks (None: constrained requests are refused).
+        `sampler`: rank 0's (None: PyTorch's ops on the rank's device; the worker passes its
+        backend's, `Backend.new_sampler`).
         """
         self.runner = runner
         self.info = worker_pb2.GetWorkerInfoResponse()

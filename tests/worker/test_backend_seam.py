@@ -115,12 +115,14 @@ def test_the_compiled_backend_builds_fused_layers_only_for_a_declared_layer(mode
 def test_an_undeclared_model_never_runs_the_compiled_fused_layers(model_cls, tmp_path, monkeypatch) -> None:
     calls: list[int] = []
     original = FusedLlamaLayers.run
-    monkeypatch.setattr(FusedLlamaLayers, "run", lambda self, hidden, step: calls.append(1) or original(self, hidden, step))
+    monkeypatch.setattr(FusedLlamaLayers, "run",
+                        lambda self, hidden, step: calls.append(1) or original(self, hidden, step))
     monkeypatch.setitem(models.MODEL_CLASSES, "LlamaForCausalLM", model_cls)
     runner = ModelRunner(RunnerConfig(model_dir=make_tiny_llama(tmp_path / "model"), page_size=4,
                                       kv_cache_bytes=1 << 20, attention_kernel="native"))
     steps(runner)
-    assert (runner.fused is not None, bool(calls)) == ((True, True) if model_cls is LlamaForCausalLM else (False, False))
+    declared = model_cls is LlamaForCausalLM
+    assert (runner.fused is not None, bool(calls)) == (declared, declared)
 
 
 @pytest.mark.parametrize("choice", ["auto", "torch"])

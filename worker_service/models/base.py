@@ -11,7 +11,6 @@ it only where its layers compute exactly that layer. The default, None, never fu
 
 from __future__ import annotations
 
-from abc import abstractmethod
 from typing import ClassVar
 
 import torch
@@ -22,18 +21,18 @@ from worker_service.backends.base import StepContext
 class CausalLM(torch.nn.Module):
     fusable_layer: ClassVar[str | None] = None
 
-    @abstractmethod
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Hidden states `[T, hidden]` of the step's tokens."""
+        raise NotImplementedError
 
-    @abstractmethod
     def run_layers(self, hidden: torch.Tensor, step: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Every decoder layer over the embeddings: (the last layer's output, the residual stream
         before it; their sum is the final hidden state)."""
+        raise NotImplementedError
 
-    @abstractmethod
     def logits(self, hidden: torch.Tensor, residual: torch.Tensor, sample_indices: torch.Tensor) -> torch.Tensor | None:
         """Logits `[len(sample_indices), vocab]` of the chosen tokens, on rank 0 (None elsewhere)."""
+        raise NotImplementedError
 
     def forward(self, token_ids: torch.Tensor, step: StepContext, sample_indices: torch.Tensor) -> torch.Tensor | None:
         hidden, residual = self.run_layers(self.embed(token_ids), step)
