@@ -37,7 +37,7 @@ from radixserve.v1 import worker_pb2 as pb  # noqa: E402
 from worker_service.executor import Executor  # noqa: E402
 from worker_service.grammar import ConstraintMasks  # noqa: E402
 from worker_service.model_runner import ModelRunner, RunnerConfig  # noqa: E402
-from worker_service.sampler import Sampler  # noqa: E402
+from worker_service.sampling import Sampler  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "models" / "smollm2-135m-instruct"
 BATCH = 32

@@ -28,7 +28,7 @@ from radixserve import sampling  # noqa: E402
 from radixserve.v1 import worker_pb2  # noqa: E402
 from worker_service.executor import Executor  # noqa: E402
 from worker_service.forward_batch import ForwardEntry  # noqa: E402
-from worker_service.sampler import Sampler  # noqa: E402
+from worker_service.sampling import Sampler  # noqa: E402
 
 PAGE_SIZE = 16
 VOCAB = 256  # small, so that the sampler's tensor work does not hide the Python work

@@ -209,7 +209,8 @@ def main() -> None:
     parser.add_argument("--prefill-prompts", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--attention-kernels", default="auto",
-                        help="comma-separated decode attention kernels to measure (auto, native, torch)")
+                        help="comma-separated backends to measure (auto, native, torch, triton; see "
+                             "worker_service.backends.selection)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--transformers", action="store_true", help="also time transformers' generate (x1)")
     args = parser.parse_args()
@@ -230,6 +231,7 @@ def main() -> None:
                                           kv_cache_bytes=kv_budget(runner_shape(args.model), dtype, args),
                                           attention_kernel=kernel, cuda_graph_max_batch=args.cuda_graph_max_batch))
         label = dtype if kernel == "auto" else f"{dtype} {kernel}"
+        print(f"{label}: the {runner.backend.name} backend ({runner.backend_reason})", flush=True)
         shape = machine.step_shape(runner)
         prefill_tokens_per_s(runner, args.prefill_len, 1)  # warm-up: first calls pick kernels
         # Best of --repeats: others may be loading the machine; the best shows what the code can do.

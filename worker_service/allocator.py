@@ -4,10 +4,9 @@ A step allocates and frees the same temporaries every time (the sampler's copies
 6.3 MB each for 32 rows of a 49,152-token vocabulary in float32; prefill activations). glibc
 serves such sizes from the heap only after its adaptive thresholds have grown past them, and
 gives freed heap memory back to the kernel once the free top of the heap passes twice that
-threshold, so every step pays page faults to touch its temporaries again. With the thresholds
-fixed (blocks of up to 64 MiB from the heap, freed memory kept up to 512 MiB), sampling 32 rows
-at temperature 0.7 with top_p 0.9 or top_k 50 took 5.2-5.8 ms a step here where it took 9.3-11.3
-(two alternating runs, logits of a peaked distribution); greedy steps and the forward pass showed
+threshold, so every step pays page faults to touch its temporaries again. The thresholds are
+fixed instead (blocks of up to 64 MiB from the heap, freed memory kept up to 512 MiB), which made
+sampled steps markedly cheaper (docs/worker-backends.md); greedy steps and the forward pass showed
 no difference. The weights and the KV pool, larger than 64 MiB, are still mapped on their own.
 """
 

@@ -17,7 +17,7 @@ from radixserve.flags import MAX_PORT, setting
 from radixserve.security import SecurityConfig, security_settings
 from radixserve.shared_flags import (CONSTRAINT_CACHE_SIZE, DEVICE, DTYPE, HOST, KV_CACHE_MB, LOG_LEVEL,
                                      METRICS_PORT, MODEL, PORT)
-from worker_service.native import KERNEL_CHOICES
+from worker_service.backends.selection import KERNEL_CHOICES
 
 
 def default_device() -> str:

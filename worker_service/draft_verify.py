@@ -14,7 +14,7 @@ batch. (An unseeded row draws from the shared generator; its rejected rows only 
 from __future__ import annotations
 
 from worker_service.request_state import RequestState
-from worker_service.sampler import Sample, SampleRow
+from worker_service.sampling import Sample, SampleRow
 
 
 def verify_rows(state: RequestState, num_drafts: int) -> list[SampleRow]:

@@ -31,7 +31,7 @@ from worker_service.forward_batch import ForwardEntry
 from worker_service.grammar import ConstraintMasks, RequestMatcher
 from worker_service.metrics import WorkerMetrics
 from worker_service.request_state import RequestState, RequestTable
-from worker_service.sampler import Sample, Sampler
+from worker_service.sampling import Sample, Sampler
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,8 @@ class Executor:
         Ranks with fewer KV heads fit more pages in the same budget; validating page ids against
         the group's count, not the rank's own, keeps every rank's verdict the same.
         `constraints`: rank 0's grammar masks (None: constrained requests are refused).
+        `sampler`: rank 0's (None: PyTorch's ops on the rank's device; the worker passes its
+        backend's, `Backend.new_sampler`).
         """
         self.runner = runner
         self.info = worker_pb2.GetWorkerInfoResponse()
@@ -76,8 +78,7 @@ class Executor:
         # Only rank 0 samples; the other ranks never see logits.
         self.sampler: Sampler | None = None
         if self.info.rank == 0:
-            self.sampler = sampler if sampler is not None else Sampler(
-                self.info.device, kernels=getattr(runner, "kernels", None))
+            self.sampler = sampler if sampler is not None else Sampler(self.info.device)
         self.constraints = constraints if self.info.rank == 0 else None
 
     def execute(self, task: worker_pb2.DecodeTask) -> worker_pb2.TaskResult:

@@ -1,4 +1,5 @@
-"""A worker rank's Prometheus metrics: forward time by step kind, tokens per step, sampler time.
+"""A worker rank's Prometheus metrics: forward time by step kind, tokens per step, sampler time,
+and which backend the rank runs (`worker_backend_info`, 1 for the rank's backend).
 
 A step is `prefill` when every entry is a prompt chunk of more than one token, `decode` when
 every entry computes one token, `mixed` otherwise (chunked prefill beside decodes). Every
@@ -9,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 
-from radixserve.metrics import count_histogram, gap_histogram, latency_histogram
+from radixserve.metrics import MODEL_LABEL, count_histogram, gap_histogram, latency_histogram, name
 
 STEP_PREFILL = "prefill"
 STEP_DECODE = "decode"
@@ -36,6 +37,8 @@ class WorkerMetrics:
         self.tokens = count_histogram(r, "worker_step_tokens", "Tokens computed in one forward pass.", ["rank"])
         self.sampler = latency_histogram(
             r, "worker_sampler_duration_seconds", "Sampling one step's tokens (rank 0).", ["rank"])
+        self.backend = Gauge(name("worker_backend_info"), "The backend this rank runs (1 for its name).",
+                             [MODEL_LABEL, "rank", "backend"], registry=r)
         self.idle = gap_histogram(
             r, "worker_idle_between_tasks_seconds",
             "Time the task thread waited between two tasks (also when the router had nothing to "
@@ -46,6 +49,9 @@ class WorkerMetrics:
         kind = step_kind(num_tokens_per_entry)
         self.forward.labels(*self._labels, kind).observe(seconds)
         self.tokens.labels(*self._labels).observe(sum(num_tokens_per_entry))
+
+    def backend_chosen(self, name: str) -> None:
+        self.backend.labels(*self._labels, name).set(1)
 
     def idle_done(self, seconds: float) -> None:
         self.idle.labels(*self._labels).observe(seconds)

@@ -1,16 +1,22 @@
 """The model runner: one rank's weights and KV pool, and one batched forward pass per step.
 
 `ModelRunner.forward(entries)` takes the step's entries (prefill chunks starting at any position
-and single decode tokens, in any mix), lays their tokens out flat (decode tokens first), builds
-the page-table metadata once, runs the model, and returns on rank 0 the float32 logits of the
-last `num_logits` tokens of every `sample=True` entry, in entry order. Every rank must be called with the same
-entries; with world_size > 1 the caller has already joined the process group
+and single decode tokens, in any mix), lays their tokens out flat (decode tokens first), has the
+backend plan the step once, runs the model, and returns on rank 0 the float32 logits of the
+last `num_logits` tokens of every `sample=True` entry, in entry order. Every rank must be called
+with the same entries; with world_size > 1 the caller has already joined the process group
 (`distributed.init_distributed`). Entries are assumed valid (the executor checks them).
+
+The backend (`worker_service.backends`) is chosen once, here, by `select_backend`; the model is
+built on it. The runner alone decides which of the backend's fast paths a step takes: whole
+steps replayed (CUDA graphs) where they apply, else the fused decoder layers where the backend
+has them for the model's declared layer and the step fits, else the model's own layers.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,22 +24,18 @@ import torch
 from transformers import AutoConfig
 
 from radixserve.v1 import worker_pb2
-from worker_service import native
-from worker_service.attention import AttentionBatch, GatherSpace, PrefillSpan, additive_mask, plan_decode
-from worker_service.attention.decode_plan import shared_prefixes
-from worker_service.attention.gpu_decode import plan_gpu_decode, use_triton
-from worker_service.cuda_graphs import DecodeGraphs
+from worker_service.backends import StepBatch, select_backend
+from worker_service.backends.base import PrefillChunk
 from worker_service.distributed import TPGroup
 from worker_service.dtypes import DTYPES, resolve_dtype
 from worker_service.forward_batch import ForwardEntry
 from worker_service.kv_pool import KVPool
-from worker_service.layers.fused_layer import FusedDecode
-from worker_service.layers import triton_ops
 from worker_service.layers.linear import pack_linear_weights
-from worker_service.layers.norm import RMSNorm
 from worker_service.loader import load_weights
 from worker_service.models import model_class
-from worker_service.models.llama import LlamaAttention, LlamaMLP, StepContext, head_dim_of
+from worker_service.models.llama import head_dim_of
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, frozen=True)
@@ -53,7 +55,7 @@ class RunnerConfig:
     kv_cache_bytes: int = 1 << 30
     rank: int = 0
     world_size: int = 1
-    attention_kernel: str = "auto"  # see `worker_service.native.select` and `attention.gpu_decode`
+    attention_kernel: str = "auto"  # which backend: see `worker_service.backends.selection`
     # Decode steps of up to this many rows replay CUDA graphs (`cuda_graphs.py`; 0: never). Only
     # on CUDA with the Triton decode kernel and one rank.
     cuda_graph_max_batch: int = 0
@@ -97,30 +99,24 @@ class ModelRunner:
         model_dir = Path(config.model_dir)
         self.hf_config = AutoConfig.from_pretrained(model_dir)
         group = TPGroup(config.rank, config.world_size)
+        head_dim = head_dim_of(self.hf_config)
+        selection = select_backend(config.attention_kernel, self.device, self.dtype, head_dim,
+                                   config.world_size, config.cuda_graph_max_batch)
+        self.backend, self.backend_reason = selection.backend, selection.reason
+        log.info("rank %d runs the %s backend: %s", config.rank, self.backend.name, self.backend_reason)
         with torch.inference_mode():
-            self.model = model_class(self.hf_config)(self.hf_config, group, self.dtype, self.device)
+            self.model = model_class(self.hf_config)(self.hf_config, group, self.dtype, self.device, self.backend)
         load_weights(self.model, model_dir)
-        # The compiled kernels (paged attention with RoPE and the K/V write; the residual adds with
-        # their norms, SwiGLU; small-batch linear layers), or None for PyTorch's ops throughout.
-        # Layers that can use them have a `kernels` attribute (linear layers get theirs by `pack`).
-        self.kernels = native.select(config.attention_kernel, head_dim_of(self.hf_config), self.dtype,
-                                     self.device)
         # After loading: packed weights cannot be loaded into.
-        pack_linear_weights(self.model, self.kernels)
+        pack_linear_weights(self.model, self.backend)
         self.model.eval()
-        self.use_triton = self.kernels is None and use_triton(config.attention_kernel, head_dim_of(self.hf_config),
-                                                              self.dtype, self.device)
-        with_graphs = self.use_triton and config.world_size == 1 and config.cuda_graph_max_batch > 0
 
-        shape = (self.hf_config.num_hidden_layers, config.page_size, self.model.num_kv_heads,
-                 head_dim_of(self.hf_config))
+        shape = (self.hf_config.num_hidden_layers, config.page_size, self.model.num_kv_heads, head_dim)
         num_pages = KVPool.pages_for_budget(config.kv_cache_bytes, *shape, dtype=self.dtype)
-        # With graphs, one more page than the router is told of: the padding rows' (`cuda_graphs.py`).
-        self.pool = KVPool(shape[0], num_pages + with_graphs, config.page_size, shape[2], shape[3],
+        # The backend's fast paths may keep pages of their own beyond the router's (`extra_pages`).
+        self.pool = KVPool(shape[0], num_pages + self.backend.extra_pages, config.page_size, shape[2], shape[3],
                            self.dtype, self.device)
-        self.gather_space = GatherSpace()
-        self.model.fused = FusedDecode.build(self.kernels, self.model, self.pool)
-        self._attach_row_ops()
+        self.fused = self.backend.fused_layers(self.model, self.pool)
         # What this rank reports (GetWorkerInfo); the executor copies it with the group's page count.
         self.info = worker_pb2.GetWorkerInfoResponse(
             model_name=model_dir.name,
@@ -134,22 +130,8 @@ class ModelRunner:
             rank=config.rank,
             world_size=config.world_size,
         )
-        self.graphs = DecodeGraphs(self, config.cuda_graph_max_batch, pad_page=num_pages) if with_graphs else None
-
-    def _attach_row_ops(self) -> None:
-        """The layers' row-wise ops as one kernel each: the compiled ones on CPU; on CUDA beside the
-        Triton attention, Triton's (`layers/triton_ops.py`), RoPE with the K/V write among them."""
-        if self.kernels is not None:
-            row_ops = self.kernels
-        elif self.use_triton:
-            row_ops = triton_ops.TritonRowOps()
-        else:
-            return
-        for module in self.model.modules():
-            if isinstance(module, (RMSNorm, LlamaMLP)):
-                module.kernels = row_ops
-            if isinstance(module, LlamaAttention) and self.use_triton:
-                module.rope_kernels = row_ops
+        # After the pool: whole steps (CUDA graphs) capture its addresses; page `num_pages` is theirs.
+        self.graphs = self.backend.whole_steps(self.model, self.pool, self.info.context_len, pad_page=num_pages)
 
     def weight_bytes(self) -> int:
         """Bytes of this rank's parameters (a tied embedding counted once)."""
@@ -164,18 +146,22 @@ class ModelRunner:
             return empty if self.config.rank == 0 else None
         if self.graphs is not None and self.graphs.applies(entries):
             return self.graphs.run(entries)
-        token_ids, positions, attention, sample_indices = self._layout(entries)
-        step = StepContext(positions=positions, attention=attention, pool=self.pool)
-        logits = self.model(token_ids, step, sample_indices)
+        token_ids, batch, sample_indices = self._layout(entries)
+        step = self.backend.plan(batch, self.pool)
+        model = self.model
+        hidden = model.embed(token_ids)
+        if self.fused is not None and self.fused.applies(step):
+            hidden, residual = self.fused.run(hidden, step)  # the same kernels, one call per layer
+        else:
+            hidden, residual = model.run_layers(hidden, step)
+        logits = model.logits(hidden, residual, sample_indices)
         return None if logits is None else logits.float()
 
-    def _layout(
-        self, entries: list[ForwardEntry]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch, torch.Tensor]:
-        """Flat token layout (decode tokens first, then each prefill chunk) and its metadata.
+    def _layout(self, entries: list[ForwardEntry]) -> tuple[torch.Tensor, StepBatch, torch.Tensor]:
+        """Flat token layout (decode tokens first, then each prefill chunk) and its description.
 
-        Returns token ids [T], positions [T], the attention metadata, and the flat indices of
-        the last `num_logits` tokens of each sampled entry (entry order). Python work is per entry, not per token.
+        Returns token ids [T], the step for the backend to plan, and the flat indices of the last
+        `num_logits` tokens of each sampled entry (entry order). Python work is per entry, not per token.
         """
         page_size, device = self.page_size, self.device
         decode = [i for i, entry in enumerate(entries) if len(entry.token_ids) == 1]
@@ -185,48 +171,28 @@ class ModelRunner:
         last_token_index = {i: flat_index for flat_index, i in enumerate(decode)}
         write_slots: list[torch.Tensor] = [torch.tensor(
             [entries[i].slot(p, page_size) for i, p in zip(decode, positions)], dtype=torch.int64)]
-
         tables = [entries[i].page_table for i in decode]
         context_lens = [position + 1 for position in positions]
-        native_plan = decode_plan = gpu_plan = None
-        if decode and self.use_triton:
-            gpu_plan = plan_gpu_decode(tables, context_lens, page_size, device)
-        elif decode and self.kernels is None:
-            decode_plan = plan_decode(tables, context_lens, page_size, device)
 
-        spans: list[PrefillSpan] = []
-        native_spans: list[tuple[int, int, int, list[int]]] = []
+        chunks: list[PrefillChunk] = []
         for i in prefill:
             entry = entries[i]
             start, end = entry.start_position, entry.start_position + len(entry.token_ids)
             page_ids = entry.page_table[: (end - 1) // page_size + 1]
             pages = torch.tensor(page_ids)
             write_slots.append(context_slots(pages, end, page_size)[start:])
-            if self.kernels is not None:
-                native_spans.append((len(token_ids), end - start, start, page_ids))
-            else:
-                span_pages = span_mask = None
-                if start > 0:
-                    span_pages = pages.to(device)
-                    key_positions = torch.arange(len(pages) * page_size).unsqueeze(0)
-                    allowed = key_positions <= torch.arange(start, end).unsqueeze(1)
-                    span_mask = additive_mask(allowed.to(device), self.dtype)
-                spans.append(PrefillSpan(len(token_ids), len(token_ids) + end - start, span_pages, span_mask))
+            chunks.append(PrefillChunk(len(token_ids), start, end - start, page_ids, pages))
             token_ids.extend(entry.token_ids)
             positions.extend(range(start, end))
             last_token_index[i] = len(token_ids) - 1
-        if self.kernels is not None:
-            native_plan = self.kernels.plan(tables, context_lens, page_size,
-                                            shared_prefixes(tables, context_lens, page_size), native_spans)
 
-        attention = AttentionBatch(
+        batch = StepBatch(
             page_size=page_size,
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
             write_slots=torch.cat(write_slots).to(device),
-            decode=decode_plan,
-            prefills=spans,
-            space=self.gather_space,
-            native=native_plan,
-            gpu_decode=gpu_plan,
+            decode_tables=tables,
+            decode_context_lens=context_lens,
+            prefills=chunks,
         )
         sample_indices = [
             index
@@ -235,7 +201,6 @@ class ModelRunner:
         ]
         return (
             torch.tensor(token_ids, dtype=torch.int64, device=device),
-            torch.tensor(positions, dtype=torch.int64, device=device),
-            attention,
+            batch,
             torch.tensor(sample_indices, dtype=torch.int64, device=device),
         )

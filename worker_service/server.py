@@ -61,18 +61,20 @@ def load_executor(config: WorkerConfig, metrics_registry: CollectorRegistry | No
     )
     num_pages = group_num_pages(runner.info.num_pages, config)
     log.info(
-        "rank %d loaded %.1f MiB of weights; KV pool holds %d pages, the group %d; kernels: %s",
+        "rank %d loaded %.1f MiB of weights; KV pool holds %d pages, the group %d; backend: %s (%s)",
         config.rank, runner.weight_bytes() / BYTES_PER_MIB, runner.info.num_pages, num_pages,
-        "compiled kernels" if runner.kernels is not None else "triton" if runner.use_triton else "torch",
+        runner.backend.name, runner.backend_reason,
     )
     metrics = WorkerMetrics(runner.info.model_name, config.rank, metrics_registry)
+    metrics.backend_chosen(runner.backend.name)
     constraints = None
     if config.rank == 0:  # only rank 0 samples
         constraints = ConstraintMasks.load(
             Path(config.model), runner.info.vocab_size, list(runner.info.eos_token_ids),
             config.constraint_cache_size, config.constraint_threads,
         )
-    return Executor(runner, num_pages=num_pages, metrics=metrics, constraints=constraints)
+    sampler = runner.backend.new_sampler() if config.rank == 0 else None
+    return Executor(runner, sampler, num_pages=num_pages, metrics=metrics, constraints=constraints)
 
 
 def group_num_pages(own: int, config: WorkerConfig) -> int:

@@ -65,10 +65,8 @@ class WorkerService(worker_pb2_grpc.WorkerServiceServicer):
         Every thread that opens OpenMP parallel regions gets its own team of OpenMP threads. Two
         teams (one from loading, one from tasks) outnumber a small machine's cores, and libgomp
         then stops spin-waiting between regions: each of a step's hundreds of parallel regions
-        pays a futex wake-up. Measured on 2 cores with 2 torch threads: a 200k-element add
-        13.5 -> 47 us and a packed one-row linear 27 -> 69 us with a second team; SmolLM2's batch-1
-        decode forward inside the stack took 27.7 ms with the model loaded on another thread and
-        16.7 ms with it loaded here.
+        pays a futex wake-up, which slows every small kernel several times (figures in
+        docs/worker-backends.md).
         """
         return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
 

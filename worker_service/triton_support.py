@@ -1,5 +1,5 @@
 """Triton, where it can be imported: the one guarded import of the Triton kernels' modules
-(`attention/triton_decode.py`, `layers/triton_ops.py`) and where they can run.
+(`attention/triton_decode.py`, `backends/triton_row_ops.py`) and where they can run.
 
 The CI machine has no Triton: those modules must import anyway, so `triton` and `tl` are None
 there and `available` says False.

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from worker.backend_params import backend_params
 from worker.tiny_models import make_tiny_llama, make_tiny_qwen2
 from worker_service.forward_batch import ForwardEntry
 from worker_service.model_runner import ModelRunner, RunnerConfig
@@ -25,8 +26,11 @@ FP32_ATOL = 2e-3  # float32 rounding over 30 layers, other kernels than transfor
 # logits' norm and 0.23-0.31 at most against transformers; a wrong layer moves them by ~100%.
 BF16_RELATIVE = 0.08
 BF16_CLEAR_LEAD = 0.6  # a best token ahead of the second by more than this must be ours too
-# (kernel, graphs' largest batch): graphs run only with the Triton kernel.
-PATHS = [("triton", 0), ("triton", 128), ("torch", 0)]
+# (backend, graphs' largest batch) for every backend the selection takes on CUDA for SmolLM2's
+# heads (the compiled CPU kernels are refused there): graphs run only on the Triton backend.
+PATHS = [pytest.param(param.values[0], graphs, marks=param.marks, id=f"{param.values[0]}-graphs{graphs}")
+         for param in backend_params(DEVICE, torch.float32, 64)
+         for graphs in ((0, 128) if param.values[0] == "triton" else (0,))]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +56,7 @@ def reference(model_dir, dtype: torch.dtype, prompt_ids: list[int]) -> tuple[lis
 def runner_for(model_dir, dtype: str, kernel: str, graphs: int) -> ModelRunner:
     runner = ModelRunner(RunnerConfig(model_dir=model_dir, device=DEVICE, dtype=dtype, kv_cache_bytes=KV_BYTES,
                                       attention_kernel=kernel, cuda_graph_max_batch=graphs))
-    assert runner.use_triton == (kernel == "triton")
+    assert runner.backend.name == kernel
     assert (runner.graphs is not None) == (graphs > 0)
     return runner
 
@@ -116,7 +120,7 @@ def test_tiny_models_on_the_torch_path_match_transformers(make, tmp_path) -> Non
     model_dir = make(tmp_path / "model")
     runner = ModelRunner(RunnerConfig(model_dir=model_dir, device=DEVICE, dtype="float32", page_size=4,
                                       kv_cache_bytes=8 << 20, cuda_graph_max_batch=128))
-    assert not runner.use_triton and runner.graphs is None
+    assert runner.backend.name == "torch" and runner.graphs is None
     prompt = torch.randint(3, 256, (37,), generator=torch.Generator().manual_seed(2)).tolist()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(DEVICE).eval()
     model.generation_config.eos_token_id = None

@@ -10,7 +10,7 @@ import torch
 
 from radixserve.sampling import SamplingParams
 from worker.sampling_helpers import assert_logprobs, row
-from worker_service.sampler import Sampler
+from worker_service.sampling import Sampler
 
 DEVICE = "cuda"
 VOCAB = 49152

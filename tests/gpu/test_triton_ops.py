@@ -1,4 +1,4 @@
-"""The Triton row-wise ops (RMSNorm, residual add + RMSNorm, SwiGLU) against the torch path's ops:
+"""The Triton row-wise ops (RMSNorm, residual add + RMSNorm, SwiGLU) against the PyTorch backend's ops:
 the same roundings, so equal up to the order of the norm's float32 additions. Runs on CUDA, or
 in Triton's CPU interpreter with TRITON_INTERPRET=1."""
 
@@ -8,7 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-triton_ops = pytest.importorskip("worker_service.layers.triton_ops")
+triton_ops = pytest.importorskip("worker_service.backends.triton_row_ops")
+from worker_service.backends.torch_backend import TorchBackend  # noqa: E402
+from worker_service.backends.triton_backend import TritonBackend  # noqa: E402
 from worker_service.layers.norm import RMSNorm  # noqa: E402
 from worker_service.layers.rotary import apply_rotary  # noqa: E402
 from worker_service.triton_support import available  # noqa: E402
@@ -25,14 +27,13 @@ DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytes
 
 
 def norm_pair(size: int, dtype: torch.dtype, seed: int) -> tuple[RMSNorm, RMSNorm]:
-    """The same RMSNorm twice: the torch path's and the Triton kernels'."""
-    plain = RMSNorm("w", size, EPS, dtype, DEVICE)
-    fused = RMSNorm("w", size, EPS, dtype, DEVICE)
+    """The same RMSNorm twice: on the PyTorch backend and on the Triton backend."""
+    plain = RMSNorm("w", size, EPS, dtype, DEVICE, TorchBackend(DEVICE, dtype))
+    fused = RMSNorm("w", size, EPS, dtype, DEVICE, TritonBackend(DEVICE, dtype))
     weight = (torch.randn(size, generator=torch.Generator().manual_seed(seed)) * 0.3 + 1).to(dtype)
     with torch.no_grad():
         plain.weight.copy_(weight)
         fused.weight.copy_(weight)
-    fused.kernels = triton_ops.TritonRowOps()
     return plain, fused
 
 

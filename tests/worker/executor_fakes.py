@@ -18,7 +18,7 @@ from radixserve.sampling import SamplingParams
 from radixserve.v1 import worker_pb2
 from worker_service.executor import Executor
 from worker_service.forward_batch import ForwardEntry
-from worker_service.sampler import Sampler
+from worker_service.sampling import Sampler
 
 VOCAB = 64
 PAGE_SIZE = 4

@@ -8,7 +8,7 @@ import torch
 
 from radixserve.sampling import SamplingParams
 from worker_service import native
-from worker_service.sampler import Sample, SampleRow
+from worker_service.sampling import Sample, SampleRow
 
 KERNEL = native.load()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"the kernels do not build here: {native.failure()}")

@@ -26,7 +26,7 @@ from worker.executor_fakes import entry, error_of, new_request, task
 from worker_service.executor import Executor
 from worker_service.grammar import ConstraintMasks
 from worker_service.model_runner import ModelRunner, RunnerConfig
-from worker_service.sampler import Sampler
+from worker_service.sampling import Sampler
 
 SAMPLES = 50
 MAX_TOKENS = 160

@@ -24,7 +24,7 @@ from worker_service.executor import Executor
 from worker_service.grammar import ConstraintMasks
 from worker_service.model_runner import ModelRunner, RunnerConfig
 from worker_service import native
-from worker_service.sampler import Sampler
+from worker_service.sampling import Sampler
 
 EOS = 2
 MAX_TOKENS = 24

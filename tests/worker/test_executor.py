@@ -30,7 +30,7 @@ from worker.executor_fakes import (
 )
 from worker_service.executor import INTERNAL, INVALID_ARGUMENT, Executor
 from worker_service.forward_batch import ForwardEntry
-from worker_service.sampler import Sampler
+from worker_service.sampling import Sampler
 
 
 def test_prefill_then_decodes_follow_the_page_table() -> None:

@@ -8,7 +8,7 @@ from worker.executor_fakes import NUM_PAGES, PAGE_SIZE, Driver, error_of, first,
 from worker.tiny_models import make_tiny_llama
 from worker_service.executor import Executor
 from worker_service.model_runner import ModelRunner, RunnerConfig
-from worker_service.sampler import Sampler
+from worker_service.sampling import Sampler
 
 
 SEEDED = SamplingParams(temperature=1.0, top_k=20, seed=2024)

@@ -1,4 +1,4 @@
-"""Whole decoder layers as one compiled call (`layers/fused_layer.py`) give the same bits as the
+"""Whole decoder layers as one compiled call (`backends/fused_llama.py`) give the same bits as the
 layers' own code with the compiled kernels: same kernels, same order, same buffers.
 
 Through the tiny Llama and Qwen2 (q/k/v biases) models in bfloat16, float32 and float16, a prompt
@@ -15,8 +15,8 @@ import torch
 from worker.tiny_models import VOCAB_SIZE, make_tiny_llama, make_tiny_qwen2
 from worker_service import native
 from worker_service.forward_batch import ForwardEntry
-from worker_service.layers.fused_layer import FusedDecode
-from worker_service.layers.linear import GEMV_MAX_ROWS
+from worker_service.backends.fused_llama import FusedLlamaLayers
+from worker_service.backends.linear_native import GEMV_MAX_ROWS
 from worker_service.model_runner import ModelRunner, RunnerConfig
 
 KERNEL = native.load()
@@ -33,9 +33,9 @@ def runner(model_dir, dtype: str = "bfloat16") -> ModelRunner:
 def decode(run: ModelRunner, use_fused: bool, num_seqs: int, steps: int) -> list[torch.Tensor]:
     """Logits of: an 8-token prefix, each sequence's 3-token prompt behind it (one step: 3 to 12
     tokens, so fused only for one sequence), then `steps` decode steps of all sequences."""
-    fused = run.model.fused
+    fused = run.fused
     if not use_fused:
-        run.model.fused = None
+        run.fused = None
     generator = torch.Generator().manual_seed(num_seqs)
     prefix = torch.randint(3, VOCAB_SIZE, (8,), generator=generator).tolist()
     shared = [30, 31]
@@ -48,7 +48,7 @@ def decode(run: ModelRunner, use_fused: bool, num_seqs: int, steps: int) -> list
         logits.append(out)
         entries = [ForwardEntry([token], e.start_position + len(e.token_ids), e.page_table, True)
                    for e, token in zip(entries, out.argmax(-1).tolist())]
-    run.model.fused = fused
+    run.fused = fused
     return logits
 
 
@@ -58,7 +58,7 @@ def decode(run: ModelRunner, use_fused: bool, num_seqs: int, steps: int) -> list
 def test_fused_layers_give_the_module_paths_bits(tmp_path, dtype, make, num_seqs) -> None:
     model_dir = make(tmp_path)
     with_fused = runner(model_dir, dtype)
-    assert with_fused.model.fused is not None
+    assert with_fused.fused is not None
     fused_logits = decode(with_fused, True, num_seqs, 5)
     plain_logits = decode(runner(model_dir, dtype), False, num_seqs, 5)
     for fused, plain in zip(fused_logits, plain_logits):
@@ -69,15 +69,15 @@ def test_fused_layers_give_the_module_paths_bits(tmp_path, dtype, make, num_seqs
 def test_fused_layers_run_only_where_every_kernel_does(tmp_path, dtype) -> None:
     model_dir = make_tiny_llama(tmp_path)
     bf16 = runner(model_dir, dtype)
-    fused = bf16.model.fused
+    fused = bf16.fused
     calls = []
-    original = FusedDecode.run
+    original = FusedLlamaLayers.run
     try:
-        FusedDecode.run = lambda self, hidden, step: calls.append(hidden.shape[0]) or original(self, hidden, step)
+        FusedLlamaLayers.run = lambda self, hidden, step: calls.append(hidden.shape[0]) or original(self, hidden, step)
         tokens = torch.randint(3, VOCAB_SIZE, (GEMV_MAX_ROWS + 1,)).tolist()
         pages = list(range(1, (GEMV_MAX_ROWS + 2) // 4 + 2))
         bf16.forward([ForwardEntry(tokens, 0, pages, True)])  # more tokens than it takes: the module path
         bf16.forward([ForwardEntry([tokens[0]], len(tokens), pages, True)])  # one decode row: fused
     finally:
-        FusedDecode.run = original
-    assert calls == [1] and fused is bf16.model.fused
+        FusedLlamaLayers.run = original
+    assert calls == [1] and fused is bf16.fused

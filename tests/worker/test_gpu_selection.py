@@ -1,5 +1,6 @@
-"""What decides the CUDA path, checked where no GPU is: the attention kernel setting, the Triton
-plan's layout, and the CUDA graphs' batch buckets (the kernels themselves: tests/gpu/)."""
+"""What decides the CUDA path, checked where no GPU is: the backend selection for the Triton
+setting, the Triton plan's layout, and the CUDA graphs' batch buckets (the kernels themselves:
+tests/gpu/)."""
 
 from __future__ import annotations
 
@@ -7,20 +8,19 @@ import pytest
 import torch
 
 from worker.tiny_models import make_tiny_llama
-from worker_service import native
-from worker_service.attention.gpu_decode import padded_tables, plan_gpu_decode, use_triton
-from worker_service.cuda_graphs import bucket_sizes
+from worker_service.attention.gpu_decode import padded_tables, plan_gpu_decode
+from worker_service.backends import select_backend
+from worker_service.backends.cuda_graphs import bucket_sizes
 from worker_service.model_runner import ModelRunner, RunnerConfig
 
 CPU = torch.device("cpu")
 
 
 def test_triton_is_never_chosen_off_cuda_and_insisting_on_it_says_why() -> None:
-    assert not use_triton("auto", 64, torch.bfloat16, CPU)
-    assert not use_triton("torch", 64, torch.bfloat16, CPU)
+    assert select_backend("auto", CPU, torch.bfloat16, 64).backend.name != "triton"
+    assert select_backend("torch", CPU, torch.bfloat16, 64).backend.name == "torch"
     with pytest.raises(RuntimeError, match="--attention-kernel triton: it runs on CUDA only, not cpu"):
-        use_triton("triton", 64, torch.bfloat16, CPU)
-    assert native.select("triton", 64, torch.float32, CPU) is None  # no compiled kernels either
+        select_backend("triton", CPU, torch.bfloat16, 64)
 
 
 def test_a_worker_asked_for_triton_on_cpu_refuses_to_start(tmp_path) -> None:

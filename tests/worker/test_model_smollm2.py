@@ -1,4 +1,5 @@
-"""Our Llama on the default SmolLM2-135M-Instruct checkpoint against transformers (fp32, CPU)."""
+"""Our Llama on the default SmolLM2-135M-Instruct checkpoint against transformers (fp32, CPU), on
+every backend this machine runs (`backend_params`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from worker.backend_params import backend_params
 from worker_service.forward_batch import ForwardEntry
 from worker_service.model_runner import ModelRunner, RunnerConfig
 
@@ -26,7 +28,8 @@ def prompt_ids(smollm2_dir) -> list[int]:
 
 
 @pytest.mark.timeout(240)
-def test_smollm2_logits_and_greedy_tokens_match_transformers(smollm2_dir, prompt_ids) -> None:
+@pytest.mark.parametrize("backend", backend_params(head_dim=64))
+def test_smollm2_logits_and_greedy_tokens_match_transformers(smollm2_dir, prompt_ids, backend) -> None:
     reference = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     reference.generation_config.eos_token_id = None  # exactly NUM_NEW_TOKENS, as ours
     with torch.no_grad():
@@ -39,7 +42,8 @@ def test_smollm2_logits_and_greedy_tokens_match_transformers(smollm2_dir, prompt
     expected_logits = torch.cat(generated.logits).float()  # [NUM_NEW_TOKENS, vocab]
     del reference
 
-    runner = ModelRunner(RunnerConfig(model_dir=smollm2_dir, kv_cache_bytes=KV_BYTES))
+    runner = ModelRunner(RunnerConfig(model_dir=smollm2_dir, kv_cache_bytes=KV_BYTES, attention_kernel=backend))
+    assert runner.backend.name == backend
     assert runner.info.vocab_size == 49152 and runner.info.eos_token_ids == [2]
     # Pages handed out in a scrambled order, as a router with a used-up free list would.
     num_pages = (len(prompt_ids) + NUM_NEW_TOKENS) // runner.info.page_size + 1

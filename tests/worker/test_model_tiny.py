@@ -1,4 +1,5 @@
-"""Our Llama and Qwen2 against transformers on tiny random checkpoints (fp32, CPU)."""
+"""Our Llama and Qwen2 against transformers on tiny random checkpoints (fp32, CPU), on every backend
+this machine runs (`backend_params`)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from worker.backend_params import backend_params
 from worker.tiny_models import VOCAB_SIZE, greedy_tokens, make_tiny_llama, make_tiny_qwen2, reference_greedy
-from worker_service import native
 from worker_service.forward_batch import ForwardEntry
 from worker_service.model_runner import ModelRunner, RunnerConfig
 
@@ -22,12 +23,19 @@ KV_BYTES = 1 << 20
 PROMPT_LEN = 37  # not a multiple of the page size: the last page is partly filled
 
 
+@pytest.fixture(scope="module", params=backend_params())
+def backend(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
-def tiny(request, tmp_path_factory) -> tuple[Path, torch.nn.Module, ModelRunner]:
+def tiny(request, backend, tmp_path_factory) -> tuple[Path, torch.nn.Module, ModelRunner]:
     out_dir = tmp_path_factory.mktemp(f"tiny-{request.param}")
     (make_tiny_llama if request.param == "llama" else make_tiny_qwen2)(out_dir)
     reference = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
-    runner = ModelRunner(RunnerConfig(model_dir=out_dir, page_size=PAGE_SIZE, kv_cache_bytes=KV_BYTES))
+    runner = ModelRunner(RunnerConfig(model_dir=out_dir, page_size=PAGE_SIZE, kv_cache_bytes=KV_BYTES,
+                                      attention_kernel=backend))
+    assert runner.backend.name == backend
     return out_dir, reference, runner
 
 
@@ -117,40 +125,38 @@ def test_unsupported_rope_type_is_a_clear_error(tmp_path) -> None:
         ModelRunner(RunnerConfig(model_dir=out_dir, kv_cache_bytes=KV_BYTES))
 
 
-def test_linear_rope_scaling_matches_transformers(tmp_path) -> None:
+def test_linear_rope_scaling_matches_transformers(backend, tmp_path) -> None:
     out_dir = make_tiny_qwen2(tmp_path, rope_parameters={"rope_type": "linear", "factor": 2.0,
                                                          "rope_theta": 10000.0})
     reference = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
-    runner = ModelRunner(RunnerConfig(model_dir=out_dir, page_size=PAGE_SIZE, kv_cache_bytes=KV_BYTES))
+    runner = ModelRunner(RunnerConfig(model_dir=out_dir, page_size=PAGE_SIZE, kv_cache_bytes=KV_BYTES,
+                                      attention_kernel=backend))
     token_ids = prompt(9)
     logits = runner.forward([ForwardEntry(token_ids, 0, list(range(10)), True)])
     torch.testing.assert_close(logits[0], reference_logits(reference, token_ids)[-1], atol=TINY_ATOL, rtol=0)
 
 
-# Attention's two kernels (see worker_service/native.py) against transformers in half
-# precision. The torch path runs PyTorch's flash kernel as transformers does: measured identical.
-# The compiled kernel computes the same float32 scores in another order and rounds differently,
-# so a logit may land a few bfloat16 steps away (measured up to 0.033 at |logit| ~2, where a step
-# is 0.0078), but no further from the float32 truth than transformers' own half precision is
-# (measured 0.028-0.034 against transformers' 0.025-0.057 over three prompts); a wrong
-# computation is off by more than 0.1.
+# The CPU backends against transformers in half precision. The PyTorch backend runs PyTorch's
+# flash kernel as transformers does: measured identical. The compiled kernel computes the same
+# float32 scores in another order and rounds differently, so a logit may land a few bfloat16 steps
+# away, but no further from the float32 truth than transformers' own half precision is (figures in
+# docs/worker-backends.md); a wrong computation is off by more than 0.1.
 HALF_ATOL = {"torch": 2e-2, "native": 4e-2}
 HALF_ULP_AT_LOGITS = 1.6e-2  # one bfloat16 step at |logit| ~2.5
 
 
-@pytest.mark.parametrize("kernel", ["torch", "native"])
+@pytest.mark.parametrize("kernel", [p for p in backend_params() if p.values[0] in HALF_ATOL])
 @pytest.mark.parametrize(("make", "dtype"), [(make_tiny_llama, "bfloat16"), (make_tiny_qwen2, "float16")],
                          ids=["llama-bf16", "qwen2-fp16"])
 def test_half_precision_matches_transformers_in_the_same_dtype(make, dtype, kernel, tmp_path) -> None:
     """bf16/fp16 (on CPUs with oneDNN support, through the packed-weight matmuls) against
     transformers in the same dtype, prefill and one decode step (see HALF_ATOL)."""
-    if kernel == "native" and native.load() is None:
-        pytest.skip(f"the compiled kernel does not build here: {native.failure()}")
     out_dir = make(tmp_path)
     reference = AutoModelForCausalLM.from_pretrained(out_dir, dtype=getattr(torch, dtype)).eval()
     truth = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
     runner = ModelRunner(RunnerConfig(model_dir=out_dir, dtype=dtype, page_size=PAGE_SIZE,
                                       kv_cache_bytes=KV_BYTES, attention_kernel=kernel))
+    assert runner.backend.name == kernel
     token_ids = prompt(10)
     pages = list(range(10))
     expected = reference_logits(reference, token_ids).float()

@@ -1,4 +1,4 @@
-"""The compiled paged attention kernel (`native.py`) equals plain attention over each context.
+"""The compiled paged attention kernel (`worker_service/native/`) equals plain attention over each context.
 
 Batches come from the cascade test's builder: groups of sequences sharing token prefixes of random
 lengths (whole shared pages are the same physical pages, page ids shuffled). The kernel reads K/V
@@ -21,6 +21,8 @@ from worker.tiny_models import VOCAB_SIZE, make_tiny_llama
 from worker_service import native
 from worker_service.attention.decode_plan import shared_prefixes
 from worker_service.forward_batch import ForwardEntry
+from worker_service.backends import select_backend
+from worker_service.backends.torch_backend import TorchBackend
 from worker_service.layers.norm import RMSNorm
 from worker_service.layers.sharding import shard_heads
 from worker_service.model_runner import ModelRunner, RunnerConfig
@@ -203,7 +205,7 @@ def test_greedy_tokens_equal_the_torch_path(tmp_path) -> None:
     def run(kernel: str) -> tuple[list[list[int]], torch.Tensor]:
         runner = ModelRunner(RunnerConfig(model_dir=model_dir, page_size=page_size, kv_cache_bytes=1 << 20,
                                           attention_kernel=kernel))
-        assert (runner.kernels is not None) == (kernel == "native")
+        assert (runner.backend.name == "native") == (kernel == "native")
         shared = [40, 7]
         runner.forward([ForwardEntry(prefix[:8], 0, shared, False)])
         entries = [ForwardEntry(p[8:], 8, shared + [60 + 10 * i + j for j in range(6)], True)
@@ -229,17 +231,18 @@ def test_greedy_tokens_equal_the_torch_path(tmp_path) -> None:
 def test_native_is_refused_with_the_reason_where_it_cannot_build(monkeypatch) -> None:
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
         native.build(compiler="no-such-compiler-radixserve")
-    monkeypatch.setattr(native, "_loaded", None)
-    monkeypatch.setattr(native, "_failure", "no C++ compiler (stubbed)")
+    monkeypatch.setattr(native.kernels, "_loaded", None)
+    monkeypatch.setattr(native.kernels, "_failure", "no C++ compiler (stubbed)")
     with pytest.raises(RuntimeError, match="--attention-kernel native: no C\\+\\+ compiler"):
-        native.select("native", 64, torch.float32, CPU)
-    assert native.select("auto", 64, torch.float32, CPU) is None  # auto falls back to torch
+        select_backend("native", CPU, torch.float32, 64)
+    assert select_backend("auto", CPU, torch.float32, 64).backend.name == "torch"  # auto falls back to torch
     monkeypatch.undo()
-    assert native.select("torch", 64, torch.float32, CPU) is None
-    assert native.select("auto", 64, torch.float32, CPU) is KERNEL
-    assert native.select("auto", 40, torch.float32, CPU) is None  # a head size it has no code for
+    assert select_backend("torch", CPU, torch.float32, 64).backend.name == "torch"
+    chosen = select_backend("auto", CPU, torch.float32, 64).backend
+    assert chosen.name == "native" and chosen.kernels is KERNEL
+    assert select_backend("auto", CPU, torch.float32, 40).backend.name == "torch"  # a head size it has no code for
     with pytest.raises(RuntimeError, match="no kernel for head_dim 40"):
-        native.select("native", 40, torch.float32, CPU)
+        select_backend("native", CPU, torch.float32, 40)
 
 
 def test_a_built_kernel_is_reused_from_the_cache(tmp_path, monkeypatch) -> None:
@@ -258,7 +261,7 @@ def test_rms_norm_kernel_equals_the_torch_layer(rows, size, dtype, threads) -> N
     one step of the dtype apart (the sum of squares is taken in another order), nearly always equal;
     a strided input (rows of a wider tensor) is read where it is."""
     generator = torch.Generator().manual_seed(rows * size)
-    norm = RMSNorm("w", size, 1e-5, dtype, CPU)
+    norm = RMSNorm("w", size, 1e-5, dtype, CPU, TorchBackend(CPU, dtype))
     with torch.no_grad():
         norm.weight.copy_(torch.randn(size, generator=generator))
     wide = (torch.randn(rows, size + 8, generator=generator) * 3).to(dtype)

@@ -16,6 +16,6 @@ from worker_service import native
 
 def test_the_kernels_build_on_a_machine_that_can_build_them() -> None:
     compiler = shutil.which(os.environ.get("CXX") or "g++")
-    if compiler is None or " avx512f" not in native._cpu_flags():
+    if compiler is None or " avx512f" not in native.library.cpu_flags():
         pytest.skip("no C++ compiler or no AVX-512 here: the worker takes the torch path")
     assert native.load() is not None, native.failure()

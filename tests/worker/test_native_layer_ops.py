@@ -1,4 +1,4 @@
-"""The compiled layer steps (`native.py`: `add_rms_norm`, `silu_mul`, `rope_store`) equal the
+"""The compiled layer steps (`worker_service/native/kernels.py`: `add_rms_norm`, `silu_mul`, `rope_store`) equal the
 PyTorch ops they replace.
 
 In half precision they round where the reference code rounds, so they are compared for equality
@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from worker_service import native
+from worker_service.backends.native_backend import NativeBackend
+from worker_service.backends.torch_backend import TorchBackend
 from worker_service.layers.norm import RMSNorm
 from worker_service.layers.rotary import apply_rotary
 from worker_service.layers.sharding import shard_heads
@@ -40,13 +42,13 @@ def close_or_equal(got: torch.Tensor, expected: torch.Tensor) -> None:
 @pytest.mark.parametrize("rows,size", [(1, 576), (32, 576), (300, 576), (7, 40)])
 def test_add_rms_norm_equals_an_add_then_the_norm(rows, size, dtype, threads) -> None:
     generator = torch.Generator().manual_seed(rows + size)
-    norm = RMSNorm("w", size, 1e-5, dtype, CPU)
+    norm = RMSNorm("w", size, 1e-5, dtype, CPU, TorchBackend(CPU, dtype))
     with torch.no_grad():
         norm.weight.copy_(torch.randn(size, generator=generator))
     residual = (torch.randn(rows, size, generator=generator) * 3).to(dtype)
     delta = torch.randn(rows, size, generator=generator).to(dtype)
     expected_sum = residual + delta
-    expected = norm(expected_sum)  # PyTorch's ops (the layer has no kernels set)
+    expected = norm(expected_sum)  # PyTorch's ops (the layer is on the PyTorch backend)
     updated = residual.clone()
     got = KERNEL.add_rms_norm(updated, delta, norm.weight, 1e-5)
     assert torch.equal(updated, expected_sum)  # the residual stream, rounded as a plain add
@@ -56,10 +58,10 @@ def test_add_rms_norm_equals_an_add_then_the_norm(rows, size, dtype, threads) ->
         step = torch.finfo(dtype).eps * 2 * expected.float().abs().clamp(min=1e-3)
         assert bool(((got.float() - expected.float()).abs() <= step).all())
         assert (got == expected).float().mean() > 0.99
-    # The layer's `add` gives the same with and without the kernels.
-    norm.kernels = KERNEL
+    # The layer's `add` gives the same on the compiled kernels' backend and on PyTorch's.
+    plain_backend, norm.backend = norm.backend, NativeBackend(KERNEL, dtype)
     fused, fused_sum = norm.add(delta, residual.clone())
-    norm.kernels = None
+    norm.backend = plain_backend
     plain, plain_sum = norm.add(delta, residual.clone())
     assert torch.equal(fused_sum, plain_sum)
     assert torch.equal(fused, got) and torch.equal(plain, expected)
@@ -190,15 +192,17 @@ def test_gemv_packing_is_refused_where_the_kernel_does_not_run() -> None:
 
 @pytest.mark.parametrize("dtype", gemv_dtypes())
 def test_linear_layers_use_the_small_batch_kernel_for_decode_sized_products_only(dtype, monkeypatch) -> None:
-    from worker_service.layers.linear import GEMV_MAX_ROWS, Linear, widens_to_float32
+    from worker_service.backends.linear_native import GEMV_MAX_ROWS
+    from worker_service.backends.linear_torch import widens_to_float32
+    from worker_service.layers.linear import Linear
 
     generator = torch.Generator().manual_seed(7)
     weight = (torch.randn(96, 64, generator=generator) * 0.1).to(dtype)
     bias = torch.randn(96, generator=generator).to(dtype)
     plain, fast = Linear(weight.clone(), bias.clone()), Linear(weight.clone(), bias.clone())
     plain.pack()
-    fast.pack(KERNEL)
-    assert fast.gemv is not None and plain.gemv is None
+    fast.pack(NativeBackend(KERNEL, dtype))
+    assert getattr(fast.packed, "gemv", None) is not None and getattr(plain.packed, "gemv", None) is None
     calls: list[int] = []
     original = native.NativeKernels.gemv
 
@@ -213,4 +217,4 @@ def test_linear_layers_use_the_small_batch_kernel_for_decode_sized_products_only
         assert got.dtype == expected.dtype == dtype  # float16 widened for oneDNN: rounded back
         torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=1e-2)
     assert calls == [1, GEMV_MAX_ROWS]  # more rows go to oneDNN's kernel
-    assert plain.widened == fast.widened == widens_to_float32(weight)
+    assert plain.packed.widened == fast.packed.larger.widened == widens_to_float32(weight)

@@ -1,4 +1,5 @@
-"""K/V go through page tables only: chunking, prefix reuse and physical page ids cannot change logits."""
+"""K/V go through page tables only: chunking, prefix reuse and physical page ids cannot change logits,
+on every backend this machine runs (`backend_params`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from worker.backend_params import backend_params
 from worker.tiny_models import VOCAB_SIZE, make_tiny_llama, make_tiny_qwen2
 from worker_service.forward_batch import ForwardEntry
 from worker_service.kv_pool import KVPool, advise_huge_pages
@@ -22,11 +24,19 @@ KV_BYTES = 1 << 20
 CHUNK_ATOL = 1e-5
 
 
+@pytest.fixture(scope="module", params=backend_params())
+def backend(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
-def runner(request, tmp_path_factory) -> ModelRunner:
+def runner(request, backend, tmp_path_factory) -> ModelRunner:
     out_dir: Path = tmp_path_factory.mktemp(f"tiny-{request.param}")
     (make_tiny_llama if request.param == "llama" else make_tiny_qwen2)(out_dir)
-    return ModelRunner(RunnerConfig(model_dir=out_dir, page_size=PAGE_SIZE, kv_cache_bytes=KV_BYTES))
+    runner = ModelRunner(RunnerConfig(model_dir=out_dir, page_size=PAGE_SIZE, kv_cache_bytes=KV_BYTES,
+                                      attention_kernel=backend))
+    assert runner.backend.name == backend
+    return runner
 
 
 def tokens(seed: int, length: int) -> list[int]:

@@ -11,10 +11,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import worker_service.sampling_torch as sampling_torch
+import worker_service.sampling.torch_ops as sampling_torch
 from radixserve.sampling import SamplingParams
-from worker_service.sampler import Sampler
-from worker_service.sampling_torch import apply_penalties, truncate
+from worker_service.sampling import Sampler
+from worker_service.sampling.torch_ops import apply_penalties, truncate
 
 from worker.sampling_helpers import KERNEL, assert_logprobs, needs_kernel, row
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from radixserve.sampling import SamplingParams
-from worker_service.sampler import Sampler, SampleRow
-from worker_service.sampling_torch import apply_penalties, truncate
+from worker_service.sampling import Sampler, SampleRow
+from worker_service.sampling.torch_ops import apply_penalties, truncate
 
 from worker.sampling_helpers import KERNEL, assert_logprobs, needs_kernel, row
 

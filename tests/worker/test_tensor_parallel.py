@@ -1,13 +1,12 @@
 """Tensor parallelism on CPU (gloo): TP ranks as real processes give what one rank gives.
 
-Each rank runs this file as a script (`_rank_main`): it joins the group, loads only its shard,
+Each rank runs `tp_rank.py` as a script: it joins the group, loads only its shard,
 computes the prompt's logits and a greedy continuation (rank 0 picks each token and broadcasts
 it, as the real rank 0 would return it to the router), and saves what it saw for the test.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -19,9 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from worker.backend_params import backend_params
 from worker_service.layers.sharding import balanced_range, shard_heads
 
 ROOT = Path(__file__).resolve().parents[2]
+RANK_SCRIPT = Path(__file__).with_name("tp_rank.py")
 NUM_NEW_TOKENS = 32
 RANK_TIMEOUT_S = 150.0
 # Partial sums are added in another order (all-reduce of per-rank halves): measured ~2e-5 on
@@ -45,51 +46,7 @@ def test_heads_split_by_whole_kv_groups() -> None:
         assert [i for r in ranges for i in r] == list(range(total))
 
 
-def _rank_main() -> None:
-    parser = argparse.ArgumentParser()
-    for name in ("--rank", "--world-size", "--master-port"):
-        parser.add_argument(name, type=int, required=True)
-    parser.add_argument("--model", type=Path, required=True)
-    parser.add_argument("--prompt", type=str, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-
-    import torch.distributed as dist
-
-    from worker.tiny_models import greedy_tokens
-    from worker_service.distributed import init_distributed
-    from worker_service.forward_batch import ForwardEntry
-    from worker_service.model_runner import ModelRunner, RunnerConfig
-
-    torch.set_num_threads(1)
-    init_distributed(args.rank, args.world_size, "127.0.0.1", args.master_port, "cpu")
-    runner = ModelRunner(RunnerConfig(model_dir=args.model, kv_cache_bytes=32 << 20,
-                                      rank=args.rank, world_size=args.world_size))
-    prompt_ids = json.loads(args.prompt)
-    page_table = list(range((len(prompt_ids) + NUM_NEW_TOKENS) // runner.info.page_size + 1))
-    prompt_logits = runner.forward([ForwardEntry(prompt_ids, 0, page_table, True)])
-
-    class BroadcastGreedy:
-        """Rank 0's argmax, shared so that every rank feeds the same next token."""
-
-        def forward(self, entries):
-            logits = runner.forward(entries)
-            token = torch.zeros(1, dtype=torch.int64)
-            if logits is not None:
-                token[0] = logits[0].argmax()
-            dist.broadcast(token, src=0)
-            one_hot = torch.zeros(1, runner.info.vocab_size)
-            one_hot[0, token[0]] = 1.0
-            return one_hot
-
-    tokens = greedy_tokens(BroadcastGreedy(), prompt_ids, NUM_NEW_TOKENS, page_table)
-    torch.save({"weight_bytes": runner.weight_bytes(), "prompt_logits": prompt_logits, "tokens": tokens,
-                "num_pages": runner.info.num_pages}, args.out)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def run_ranks(model_dir: Path, prompt_ids: list[int], world_size: int, work_dir: Path) -> list[dict]:
+def run_ranks(model_dir: Path, prompt_ids: list[int], world_size: int, work_dir: Path, backend: str) -> list[dict]:
     """Start `world_size` rank processes, wait for all (bounded), return what each saved.
 
     Every process is killed on the way out, whether the ranks finished, failed or hung.
@@ -105,9 +62,9 @@ def run_ranks(model_dir: Path, prompt_ids: list[int], world_size: int, work_dir:
         for rank in range(world_size):
             with open(logs[rank], "wb") as log:
                 procs.append(subprocess.Popen(
-                    [sys.executable, __file__, "--rank", str(rank), "--world-size", str(world_size),
+                    [sys.executable, str(RANK_SCRIPT), "--rank", str(rank), "--world-size", str(world_size),
                      "--master-port", str(port), "--model", str(model_dir),
-                     "--prompt", json.dumps(prompt_ids), "--out", str(outs[rank])],
+                     "--prompt", json.dumps(prompt_ids), "--out", str(outs[rank]), "--backend", backend],
                     cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     start_new_session=True,
                 ))
@@ -129,21 +86,22 @@ def run_ranks(model_dir: Path, prompt_ids: list[int], world_size: int, work_dir:
                 proc.wait(timeout=30)
 
 
-def single_rank(model_dir: Path, prompt_ids: list[int]) -> tuple[torch.Tensor, list[int], int]:
+def single_rank(model_dir: Path, prompt_ids: list[int], backend: str) -> tuple[torch.Tensor, list[int], int]:
     from worker.tiny_models import greedy_tokens
     from worker_service.forward_batch import ForwardEntry
     from worker_service.model_runner import ModelRunner, RunnerConfig
 
-    runner = ModelRunner(RunnerConfig(model_dir=model_dir, kv_cache_bytes=32 << 20))
+    runner = ModelRunner(RunnerConfig(model_dir=model_dir, kv_cache_bytes=32 << 20, attention_kernel=backend))
+    assert runner.backend.name == backend
     page_table = list(range((len(prompt_ids) + NUM_NEW_TOKENS) // runner.info.page_size + 1))
     logits = runner.forward([ForwardEntry(prompt_ids, 0, page_table, True)])
     return logits, greedy_tokens(runner, prompt_ids, NUM_NEW_TOKENS, page_table), runner.weight_bytes()
 
 
 def check_against_single_rank(model_dir: Path, prompt_ids: list[int], world_size: int,
-                              work_dir: Path, atol: float) -> list[dict]:
-    logits, tokens, total_bytes = single_rank(model_dir, prompt_ids)
-    results = run_ranks(model_dir, prompt_ids, world_size, work_dir)
+                              work_dir: Path, atol: float, backend: str) -> list[dict]:
+    logits, tokens, total_bytes = single_rank(model_dir, prompt_ids, backend)
+    results = run_ranks(model_dir, prompt_ids, world_size, work_dir, backend)
     assert results[0]["tokens"] == tokens
     assert all(r["tokens"] == tokens for r in results)
     torch.testing.assert_close(results[0]["prompt_logits"], logits, atol=atol, rtol=0)
@@ -157,25 +115,23 @@ def check_against_single_rank(model_dir: Path, prompt_ids: list[int], world_size
 
 
 @pytest.mark.timeout(240)
-def test_smollm2_tp2_matches_tp1(smollm2_dir, tmp_path) -> None:
+@pytest.mark.parametrize("backend", backend_params(head_dim=64))
+def test_smollm2_tp2_matches_tp1(smollm2_dir, tmp_path, backend) -> None:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     prompt_ids = tokenizer("The capital of France is Paris. The capital of Italy is")["input_ids"]
-    results = check_against_single_rank(smollm2_dir, prompt_ids, 2, tmp_path, SMOLLM2_ATOL)
+    results = check_against_single_rank(smollm2_dir, prompt_ids, 2, tmp_path, SMOLLM2_ATOL, backend)
     # Rank 0 holds 2 of the 3 KV heads, so its page budget buys fewer pages than rank 1's.
     assert results[0]["num_pages"] < results[1]["num_pages"]
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("backend", backend_params())
 @pytest.mark.parametrize(("arch", "world_size"), [("qwen2", 2), ("llama", 4)])
-def test_tiny_model_tp_matches_tp1(arch, world_size, tmp_path) -> None:
+def test_tiny_model_tp_matches_tp1(arch, world_size, tmp_path, backend) -> None:
     """Qwen2 (biases, untied head) at TP=2; Llama at TP=4, more ranks than its 3 KV heads."""
     from worker.tiny_models import make_tiny_llama, make_tiny_qwen2
 
     model_dir = (make_tiny_qwen2 if arch == "qwen2" else make_tiny_llama)(tmp_path / "model")
-    check_against_single_rank(model_dir, list(range(3, 40)), world_size, tmp_path, TINY_ATOL)
-
-
-if __name__ == "__main__":
-    _rank_main()
+    check_against_single_rank(model_dir, list(range(3, 40)), world_size, tmp_path, TINY_ATOL, backend)

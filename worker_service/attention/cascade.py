@@ -9,6 +9,8 @@ prefix once instead of once per row. Results are merged by log-sum-exp in float3
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from worker_service.attention.decode_plan import DecodePlan
@@ -67,3 +69,19 @@ def decode_attention(
                               shared_lse.view(num_kv_heads, num_members, group))
         out.index_copy_(1, prefix.rows, merged)
     return out.transpose(0, 1).reshape(num_rows, num_q_heads, head_dim)
+
+
+@dataclass(slots=True)
+class CascadeDecode:
+    """A step's decode rows attended by `plan` (the PyTorch backend's decode part of `paged.py`)."""
+
+    plan: DecodePlan
+    page_size: int
+    space: GatherSpace | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return self.plan.num_rows
+
+    def attend(self, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor) -> torch.Tensor:
+        return decode_attention(q, k_slots, v_slots, self.plan, self.page_size, self.space)

@@ -6,12 +6,10 @@ page tables become one padded int32 tensor `[rows, pages]` plus each row's lengt
 (`triton_decode.py`) reads K/V straight from the pool's slots. Shared prefixes are not grouped:
 on a GPU the rows sharing a prefix read the same pages from its L2 cache, and a kernel whose
 launch depends only on shapes is what lets a decode step be replayed as a CUDA graph
-(`worker_service/cuda_graphs.py`).
+(`worker_service/backends/cuda_graphs.py`).
 
-`attention_kernel` settings (see `worker_service.native.KERNEL_CHOICES`): `auto` takes this
-kernel on CUDA where Triton imports and supports the model's head size and dtype; `triton` insists
-(raises, saying why, where it cannot be used); `torch` keeps the pure PyTorch path, which is also
-the reference the kernel is tested against.
+The Triton backend (`worker_service/backends/triton_backend.py`) plans with it; where it is chosen
+is `worker_service/backends/selection.py`.
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 
-from worker_service import triton_support
 from worker_service.attention import triton_decode
 
 
@@ -64,19 +61,3 @@ def plan_gpu_decode(tables: list[list[int]], context_lens: list[int], page_size:
         context_lens=torch.tensor(context_lens, dtype=torch.int32).to(device, non_blocking=True),
         page_size=page_size,
     )
-
-
-def use_triton(kind: str, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether decode attention takes the Triton kernel for the `attention_kernel` setting `kind`."""
-    if kind not in ("auto", "triton"):
-        return False
-    why = None
-    if device.type != "cuda":
-        why = f"it runs on CUDA only, not {device.type}"
-    elif not triton_support.available(device):
-        why = "triton cannot be imported"
-    elif not triton_decode.supports(head_dim, dtype):
-        why = f"no kernel for head_dim {head_dim} in {dtype}"
-    if why is not None and kind == "triton":
-        raise RuntimeError(f"--attention-kernel triton: {why}")
-    return why is None

@@ -13,23 +13,30 @@ first, one token each, then each prefill chunk as a contiguous span. Per layer:
 
 Which physical pages hold a sequence cannot change the result: only gather indices differ.
 
-With the compiled kernel (`native.py`), step 1 is the same and one kernel call per layer does 2
-and 3 for every row, reading K/V through the page tables with no gather. On CUDA with Triton,
-step 2 is one kernel call reading every decode row through its page table (`gpu_decode.py`).
+Step 2 is whatever the backend planned (`AttentionBatch.decode`): the cascade above on the
+PyTorch backend, one Triton kernel reading every decode row through its page table on CUDA
+(`gpu_decode.py`). The compiled CPU kernels attend every row in one call and do not use this module.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from worker_service.attention.cascade import decode_attention
-from worker_service.attention.decode_plan import DecodePlan
-from worker_service.attention.gpu_decode import GpuDecodePlan
 from worker_service.attention.kernels import GatherSpace, gather_pages
-from worker_service.native_plan import NativePlan
+
+
+class DecodeAttention(Protocol):
+    """The decode rows of one step, planned: `attend` takes their queries `[num_rows, Hq, D]` over
+    one layer's head-major pool and returns `[num_rows, Hq, D]` (their K/V already written)."""
+
+    @property
+    def num_rows(self) -> int: ...
+
+    def attend(self, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(slots=True)
@@ -57,13 +64,9 @@ class AttentionBatch:
 
     page_size: int
     write_slots: torch.Tensor  # [T]: slot of each token of the flat layout
-    decode: DecodePlan | None
+    decode: DecodeAttention | None
     prefills: list[PrefillSpan]
     space: GatherSpace | None = None
-    # The compiled kernel's plan for every row (`native.py`); then `decode` and `prefills` are unused.
-    native: NativePlan | None = None
-    # The decode rows' plan for the Triton kernel (`gpu_decode.py`), used instead of `decode`.
-    gpu_decode: GpuDecodePlan | None = None
 
 
 def paged_attention(
@@ -83,16 +86,10 @@ def paged_attention(
     if not stored:
         k_slots.index_copy_(1, batch.write_slots, k.transpose(0, 1))
         v_slots.index_copy_(1, batch.write_slots, v.transpose(0, 1))
-    if batch.native is not None:
-        return batch.native.attend(q, k_slots, v_slots)
     group_size = q.shape[1] // k.shape[1]
     parts: list[torch.Tensor] = []  # outputs in flat-layout order: decode block, then each span
-
-    if batch.gpu_decode is not None:
-        parts.append(batch.gpu_decode.attend(q[: batch.gpu_decode.num_rows], k_slots, v_slots))
-    elif batch.decode is not None:
-        parts.append(decode_attention(q[: batch.decode.num_rows], k_slots, v_slots, batch.decode,
-                                      batch.page_size, batch.space))
+    if batch.decode is not None:
+        parts.append(batch.decode.attend(q[: batch.decode.num_rows], k_slots, v_slots))
 
     for span in batch.prefills:
         queries = q[span.token_start:span.token_stop].transpose(0, 1).unsqueeze(0)

@@ -5,117 +5,38 @@ communication); row-parallel splits input features and sums the partial products
 A column-parallel layer may merge several checkpoint projections (q, k, v or gate, up) into one
 matrix so that a rank runs one matmul instead of several.
 
-On CPU, weights are repacked once, after loading, into oneDNN's blocked layout
-(`pack_linear_weights`). For bfloat16/float16, PyTorch's default CPU matmul is no faster than
-float32 for one decode token, while the packed oneDNN kernel (AMX/AVX-512) is 1.5-2x faster at one
-row and 2-4x at 32. For float32, plain `aten::mm` (MKL, unpacked) reached 30-150 GFLOP/s on this
-project's 2-core machine where the packed oneDNN kernel reached 300-400 at 32-512 rows, and about
-1.5x at one row. Results are the same kernel family's (fp32 accumulation).
-
-With the compiled kernels (`worker_service.native`) in bfloat16 on a CPU with AVX512-BF16, each
-layer also keeps its weight in the small-batch layout of `csrc/gemv.cpp`, and products of up to
-`GEMV_MAX_ROWS` rows (decode steps) use it: oneDNN's kernel costs ~11-20 us per call beyond its
-bytes, ~120 calls per step. Measured here, 2 threads, one row: 832 x 576
-27 -> 10 us, 3,072 x 576 45 -> 27 us, the 49,152 x 576 LM head 1,406 -> 952 us. The cost is a
-second copy of every linear weight in memory. Float32 runs the same kernel (one multiply-add per
-lane instead of bfloat16's pairs).
-
-Float16 runs the small-batch kernel too (each weight vector widened to float32 as it is read). On
-a CPU without a float16 GEMM (no AVX512-FP16 or AMX-FP16: oneDNN refuses it, and PyTorch's
-fallback ran SmolLM2's 512-token prefill at 207 tokens/s here against 1,640 in float32) the larger
-products (prefill) multiply in float32: oneDNN's copy of the weight is widened once at `pack`, the
-rows are widened before each product and its result rounded back to float16 after, so the
-model's activations and KV cache stay float16 and the sums are float32's either way.
+After loading, `pack(backend)` hands the weight to the backend, which returns what it multiplies
+with (`Backend.pack`: oneDNN's packed layout, the compiled small-batch kernel's, or the plain
+weight on CUDA); from then on the layer only calls that. A new weight format is a new packed
+form there, not a change here.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-import torch.nn.functional as F
 
+from worker_service.backends.base import Backend, PackedLinear
+from worker_service.backends.linear_torch import TorchLinear
 from worker_service.distributed import TPGroup, all_reduce_sum
 from worker_service.layers.weights import WeightSlice, make_param
 
-if TYPE_CHECKING:
-    from worker_service.native import GemvWeight, NativeKernels
-
-# Products of at most this many rows use the small-batch kernel where a layer has it, the LM head
-# included (and the fused decode layer runs for steps of at most this many tokens). It takes the
-# rows in passes of up to six over a few output groups at a time, so each weight is read from
-# memory once; it beat oneDNN here at every size up to 64 rows (2 threads; 30 layers' four
-# products: 8 rows 2.9 vs 5.1 ms, 32 rows 8.7 vs 11.0, 64 rows 16.3 vs 18.5; the 49,152 x 576 LM
-# head: 1 row 1,023 vs 1,467 us, 32 rows 3,099 vs 3,418, 64 rows 5,644 vs 5,555), and whole
-# bfloat16 decode steps of 128 rows with it up to 128 against 64 (two alternating pairs, medians of
-# 15 steps): behind a shared 1,000-token prefix 82.6 / 85.5 -> 71.3 / 69.8 ms, unshared at 1,024
-# 139.4 / 141.5 -> 126.0 / 123.7 ms. Larger steps (prefill) keep oneDNN's kernel.
-GEMV_MAX_ROWS = 128
-
-
-def widens_to_float32(weight: torch.Tensor) -> bool:
-    """Whether a float16 CPU weight is multiplied in float32 here (no float16 GEMM; module doc)."""
-    return (weight.dtype == torch.float16 and weight.device.type == "cpu"
-            and not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_fp16_supported()))
-
-
-def can_pack(weight: torch.Tensor) -> bool:
-    """Whether oneDNN's packed CPU matmul is available and faster for this weight."""
-    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    if weight.dtype == torch.bfloat16:
-        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    if weight.dtype == torch.float16:
-        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
-    return weight.dtype == torch.float32
-
 
 class _Linear(torch.nn.Module):
-    """x @ weight.T (+ bias), with the weight optionally in oneDNN's packed CPU layout."""
+    """x @ weight.T (+ bias) by the packed weight the backend made (`pack`)."""
 
     weight: torch.nn.Parameter
     bias: torch.nn.Parameter | None
-    packed = False
-    gemv: GemvWeight | None = None  # the small-batch kernel's copy of the weight
-    kernels: NativeKernels | None = None
-    # Float16 without a float16 GEMM: oneDNN's copy (`weight`) is float32, and so is this bias for it
-    # (`bias` stays float16 for the small-batch kernel). See the module doc.
-    widened = False
-    widened_bias: torch.Tensor | None = None
+    packed: PackedLinear | None = None
 
-    def pack(self, kernels: NativeKernels | None = None) -> None:
-        """Repack the (loaded) weight for oneDNN when this CPU and dtype profit; else no-op. With
-        `kernels`, also keep the small-batch kernel's copy where it runs (see the module doc).
-
-        A packed weight is opaque: it can only be multiplied, never read or loaded into again.
-        """
-        if self.packed:
+    def pack(self, backend: Backend | None = None) -> None:
+        """Hand the loaded weight to `backend` (None: PyTorch's ops, as `TorchBackend`'s) to multiply
+        with from now on; the layer's parameter becomes the packed weight, which can only be
+        multiplied, never read or loaded into again."""
+        if self.packed is not None:
             return
-        if kernels is not None:
-            self.gemv = kernels.pack_gemv(self.weight)  # from the plain weight, before oneDNN's
-            self.kernels = kernels if self.gemv is not None else None
-        if widens_to_float32(self.weight):
-            self.weight = torch.nn.Parameter(self.weight.detach().float(), requires_grad=False)
-            self.widened_bias = None if self.bias is None else self.bias.detach().float()
-            self.widened = True
-        if not can_pack(self.weight):
-            return
-        # A batch-size hint of 1: decode steps are the latency-critical case.
-        packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
-        self.weight = torch.nn.Parameter(packed, requires_grad=False)
-        self.packed = True
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv is not None and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
-            return self.kernels.gemv(x, self.gemv, self.bias)
-        if self.widened:
-            return self._gemm(x.float(), self.widened_bias).to(x.dtype)
-        return self._gemm(x, self.bias)
-
-    def _gemm(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
-        return F.linear(x, self.weight, bias)
+        weight, bias = self.weight.detach(), None if self.bias is None else self.bias.detach()
+        self.packed = TorchLinear(weight, bias) if backend is None else backend.pack(weight, bias)
+        self.weight = torch.nn.Parameter(self.packed.weight, requires_grad=False)
 
 
 class Linear(_Linear):
@@ -128,14 +49,14 @@ class Linear(_Linear):
         self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x)
+        return self.packed(x)
 
 
-def pack_linear_weights(model: torch.nn.Module, kernels: NativeKernels | None = None) -> None:
-    """Pack every layer of `model` that has a `pack()` method (see the module doc)."""
+def pack_linear_weights(model: torch.nn.Module, backend: Backend) -> None:
+    """Pack every layer of `model` that has a `pack(backend)` method (linear layers, the LM head)."""
     for module in model.modules():
         if module is not model and callable(getattr(module, "pack", None)):
-            module.pack(kernels)
+            module.pack(backend)
 
 
 class ColumnParallelLinear(_Linear):
@@ -170,7 +91,7 @@ class ColumnParallelLinear(_Linear):
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x)
+        return self.packed(x)
 
 
 class RowParallelLinear(_Linear):
@@ -194,4 +115,4 @@ class RowParallelLinear(_Linear):
         self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce_sum(self.matmul(x), self.group)
+        return all_reduce_sum(self.packed(x), self.group)

@@ -6,14 +6,18 @@ from typing import Any
 
 import torch
 
+from worker_service.backends.base import Backend
 from worker_service.distributed import TPGroup
 from worker_service.models.llama import LlamaForCausalLM
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Its layer is Llama's with a q/k/v bias, which the fused Llama layer takes: it stays `"llama"`."""
+
     qkv_bias = True
 
-    def __init__(self, config: Any, group: TPGroup, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: Any, group: TPGroup, dtype: torch.dtype, device: torch.device,
+                 backend: Backend) -> None:
         if getattr(config, "use_sliding_window", False):
             raise ValueError("Qwen2 sliding-window attention is not supported")
-        super().__init__(config, group, dtype, device)
+        super().__init__(config, group, dtype, device, backend)

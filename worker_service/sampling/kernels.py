@@ -1,6 +1,7 @@
-"""Bindings of rank 0's sampling kernels (`csrc/penalties.cpp`, `csrc/sample.cpp`, `csrc/logprobs.cpp`),
-over float32 CPU logits; `NativeKernels.sampling` holds them, `sampler.py` calls them. Each leaves rows it cannot
-take (a NaN or +inf logit, nothing but -inf) for the torch path to answer, and says which.
+"""Rank 0's sampling kernels (`csrc/penalties.cpp`, `csrc/sample.cpp`, `csrc/logprobs.cpp`) over
+float32 CPU logits, called through the compiled library (`worker_service.native`). Each leaves rows
+it cannot take (a NaN or +inf logit, nothing but -inf) for the torch path to answer, and says
+which; `ops.KernelSampling` is where those rows go to PyTorch.
 """
 
 from __future__ import annotations
@@ -19,19 +20,12 @@ class SamplingKernels:
     """The sampling kernels of one loaded build."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
+        """`lib`: the loaded library (`NativeKernels.lib`), its functions typed by
+        `worker_service.native.signatures`."""
         self._argmax_rows = lib.radix_argmax_rows
-        self._argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
-                                      ctypes.c_void_p, ctypes.c_int32]
         self._sample_rows = lib.radix_sample_rows
-        self._sample_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
-                                      *[ctypes.c_void_p] * 6, ctypes.c_int32]
         self._apply_penalties = lib.radix_apply_penalties
-        self._apply_penalties.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_int32,
-                                          *[ctypes.c_void_p] * 6, ctypes.c_int32]
         self._logprobs = lib.radix_logprobs
-        self._logprobs.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32,
-                                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_void_p,
-                                   ctypes.c_int32]
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor | None:
         """torch.argmax(x, dim=-1) of float32 CPU rows `x` `[rows, cols]` (the first index of the

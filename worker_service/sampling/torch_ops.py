@@ -1,4 +1,4 @@
-"""The sampler's steps in PyTorch's ops: penalties, truncation and the draw (see `sampler.py`).
+"""The sampler's steps in PyTorch's ops: penalties, truncation and the draw (see `sampler.py`, `ops.py`).
 
 They run on any device and for rows the compiled kernels leave; where the kernels run, they give
 the same results (`csrc/penalties.cpp`, `csrc/sample.cpp`), and the tests hold the two to each other.
@@ -6,12 +6,9 @@ the same results (`csrc/penalties.cpp`, `csrc/sample.cpp`), and the tests hold t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from worker_service.sampler import SampleRow
+from worker_service.sampling.rows import SampleRow
 
 # How many of a row's most likely tokens to rank before trying more, then all (see _keep_top).
 CANDIDATE_WIDTHS = (256, 4096)

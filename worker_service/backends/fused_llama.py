@@ -1,30 +1,28 @@
-"""Decoder layers in one compiled call each, for decode steps.
+"""Llama decoder layers in one compiled call each, for decode steps (the compiled-kernels
+backend's whole-layer fusion, for models that declare `fusable_layer = "llama"`).
 
-At one row a layer's kernels take ~200 us and the Python between them (module calls, views,
-ctypes arguments) ~50 us more: over 30 layers, a tenth of the step. `csrc/decode_layer.cpp` calls
+Between a layer's kernels the module path spends Python time (module calls, views, ctypes
+arguments) that is a sizeable part of a small model's decode step. `csrc/decode_layer.cpp` calls
 the same kernels in the same order on the same buffers (so the results are the same bits as
-`models/llama.py`'s path with the compiled kernels); here the per-layer arguments are laid out
-once at load and the per-step ones once per step.
+`models/llama.py` on the compiled-kernels backend); here the per-layer arguments are laid out once
+at load and the per-step ones once per step. The C++ code is Llama's layer (RMSNorm, merged q/k/v
+with an optional bias, RoPE, attention, o_proj, RMSNorm, gate/up, SwiGLU, down): a model whose
+layer differs in any of these must not declare it.
 
-It runs where every kernel of the layer does: bfloat16 (with AVX512-BF16) or float32 with the
-small-batch linear kernel, a single TP rank (a row-parallel layer's all-reduce would sit between kernels), and
-steps of at most `GEMV_MAX_ROWS` tokens. Other steps take the module path.
+It runs where every kernel of the layer does: a dtype the small-batch linear kernel takes, every
+linear layer packed for it, a single TP rank (a row-parallel layer's all-reduce would sit between
+kernels), and steps of at most `GEMV_MAX_ROWS` tokens. Other steps take the module path.
 """
 
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
-
 import torch
 
-from worker_service.layers.linear import GEMV_MAX_ROWS
-from worker_service.native_plan import DTYPE_CODES
-
-if TYPE_CHECKING:
-    from worker_service.kv_pool import KVPool
-    from worker_service.models.llama import LlamaForCausalLM, StepContext
-    from worker_service.native import NativeKernels
+from worker_service.backends.base import StepContext
+from worker_service.backends.linear_native import GEMV_MAX_ROWS, NativeLinear
+from worker_service.kv_pool import KVPool
+from worker_service.native import DTYPE_CODES, NativeKernels
 
 
 class _LayerWeights(ctypes.Structure):
@@ -55,11 +53,11 @@ class _StepArgs(ctypes.Structure):
     ]
 
 
-class FusedDecode:
-    """The model's layers as compiled calls; `run(token_ids-embedded hidden, step)` is the loop."""
+class FusedLlamaLayers:
+    """A Llama model's layers as compiled calls; `run(embedded hidden, step)` is the loop."""
 
-    def __init__(self, kernels: NativeKernels, model: LlamaForCausalLM, pool: KVPool) -> None:
-        self._call = kernels.decode_layer
+    def __init__(self, kernels: NativeKernels, model: torch.nn.Module, pool: KVPool) -> None:
+        self._call = kernels.lib.radix_decode_layer
         self._layers = []
         first = model.layers[0]
         self._shape = (first.self_attn.num_q_heads, first.self_attn.num_kv_heads, first.self_attn.head_dim,
@@ -75,9 +73,10 @@ class FusedDecode:
                 input_eps=layer.input_layernorm.eps, post_eps=layer.post_attention_layernorm.eps,
                 input_norm=layer.input_layernorm.weight.data_ptr(),
                 post_norm=layer.post_attention_layernorm.weight.data_ptr(),
-                qkv=attention.qkv_proj.gemv.packed.data_ptr(), qkv_bias=None if bias is None else bias.data_ptr(),
-                o_proj=attention.o_proj.gemv.packed.data_ptr(), gate_up=mlp.gate_up_proj.gemv.packed.data_ptr(),
-                down=mlp.down_proj.gemv.packed.data_ptr(),
+                qkv=attention.qkv_proj.packed.gemv.packed.data_ptr(), qkv_bias=None if bias is None else bias.data_ptr(),
+                o_proj=attention.o_proj.packed.gemv.packed.data_ptr(),
+                gate_up=mlp.gate_up_proj.packed.gemv.packed.data_ptr(),
+                down=mlp.down_proj.packed.gemv.packed.data_ptr(),
                 k_pool=k_slots.data_ptr(), v_pool=v_slots.data_ptr(), kv_head_stride=k_slots.stride(0),
             ))
         self._pool = pool
@@ -93,29 +92,27 @@ class FusedDecode:
         self._scratch = [torch.empty(GEMV_MAX_ROWS, width, dtype=self._dtype) for width in widths]
 
     @classmethod
-    def build(cls, kernels: NativeKernels | None, model: LlamaForCausalLM, pool: KVPool) -> FusedDecode | None:
-        """The fused layers where every kernel of a layer runs for this model (see the module doc)."""
-        if kernels is None or model.group.world_size != 1 or pool.buffer.dtype not in kernels.gemv_dtypes:
-            return None
+    def build(cls, kernels: NativeKernels, model: torch.nn.Module, pool: KVPool) -> FusedLlamaLayers | None:
+        """The fused layers where every linear layer of the model has the small-batch kernel's copy."""
         for layer in model.layers:
             linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-            if any(linear.gemv is None for linear in linears):
+            if not all(isinstance(linear.packed, NativeLinear) for linear in linears):
                 return None
         return cls(kernels, model, pool)
 
-    def applies(self, num_tokens: int, step: StepContext) -> bool:
-        return num_tokens <= GEMV_MAX_ROWS and step.attention.native is not None
+    def applies(self, step: StepContext) -> bool:
+        return step.positions.shape[0] <= GEMV_MAX_ROWS
 
     def run(self, hidden: torch.Tensor, step: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """All layers over `hidden` (the embeddings, `[T, H]`, overwritten): (the last MLP output,
         the residual stream), as the module loop returns them."""
         rows = hidden.shape[0]
         num_q, num_kv, head_dim, intermediate = self._shape
-        plan, schedule = step.attention.native.bound(num_q, head_dim, self._dtype, (num_q + 2 * num_kv) * head_dim,
+        plan, schedule = step.attention.bound(num_q, head_dim, self._dtype, (num_q + 2 * num_kv) * head_dim,
                                                      num_kv, self._layers[0].kv_head_stride)
         args = self._args
         args.rows, args.num_threads = rows, torch.get_num_threads()
-        args.positions, args.write_slots = step.positions.data_ptr(), step.attention.write_slots.data_ptr()
+        args.positions, args.write_slots = step.positions.data_ptr(), step.write_slots.data_ptr()
         args.cos, args.sin = self._rotary.cos.data_ptr(), self._rotary.sin.data_ptr()
         args.plan, args.schedule = plan, schedule
         (args.normed, args.qkv, args.attended, args.delta, args.gate_up,
@@ -125,7 +122,5 @@ class FusedDecode:
         hidden_ptr, residual_ptr, args_address = hidden.data_ptr(), residual.data_ptr(), self._args_address
         call = self._call
         for index, layer in enumerate(self._layer_addresses):
-            status = call(layer, args_address, hidden_ptr, residual_ptr, index == 0)
-            if status != 0:
-                raise RuntimeError(f"fused decode layer {index} failed (kernel status {status})")
+            call(layer, args_address, hidden_ptr, residual_ptr, index == 0)  # raises KernelError on failure
         return hidden, residual

@@ -10,7 +10,7 @@ replays them with one call. A graph replays fixed shapes and fixed addresses, so
   decode token 0 at position 0 of a page the router never hands out (`pad_page`, one page
   beyond the router's count), so they write nowhere that matters and read one position;
 - decode attention is the Triton kernel (`attention/gpu_decode.py`), whose launch depends only
-  on shapes; the torch path's gathers have data-dependent shapes and cannot be captured.
+  on shapes; the PyTorch backend's gathers have data-dependent shapes and cannot be captured.
 
 Only plain decode steps replay (every entry one token, sampled, one logit row); prefill,
 speculative verification and mixed steps run eagerly. Captures share one memory pool, largest
@@ -19,17 +19,13 @@ first, so the buckets together cost about one step's activations.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from worker_service.attention import AttentionBatch
 from worker_service.attention.gpu_decode import GpuDecodePlan, padded_tables, pages_of
+from worker_service.backends.base import StepContext
 from worker_service.forward_batch import ForwardEntry
-from worker_service.models.llama import StepContext
-
-if TYPE_CHECKING:
-    from worker_service.model_runner import ModelRunner
+from worker_service.kv_pool import KVPool
 
 SMALL_BUCKETS = (1, 2, 4, 8)  # then multiples of BUCKET_STEP up to the largest batch
 BUCKET_STEP = 16
@@ -44,17 +40,20 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Captured decode steps of `runner` for batches of 1 .. `max_batch` rows.
+    """Captured decode steps of `model` (on the Triton backend, over `pool`) for batches of
+    1 .. `max_batch` rows, positions up to `context_len`.
 
-    Invariant: page `pad_page` of the runner's pool is outside the router's page ids.
+    Invariant: page `pad_page` of the pool is outside the router's page ids.
     """
 
-    def __init__(self, runner: ModelRunner, max_batch: int, pad_page: int) -> None:
-        self.runner = runner
-        self.page_size = runner.page_size
+    def __init__(self, model: torch.nn.Module, pool: KVPool, context_len: int, max_batch: int,
+                 pad_page: int) -> None:
+        self.model = model
+        self.pool = pool
+        self.page_size = pool.page_size
         self.pad_page = pad_page
-        self.max_pages = pages_of(runner.info.context_len, self.page_size)
-        device = runner.device
+        self.max_pages = pages_of(context_len, self.page_size)
+        device = pool.buffer.device
         self.sizes = bucket_sizes(max_batch)
         rows = self.sizes[-1]
         # Rows 0..2 of `ints`: token ids, positions, write slots (int64), as the model reads them.
@@ -72,15 +71,12 @@ class DecodeGraphs:
 
     def _forward(self, batch: int) -> torch.Tensor:
         """The eager forward pass over the first `batch` rows of the static buffers."""
-        attention = AttentionBatch(
-            page_size=self.page_size,
-            write_slots=self._ints[2, :batch],
-            decode=None,
-            prefills=[],
-            gpu_decode=GpuDecodePlan(self._block_tables[:batch], self._context_lens[:batch], self.page_size),
-        )
-        step = StepContext(positions=self._ints[1, :batch], attention=attention, pool=self.runner.pool)
-        return self.runner.model(self._ints[0, :batch], step, self._sample_indices[:batch]).float()
+        write_slots = self._ints[2, :batch]
+        decode = GpuDecodePlan(self._block_tables[:batch], self._context_lens[:batch], self.page_size)
+        attention = AttentionBatch(page_size=self.page_size, write_slots=write_slots, decode=decode, prefills=[])
+        step = StepContext(positions=self._ints[1, :batch], write_slots=write_slots, attention=attention,
+                           pool=self.pool)
+        return self.model(self._ints[0, :batch], step, self._sample_indices[:batch]).float()
 
     def _capture(self) -> None:
         self._ints[2].fill_(self.pad_page * self.page_size)  # every row padding while capturing

@@ -6,14 +6,12 @@ multiply, cast and weight) and SwiGLU two or three; a small model's decode step 
 by how many kernels it runs, not by their bytes, so these three ops were half of its launches.
 Each kernel here is one program per token row and rounds where PyTorch's chain rounds (the sum to
 the model dtype before the norm, the normalised row to the dtype before the weight, silu to the
-dtype before the product, each RoPE product and their sum), so results differ from the torch path
-only by the order of the mean's float32 additions and, in RoPE, by one rounding where the GPU's
-compiler fuses a product and the sum into one multiply-add (measured on an H100: one unit in
-the last place on some elements).
+dtype before the product, each RoPE product and their sum), so results differ from the PyTorch
+backend's only by the order of the mean's float32 additions and, in RoPE, by one rounding where
+the GPU's compiler fuses a product and the sum into one multiply-add (one unit in the last place
+on some elements).
 
-The object has the methods of `NativeKernels` that `RMSNorm` and `LlamaMLP` call (set as their
-`kernels` by the model runner on CUDA with Triton), and `rope_store`, which `LlamaAttention` calls
-where it is set as its `rope_kernels`.
+`TritonRowOps` is the Triton backend's `RowKernels` (`base.py`, called by `row_kernels.py`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One step's plan for the compiled attention kernel (`csrc/paged_attention.cpp`).
 
-The model runner describes the step once (each decode row's pages and context length, the groups
+The compiled-kernels backend describes the step once (each decode row's pages and context length, the groups
 of rows sharing leading pages, the prefill spans); `build_plan` lays it out as the C++ `StepPlan`
 expects, in one int32 tensor the struct points into. Every layer then attends through the same
 `NativePlan`: the first fills in the layout and has the library build the step's schedule.
@@ -10,14 +10,9 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from worker_service.native import NativeKernels
-
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+from worker_service.native.signatures import DTYPE_CODES
 
 _INT32_P = ctypes.POINTER(ctypes.c_int32)
 
@@ -40,9 +35,9 @@ class PlanStruct(ctypes.Structure):
     ]
 
 
-def build_plan(kernels: NativeKernels, tables: list[list[int]], context_lens: list[int], page_size: int,
+def build_plan(lib: ctypes.CDLL, tables: list[list[int]], context_lens: list[int], page_size: int,
                groups: list[tuple[list[int], int]], spans: list[tuple[int, int, int, list[int]]] = ()) -> NativePlan:
-    """See `NativeKernels.plan`."""
+    """See `NativeKernels.plan` (`lib`: the loaded library)."""
     pages: list[int] = []
     page_start = [0]
     for table, length in zip(tables, context_lens):
@@ -81,7 +76,7 @@ def build_plan(kernels: NativeKernels, tables: list[list[int]], context_lens: li
     for name, offset in zip(arrays, offsets):
         setattr(struct, name, ctypes.cast(base + 4 * offset, _INT32_P))
     num_rows = max([len(tables)] + [first + count for first, count, _, _ in spans])
-    return NativePlan(kernels, struct, storage, num_rows)
+    return NativePlan(lib, struct, storage, num_rows)
 
 
 @dataclass(slots=True)
@@ -93,7 +88,7 @@ class NativePlan:
     step has the same layout and reuses both.
     """
 
-    kernels: NativeKernels
+    lib: ctypes.CDLL  # the library, typed and checked by `signatures.py`
     _struct: PlanStruct
     _storage: torch.Tensor
     num_rows: int
@@ -114,16 +109,14 @@ class NativePlan:
         if layout != self._layout:
             self._bind(layout)
         out = torch.empty((num_rows, num_q_heads, head_dim), dtype=q.dtype)
-        status = self.kernels._attend(ctypes.addressof(self._struct), self._schedule, q.data_ptr(),
+        self.lib.radix_paged_attention(ctypes.addressof(self._struct), self._schedule, q.data_ptr(),
                                        k_slots.data_ptr(), v_slots.data_ptr(), out.data_ptr())
-        if status != 0:
-            raise RuntimeError(f"paged attention kernel refused the call (status {status})")
         return out
 
     def bound(self, num_q_heads: int, head_dim: int, dtype: torch.dtype, q_row_stride: int, num_kv_heads: int,
               kv_head_stride: int) -> tuple[int, int]:
         """The plan's struct and schedule addresses for this layout (bound now if it differs), for
-        callers that run the kernel from compiled code (`layers/fused_layer.py`)."""
+        callers that run the kernel from compiled code (`backends/fused_llama.py`)."""
         layout = (num_q_heads, head_dim, dtype, q_row_stride, num_kv_heads, kv_head_stride)
         if layout != self._layout:
             self._bind(layout)
@@ -137,14 +130,14 @@ class NativePlan:
         struct.scale = head_dim ** -0.5
         struct.num_threads = torch.get_num_threads()
         self._release()
-        self._schedule = self.kernels._schedule(ctypes.addressof(struct))
+        self._schedule = self.lib.radix_schedule(ctypes.addressof(struct))
         if not self._schedule:
             raise ValueError(f"{num_q_heads} query heads do not group over {num_kv_heads} KV heads")
         self._layout = layout
 
     def _release(self) -> None:
         if self._schedule:
-            self.kernels._free_schedule(self._schedule)
+            self.lib.radix_free_schedule(self._schedule)
         self._schedule = None
 
     def __del__(self) -> None:

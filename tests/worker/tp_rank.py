@@ -1,0 +1,64 @@
+"""One TP rank of `test_tensor_parallel.py`, run as a script: it joins the group, loads only its
+shard on the backend it is given, computes the prompt's logits and a greedy continuation (rank 0
+picks each token and broadcasts it, as the real rank 0 would return it to the router), and saves
+what it saw for the test."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+NUM_NEW_TOKENS = 32
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    for name in ("--rank", "--world-size", "--master-port"):
+        parser.add_argument(name, type=int, required=True)
+    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--prompt", type=str, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--backend", type=str, required=True)
+    args = parser.parse_args()
+
+    import torch.distributed as dist
+
+    from worker.tiny_models import greedy_tokens
+    from worker_service.distributed import init_distributed
+    from worker_service.forward_batch import ForwardEntry
+    from worker_service.model_runner import ModelRunner, RunnerConfig
+
+    torch.set_num_threads(1)
+    init_distributed(args.rank, args.world_size, "127.0.0.1", args.master_port, "cpu")
+    runner = ModelRunner(RunnerConfig(model_dir=args.model, kv_cache_bytes=32 << 20,
+                                      rank=args.rank, world_size=args.world_size, attention_kernel=args.backend))
+    assert runner.backend.name == args.backend
+    prompt_ids = json.loads(args.prompt)
+    page_table = list(range((len(prompt_ids) + NUM_NEW_TOKENS) // runner.info.page_size + 1))
+    prompt_logits = runner.forward([ForwardEntry(prompt_ids, 0, page_table, True)])
+
+    class BroadcastGreedy:
+        """Rank 0's argmax, shared so that every rank feeds the same next token."""
+
+        def forward(self, entries):
+            logits = runner.forward(entries)
+            token = torch.zeros(1, dtype=torch.int64)
+            if logits is not None:
+                token[0] = logits[0].argmax()
+            dist.broadcast(token, src=0)
+            one_hot = torch.zeros(1, runner.info.vocab_size)
+            one_hot[0, token[0]] = 1.0
+            return one_hot
+
+    tokens = greedy_tokens(BroadcastGreedy(), prompt_ids, NUM_NEW_TOKENS, page_table)
+    torch.save({"weight_bytes": runner.weight_bytes(), "prompt_logits": prompt_logits, "tokens": tokens,
+                "num_pages": runner.info.num_pages}, args.out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""What the compiled-kernels and the Triton backends share: the row-wise ops as one kernel each.
+
+RMSNorm, the residual add with the norm after it, SwiGLU, and RoPE with the new K/V's write into
+the pool are one pass each (`RowKernels`: `NativeKernels` on CPU, `TritonRowOps` on CUDA) where
+PyTorch's ops are a chain of several kernels; each rounds where PyTorch's chain rounds, so the
+results are the PyTorch backend's within the order of a float32 sum. Attention after the write
+is each backend's own (`_attend_stored`).
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+
+import torch
+
+from worker_service.backends.base import Rope, RowKernels, StepContext
+from worker_service.backends.torch_backend import TorchBackend
+from worker_service.layers.rotary import RotaryEmbedding
+
+
+class RowKernelBackend(TorchBackend):
+    """A backend whose row-wise ops are `rows`' kernels (PyTorch's for what they do not take)."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, rows: RowKernels) -> None:
+        super().__init__(device, dtype)
+        self.rows = rows
+
+    def rope(self, rotary: RotaryEmbedding, positions: torch.Tensor) -> Rope:
+        """The whole tables: the kernel looks each token's position up itself."""
+        return rotary.cos, rotary.sin
+
+    def attention(self, qkv: torch.Tensor, num_q_heads: int, k_slots: torch.Tensor, v_slots: torch.Tensor,
+                  step: StepContext, rope: Rope) -> torch.Tensor:
+        # One pass rotates q and k in place and stores k and v.
+        self.rows.rope_store(qkv, num_q_heads, step.positions, *rope, k_slots, v_slots, step.write_slots)
+        return self._attend_stored(qkv, num_q_heads, k_slots, v_slots, step)
+
+    @abstractmethod
+    def _attend_stored(self, qkv: torch.Tensor, num_q_heads: int, k_slots: torch.Tensor, v_slots: torch.Tensor,
+                       step: StepContext) -> torch.Tensor:
+        """Attention of the rotated `qkv`'s queries, the step's K/V already in the pool."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.rows.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.is_contiguous() and residual.is_contiguous():
+            return self.rows.add_rms_norm(residual, x, weight, eps), residual
+        return super().add_rms_norm(x, residual, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.rows.silu_mul(gate_up)

@@ -1,0 +1,39 @@
+"""What every model class is to the runner: a causal LM over one TP rank, built on a backend.
+
+A model is constructed with the worker's backend (`worker_service.backends`) and calls it for
+attention, the row-wise ops and (through its layers' packed weights) the linear layers; it never
+asks which backend it is. Its forward pass is three parts the runner may call separately:
+`embed`, `run_layers` and `logits`. Where the backend has a whole-layer fused path for the
+model's layer, the runner replaces `run_layers` by it; a model takes such a path only by
+declaring `fusable_layer`, the kind of decoder layer it has (e.g. `"llama"`), and must declare
+it only where its layers compute exactly that layer. The default, None, never fuses.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from worker_service.backends.base import StepContext
+
+
+class CausalLM(torch.nn.Module):
+    fusable_layer: ClassVar[str | None] = None
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Hidden states `[T, hidden]` of the step's tokens."""
+        raise NotImplementedError
+
+    def run_layers(self, hidden: torch.Tensor, step: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decoder layer over the embeddings: (the last layer's output, the residual stream
+        before it; their sum is the final hidden state)."""
+        raise NotImplementedError
+
+    def logits(self, hidden: torch.Tensor, residual: torch.Tensor, sample_indices: torch.Tensor) -> torch.Tensor | None:
+        """Logits `[len(sample_indices), vocab]` of the chosen tokens, on rank 0 (None elsewhere)."""
+        raise NotImplementedError
+
+    def forward(self, token_ids: torch.Tensor, step: StepContext, sample_indices: torch.Tensor) -> torch.Tensor | None:
+        hidden, residual = self.run_layers(self.embed(token_ids), step)
+        return self.logits(hidden, residual, sample_indices)

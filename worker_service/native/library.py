@@ -1,0 +1,88 @@
+"""Building, caching and loading the compiled kernels' library (`worker_service/csrc/`).
+
+It is built with the machine's C++ compiler (`$CXX`, else `g++`) for the machine's own CPU
+(`-march=native`, AVX-512 required) into a cache folder keyed by the sources, the compiler and
+the CPU's flags, so a worker rebuilds only when one of them changed, and loaded with ctypes. It
+uses torch's OpenMP runtime (the same `libgomp.so.1`, already loaded) with torch's thread count.
+Where it cannot be built (no compiler, no AVX-512), `load()` returns None and `failure()` says
+why; the backend selection (`worker_service.backends`) then takes another backend.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from worker_service.native.signatures import bind
+
+
+CSRC = Path(__file__).parent.parent / "csrc"
+SOURCES = [CSRC / "paged_attention.cpp", CSRC / "elementwise.cpp", CSRC / "rope_store.cpp", CSRC / "gemv.cpp",
+           CSRC / "decode_layer.cpp", CSRC / "sample.cpp",
+           CSRC / "penalties.cpp", CSRC / "logprobs.cpp"]  # headers beside them are included
+COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+COMPILE_TIMEOUT_S = 300.0
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept: `$RADIXSERVE_KERNEL_CACHE`, else the user's cache folder, else /tmp."""
+    configured = os.environ.get("RADIXSERVE_KERNEL_CACHE")
+    if configured:
+        return Path(configured)
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    folder = base / "radixserve" / "kernels"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if os.access(folder, os.W_OK):
+            return folder
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"radixserve-kernels-{os.getuid()}"
+
+
+def cpu_flags() -> str:
+    """The CPU's feature flags line from /proc/cpuinfo ("" where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def build(compiler: str | None = None) -> Path:
+    """The library, compiled now unless this machine has it cached. Raises RuntimeError on failure."""
+    compiler = compiler or os.environ.get("CXX") or "g++"
+    path = shutil.which(compiler)
+    if path is None:
+        raise RuntimeError(f"no C++ compiler ({compiler!r} not found; set CXX)")
+    version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([*(source.read_text() for source in sorted(CSRC.iterdir())), version,
+                                     " ".join(COMPILE_FLAGS), cpu_flags()])
+                         .encode()).hexdigest()[:16]
+    folder = cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    library = folder / f"radixserve-kernels-{key}.so"
+    if library.is_file():
+        return library
+    # Build beside the target and rename: workers that start together each build, and each
+    # rename is atomic, so none loads a half-written file.
+    partial = folder / f".radixserve-kernels-{key}-{os.getpid()}.so"
+    result = subprocess.run([path, *COMPILE_FLAGS, *map(str, SOURCES), "-o", str(partial)],
+                            capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+    if result.returncode != 0:
+        partial.unlink(missing_ok=True)
+        raise RuntimeError(f"compiling the kernels failed: {result.stderr.strip()[-2000:]}")
+    os.replace(partial, library)
+    return library
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """The library at `path`, its functions typed by `signatures.SIGNATURES`."""
+    return bind(ctypes.CDLL(str(path)))
