@@ -1,0 +1,93 @@
+"""The tool-call grammar, compiled by llguidance against SmolLM2's tokenizer: it accepts exactly
+the calls whose arguments validate against their tool's schema, laid out as the family's parser
+reads them (and, in auto mode, plain text); parallel calls only when allowed."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import jsonschema
+import llguidance
+import pytest
+
+from gateway_service.tool_grammar import call_schema, tool_call_grammar
+from gateway_service.tool_parsers import PARSERS
+from radixserve.constraints import Constraint, ConstraintKind
+from radixserve.grammar_compiler import GrammarCompiler
+from radixserve.v1 import generation_pb2 as pb
+
+WEATHER_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city"], "additionalProperties": False,
+}
+TOOLS = [pb.Tool(name="get_weather", parameters=json.dumps(WEATHER_SCHEMA)), pb.Tool(name="now")]
+GOOD = [("get_weather", {"city": "Paris", "unit": "celsius"})]
+TWO = [("get_weather", {"city": "Paris"}), ("now", {})]
+BAD = [
+    [("get_weather", {"town": "Paris"})],  # not in the schema
+    [("get_weather", {"city": "Paris", "unit": "kelvin"})],  # not in the enum
+    [("get_weather", {})],  # a required property missing
+    [("forecast", {"city": "Paris"})],  # no such tool
+]
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer) -> GrammarCompiler:
+    return GrammarCompiler.from_hf(tokenizer.hf, cache_size=64)
+
+
+def accepts(compiler: GrammarCompiler, tokenizer, grammar: str, text: str) -> bool:
+    """Whether the grammar lets the model write exactly `text` and then stop."""
+    matcher = compiler.matcher(Constraint(ConstraintKind.GRAMMAR, text=grammar))
+    ids = tokenizer.hf.encode(text, add_special_tokens=False)
+    return bool(matcher.consume_tokens(ids)) and not matcher.is_error() and matcher.is_accepting()
+
+
+@pytest.mark.parametrize("family", list(PARSERS))
+@pytest.mark.parametrize("required", [True, False])
+def test_grammar_accepts_valid_calls_and_nothing_invalid(compiler, tokenizer, family, required) -> None:
+    parser = PARSERS[family]()
+    for parallel in (True, False):
+        grammar = tool_call_grammar(parser, TOOLS, required, parallel)
+        assert accepts(compiler, tokenizer, grammar, parser.render_calls(GOOD)), (family, parallel)
+        assert accepts(compiler, tokenizer, grammar, parser.render_calls(TWO)) == parallel, (family, parallel)
+        for calls in BAD:
+            assert not accepts(compiler, tokenizer, grammar, parser.render_calls(calls)), (family, calls)
+        # Auto: plain text too, and text before a call where the family has a marker.
+        assert accepts(compiler, tokenizer, grammar, "The weather is fine.") == (not required)
+        if family != "llama3_json":
+            prefixed = "Let me check. " + parser.render_calls(GOOD)
+            assert accepts(compiler, tokenizer, grammar, prefixed) == (not required)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_walks_through_the_grammar_end_in_valid_calls(compiler, tokenizer, seed) -> None:
+    """Sample the constrained output token by token, uniformly among the allowed tokens (EOS
+    once it is allowed): what comes out parses and validates."""
+    parser = PARSERS["hermes"]()
+    grammar = tool_call_grammar(parser, TOOLS[:1], True, False)
+    matcher = compiler.matcher(Constraint(ConstraintKind.GRAMMAR, text=grammar))
+    eos = tokenizer.hf.eos_token_id
+    rng = random.Random(seed)
+    ids: list[int] = []
+    for _ in range(300):
+        mask = matcher.compute_bitmask()
+        if mask[eos // 8] >> (eos % 8) & 1:
+            break
+        allowed = [i for i in range(len(tokenizer.hf)) if mask[i // 8] >> (i % 8) & 1]
+        token = rng.choice(allowed)
+        assert matcher.consume_token(token)
+        ids.append(token)
+    assert matcher.is_accepting()
+    parsed = parser.parse(tokenizer.hf.decode(ids))
+    assert len(parsed.calls) == 1 and parsed.calls[0].name == "get_weather"
+    jsonschema.validate(json.loads(parsed.calls[0].arguments), WEATHER_SCHEMA)
+
+
+def test_call_schema_is_name_then_arguments() -> None:
+    schema = call_schema(TOOLS, "parameters")
+    assert [list(option["properties"]) for option in schema["anyOf"]] == [["name", "parameters"]] * 2
+    assert schema["anyOf"][1]["properties"]["parameters"] == {"type": "object"}
+    assert llguidance  # the grammar library the compiler uses
