@@ -14,7 +14,8 @@ import re
 from dataclasses import dataclass, field
 
 from gateway_service.errors import InvalidRequest
-from gateway_service.reasoning import detect_reasoning
+from gateway_service.reasoning import CLOSE, OPEN, detect_reasoning
+from gateway_service.tokenizer import Tokenizer
 from gateway_service.tool_grammar import tool_call_grammar
 from gateway_service.tool_parsers import ToolCallParser, tool_parser
 from radixserve.constraints import Constraint, ConstraintKind
@@ -35,16 +36,25 @@ Mode = generation_pb2.ToolChoiceMode
 @dataclass(frozen=True, slots=True)
 class ChatFormat:
     """The gateway's chat conventions: its tool-call parser, whether its template renders
-    tools itself, and whether outputs are split into reasoning and content."""
+    tools itself, whether outputs are split into reasoning and content, and the id of the
+    calls' marker when it is one special token (the grammar names it by id)."""
 
     tool_parser: ToolCallParser
     renders_tools: bool
     reasoning: bool
+    marker_token: int | None = None
 
     @classmethod
-    def detect(cls, chat_template: str, tool_parser_name: str, reasoning_parser_name: str) -> "ChatFormat":
-        return cls(tool_parser(tool_parser_name, chat_template), "tools" in chat_template,
-                   detect_reasoning(reasoning_parser_name, chat_template))
+    def detect(cls, tokenizer: Tokenizer, tool_parser_name: str, reasoning_parser_name: str) -> "ChatFormat":
+        """From the tokenizer's chat template and the flags. Markers that are special tokens
+        are kept in the tokenizer's output text, where the parsers look for them."""
+        template = tokenizer.chat_template
+        parser = tool_parser(tool_parser_name, template)
+        reasoning = detect_reasoning(reasoning_parser_name, template)
+        if reasoning:
+            for tag in (OPEN, CLOSE):
+                tokenizer.keep_special(tag)
+        return cls(parser, "tools" in template, reasoning, tokenizer.keep_special(parser.marker))
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +153,6 @@ def plan_chat(request: generation_pb2.GenerateRequest, chat: ChatFormat, max_cha
     parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
     # A named function renders all the tools (the model sees its whole toolbox); it may call only
     # that one.
-    grammar = tool_call_grammar(chat.tool_parser, tools, required, parallel)
+    grammar = tool_call_grammar(chat.tool_parser, tools, required, parallel, chat.marker_token)
     return ChatPlan(tuple(request.tools), kwargs, Constraint(ConstraintKind.GRAMMAR, text=grammar),
                     True, split_reasoning)

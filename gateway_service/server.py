@@ -83,7 +83,7 @@ class Gateway:
         if tokenizer is None:
             tokenizer = await asyncio.to_thread(Tokenizer.load, config.model)
             log.info("tokenizer loaded from %s", config.model)
-        servicer.chat = ChatFormat.detect(tokenizer.chat_template, config.tool_call_parser, config.reasoning_parser)
+        servicer.chat = ChatFormat.detect(tokenizer, config.tool_call_parser, config.reasoning_parser)
         log.info("chat format: %s tool calls, reasoning split %s, template renders tools: %s",
                  servicer.chat.tool_parser.name, "on" if servicer.chat.reasoning else "off", servicer.chat.renders_tools)
         servicer.tokenizer = tokenizer

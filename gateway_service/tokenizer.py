@@ -22,6 +22,8 @@ class Tokenizer:
         self.has_chat_template: bool = bool(template)
         # The default template's source (a named set of templates: the "default" one).
         self.chat_template: str = (template.get("default", "") if isinstance(template, dict) else template) or ""
+        # Special tokens whose text output keeps (markers the parsers read, see `keep_special`).
+        self._kept_ids: set[int] = set()
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "Tokenizer":
@@ -58,9 +60,30 @@ class Tokenizer:
         (what `apply_chat_template(..., tokenize=True)` does too)."""
         return list(self._hf.encode(text, add_special_tokens=False))
 
+    def keep_special(self, text: str) -> int | None:
+        """When `text` is one special token (Mistral's `[TOOL_CALLS]`), keep it in output text
+        from now on, since a parser reads it; returns its id (None: not a special token)."""
+        token_id = self._hf.convert_tokens_to_ids(text)
+        added = self._hf.added_tokens_decoder.get(token_id) if isinstance(token_id, int) else None
+        if added is None or not added.special or added.content != text:
+            return None
+        self._kept_ids.add(token_id)
+        return token_id
+
     def decode(self, token_ids: Sequence[int]) -> str:
-        """Output text: special tokens (end of sequence and the like) are left out."""
-        return self._hf.decode(list(token_ids), skip_special_tokens=True)
+        """Output text: special tokens (end of sequence and the like) are left out, but for
+        the kept ones."""
+        token_ids = list(token_ids)
+        if not self._kept_ids.intersection(token_ids):
+            return self._hf.decode(token_ids, skip_special_tokens=True)
+        pieces, start = [], 0
+        for index, token_id in enumerate(token_ids):
+            if token_id in self._kept_ids:
+                pieces.append(self._hf.decode(token_ids[start:index], skip_special_tokens=True))
+                pieces.append(self._hf.decode([token_id]))
+                start = index + 1
+        pieces.append(self._hf.decode(token_ids[start:], skip_special_tokens=True))
+        return "".join(pieces)
 
     def decode_all(self, token_ids: Sequence[int]) -> str:
         """Any token ids as text, special tokens included (Detokenize, echoed prompts)."""

@@ -49,16 +49,20 @@ def call_schema(tools: Sequence[generation_pb2.Tool], arguments_key: str) -> dic
 
 
 def tool_call_grammar(
-    parser: ToolCallParser, tools: Sequence[generation_pb2.Tool], required: bool, parallel: bool
+    parser: ToolCallParser, tools: Sequence[generation_pb2.Tool], required: bool, parallel: bool,
+    marker_token: int | None = None,
 ) -> str:
-    """The Lark grammar for `tools` (already narrowed to the named one, if any)."""
+    """The Lark grammar for `tools` (already narrowed to the named one, if any).
+    `marker_token`: the id of the marker when it is one special token (a model writes it as
+    that token, which no text lexeme can produce)."""
     body = f"body: %json {json.dumps(call_schema(tools, parser.arguments_key))}\n"
+    marker = json.dumps(parser.marker) if marker_token is None else f"<[{marker_token}]>"
     if isinstance(parser, HermesParser):
-        calls = _repeated('"\\n" body "\\n</tool_call>"', '"\\n<tool_call>"', parallel)
-        return _with_marker(parser.marker, calls, required) + body
+        calls = _repeated('"\\n" body "\\n</tool_call>"', f'"\\n" {marker}', parallel)
+        return _with_marker(parser.marker, marker, marker_token is not None, calls, required) + body
     if isinstance(parser, MistralParser):
         calls = f'calls: "[" {_items("body", chr(34) + ", " + chr(34), parallel)} "]"\n'
-        return _with_marker(parser.marker, calls, required) + body
+        return _with_marker(parser.marker, marker, marker_token is not None, calls, required) + body
     if isinstance(parser, Llama3JsonParser):
         calls = f'calls: {_items("body", chr(34) + "; " + chr(34), parallel)}\n'
         if required:
@@ -78,14 +82,16 @@ def _repeated(call: str, again: str, parallel: bool) -> str:
     return f"calls: {call} ({again} {call})*\n" if parallel else f"calls: {call}\n"
 
 
-def _with_marker(marker: str, calls: str, required: bool) -> str:
-    quoted = json.dumps(marker)
+def _with_marker(marker: str, marker_lark: str, special: bool, calls: str, required: bool) -> str:
     if required:
-        return f"start: {quoted} calls\n" + calls
-    # Free text that never holds the marker, or free text up to the marker's first occurrence
-    # (one lexeme, so that a token may span its end), then calls.
+        return f"start: {marker_lark} calls\n" + calls
+    # Free text never holds the marker's text (a call it opened would escape the constraint).
     escaped = re.escape(marker)
     text = _text_without(f"(?s:.*){escaped}(?s:.*)")
+    if special:  # the marker token itself ends any text lexeme
+        return f"start: TEXT | TEXT {marker_lark} calls | {marker_lark} calls\nTEXT: {text}\n" + calls
+    # Or free text up to the marker's first occurrence (one lexeme, so that a token may span
+    # its end), then calls.
     opening = f"/(?s:.*){escaped}/ & ~/(?s:.*){escaped}(?s:.+)/"
     return f"start: TEXT | OPENING calls\nTEXT: {text}\nOPENING: {opening}\n" + calls
 

@@ -128,7 +128,7 @@ def test_tool_history_is_rendered(harness, api, tokenizer) -> None:
 def test_reasoning_split_whole_and_streamed(harness, api, tokenizer) -> None:
     servicer = harness.gateway.servicer
     plain = servicer.chat
-    servicer.chat = ChatFormat.detect(tokenizer.chat_template, "auto", "think")
+    servicer.chat = ChatFormat.detect(tokenizer, "auto", "think")
     try:
         text = "<think>\nTwo and two.\n</think>\n\nFour."
         _say(harness, tokenizer, text)

@@ -91,3 +91,37 @@ def test_call_schema_is_name_then_arguments() -> None:
     assert [list(option["properties"]) for option in schema["anyOf"]] == [["name", "parameters"]] * 2
     assert schema["anyOf"][1]["properties"]["parameters"] == {"type": "object"}
     assert llguidance  # the grammar library the compiler uses
+
+
+def test_a_marker_that_is_a_special_token_is_written_as_that_token(smollm2_dir) -> None:
+    """Mistral's [TOOL_CALLS] is one special token: the grammar names it by id (text lexemes
+    cannot produce it), and output text keeps it so that the parser finds it."""
+    from transformers import AutoTokenizer
+
+    from gateway_service.chat_format import ChatFormat
+    from gateway_service.detokenizer import IncrementalDetokenizer
+    from gateway_service.tokenizer import Tokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    hf.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    hf.chat_template = "{{ '[AVAILABLE_TOOLS]' }}{{ tools | tojson }}{{ '[TOOL_CALLS]' }}"
+    tokenizer = Tokenizer(hf)
+    chat = ChatFormat.detect(tokenizer, "auto", "auto")
+    marker = hf.convert_tokens_to_ids("[TOOL_CALLS]")
+    assert chat.tool_parser.name == "mistral" and chat.marker_token == marker and chat.renders_tools
+    compiler = GrammarCompiler.from_hf(hf, cache_size=8, vocab_size=len(hf))
+    call = [marker, *hf.encode('[{"name": "get_weather", "arguments": {"city": "Paris"}}]', add_special_tokens=False)]
+    # The same call with the marker spelled out in plain text pieces: not what the model writes.
+    as_text = hf.encode(chat.tool_parser.render_calls(GOOD), add_special_tokens=False, split_special_tokens=True)
+    assert marker not in as_text
+    for required in (True, False):
+        grammar = tool_call_grammar(chat.tool_parser, TOOLS, required, True, chat.marker_token)
+        for ids, expected in ((call, True), (as_text, False), (hf.encode("Hi.", add_special_tokens=False), not required)):
+            matcher = compiler.matcher(Constraint(ConstraintKind.GRAMMAR, text=grammar))
+            ok = bool(matcher.consume_tokens(ids)) and not matcher.is_error() and matcher.is_accepting()
+            assert ok == expected, (required, hf.decode(ids))
+    detokenizer = IncrementalDetokenizer(tokenizer.decode)
+    text = "".join(detokenizer.add(token_id) for token_id in call) + detokenizer.flush()
+    assert text.startswith("[TOOL_CALLS][")
+    assert [c.name for c in chat.tool_parser.parse(text).calls] == ["get_weather"]
+    assert tokenizer.decode([*hf.encode("a", add_special_tokens=False), hf.eos_token_id]) == "a"  # others still go
