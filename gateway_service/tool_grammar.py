@@ -67,8 +67,8 @@ def tool_call_grammar(
         calls = f'calls: {_items("body", chr(34) + "; " + chr(34), parallel)}\n'
         if required:
             return "start: calls\n" + calls + body
-        # Text that does not open (after blanks) with "{" or the tag; or calls.
-        text = _text_without(r"\s*(\{|<\|python_tag\|>)(?s:.*)")
+        # Text that does not open (after blanks) with "{" and never holds the tag; or calls.
+        text = _text_without(r"(\s*\{|(?s:.*)<\|python_tag\|>)(?s:.*)")
         return f"start: TEXT | calls\nTEXT: {text}\n" + calls + body
     raise ValueError(f"no grammar for the {parser.name} format")
 

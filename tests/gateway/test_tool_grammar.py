@@ -125,3 +125,11 @@ def test_a_marker_that_is_a_special_token_is_written_as_that_token(smollm2_dir) 
     assert text.startswith("[TOOL_CALLS][")
     assert [c.name for c in chat.tool_parser.parse(text).calls] == ["get_weather"]
     assert tokenizer.decode([*hf.encode("a", add_special_tokens=False), hf.eos_token_id]) == "a"  # others still go
+
+
+def test_llama_text_may_not_hide_a_tagged_call(compiler, tokenizer) -> None:
+    """Llama's parser reads a call after <|python_tag|> anywhere: auto text may not contain it."""
+    grammar = tool_call_grammar(PARSERS["llama3_json"](), TOOLS, False, True)
+    assert accepts(compiler, tokenizer, grammar, "It is {warm} today.")
+    assert not accepts(compiler, tokenizer, grammar, 'Sure <|python_tag|>{"name": "forecast", "parameters": {}}')
+    assert not accepts(compiler, tokenizer, grammar, '  {"name": "forecast", "parameters": {}}')
