@@ -171,13 +171,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             info.model.context_len, self._config.default_max_tokens,
         )
         constraint = plan.constraint or constraints.from_proto(request.constraint)
-        if plan.constraint is not None:
-            try:
-                await self._require_constraints().check(constraint)
-            except InvalidRequest as exc:  # a tool's parameters schema the grammar library refused
-                raise InvalidRequest(f"tools: {exc.message}") from None
-        elif constraint is not None:
+        try:
             await self._require_constraints().check(constraint)
+        except InvalidRequest as exc:
+            if plan.constraint is None:
+                raise
+            # The tools' grammar failed: a parameters schema the grammar library refused.
+            raise InvalidRequest(f"tools: {exc.message}") from None
         # The router sees a unique id even when callers reuse theirs; logs keep the caller's.
         suffix = uuid.uuid4().hex[:12]
         request_id = f"{request.request_id}-{suffix}" if request.request_id else suffix
