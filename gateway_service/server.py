@@ -84,8 +84,9 @@ class Gateway:
             tokenizer = await asyncio.to_thread(Tokenizer.load, config.model)
             log.info("tokenizer loaded from %s", config.model)
         servicer.chat = ChatFormat.detect(tokenizer, config.tool_call_parser, config.reasoning_parser)
+        chat = servicer.chat
         log.info("chat format: %s tool calls, reasoning split %s, template renders tools: %s",
-                 servicer.chat.tool_parser.name, "on" if servicer.chat.reasoning else "off", servicer.chat.renders_tools)
+                 chat.tool_parser.name, "on" if chat.reasoning else "off", chat.renders_tools)
         servicer.tokenizer = tokenizer
         servicer.constraints = ConstraintChecker(
             tokenizer.hf, config.constraint_timeout_s, config.constraint_cache_size, config.constraint_threads
