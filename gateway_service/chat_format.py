@@ -109,7 +109,12 @@ def check_tools(tools, max_chars: int) -> None:
         raise InvalidRequest(f"the tools have {num_chars} characters, more than the limit of {max_chars}")
 
 
-def check_history(messages) -> None:
+def check_history(messages, max_chars: int) -> None:
+    """Calls in assistant turns: named, with a JSON object of arguments, within the limit."""
+    num_chars = sum(len(call.name) + len(call.arguments) for turn in messages for call in turn.tool_calls)
+    if num_chars > max_chars:
+        raise InvalidRequest(f"the messages' tool calls have {num_chars} characters, more than the limit of "
+                             f"{max_chars}")
     for index, turn in enumerate(messages):
         if turn.tool_calls and turn.role != "assistant":
             raise InvalidRequest(f"messages[{index}].tool_calls: only assistant messages have tool calls")
@@ -132,7 +137,7 @@ def plan_chat(request: generation_pb2.GenerateRequest, chat: ChatFormat, max_cha
     if (tools or choice) and not request.messages:
         raise InvalidRequest("tools and tool_choice need messages (a chat), not a prompt")
     check_tools(tools, max_chars)
-    check_history(request.messages)
+    check_history(request.messages, max_chars)
     kwargs = template_kwargs(request.chat_template_kwargs)
     split_reasoning = chat.reasoning and bool(request.messages) and kwargs.get(ENABLE_THINKING, True) is not False
     named = request.tool_choice.function_name if choice == "function_name" else None

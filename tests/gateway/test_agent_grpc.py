@@ -60,3 +60,11 @@ def test_bad_agent_fields_are_invalid_argument_naming_them(harness, fields, name
     with pytest.raises(grpc.RpcError) as caught:
         harness.stub.Detokenize(pb.DetokenizeRequest(token_ids=[10 ** 9]), timeout=TIMEOUT_S)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_ids[0]" in caught.value.details()
+
+
+def test_tokenize_checks_the_tool_history_too(harness) -> None:
+    turn = pb.ChatMessage(role="assistant", content="", tool_calls=[pb.ToolCall(name="f", arguments="x" * 200_000)])
+    with pytest.raises(grpc.RpcError) as caught:
+        harness.stub.Tokenize(pb.TokenizeRequest(messages=[*CHAT, turn]), timeout=TIMEOUT_S)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "tool calls have 200001 characters" in caught.value.details()
