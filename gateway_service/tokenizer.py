@@ -74,7 +74,7 @@ class Tokenizer:
         """Output text: special tokens (end of sequence and the like) are left out, but for
         the kept ones."""
         token_ids = list(token_ids)
-        if not self._kept_ids.intersection(token_ids):
+        if not self._kept_ids or self._kept_ids.isdisjoint(token_ids):
             return self._hf.decode(token_ids, skip_special_tokens=True)
         pieces, start = [], 0
         for index, token_id in enumerate(token_ids):
