@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway_service.reasoning import REASONING_PARSERS
+from gateway_service.tool_parsers import TOOL_CALL_PARSERS
 from gateway_service.validation import RequestLimits
 from radixserve import flags
 from radixserve.flags import nested, setting
@@ -38,6 +40,12 @@ class GatewayConfig:
     constraint_threads: int = setting(2, "threads that compile constraints, off the event loop", min=1)
     tokenizer_threads: int = setting(2, "threads of each pool (encode: tokenization and chat templates; "
                                      "decode: detokenization) that keep that work off the event loop", min=1)
+    tool_call_parser: str = setting("auto", "how the model writes tool calls (hermes, llama3_json, mistral); "
+                                    "auto: from the chat template, hermes when it shows none",
+                                    choices=TOOL_CALL_PARSERS)
+    reasoning_parser: str = setting("auto", "split <think>...</think> into reasoning_content (think), or not "
+                                    "(none); auto: think when the chat template has <think>",
+                                    choices=REASONING_PARSERS)
     limits: RequestLimits = nested(RequestLimits)
     security: SecurityConfig = security_settings(public=True)
 

@@ -14,6 +14,7 @@ import time
 
 import grpc
 
+from gateway_service.chat_format import ChatFormat
 from gateway_service.config import GatewayConfig
 from gateway_service.constraint_check import ConstraintChecker
 from gateway_service.openai_api.app import TokenCheck, build_app
@@ -82,6 +83,10 @@ class Gateway:
         if tokenizer is None:
             tokenizer = await asyncio.to_thread(Tokenizer.load, config.model)
             log.info("tokenizer loaded from %s", config.model)
+        servicer.chat = ChatFormat.detect(tokenizer, config.tool_call_parser, config.reasoning_parser)
+        chat = servicer.chat
+        log.info("chat format: %s tool calls, reasoning split %s, template renders tools: %s",
+                 chat.tool_parser.name, "on" if chat.reasoning else "off", chat.renders_tools)
         servicer.tokenizer = tokenizer
         servicer.constraints = ConstraintChecker(
             tokenizer.hf, config.constraint_timeout_s, config.constraint_cache_size, config.constraint_threads

@@ -18,16 +18,21 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from gateway_service.chat_format import ChatFormat, ChatPlan, check_history, check_tools, plan_chat, template_kwargs
+from gateway_service.chat_output import ChatOutputSplitter, ToolCallSplitter
+from gateway_service.chat_render import template_input
 from gateway_service.config import GatewayConfig
 from gateway_service.constraint_check import ConstraintChecker
-from gateway_service.errors import GatewayError, NoRouterAvailable, ShuttingDown, to_status
+from gateway_service.errors import GatewayError, InvalidRequest, NoRouterAvailable, ShuttingDown, to_status
 from gateway_service.metrics import API_GRPC, GatewayMetrics
 from gateway_service.output import OutputAssembler
+from gateway_service.reasoning import ReasoningSplitter, opens_inside_block
 from gateway_service.router_choice import RouterPool
 from gateway_service.text_pool import TextPool
 from gateway_service.tokenizer import Tokenizer
 from gateway_service.validation import (
     check_input,
+    check_prompt_token_ids,
     check_prompt_tokens,
     check_text_input,
     resolve_max_tokens,
@@ -37,6 +42,9 @@ from radixserve import constraints, sampling
 from radixserve.v1 import generation_pb2, generation_pb2_grpc, router_pb2
 
 log = logging.getLogger(__name__)
+
+# The end of a chat prompt that says whether the template opened a thinking block for the model.
+PROMPT_TAIL_TOKENS = 16
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
@@ -50,6 +58,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.tokenizer: Tokenizer | None = None
         # Set with the tokenizer; compiles constraints to check them.
         self.constraints: ConstraintChecker | None = None
+        # Set with the tokenizer: the tool-call and reasoning formats of its chat template.
+        self.chat: ChatFormat | None = None
         # Set when the gateway starts to drain: calls that arrive from then on are refused
         # here with UNAVAILABLE while the servers still accept (see `wait_idle`).
         self.draining = False
@@ -74,14 +84,35 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     async def Tokenize(self, request, context) -> generation_pb2.TokenizeResponse:
         try:
-            self._refuse_if_draining()
-            check_text_input(request, self._limits)
-            token_ids = await self._text.encode(self._encode, request)
-            info = self._pool.info  # without a router yet, the character limit bounds the cost
-            check_prompt_tokens(len(token_ids), info.model.context_len if info else None, self._limits)
-            return generation_pb2.TokenizeResponse(token_ids=token_ids)
+            return await self.tokenize(request)
         except Exception as exc:
             await context.abort(*to_status(exc))
+
+    async def tokenize(self, request: generation_pb2.TokenizeRequest) -> generation_pb2.TokenizeResponse:
+        """The token ids of a prompt or a chat (both APIs)."""
+        self._refuse_if_draining()
+        check_text_input(request, self._limits)
+        check_tools(request.tools, self._limits.max_prompt_chars)
+        check_history(request.messages, self._limits.max_prompt_chars)
+        token_ids = await self._text.encode(self._encode_tokenize, request)
+        info = self._pool.info  # without a router yet, the character limit bounds the cost
+        check_prompt_tokens(len(token_ids), info.model.context_len if info else None, self._limits)
+        return generation_pb2.TokenizeResponse(token_ids=token_ids)
+
+    async def Detokenize(self, request, context) -> generation_pb2.DetokenizeResponse:
+        try:
+            return generation_pb2.DetokenizeResponse(text=await self.detokenize(request.token_ids))
+        except Exception as exc:
+            await context.abort(*to_status(exc))
+
+    async def detokenize(self, token_ids) -> str:
+        """Token ids (each in the vocabulary, at most the prompt limit of them) as text."""
+        self._refuse_if_draining()
+        tokenizer = self._require_tokenizer()
+        info = self._pool.info
+        check_prompt_tokens(len(token_ids), info.model.context_len if info else None, self._limits)
+        check_prompt_token_ids(token_ids, (info.vocab_size if info else 0) or tokenizer.vocab_size, "token_ids")
+        return await self._text.decode(tokenizer.decode_all, token_ids)
 
     async def GetModelInfo(self, request, context) -> generation_pb2.GetModelInfoResponse:
         try:
@@ -132,16 +163,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         vocab_size = info.vocab_size or tokenizer.vocab_size
         check_input(request, vocab_size, self._limits)
         params = resolve_sampling(request.sampling, vocab_size, request.logprobs, request.top_logprobs)
-        prompt_ids = await self._text.encode(self._encode, request)
+        plan = plan_chat(request, self._require_chat(), self._limits.max_prompt_chars)
+        prompt_ids = await self._text.encode(self._encode_generate, request, plan)
         # The context length is checked next, with a message that names max_tokens too.
         check_prompt_tokens(len(prompt_ids), None, self._limits)
         max_tokens = resolve_max_tokens(
             request.max_tokens if request.HasField("max_tokens") else None, len(prompt_ids),
             info.model.context_len, self._config.default_max_tokens,
         )
-        constraint = constraints.from_proto(request.constraint)
-        if constraint is not None:
+        constraint = plan.constraint or constraints.from_proto(request.constraint)
+        try:
             await self._require_constraints().check(constraint)
+        except InvalidRequest as exc:
+            if plan.constraint is None:
+                raise
+            # The tools' grammar failed: a parameters schema the grammar library refused.
+            raise InvalidRequest(f"tools: {exc.message}") from None
         # The router sees a unique id even when callers reuse theirs; logs keep the caller's.
         suffix = uuid.uuid4().hex[:12]
         request_id = f"{request.request_id}-{suffix}" if request.request_id else suffix
@@ -155,6 +192,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             constraint=constraints.to_proto(constraint),
         )
         assembler = OutputAssembler(tokenizer, request.stop, len(prompt_ids))
+        splitter = self._output_splitter(plan, prompt_ids)
         log.debug("request %s: %d prompt tokens, max_tokens %d", request_id, len(prompt_ids), max_tokens)
         async with contextlib.aclosing(self._router_stream(routed, deadline)) as stream:
             async for response in stream:
@@ -166,6 +204,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 else:
                     chunk = await self._text.decode(assembler.add, *args)
                 if chunk is not None:
+                    if splitter is not None:
+                        splitter.apply(chunk)
                     yield chunk
                 if assembler.finished:
                     return  # leaving `aclosing` cancels the router call (stop strings)
@@ -206,11 +246,45 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             raise GatewayError("the gateway is still loading its tokenizer", grpc.StatusCode.UNAVAILABLE)
         return self.constraints
 
-    def _encode(self, request: generation_pb2.GenerateRequest | generation_pb2.TokenizeRequest) -> list[int]:
-        tokenizer = self._require_tokenizer()
+    def _require_chat(self) -> ChatFormat:
+        if self.chat is None:
+            raise GatewayError("the gateway is still loading its tokenizer", grpc.StatusCode.UNAVAILABLE)
+        return self.chat
+
+    def _encode_generate(self, request: generation_pb2.GenerateRequest, plan: ChatPlan) -> list[int]:
+        if request.prompt_token_ids:
+            return list(request.prompt_token_ids)
         if request.messages:
-            return tokenizer.encode_chat(request.messages)
-        return tokenizer.encode_prompt(request.prompt)
+            return self._encode_chat(request.messages, plan.tools, plan.template_kwargs, True)
+        return self._require_tokenizer().encode_prompt(request.prompt)
+
+    def _encode_tokenize(self, request: generation_pb2.TokenizeRequest) -> list[int]:
+        if request.messages:
+            add_generation_prompt = not request.HasField("add_generation_prompt") or request.add_generation_prompt
+            return self._encode_chat(request.messages, request.tools, template_kwargs(request.chat_template_kwargs),
+                                     add_generation_prompt, request.add_special_tokens)
+        add_special_tokens = not request.HasField("add_special_tokens") or request.add_special_tokens
+        return self._require_tokenizer().encode_prompt(request.prompt, add_special_tokens)
+
+    def _encode_chat(self, turns, tools, kwargs: dict, add_generation_prompt: bool,
+                     add_special_tokens: bool = False) -> list[int]:
+        """The rendered template holds its special tokens: `add_special_tokens` adds the
+        tokenizer's own once more (what vLLM's /tokenize does when asked)."""
+        tokenizer, chat = self._require_tokenizer(), self._require_chat()
+        messages, tool_defs = template_input(turns, tools, chat.renders_tools, chat.tool_parser)
+        text = tokenizer.apply_template(messages, tool_defs, kwargs, add_generation_prompt)
+        return tokenizer.encode_prompt(text) if add_special_tokens else tokenizer.encode_rendered(text)
+
+    def _output_splitter(self, plan: ChatPlan, prompt_ids: list[int]) -> ChatOutputSplitter | None:
+        """What splits a chat's output into reasoning, content and calls (None: nothing to split)."""
+        if not plan.split_reasoning and not plan.parse_tools:
+            return None
+        reasoning = None
+        if plan.split_reasoning:
+            tail = self._require_tokenizer().decode_all(prompt_ids[-PROMPT_TAIL_TOKENS:])
+            reasoning = ReasoningSplitter(opens_inside_block(tail))
+        tools = ToolCallSplitter(self._require_chat().tool_parser) if plan.parse_tools else None
+        return ChatOutputSplitter(reasoning, tools)
 
     def _refuse_if_draining(self) -> None:
         if self.draining:

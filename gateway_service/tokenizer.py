@@ -18,7 +18,12 @@ class Tokenizer:
     def __init__(self, hf_tokenizer) -> None:
         self._hf = hf_tokenizer
         self.vocab_size: int = len(hf_tokenizer)
-        self.has_chat_template: bool = bool(getattr(hf_tokenizer, "chat_template", None))
+        template = getattr(hf_tokenizer, "chat_template", None)
+        self.has_chat_template: bool = bool(template)
+        # The default template's source (a named set of templates: the "default" one).
+        self.chat_template: str = (template.get("default", "") if isinstance(template, dict) else template) or ""
+        # Special tokens whose text output keeps (markers the parsers read, see `keep_special`).
+        self._kept_ids: set[int] = set()
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "Tokenizer":
@@ -31,28 +36,58 @@ class Tokenizer:
         """The Hugging Face tokenizer itself (the grammar compiler indexes its vocabulary)."""
         return self._hf
 
-    def encode_prompt(self, text: str) -> list[int]:
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A plain prompt, with the special tokens the model's tokenizer adds by itself."""
-        return list(self._hf.encode(text))
+        return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
 
     def encode_chat(self, turns: Sequence[generation_pb2.ChatMessage]) -> list[int]:
-        """The chat template applied with the generation prompt, then tokenized.
+        """The chat template applied with the generation prompt, then tokenized."""
+        return self.encode_rendered(self.apply_template([{"role": t.role, "content": t.content} for t in turns]))
 
-        The rendered template already holds its special tokens, so none are added again
-        (what `apply_chat_template(..., tokenize=True)` does too).
-        """
+    def apply_template(self, messages: list[dict], tools: list[dict] | None = None,
+                       template_kwargs: dict | None = None, add_generation_prompt: bool = True) -> str:
+        """The chat template rendered (`tools` and `template_kwargs` passed on to it)."""
         if not self.has_chat_template:
             raise InvalidRequest("this model has no chat template: send a prompt instead of messages")
-        messages = [{"role": t.role, "content": t.content} for t in turns]
         try:
-            text = self._hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self._hf.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                tokenize=False, **(template_kwargs or {}))
         except Exception as exc:  # the template's own raise_exception(...) is a caller mistake
             raise InvalidRequest(f"the chat template rejected the messages: {exc}") from exc
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """A rendered template: it already holds its special tokens, so none are added again
+        (what `apply_chat_template(..., tokenize=True)` does too)."""
         return list(self._hf.encode(text, add_special_tokens=False))
 
+    def keep_special(self, text: str) -> int | None:
+        """When `text` is one special token (Mistral's `[TOOL_CALLS]`), keep it in output text
+        from now on, since a parser reads it; returns its id (None: not a special token)."""
+        token_id = self._hf.convert_tokens_to_ids(text)
+        added = self._hf.added_tokens_decoder.get(token_id) if isinstance(token_id, int) else None
+        if added is None or not added.special or added.content != text:
+            return None
+        self._kept_ids.add(token_id)
+        return token_id
+
     def decode(self, token_ids: Sequence[int]) -> str:
-        """Output text: special tokens (end of sequence and the like) are left out."""
-        return self._hf.decode(list(token_ids), skip_special_tokens=True)
+        """Output text: special tokens (end of sequence and the like) are left out, but for
+        the kept ones."""
+        token_ids = list(token_ids)
+        if not self._kept_ids or self._kept_ids.isdisjoint(token_ids):
+            return self._hf.decode(token_ids, skip_special_tokens=True)
+        pieces, start = [], 0
+        for index, token_id in enumerate(token_ids):
+            if token_id in self._kept_ids:
+                pieces.append(self._hf.decode(token_ids[start:index], skip_special_tokens=True))
+                pieces.append(self._hf.decode([token_id]))
+                start = index + 1
+        pieces.append(self._hf.decode(token_ids[start:], skip_special_tokens=True))
+        return "".join(pieces)
+
+    def decode_all(self, token_ids: Sequence[int]) -> str:
+        """Any token ids as text, special tokens included (Detokenize, echoed prompts)."""
+        return self._hf.decode(list(token_ids), skip_special_tokens=False)
 
     def token_text(self, token_id: int) -> str:
         """One token as text, special tokens included (for logprobs)."""

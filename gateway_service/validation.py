@@ -58,9 +58,12 @@ def check_text_input(request: generation_pb2.GenerateRequest, limits: RequestLim
         raise InvalidRequest(
             f"the prompt has {num_chars} characters, more than the limit of {limits.max_prompt_chars}"
         )
+    token_ids = getattr(request, "prompt_token_ids", ())  # a Tokenize request has none
     if request.prompt and request.messages:
         raise InvalidRequest("give either prompt or messages, not both")
-    if not request.prompt and not request.messages:
+    if token_ids and (request.prompt or request.messages):
+        raise InvalidRequest("give prompt_token_ids alone, without prompt or messages")
+    if not request.prompt and not request.messages and not token_ids:
         raise InvalidRequest("prompt or messages is required (both are empty)")
     for index, turn in enumerate(request.messages):
         if turn.role not in CHAT_ROLES:
@@ -87,10 +90,18 @@ def check_prompt_tokens(num_tokens: int, context_len: int | None, limits: Reques
         raise InvalidRequest(f"the prompt has {num_tokens} tokens, more than the limit of {limit}")
 
 
+def check_prompt_token_ids(token_ids, vocab_size: int, name: str = "prompt_token_ids") -> None:
+    """Token ids given by the caller, each in the vocabulary."""
+    for index, token_id in enumerate(token_ids):
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequest(f"{name}[{index}] = {token_id} is outside the vocabulary [0, {vocab_size})")
+
+
 def check_input(request: generation_pb2.GenerateRequest, vocab_size: int, limits: RequestLimits) -> None:
     """Everything that can be checked before tokenizing, sizes first."""
     check_request_id(request.request_id, limits)
     check_text_input(request, limits)
+    check_prompt_token_ids(request.prompt_token_ids, vocab_size)
     if request.HasField("max_tokens") and request.max_tokens < 1:
         raise InvalidRequest(f"max_tokens must be >= 1, got {request.max_tokens}")
     if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:

@@ -35,6 +35,7 @@ from gateway_service.openai_api.protocol import (
     chat_input,
     completion_inputs,
 )
+from gateway_service.openai_api.text_routes import add_text_routes, model_card
 from gateway_service.service import GenerationServicer
 from radixserve.v1 import generation_pb2
 
@@ -82,11 +83,7 @@ def build_app(
     @app.get("/v1/models", dependencies=[Depends(authenticated)])
     @_answers_errors
     async def models() -> dict:
-        info = await servicer.model_info()
-        return {"object": "list", "data": [{
-            "id": info.model_name, "object": "model", "created": 0, "owned_by": "radixserve",
-            "max_model_len": info.context_len,
-        }]}
+        return {"object": "list", "data": [model_card(await servicer.model_info())]}
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authenticated)])
     @_answers_errors
@@ -110,20 +107,23 @@ def build_app(
         model = await served_model(body.model)
         prompts = completion_inputs(body, max_choices)
         inputs = with_choice_seeds(prompts, body.n)
+        echoed = [await _prompt_text(servicer, r) for r in inputs] if body.echo else [""] * len(inputs)
         streams = ChoiceStreams(lambda r: servicer.generate(r, None, API_COMPLETIONS), inputs)
         header = bodies.ResponseHeader.new("cmpl", bodies.COMPLETION_OBJECT, model)
         if body.stream:
-            return await _event_stream(streams, _completion_events(header, body, inputs, len(prompts)))
+            return await _event_stream(streams, _completion_events(header, body, echoed, len(prompts)))
         outputs = await _collect(streams, len(inputs), request)
         with_logprobs = body.logprobs is not None
         return JSONResponse(header.body(
             choices=[
-                bodies.completion_choice(i, "".join(out.text), out.logprobs if with_logprobs else None,
+                bodies.completion_choice(i, echoed[i] + "".join(out.text), out.logprobs if with_logprobs else None,
                                          out.finish_reason)
                 for i, out in enumerate(outputs)
             ],
             usage=bodies.usage_body([out.usage for out in outputs], len(prompts)),
         ))
+
+    add_text_routes(app, servicer, authenticated, _answers_errors)
 
     @app.exception_handler(Unauthenticated)
     async def unauthenticated(request: Request, exc: Unauthenticated) -> JSONResponse:
@@ -243,10 +243,17 @@ def _chat_events(header: bodies.ResponseHeader, body: ChatCompletionRequest, num
     return events
 
 
+async def _prompt_text(servicer: GenerationServicer, request: generation_pb2.GenerateRequest) -> str:
+    """What `echo` puts before a completion: the prompt, as text."""
+    return request.prompt or await servicer.detokenize(request.prompt_token_ids)
+
+
 def _completion_events(header: bodies.ResponseHeader, body: CompletionRequest,
-                       inputs: Sequence[generation_pb2.GenerateRequest], num_prompts: int) -> Events:
-    offsets = [0] * len(inputs)
-    totals = _UsageTotals(len(inputs))
+                       echoed: Sequence[str], num_prompts: int) -> Events:
+    """`echoed[i]`: the text choice i starts with (its prompt with `echo`, else empty)."""
+    offsets = [0] * len(echoed)
+    totals = _UsageTotals(len(echoed))
+    unsent = dict(enumerate(echoed))
     extra = {"usage": None} if body.include_usage else {}
     with_logprobs = body.logprobs is not None
 
@@ -254,9 +261,10 @@ def _completion_events(header: bodies.ResponseHeader, body: CompletionRequest,
         if index is None:
             return [header.body(choices=[], usage=totals.body(num_prompts))] if body.include_usage else []
         totals.add(index, chunk)
-        choice = bodies.completion_choice(index, chunk.text, chunk.logprobs if with_logprobs else None,
+        text = unsent.pop(index, "") + chunk.text
+        choice = bodies.completion_choice(index, text, chunk.logprobs if with_logprobs else None,
                                           chunk.finish_reason, offsets[index])
-        offsets[index] += len(chunk.text)
+        offsets[index] += len(text)
         return [header.body(choices=[choice], **extra)]
 
     return events

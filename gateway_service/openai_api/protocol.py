@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway_service.errors import InvalidRequest
+from gateway_service.openai_api import tool_protocol
 from radixserve import constraints
 from radixserve.constraints import Constraint, ConstraintKind
 from radixserve.sampling import seed_problem
@@ -60,6 +61,9 @@ class TextPart(_Body):
 class ChatMessage(_Body):
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[tool_protocol.ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class _Common(_Body):
@@ -87,6 +91,9 @@ class _Common(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # Not supported: each is a 400 naming it when it would change the output.
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -98,13 +105,19 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[tool_protocol.ToolDefinition] | None = None
+    tool_choice: tool_protocol.ToolChoiceIn | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str]
+    # Text, texts, token ids, or lists of token ids.
+    prompt: str | list[str] | list[int] | list[list[int]]
     # Completions take the number of alternatives per token here (0 to 20).
     logprobs: int | None = None
     echo: bool = False
+    suffix: str | None = None
 
 
 Endpoint = Literal["chat", "completions"]
@@ -112,28 +125,46 @@ Endpoint = Literal["chat", "completions"]
 
 def chat_input(body: ChatCompletionRequest, max_choices: int) -> generation_pb2.GenerateRequest:
     check_choices(body.n, max_choices)
+    tool_protocol.check_unsupported(body.logit_bias, body.best_of, None)
     turns = [
-        generation_pb2.ChatMessage(role=ROLE_ALIASES.get(m.role, m.role), content=_text(m.content, index))
+        generation_pb2.ChatMessage(role=ROLE_ALIASES.get(m.role, m.role), content=_text(m.content, index),
+                                   **tool_protocol.history_fields(m))
         for index, m in enumerate(body.messages)
     ]
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return _input(body, max_tokens, messages=turns, logprobs=body.logprobs,
-                  top_logprobs=body.top_logprobs or 0)
+    request = _input(body, max_tokens, messages=turns, logprobs=body.logprobs,
+                     top_logprobs=body.top_logprobs or 0, tools=tool_protocol.tool_messages(body.tools),
+                     tool_choice=tool_protocol.tool_choice_message(body.tool_choice),
+                     chat_template_kwargs=tool_protocol.template_kwargs_text(body.chat_template_kwargs))
+    if body.parallel_tool_calls is not None:
+        request.parallel_tool_calls = body.parallel_tool_calls
+    return request
 
 
 def completion_inputs(body: CompletionRequest, max_choices: int) -> list[generation_pb2.GenerateRequest]:
     """One input per prompt (a list of prompts is a batch; choices come prompt by prompt)."""
-    if body.echo:
-        raise InvalidRequest("echo is not supported")
-    prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+    tool_protocol.check_unsupported(body.logit_bias, body.best_of, body.suffix)
+    if body.echo and body.logprobs is not None:
+        raise InvalidRequest("echo with logprobs is not supported (this server has no prompt logprobs); "
+                             "send echo or logprobs alone")
+    prompts = completion_prompts(body.prompt)
     if not prompts:
         raise InvalidRequest("prompt is empty")
     check_choices(body.n * len(prompts), max_choices)
     return [
-        _input(body, body.max_tokens, prompt=prompt, logprobs=body.logprobs is not None,
-               top_logprobs=body.logprobs or 0)
+        _input(body, body.max_tokens, logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,
+               **({"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": prompt}))
         for prompt in prompts
     ]
+
+
+def completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """The prompts of a batch: texts, or token-id lists (one list of ints is one prompt)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(token_id, int) for token_id in prompt):
+        return [[_int32(token_id) for token_id in prompt]]
+    return [p if isinstance(p, str) else [_int32(token_id) for token_id in p] for p in prompt]
 
 
 def check_choices(num_choices: int, max_choices: int) -> None:

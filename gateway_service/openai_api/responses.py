@@ -47,12 +47,16 @@ class ChoiceOutput:
     """One choice accumulated over its chunks (non-streaming responses)."""
 
     text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    tool_calls: list[generation_pb2.ToolCall] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: int = generation_pb2.FINISH_REASON_UNSPECIFIED
     usage: Usage | None = None
 
     def add(self, chunk: Chunk) -> None:
         self.text.append(chunk.text)
+        self.reasoning.append(chunk.reasoning_text)
+        self.tool_calls.extend(chunk.tool_calls)
         self.logprobs.extend(chunk.logprobs)
         if chunk.finish_reason:
             self.finish_reason = chunk.finish_reason
@@ -95,10 +99,27 @@ def chat_logprobs(logprobs: Sequence[TokenLogprob]) -> dict:
     }
 
 
+def tool_call_body(call: generation_pb2.ToolCall, streamed: bool = False) -> dict:
+    body = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+    return {"index": call.index, **body} if streamed else body
+
+
+def chat_message(choice: ChoiceOutput) -> dict:
+    """The assistant's message: content is null when the answer is only tool calls."""
+    content = "".join(choice.text)
+    message: dict = {"role": "assistant", "content": content or (None if choice.tool_calls else "")}
+    reasoning = "".join(choice.reasoning)
+    if reasoning:
+        message["reasoning_content"] = reasoning
+    if choice.tool_calls:
+        message["tool_calls"] = [tool_call_body(call) for call in choice.tool_calls]
+    return message
+
+
 def chat_choice(index: int, choice: ChoiceOutput, with_logprobs: bool) -> dict:
     return {
         "index": index,
-        "message": {"role": "assistant", "content": "".join(choice.text)},
+        "message": chat_message(choice),
         "logprobs": chat_logprobs(choice.logprobs) if with_logprobs else None,
         "finish_reason": finish_reason_text(choice.finish_reason),
     }
@@ -109,6 +130,10 @@ def chat_delta(index: int, chunk: Chunk | None, with_logprobs: bool, first: bool
     delta: dict = {"role": "assistant", "content": ""} if first else {}
     if chunk is not None and chunk.text:
         delta["content"] = chunk.text
+    if chunk is not None and chunk.reasoning_text:
+        delta["reasoning_content"] = chunk.reasoning_text
+    if chunk is not None and chunk.tool_calls:
+        delta["tool_calls"] = [tool_call_body(call, streamed=True) for call in chunk.tool_calls]
     logprobs = chat_logprobs(chunk.logprobs) if with_logprobs and chunk is not None else None
     reason = None if chunk is None else finish_reason_text(chunk.finish_reason)
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}

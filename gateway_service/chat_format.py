@@ -1,0 +1,163 @@
+"""What the gateway does with a chat beyond its text: tools, tool choice, template variables and
+the reasoning split, decided once per gateway (`ChatFormat`) and checked once per request
+(`plan_chat`, which raises `InvalidRequest` naming the field).
+
+tool_choice: `none` renders no tools and parses no calls; `auto` (the default with tools)
+renders them, parses calls, and constrains a call the model starts (`tool_grammar`);
+`required` and a named function constrain the whole output to calls (of that function).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+from gateway_service.errors import InvalidRequest
+from gateway_service.reasoning import CLOSE, OPEN, detect_reasoning
+from gateway_service.tokenizer import Tokenizer
+from gateway_service.tool_grammar import tool_call_grammar
+from gateway_service.tool_parsers import ToolCallParser, tool_parser
+from radixserve.constraints import Constraint, ConstraintKind
+from radixserve.v1 import generation_pb2
+
+MAX_TOOLS = 128
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+MAX_TEMPLATE_KWARGS_CHARS = 16 * 1024
+# Variables the gateway itself passes to apply_chat_template.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "tokenize", "return_dict", "return_tensors", "chat_template", "padding", "truncation",
+})
+ENABLE_THINKING = "enable_thinking"
+Mode = generation_pb2.ToolChoiceMode
+
+
+@dataclass(frozen=True, slots=True)
+class ChatFormat:
+    """The gateway's chat conventions: its tool-call parser, whether its template renders
+    tools itself, whether outputs are split into reasoning and content, and the id of the
+    calls' marker when it is one special token (the grammar names it by id)."""
+
+    tool_parser: ToolCallParser
+    renders_tools: bool
+    reasoning: bool
+    marker_token: int | None = None
+
+    @classmethod
+    def detect(cls, tokenizer: Tokenizer, tool_parser_name: str, reasoning_parser_name: str) -> "ChatFormat":
+        """From the tokenizer's chat template and the flags. Markers that are special tokens
+        are kept in the tokenizer's output text, where the parsers look for them."""
+        template = tokenizer.chat_template
+        parser = tool_parser(tool_parser_name, template)
+        reasoning = detect_reasoning(reasoning_parser_name, template)
+        if reasoning:
+            for tag in (OPEN, CLOSE):
+                tokenizer.keep_special(tag)
+        return cls(parser, "tools" in template, reasoning, tokenizer.keep_special(parser.marker))
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPlan:
+    """One request's decisions: the tools to render, the template's extra variables, the
+    constraint the tools impose (None: none), and what to split out of the output."""
+
+    tools: tuple[generation_pb2.Tool, ...] = ()
+    template_kwargs: dict = field(default_factory=dict)
+    constraint: Constraint | None = None
+    parse_tools: bool = False
+    split_reasoning: bool = False
+
+
+def template_kwargs(text: str) -> dict:
+    """`chat_template_kwargs` (a JSON object) as a dict."""
+    if not text:
+        return {}
+    if len(text) > MAX_TEMPLATE_KWARGS_CHARS:
+        raise InvalidRequest(f"chat_template_kwargs is longer than {MAX_TEMPLATE_KWARGS_CHARS} characters")
+    try:
+        kwargs = json.loads(text)
+    except ValueError as exc:
+        raise InvalidRequest(f"chat_template_kwargs is not valid JSON: {exc}") from None
+    if not isinstance(kwargs, dict):
+        raise InvalidRequest("chat_template_kwargs must be a JSON object")
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if reserved:
+        raise InvalidRequest(f"chat_template_kwargs.{reserved[0]} is set by the gateway itself")
+    return kwargs
+
+
+def check_tools(tools, max_chars: int) -> None:
+    if len(tools) > MAX_TOOLS:
+        raise InvalidRequest(f"at most {MAX_TOOLS} tools, got {len(tools)}")
+    names = set()
+    for index, tool in enumerate(tools):
+        if not TOOL_NAME.fullmatch(tool.name):
+            raise InvalidRequest(f"tools[{index}].function.name must be 1 to 64 of [A-Za-z0-9_-], got {tool.name!r}")
+        if tool.name in names:
+            raise InvalidRequest(f"tools[{index}].function.name {tool.name!r} is given twice")
+        names.add(tool.name)
+        if tool.parameters:
+            try:
+                schema = json.loads(tool.parameters)
+            except ValueError as exc:
+                raise InvalidRequest(f"tools[{index}].function.parameters is not valid JSON: {exc}") from None
+            if not isinstance(schema, dict):
+                raise InvalidRequest(f"tools[{index}].function.parameters must be a JSON object")
+    num_chars = sum(len(t.name) + len(t.description) + len(t.parameters) for t in tools)
+    if num_chars > max_chars:
+        raise InvalidRequest(f"the tools have {num_chars} characters, more than the limit of {max_chars}")
+
+
+def check_history(messages, max_chars: int) -> None:
+    """Calls in assistant turns: named, with a JSON object of arguments, within the limit."""
+    num_chars = sum(len(call.name) + len(call.arguments) for turn in messages for call in turn.tool_calls)
+    if num_chars > max_chars:
+        raise InvalidRequest(f"the messages' tool calls have {num_chars} characters, more than the limit of "
+                             f"{max_chars}")
+    for index, turn in enumerate(messages):
+        if turn.tool_calls and turn.role != "assistant":
+            raise InvalidRequest(f"messages[{index}].tool_calls: only assistant messages have tool calls")
+        for number, call in enumerate(turn.tool_calls):
+            where = f"messages[{index}].tool_calls[{number}]"
+            if not call.name:
+                raise InvalidRequest(f"{where}.function.name is required")
+            try:
+                arguments = json.loads(call.arguments) if call.arguments else {}
+            except ValueError:
+                raise InvalidRequest(f"{where}.function.arguments is not valid JSON") from None
+            if not isinstance(arguments, dict):
+                raise InvalidRequest(f"{where}.function.arguments must be a JSON object")
+
+
+def plan_chat(request: generation_pb2.GenerateRequest, chat: ChatFormat, max_chars: int) -> ChatPlan:
+    """Check the request's tool and template fields and decide what to do with them."""
+    tools = tuple(request.tools)
+    choice = request.tool_choice.WhichOneof("choice")
+    if (tools or choice) and not request.messages:
+        raise InvalidRequest("tools and tool_choice need messages (a chat), not a prompt")
+    check_tools(tools, max_chars)
+    check_history(request.messages, max_chars)
+    kwargs = template_kwargs(request.chat_template_kwargs)
+    split_reasoning = chat.reasoning and bool(request.messages) and kwargs.get(ENABLE_THINKING, True) is not False
+    named = request.tool_choice.function_name if choice == "function_name" else None
+    mode = request.tool_choice.mode if choice == "mode" else Mode.TOOL_CHOICE_MODE_AUTO
+    if named is not None or mode == Mode.TOOL_CHOICE_MODE_REQUIRED:
+        if not tools:
+            raise InvalidRequest("tool_choice requires a tool call, but no tools are given")
+    if named is not None:
+        tools = tuple(t for t in tools if t.name == named)
+        if not tools:
+            raise InvalidRequest(f"tool_choice names the function {named!r}, which is not among the tools")
+    if mode == Mode.TOOL_CHOICE_MODE_NONE or not tools:
+        return ChatPlan((), kwargs, None, False, split_reasoning)
+    if request.constraint.WhichOneof("kind") is not None:
+        raise InvalidRequest("give either tools or a structured-output constraint (response_format, "
+                             "guided_*), not both; or set tool_choice to none")
+    required = named is not None or mode == Mode.TOOL_CHOICE_MODE_REQUIRED
+    parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
+    # A named function renders all the tools (the model sees its whole toolbox); it may call only
+    # that one.
+    grammar = tool_call_grammar(chat.tool_parser, tools, required, parallel, chat.marker_token)
+    return ChatPlan(tuple(request.tools), kwargs, Constraint(ConstraintKind.GRAMMAR, text=grammar),
+                    True, split_reasoning)

@@ -1,0 +1,154 @@
+"""Tool calling through a whole stack (`radixserve up`, TP=1, HTTP on) with real clients: the
+official openai client and LangChain's ChatOpenAI. The model is tiny and random with SmolLM2's
+tokenizer and chat template, which cannot render tools: the gateway renders them itself (the
+Hermes layout). Every call that comes back must validate against its tool's schema: that comes
+from the grammar, not from the model."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema
+import openai
+import pytest
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+from langchain_openai import ChatOpenAI
+
+from constrained_model import make_constrained_model
+from e2e.stack import LaunchedStack, launch
+from procs import ServiceProcesses
+
+MODEL = "tiny-agent"
+TIMEOUT_S = 60.0
+# Small schemas with bounded values, so a sampled call ends well within max_tokens.
+LEVEL_SCHEMA = {
+    "type": "object",
+    "properties": {"level": {"type": "integer", "minimum": 0, "maximum": 9},
+                   "mode": {"enum": ["fast", "slow"]}},
+    "required": ["level", "mode"], "additionalProperties": False,
+}
+WEATHER_SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False,
+}
+SCHEMAS = {"set_level": LEVEL_SCHEMA, "get_weather": WEATHER_SCHEMA}
+TOOLS = [{"type": "function", "function": {"name": name, "description": f"{name} tool", "parameters": schema}}
+         for name, schema in SCHEMAS.items()]
+CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
+MAX_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, smollm2_dir):
+    model_dir = make_constrained_model(tmp_path_factory.mktemp("agent") / MODEL, smollm2_dir)
+    with ServiceProcesses() as procs:
+        yield launch(procs, model_dir, tp=1, default_max_tokens=MAX_TOKENS, with_http=True)
+
+
+@pytest.fixture(scope="module")
+def api(stack: LaunchedStack) -> openai.OpenAI:
+    with openai.OpenAI(base_url=f"{stack.http_base}/v1", api_key="unused", max_retries=0,
+                       timeout=TIMEOUT_S) as client:
+        yield client
+
+
+def langchain_model(stack: LaunchedStack, **settings) -> ChatOpenAI:
+    return ChatOpenAI(model=MODEL, base_url=f"{stack.http_base}/v1", api_key="unused", max_retries=0,
+                      timeout=TIMEOUT_S, max_tokens=MAX_TOKENS, **settings)
+
+
+def assert_valid(name: str, arguments: dict) -> None:
+    jsonschema.validate(arguments, SCHEMAS[name])
+
+
+@pytest.mark.timeout(180)
+def test_langchain_bind_tools_invoke_and_stream_give_the_same_valid_call(stack) -> None:
+    model = langchain_model(stack, temperature=0).bind_tools(TOOLS, tool_choice="required",
+                                                             parallel_tool_calls=False)
+    reply = model.invoke("What is the weather in Paris?")
+    assert isinstance(reply, AIMessage) and len(reply.tool_calls) == 1, reply
+    call = reply.tool_calls[0]
+    assert call["id"] and call["name"] in SCHEMAS
+    assert_valid(call["name"], call["args"])
+    assert reply.response_metadata["finish_reason"] == "tool_calls"
+    # Streamed, the chunks add up to the same call (greedy: the same tokens).
+    streamed = None
+    for chunk in model.stream("What is the weather in Paris?"):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [(call["name"], call["args"])]
+
+
+@pytest.mark.timeout(180)
+def test_two_turns_with_a_tool_result_continue(stack) -> None:
+    model = langchain_model(stack, temperature=0).bind_tools(TOOLS, tool_choice="get_weather",
+                                                             parallel_tool_calls=False)
+    first = model.invoke([HumanMessage("What is the weather in Paris?")])
+    (call,) = first.tool_calls
+    assert call["name"] == "get_weather"
+    assert_valid("get_weather", call["args"])
+    history = [HumanMessage("What is the weather in Paris?"), first,
+               ToolMessage(json.dumps({"sky": "sunny", "degrees": 21}), tool_call_id=call["id"])]
+    second = langchain_model(stack, temperature=0).bind_tools(TOOLS).invoke(history)
+    assert isinstance(second, AIMessage)
+    assert second.response_metadata["finish_reason"] in ("stop", "length", "tool_calls")
+    for later in second.tool_calls:  # auto: whatever call the model starts is valid too
+        assert_valid(later["name"], later["args"])
+    assert second.content or second.tool_calls
+
+
+@pytest.mark.timeout(240)
+def test_fifty_sampled_required_calls_all_validate(api) -> None:
+    def ask(seed: int):
+        return api.chat.completions.create(
+            model=MODEL, messages=CHAT, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+            temperature=1.0, seed=seed, max_tokens=MAX_TOKENS)
+
+    with ThreadPoolExecutor(max_workers=10) as pool:
+        replies = list(pool.map(ask, range(50)))
+    for reply in replies:
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        (call,) = choice.message.tool_calls
+        assert_valid(call.function.name, json.loads(call.function.arguments))
+    assert len({r.choices[0].message.tool_calls[0].function.arguments for r in replies}) > 1  # sampled
+
+
+@pytest.mark.timeout(180)
+def test_openai_client_streamed_calls_reassemble(api) -> None:
+    # One call: a random model allowed several keeps adding calls until max_tokens cuts it.
+    fields = dict(model=MODEL, messages=CHAT, tools=TOOLS, temperature=0, max_tokens=MAX_TOKENS,
+                  tool_choice={"type": "function", "function": {"name": "set_level"}}, parallel_tool_calls=False)
+    whole = api.chat.completions.create(**fields).choices[0].message.tool_calls
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in api.chat.completions.create(**fields, stream=True):
+        delta = chunk.choices[0].delta
+        finish = chunk.choices[0].finish_reason or finish
+        for part in delta.tool_calls or ():
+            entry = calls.setdefault(part.index, {"id": "", "name": "", "arguments": ""})
+            entry["id"] += part.id or ""
+            entry["name"] += part.function.name or ""
+            entry["arguments"] += part.function.arguments or ""
+    assert finish == "tool_calls"
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in whole]
+    for call in whole:
+        assert call.function.name == "set_level"
+        assert_valid("set_level", json.loads(call.function.arguments))
+
+
+@pytest.mark.timeout(120)
+def test_auto_calls_are_valid_whenever_the_model_starts_one(api) -> None:
+    """Auto: text or calls, the model's choice; a call it starts is constrained to a valid one."""
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        replies = list(pool.map(lambda seed: api.chat.completions.create(
+            model=MODEL, messages=CHAT, tools=TOOLS, parallel_tool_calls=False, temperature=1.0, seed=seed,
+            max_tokens=16), range(16)))
+    for reply in replies:
+        choice = reply.choices[0]
+        for call in choice.message.tool_calls or ():
+            assert_valid(call.function.name, json.loads(call.function.arguments))
+        if choice.finish_reason == "stop":
+            assert "<tool_call>" not in (choice.message.content or "")

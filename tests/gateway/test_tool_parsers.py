@@ -1,0 +1,126 @@
+"""Tool-call parsers on outputs written the way each family writes them, well formed and not:
+a malformed output comes back whole as content, never as an exception or half the calls; and
+the streaming splitter, fed any split of an output, gives the same content and calls as the
+whole text."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway_service.chat_output import ToolCallSplitter
+from gateway_service.tool_parsers import (
+    HermesParser,
+    Llama3JsonParser,
+    MistralParser,
+    ParsedCall,
+    detect_tool_parser,
+    tool_parser,
+)
+
+WEATHER = ParsedCall("get_weather", '{"city": "Paris", "unit": "celsius"}')
+TIME = ParsedCall("get_time", '{"zone": "CET"}')
+
+# (parser, output, expected content, expected calls)
+RECORDED = [
+    # Qwen 2.5 / Hermes: one call, two calls, text before, an unclosed last block (EOS after
+    # the JSON), arguments given as a JSON string.
+    (HermesParser, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
+     '</tool_call>', "", (WEATHER,)),
+    (HermesParser, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
+     '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>',
+     "", (WEATHER, TIME)),
+    (HermesParser, 'Let me look that up.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}'
+     '\n</tool_call>', "Let me look that up.\n", (TIME,)),
+    (HermesParser, '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}', "", (TIME,)),
+    (HermesParser, '<tool_call>{"name": "get_time", "arguments": "{\\"zone\\": \\"CET\\"}"}</tool_call>', "",
+     (TIME,)),
+    (HermesParser, "The weather is fine.", "The weather is fine.", ()),
+    # Llama 3.1 / 3.2: bare JSON with "parameters", the python tag, several separated by ";".
+    (Llama3JsonParser, '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}', "",
+     (WEATHER,)),
+    (Llama3JsonParser, '<|python_tag|>{"name": "get_time", "parameters": {"zone": "CET"}}', "", (TIME,)),
+    (Llama3JsonParser, '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}}; '
+     '{"name": "get_time", "parameters": {"zone": "CET"}}', "", (WEATHER, TIME)),
+    (Llama3JsonParser, "It is 12:00 in Paris {approximately}.", "It is 12:00 in Paris {approximately}.", ()),
+    # Mistral: the JSON array after [TOOL_CALLS], and the newer name[ARGS]{...} layout.
+    (MistralParser, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
+     '{"name": "get_time", "arguments": {"zone": "CET"}}]', "", (WEATHER, TIME)),
+    (MistralParser, '[TOOL_CALLS]get_time[ARGS]{"zone": "CET"}', "", (TIME,)),
+    (MistralParser, 'Sure.[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "CET"}}]', "Sure.", (TIME,)),
+]
+
+MALFORMED = [
+    (HermesParser, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'),  # cut by max_tokens
+    (HermesParser, '<tool_call>\n{"arguments": {"zone": "CET"}}\n</tool_call>'),  # no name
+    (HermesParser, '<tool_call>\n{"name": "get_time", "arguments": [1, 2]}\n</tool_call>'),  # not an object
+    (HermesParser, '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n<tool_call>\nnot json'),
+    (HermesParser, "<tool_call></tool_call>"),
+    (Llama3JsonParser, '{"name": "get_time", "parameters": {"zone": '),
+    (Llama3JsonParser, '{"parameters": {}}'),
+    (Llama3JsonParser, '{"name": "get_time", "parameters": {}} and then some words'),
+    (MistralParser, '[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "CET"}'),
+    (MistralParser, '[TOOL_CALLS]{"name": "get_time"}'),
+    (MistralParser, "[TOOL_CALLS]get_time{}"),
+]
+
+
+@pytest.mark.parametrize("parser, text, content, calls", RECORDED)
+def test_recorded_outputs_parse_into_content_and_calls(parser, text, content, calls) -> None:
+    parsed = parser().parse(text)
+    assert parsed.content == content
+    assert parsed.calls == calls
+    for call in parsed.calls:
+        assert isinstance(json.loads(call.arguments), dict)
+
+
+@pytest.mark.parametrize("parser, text", MALFORMED)
+def test_malformed_outputs_come_back_whole_as_content(parser, text) -> None:
+    parsed = parser().parse(text)
+    assert parsed.content == text and parsed.calls == ()
+
+
+def _split_feed(parser, text: str, sizes: int) -> tuple[str, tuple]:
+    splitter = ToolCallSplitter(parser)
+    pieces = [splitter.feed(text[i:i + sizes]) for i in range(0, len(text), sizes)]
+    rest, calls = splitter.finish()
+    return "".join(pieces) + rest, calls
+
+
+@pytest.mark.parametrize("parser, text", [(p, t) for p, t, _, _ in RECORDED] + MALFORMED)
+@pytest.mark.parametrize("size", [1, 2, 5, 1000])
+def test_streaming_any_split_gives_the_whole_texts_answer(parser, text, size) -> None:
+    whole = parser().parse(text)
+    assert _split_feed(parser(), text, size) == (whole.content, whole.calls)
+
+
+def test_content_before_a_call_streams_before_the_call_ends() -> None:
+    splitter = ToolCallSplitter(HermesParser())
+    assert splitter.feed("Checking <tool") == "Checking "  # "<tool" may open the marker: held
+    assert splitter.feed("_call>\n{") == ""
+    assert splitter.feed('"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>') == ""
+    assert splitter.finish() == ("", (TIME,))
+    splitter = ToolCallSplitter(HermesParser())
+    assert splitter.feed("a <b") == "a <b"  # not the marker's beginning
+
+
+def test_llama_holds_only_the_start_of_the_output() -> None:
+    splitter = ToolCallSplitter(Llama3JsonParser())
+    assert splitter.feed("  ") == ""  # blank: a call may still follow
+    assert splitter.feed("The answer {x}") == "  The answer {x}"
+    assert splitter.finish() == ("", ())
+
+
+def test_each_family_renders_calls_its_parser_reads() -> None:
+    for parser in (HermesParser(), Llama3JsonParser(), MistralParser()):
+        text = parser.render_calls([("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"zone": "CET"})])
+        assert parser.parse(text).calls == (WEATHER, TIME), parser.name
+
+
+def test_the_default_parser_comes_from_the_template() -> None:
+    assert isinstance(detect_tool_parser("{{ '<tool_call>' }}{% if tools %}{% endif %}"), HermesParser)
+    assert isinstance(detect_tool_parser("{{- '<|python_tag|>' }}{% if tools %}{% endif %}"), Llama3JsonParser)
+    assert isinstance(detect_tool_parser("{{ '[AVAILABLE_TOOLS]' }}{{ '[TOOL_CALLS]' }}"), MistralParser)
+    assert isinstance(detect_tool_parser("{{ message['content'] }}"), HermesParser)  # no tools: the fallback
+    assert isinstance(tool_parser("mistral", "{{ '<tool_call>' }}"), MistralParser)  # the flag wins
