@@ -52,6 +52,7 @@ def _rank_main() -> None:
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--prompt", type=str, required=True)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--attention-kernel", default="auto")
     args = parser.parse_args()
 
     import torch.distributed as dist
@@ -63,8 +64,8 @@ def _rank_main() -> None:
 
     torch.set_num_threads(1)
     init_distributed(args.rank, args.world_size, "127.0.0.1", args.master_port, "cpu")
-    runner = ModelRunner(RunnerConfig(model_dir=args.model, kv_cache_bytes=32 << 20,
-                                      rank=args.rank, world_size=args.world_size))
+    runner = ModelRunner(RunnerConfig(model_dir=args.model, kv_cache_bytes=32 << 20, rank=args.rank,
+                                      world_size=args.world_size, attention_kernel=args.attention_kernel))
     prompt_ids = json.loads(args.prompt)
     page_table = list(range((len(prompt_ids) + NUM_NEW_TOKENS) // runner.info.page_size + 1))
     prompt_logits = runner.forward([ForwardEntry(prompt_ids, 0, page_table, True)])
@@ -89,8 +90,10 @@ def _rank_main() -> None:
     dist.destroy_process_group()
 
 
-def run_ranks(model_dir: Path, prompt_ids: list[int], world_size: int, work_dir: Path) -> list[dict]:
-    """Start `world_size` rank processes, wait for all (bounded), return what each saved.
+def run_ranks(model_dir: Path, prompt_ids: list[int], world_size: int, work_dir: Path,
+              attention_kernel: str = "auto") -> list[dict]:
+    """Start `world_size` rank processes on `attention_kernel`'s backend, wait for all (bounded),
+    return what each saved.
 
     Every process is killed on the way out, whether the ranks finished, failed or hung.
     """
@@ -107,7 +110,8 @@ def run_ranks(model_dir: Path, prompt_ids: list[int], world_size: int, work_dir:
                 procs.append(subprocess.Popen(
                     [sys.executable, __file__, "--rank", str(rank), "--world-size", str(world_size),
                      "--master-port", str(port), "--model", str(model_dir),
-                     "--prompt", json.dumps(prompt_ids), "--out", str(outs[rank])],
+                     "--prompt", json.dumps(prompt_ids), "--out", str(outs[rank]),
+                     "--attention-kernel", attention_kernel],
                     cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     start_new_session=True,
                 ))
