@@ -4,7 +4,8 @@ own config and model classes (`save_pretrained`), for the family tests.
 Each is 2 layers over hidden 64 with 4 query / 2 KV heads of 16 (TP=2 splits them evenly), a
 vocabulary of `VOCAB_SIZE` and weights larger than transformers' default initialisation so that
 a wrong step moves the logits visibly. Family-specific parts are made non-trivial: norms' weights
-random (not ones), Granite's multipliers away from 1.
+random (not ones), Granite's multipliers away from 1, MoE with 8 experts and top-2 (Qwen3-MoE
+with its middle layer dense, as `mlp_only_layers` allows).
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "granite": ("GraniteConfig", "GraniteForCausalLM", dict(
         embedding_multiplier=6.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=4.0)),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict()),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+        num_hidden_layers=3, mlp_only_layers=[1])),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        num_local_experts=8, num_experts_per_tok=2, sliding_window=None)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)),
 }
 
 

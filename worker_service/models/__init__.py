@@ -9,10 +9,13 @@ from worker_service.models.config_checks import UnsupportedModel
 from worker_service.models.granite import GraniteForCausalLM
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.models.mistral import MistralForCausalLM
+from worker_service.models.mixtral import MixtralForCausalLM
 from worker_service.models.olmo2 import Olmo2ForCausalLM
+from worker_service.models.olmoe import OlmoeForCausalLM
 from worker_service.models.phi3 import Phi3ForCausalLM
 from worker_service.models.qwen2 import Qwen2ForCausalLM
 from worker_service.models.qwen3 import Qwen3ForCausalLM
+from worker_service.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -22,6 +25,9 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
 }
 
 
