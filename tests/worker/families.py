@@ -16,6 +16,7 @@ import torch
 import transformers
 
 VOCAB_SIZE = 256
+GEMMA_WINDOW = 8
 # Listed by generation_config.json, as real checkpoints list their end-of-turn tokens.
 EOS_TOKEN_IDS = [2, 5]
 
@@ -45,6 +46,16 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
         num_local_experts=8, num_experts_per_tok=2, sliding_window=None)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)),
+    # Both layer kinds, a window (8) far shorter than the test prompts, soft-capping on.
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24, sliding_window=GEMMA_WINDOW,
+        attn_logit_softcapping=5.0, final_logit_softcapping=3.0, tie_word_embeddings=True,
+        layer_types=["sliding_attention", "full_attention"])),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24, sliding_window=GEMMA_WINDOW,
+        num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}})),
 }
 
 

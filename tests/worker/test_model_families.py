@@ -139,3 +139,29 @@ def test_unsupported_architecture_names_it_and_the_supported_ones(tmp_path) -> N
     _edit_config(model_dir, architectures=["NoSuchForCausalLM"])
     with pytest.raises(ValueError, match=r"NoSuchForCausalLM.*supported: .*'Qwen3ForCausalLM'"):
         runner_for(model_dir, "torch")
+
+
+def test_a_window_shorter_than_the_prompt_changes_what_gemma_sees(tmp_path) -> None:
+    """The Gemma checkpoints' window is short enough to matter: without it transformers' own
+    logits differ, so matching them above means the window was applied."""
+    from worker.families import GEMMA_WINDOW
+
+    model_dir = make_family("gemma3", tmp_path / "model")
+    windowed = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    _edit_config(model_dir, sliding_window=1024)
+    unwindowed = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    token_ids = prompt(5)
+    assert PROMPT_LEN > GEMMA_WINDOW
+    difference = reference_logits(windowed, token_ids)[-1] - reference_logits(unwindowed, token_ids)[-1]
+    assert difference.abs().max() > 100 * ATOL
+
+
+def test_selection_names_what_runs_in_pytorch_ops() -> None:
+    """A model needing operations no compiled kernel has still gets the compiled backend, whose
+    reason names those operations; the PyTorch backend's reason is unchanged."""
+    ops = ("GELU-tanh gating", "sliding-window attention")
+    assert select_backend("torch", "cpu", torch.float32, 16, ops_without_kernels=ops).reason == "asked for (torch)"
+    require_backend("native")
+    selection = select_backend("native", "cpu", torch.float32, 16, ops_without_kernels=ops)
+    assert selection.backend.name == "native"
+    assert "GELU-tanh gating, sliding-window attention in PyTorch's ops" in selection.reason

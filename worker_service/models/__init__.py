@@ -6,6 +6,7 @@ from typing import Any
 
 from worker_service.models.base import CausalLM
 from worker_service.models.config_checks import UnsupportedModel
+from worker_service.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from worker_service.models.granite import GraniteForCausalLM
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.models.mistral import MistralForCausalLM
@@ -28,6 +29,8 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 

@@ -12,7 +12,7 @@ it only where its layers compute exactly that layer. The default, None, never fu
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -21,6 +21,12 @@ from worker_service.backends.base import StepContext
 
 class CausalLM(torch.nn.Module):
     fusable_layer: ClassVar[str | None] = None
+
+    @classmethod
+    def ops_without_kernels(cls, config: Any) -> tuple[str, ...]:
+        """What this model with `config` asks of the backend that only PyTorch's ops compute
+        (e.g. "sliding-window attention"), named for the backend selection's reason; default none."""
+        return ()
 
     @abstractmethod
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:

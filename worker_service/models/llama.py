@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from worker_service.backends.base import Backend, Rope, StepContext
+from worker_service.backends.base import AttentionOptions, Backend, Rope, StepContext
 from worker_service.distributed import TPGroup
 from worker_service.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker_service.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -34,6 +34,8 @@ def head_dim_of(config: Any) -> int:
 
 
 class LlamaAttention(torch.nn.Module):
+    options: AttentionOptions | None = None  # a family's window, soft-cap or scale (Gemma's)
+
     def __init__(
         self, config: Any, layer: int, group: TPGroup, qkv_bias: bool,
         dtype: torch.dtype, device: torch.device, backend: Backend,
@@ -65,17 +67,20 @@ class LlamaAttention(torch.nn.Module):
         qkv = self.qkv_proj(hidden).view(num_tokens, self.num_q_heads + 2 * self.num_kv_heads, self.head_dim)
         self.prepare_qk(qkv)
         k_slots, v_slots = step.pool.slots(self.layer)
-        attended = self.backend.attention(qkv, self.num_q_heads, k_slots, v_slots, step, rope)
+        attended = self.backend.attention(qkv, self.num_q_heads, k_slots, v_slots, step, rope, self.options)
         return self.o_proj(attended.reshape(num_tokens, self.num_q_heads * self.head_dim))
 
 
 class LlamaMLP(torch.nn.Module):
+    activation = "silu"  # the checkpoint's activation this MLP computes (`activate`)
+
     def __init__(self, config: Any, layer: int, group: TPGroup, dtype: torch.dtype, device: torch.device,
                  backend: Backend) -> None:
         super().__init__()
         self.backend = backend
-        if config.hidden_act != "silu":
-            raise ValueError(f"unsupported activation {config.hidden_act!r} (only silu)")
+        activation = getattr(config, "hidden_activation", None) or config.hidden_act
+        if activation != self.activation:
+            raise ValueError(f"unsupported activation {activation!r} (only {self.activation})")
         prefix = f"model.layers.{layer}.mlp"
         features = balanced_range(config.intermediate_size, group.world_size, group.rank)
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, self.gate_up_pieces(config, prefix, features),
@@ -87,8 +92,11 @@ class LlamaMLP(torch.nn.Module):
         """Where this rank's gate and up rows are in the checkpoint (separate projections here)."""
         return [(f"{prefix}.gate_proj", features), (f"{prefix}.up_proj", features)]
 
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.backend.silu_mul(gate_up)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.backend.silu_mul(self.gate_up_proj(hidden)))
+        return self.down_proj(self.activate(self.gate_up_proj(hidden)))
 
 
 class LlamaDecoderLayer(torch.nn.Module):
