@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from worker.families import EOS_TOKEN_IDS, FAMILIES, VOCAB_SIZE, make_family
-from worker.tiny_models import greedy_tokens, reference_greedy
+from worker.tiny_models import reference_greedy
 from worker_service.backends.selection import select_backend
 from worker_service.forward_batch import ForwardEntry
 from worker_service.model_runner import ModelRunner, RunnerConfig

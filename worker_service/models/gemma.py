@@ -29,6 +29,7 @@ from worker_service.layers.gemma_norm import GemmaRMSNorm
 from worker_service.layers.rotary import RotaryEmbedding
 from worker_service.layers.sharding import shard_heads
 from worker_service.models.base import CausalLM
+from worker_service.models.config_checks import UnsupportedModel
 from worker_service.models.llama import LlamaAttention, LlamaMLP, head_dim_of
 
 SLIDING = "sliding_attention"
@@ -81,8 +82,7 @@ class GemmaDecoderLayer(torch.nn.Module):
         super().__init__()
         self.layer_type = config.layer_types[layer]
         prefix, size, eps = f"model.layers.{layer}", config.hidden_size, config.rms_norm_eps
-        bias = bool(getattr(config, "attention_bias", False))
-        self.self_attn = self.attention_class(config, layer, group, bias, dtype, device, backend)
+        self.self_attn = self.attention_class(config, layer, group, False, dtype, device, backend)
         self.mlp = GemmaMLP(config, layer, group, dtype, device, backend)
         for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm"):
@@ -107,6 +107,8 @@ class Gemma2ForCausalLM(CausalLM):
     def __init__(self, config: Any, group: TPGroup, dtype: torch.dtype, device: torch.device,
                  backend: Backend) -> None:
         super().__init__()
+        if getattr(config, "attention_bias", False):
+            raise UnsupportedModel(f"{type(self).__name__} with attention_bias=True is not supported")
         self.backend = backend
         self.config = config
         self.num_kv_heads = shard_heads(config.num_attention_heads, config.num_key_value_heads,

@@ -55,11 +55,6 @@ class GraniteForCausalLM(LlamaForCausalLM):
     fusable_layer = None
     layer_class = GraniteDecoderLayer
 
-    def __init__(self, config: Any, group: TPGroup, dtype: torch.dtype, device: torch.device,
-                 backend: Backend) -> None:
-        self.qkv_bias = bool(getattr(config, "attention_bias", False))
-        super().__init__(config, group, dtype, device, backend)
-
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return super().embed(token_ids) * self.config.embedding_multiplier
 

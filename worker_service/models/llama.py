@@ -27,6 +27,7 @@ from worker_service.layers.norm import RMSNorm
 from worker_service.layers.rotary import RotaryEmbedding
 from worker_service.layers.sharding import balanced_range, shard_heads
 from worker_service.models.base import CausalLM
+from worker_service.models.config_checks import UnsupportedModel
 
 
 def head_dim_of(config: Any) -> int:
@@ -80,7 +81,7 @@ class LlamaMLP(torch.nn.Module):
         self.backend = backend
         activation = getattr(config, "hidden_activation", None) or config.hidden_act
         if activation != self.activation:
-            raise ValueError(f"unsupported activation {activation!r} (only {self.activation})")
+            raise UnsupportedModel(f"unsupported activation {activation!r} (only {self.activation})")
         prefix = f"model.layers.{layer}.mlp"
         features = balanced_range(config.intermediate_size, group.world_size, group.rank)
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, self.gate_up_pieces(config, prefix, features),
@@ -144,9 +145,9 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         self.backend = backend
         if getattr(config, "attention_bias", False) and not self.qkv_bias:
-            raise ValueError("Llama checkpoints with attention_bias=True are not supported")
+            raise UnsupportedModel(f"{type(self).__name__} with attention_bias=True is not supported")
         if getattr(config, "mlp_bias", False):
-            raise ValueError("Llama checkpoints with mlp_bias=True are not supported")
+            raise UnsupportedModel(f"{type(self).__name__} with mlp_bias=True is not supported")
         self.config = config
         self.group = group
         self.num_kv_heads = shard_heads(config.num_attention_heads, config.num_key_value_heads,

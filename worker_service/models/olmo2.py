@@ -68,8 +68,3 @@ class Olmo2DecoderLayer(torch.nn.Module):
 class Olmo2ForCausalLM(LlamaForCausalLM):
     fusable_layer = None
     layer_class = Olmo2DecoderLayer
-
-    def __init__(self, config: Any, group: TPGroup, dtype: torch.dtype, device: torch.device,
-                 backend: Backend) -> None:
-        self.qkv_bias = bool(getattr(config, "attention_bias", False))
-        super().__init__(config, group, dtype, device, backend)

@@ -40,5 +40,4 @@ class OlmoeForCausalLM(LlamaForCausalLM):
                  backend: Backend) -> None:
         if getattr(config, "clip_qkv", None) is not None:
             raise UnsupportedModel(f"OLMoE with clip_qkv={config.clip_qkv} is not supported")
-        self.qkv_bias = bool(getattr(config, "attention_bias", False))
         super().__init__(config, group, dtype, device, backend)

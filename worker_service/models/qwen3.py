@@ -36,7 +36,8 @@ class Qwen3DecoderLayer(LlamaDecoderLayer):
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    """Checkpoint names follow Hugging Face's `Qwen3ForCausalLM`; `attention_bias` adds q/k/v biases."""
+    """Checkpoint names follow Hugging Face's `Qwen3ForCausalLM` (without `attention_bias`, whose
+    o_proj bias the row-parallel projection does not have: refused by Llama's check)."""
 
     fusable_layer = None
     layer_class = Qwen3DecoderLayer
@@ -44,5 +45,4 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     def __init__(self, config: Any, group: TPGroup, dtype: torch.dtype, device: torch.device,
                  backend: Backend) -> None:
         refuse_sliding_window(config, "Qwen3")
-        self.qkv_bias = bool(getattr(config, "attention_bias", False))
         super().__init__(config, group, dtype, device, backend)
