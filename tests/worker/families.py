@@ -1,11 +1,13 @@
 """Tiny random checkpoints of every model family beyond Llama and Qwen2, saved with transformers'
 own config and model classes (`save_pretrained`), for the family tests.
 
-Each is 2 layers over hidden 64 with 4 query / 2 KV heads of 16 (TP=2 splits them evenly), a
+Each is 2 layers (3 where a middle layer differs) over hidden 64 with 4 query / 2 KV heads of 16 (TP=2 splits them evenly), a
 vocabulary of `VOCAB_SIZE` and weights larger than transformers' default initialisation so that
 a wrong step moves the logits visibly. Family-specific parts are made non-trivial: norms' weights
 random (not ones), Granite's multipliers away from 1, MoE with 8 experts and top-2 (Qwen3-MoE
-with its middle layer dense, as `mlp_only_layers` allows).
+with its middle layer dense, as `mlp_only_layers` allows), Gemma with sliding and full layers, a
+window (`GEMMA_WINDOW`) far shorter than the test prompts, soft-capping on (Gemma 2) and a scaled
+RoPE for the full layers (Gemma 3).
 """
 
 from __future__ import annotations
