@@ -101,7 +101,8 @@ class ModelRunner:
         group = TPGroup(config.rank, config.world_size)
         head_dim = head_dim_of(self.hf_config)
         selection = select_backend(config.attention_kernel, self.device, self.dtype, head_dim,
-                                   config.world_size, config.cuda_graph_max_batch)
+                                   config.world_size, config.cuda_graph_max_batch,
+                                   model_class(self.hf_config).ops_without_kernels(self.hf_config))
         self.backend, self.backend_reason = selection.backend, selection.reason
         log.info("rank %d runs the %s backend: %s", config.rank, self.backend.name, self.backend_reason)
         with torch.inference_mode():

@@ -30,6 +30,7 @@ from worker_service.executor import Executor
 from worker_service.metrics import WorkerMetrics
 from worker_service.grammar import ConstraintMasks
 from worker_service.model_runner import ModelRunner, RunnerConfig
+from worker_service.models.config_checks import UnsupportedModel
 from worker_service.peer_watch import PeerWatch, leave_group
 from worker_service.service import SERVICE_NAME, WorkerService
 
@@ -125,6 +126,10 @@ class Worker:
             executor = await self._loading
         except asyncio.CancelledError:
             raise
+        except UnsupportedModel as exc:  # the checkpoint, not the code: its reason is the whole story
+            log.error("rank %d cannot serve %s: %s", config.rank, config.model, exc)
+            self.crashed.set()
+            return
         except BaseException as exc:  # from the loading thread
             log.error("rank %d failed to start", config.rank, exc_info=exc)
             self.crashed.set()

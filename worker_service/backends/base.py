@@ -18,10 +18,14 @@ What models call (the same calls on every backend, the same results within the d
   enters: a quantized or differently laid out weight is a new `PackedLinear`, not a new branch
   in the layers.
 - `rope(rotary, positions)`, once per step: what `attention` takes as its `rope` argument.
-- `attention(qkv, num_q_heads, k_slots, v_slots, step, rope)`: RoPE on q and k, the new K/V
-  written into the pool at `step.write_slots`, then attention of every token over its sequence's
-  pages. Backends that fuse the rotation and the write do so; the result is the same.
-- `rms_norm`, `add_rms_norm` (the residual add fused with the norm after it), `silu_mul` (SwiGLU).
+- `attention(qkv, num_q_heads, k_slots, v_slots, step, rope, options)`: RoPE on q and k, the new
+  K/V written into the pool at `step.write_slots`, then attention of every token over its
+  sequence's pages. Backends that fuse the rotation and the write do so; the result is the same.
+  `options` (`AttentionOptions`: a sliding window, logit soft-capping, a softmax scale other than
+  1/sqrt(head_dim)) are computed by PyTorch's ops on every backend (`attention/windowed.py`):
+  no compiled or Triton kernel has them, and the selection's reason says so for such a model.
+- `rms_norm`, `add_rms_norm` (the residual add fused with the norm after it), `silu_mul` (SwiGLU),
+  `gelu_tanh_mul` (GELU-tanh gating; PyTorch's ops on every backend).
 
 What the runner may ask for once, after loading (None where the backend has no such feature):
 - `fused_layers(model, pool)`: the model's decoder layers as one compiled call each, for the
@@ -86,6 +90,22 @@ class StepContext:
     write_slots: torch.Tensor  # [T]
     attention: Any  # the backend's plan of this step (opaque to models)
     pool: KVPool
+    # The step as planned: what attention with `AttentionOptions` walks (None in a replayed step).
+    batch: StepBatch | None = None
+
+
+@dataclass(slots=True, frozen=True)
+class AttentionOptions:
+    """What a layer's attention does beyond plain causal softmax attention (None: nothing).
+
+    `window`: a query at position p sees keys at positions p - window + 1 .. p only.
+    `softcap`: scores become softcap * tanh(scores / softcap) before the mask and softmax.
+    `scale`: the softmax scale (None: 1/sqrt(head_dim)).
+    """
+
+    window: int | None = None
+    softcap: float | None = None
+    scale: float | None = None
 
 
 class PackedLinear(ABC):
@@ -159,9 +179,10 @@ class Backend(ABC):
 
     @abstractmethod
     def attention(self, qkv: torch.Tensor, num_q_heads: int, k_slots: torch.Tensor, v_slots: torch.Tensor,
-                  step: StepContext, rope: Rope) -> torch.Tensor:
+                  step: StepContext, rope: Rope, options: AttentionOptions | None = None) -> torch.Tensor:
         """Merged projections `qkv` `[T, Hq + 2 Hk, D]` (q heads, then k, then v; may be rotated
-        in place) against one layer's head-major pool `[Hk, num_slots, D]` -> `[T, Hq, D]`."""
+        in place) against one layer's head-major pool `[Hk, num_slots, D]` -> `[T, Hq, D]`, with
+        `options` where given."""
 
     @abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
@@ -175,6 +196,10 @@ class Backend(ABC):
     @abstractmethod
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """SwiGLU: silu(gate) * up of `[T, 2 I]` (gate first) -> `[T, I]`."""
+
+    @abstractmethod
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """GELU (tanh approximation) gating: gelu_tanh(gate) * up of `[T, 2 I]` -> `[T, I]`."""
 
     def fused_layers(self, model: torch.nn.Module, pool: KVPool) -> FusedLayers | None:
         return None

@@ -42,7 +42,7 @@ class NativeBackend(RowKernelBackend):
         spans = [(chunk.token_start, chunk.num_tokens, chunk.start_position, chunk.page_ids)
                  for chunk in batch.prefills]
         plan = self.kernels.plan(tables, lens, page_size, shared_prefixes(tables, lens, page_size), spans)
-        return StepContext(batch.positions, batch.write_slots, plan, pool)
+        return StepContext(batch.positions, batch.write_slots, plan, pool, batch)
 
     def _attend_stored(self, qkv: torch.Tensor, num_q_heads: int, k_slots: torch.Tensor, v_slots: torch.Tensor,
                        step: StepContext) -> torch.Tensor:

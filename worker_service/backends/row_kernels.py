@@ -13,7 +13,8 @@ from abc import abstractmethod
 
 import torch
 
-from worker_service.backends.base import Rope, RowKernels, StepContext
+from worker_service.attention.windowed import windowed_attention
+from worker_service.backends.base import AttentionOptions, Rope, RowKernels, StepContext
 from worker_service.backends.torch_backend import TorchBackend
 from worker_service.layers.rotary import RotaryEmbedding
 
@@ -30,9 +31,11 @@ class RowKernelBackend(TorchBackend):
         return rotary.cos, rotary.sin
 
     def attention(self, qkv: torch.Tensor, num_q_heads: int, k_slots: torch.Tensor, v_slots: torch.Tensor,
-                  step: StepContext, rope: Rope) -> torch.Tensor:
+                  step: StepContext, rope: Rope, options: AttentionOptions | None = None) -> torch.Tensor:
         # One pass rotates q and k in place and stores k and v.
         self.rows.rope_store(qkv, num_q_heads, step.positions, *rope, k_slots, v_slots, step.write_slots)
+        if options is not None:  # no kernel has them: PyTorch's ops over the stored K/V
+            return windowed_attention(qkv[:, :num_q_heads], k_slots, v_slots, step.batch, options)
         return self._attend_stored(qkv, num_q_heads, k_slots, v_slots, step)
 
     @abstractmethod

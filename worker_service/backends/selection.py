@@ -6,6 +6,10 @@ dtype, Triton on CUDA where it imports and has a kernel for them, and PyTorch's 
 `native` and `triton` insist: where they cannot be used, the worker refuses to start and says why.
 `torch` always takes PyTorch's ops (the reference the others are tested against). CUDA graphs
 come with Triton on a single rank when `cuda_graph_max_batch > 0`.
+
+A model may need operations no kernel has (`CausalLM.ops_without_kernels`: a sliding window, logit
+soft-capping, GELU-tanh gating): every backend computes those with PyTorch's ops, the reason says
+which, and such a model gets no CUDA graphs (a replayed step does not carry what they read).
 """
 
 from __future__ import annotations
@@ -56,12 +60,22 @@ def triton_refusal(device: torch.device, dtype: torch.dtype, head_dim: int) -> s
 
 
 def select_backend(choice: str, device: torch.device | str, dtype: torch.dtype, head_dim: int,
-                   world_size: int = 1, cuda_graph_max_batch: int = 0) -> Selection:
+                   world_size: int = 1, cuda_graph_max_batch: int = 0,
+                   ops_without_kernels: tuple[str, ...] = ()) -> Selection:
     """The backend for `choice` (one of `KERNEL_CHOICES`; see the module doc). Raises RuntimeError,
     naming the setting and the reason, where an insisted-on backend cannot be used."""
+    selection = _select(choice, torch.device(device), dtype, head_dim, world_size,
+                        0 if ops_without_kernels else cuda_graph_max_batch)
+    if not ops_without_kernels or selection.backend.name == "torch":
+        return selection
+    return Selection(selection.backend, f"{selection.reason}; {', '.join(ops_without_kernels)} in PyTorch's "
+                                        "ops (no kernel of this backend has them)")
+
+
+def _select(choice: str, device: torch.device, dtype: torch.dtype, head_dim: int, world_size: int,
+            cuda_graph_max_batch: int) -> Selection:
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"unknown backend {choice!r}; choose from {', '.join(KERNEL_CHOICES)}")
-    device = torch.device(device)
     refusals = []
     if choice in ("auto", "native"):
         why = native_refusal(device, dtype, head_dim)

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from worker_service.attention import (AttentionBatch, CascadeDecode, GatherSpace, PrefillSpan, additive_mask,
                                       paged_attention, plan_decode)
 from worker_service.attention.paged import DecodeAttention
-from worker_service.backends.base import Backend, PrefillChunk, Rope, StepBatch, StepContext
+from worker_service.attention.windowed import windowed_attention
+from worker_service.backends.base import AttentionOptions, Backend, PrefillChunk, Rope, StepBatch, StepContext
 from worker_service.backends.linear_torch import TorchLinear
 from worker_service.kv_pool import KVPool
 from worker_service.layers.rotary import RotaryEmbedding, apply_rotary
@@ -32,7 +33,7 @@ class TorchBackend(Backend):
         decode = self._plan_decode(batch) if batch.decode_tables else None
         attention = AttentionBatch(batch.page_size, batch.write_slots, decode,
                                    [self._span(chunk, batch.page_size) for chunk in batch.prefills], self.space)
-        return StepContext(batch.positions, batch.write_slots, attention, pool)
+        return StepContext(batch.positions, batch.write_slots, attention, pool, batch)
 
     def _plan_decode(self, batch: StepBatch) -> DecodeAttention:
         plan = plan_decode(batch.decode_tables, batch.decode_context_lens, batch.page_size, self.device)
@@ -59,13 +60,17 @@ class TorchBackend(Backend):
         return rotary.lookup(positions)
 
     def attention(self, qkv: torch.Tensor, num_q_heads: int, k_slots: torch.Tensor, v_slots: torch.Tensor,
-                  step: StepContext, rope: Rope) -> torch.Tensor:
+                  step: StepContext, rope: Rope, options: AttentionOptions | None = None) -> torch.Tensor:
         num_kv_heads = k_slots.shape[0]
         # q and k sit side by side in the merged output: rotate both with one call.
         qk = apply_rotary(qkv[:, : num_q_heads + num_kv_heads], *rope)
         q, k = qk.split([num_q_heads, num_kv_heads], dim=1)
         v = qkv[:, num_q_heads + num_kv_heads:]
-        return paged_attention(q, k, v, k_slots, v_slots, step.attention)
+        if options is None:
+            return paged_attention(q, k, v, k_slots, v_slots, step.attention)
+        k_slots.index_copy_(1, step.write_slots, k.transpose(0, 1))
+        v_slots.index_copy_(1, step.write_slots, v.transpose(0, 1))
+        return windowed_attention(q, k_slots, v_slots, step.batch, options)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """In float32 whatever the dtype; cast back before the weight, as the reference Llama and
@@ -85,3 +90,8 @@ class TorchBackend(Backend):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The one implementation every backend uses (none has a kernel for it)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

@@ -95,7 +95,10 @@ class ColumnParallelLinear(_Linear):
 
 
 class RowParallelLinear(_Linear):
-    """y = sum over ranks of x_local @ W[:, cols_local].T: the input arrives already split."""
+    """y = sum over ranks of x_local @ W[:, cols_local].T: the input arrives already split.
+
+    With `reduce=False` the layer returns this rank's partial product and the caller sums over the
+    group once for several such layers (a mixture of experts adds its experts' outputs first)."""
 
     def __init__(
         self,
@@ -105,9 +108,11 @@ class RowParallelLinear(_Linear):
         group: TPGroup,
         dtype: torch.dtype,
         device: torch.device,
+        reduce: bool = True,
     ) -> None:
         super().__init__()
         self.group = group
+        self.reduce = reduce
         self.weight = make_param(
             (output_size, len(input_cols)), [WeightSlice(f"{prefix}.weight", cols=input_cols)],
             dtype, device,
@@ -115,4 +120,5 @@ class RowParallelLinear(_Linear):
         self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_reduce_sum(self.packed(x), self.group)
+        partial = self.packed(x)
+        return all_reduce_sum(partial, self.group) if self.reduce else partial

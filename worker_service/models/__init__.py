@@ -5,19 +5,40 @@ from __future__ import annotations
 from typing import Any
 
 from worker_service.models.base import CausalLM
+from worker_service.models.config_checks import UnsupportedModel
+from worker_service.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from worker_service.models.granite import GraniteForCausalLM
 from worker_service.models.llama import LlamaForCausalLM
+from worker_service.models.mistral import MistralForCausalLM
+from worker_service.models.mixtral import MixtralForCausalLM
+from worker_service.models.olmo2 import Olmo2ForCausalLM
+from worker_service.models.olmoe import OlmoeForCausalLM
+from worker_service.models.phi3 import Phi3ForCausalLM
 from worker_service.models.qwen2 import Qwen2ForCausalLM
+from worker_service.models.qwen3 import Qwen3ForCausalLM
+from worker_service.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 
 def model_class(config: Any) -> type[CausalLM]:
-    """The class for `config.architectures[0]`; ValueError for an architecture we do not have."""
+    """The class for the first of `config.architectures` we have; `UnsupportedModel` (one line,
+    naming them and what we support) where we have none."""
     architectures = getattr(config, "architectures", None) or []
     for name in architectures:
         if name in MODEL_CLASSES:
             return MODEL_CLASSES[name]
-    raise ValueError(f"unsupported architecture {architectures}; supported: {sorted(MODEL_CLASSES)}")
+    raise UnsupportedModel(f"unsupported architecture {architectures}; supported: {sorted(MODEL_CLASSES)}")

@@ -11,7 +11,7 @@ it only where its layers compute exactly that layer. The default, None, never fu
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -20,6 +20,12 @@ from worker_service.backends.base import StepContext
 
 class CausalLM(torch.nn.Module):
     fusable_layer: ClassVar[str | None] = None
+
+    @classmethod
+    def ops_without_kernels(cls, config: Any) -> tuple[str, ...]:
+        """What this model with `config` asks of the backend that only PyTorch's ops compute
+        (e.g. "sliding-window attention"), named for the backend selection's reason; default none."""
+        return ()
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Hidden states `[T, hidden]` of the step's tokens."""

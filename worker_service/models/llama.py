@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from worker_service.backends.base import Backend, Rope, StepContext
+from worker_service.backends.base import AttentionOptions, Backend, Rope, StepContext
 from worker_service.distributed import TPGroup
 from worker_service.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker_service.layers.linear import ColumnParallelLinear, RowParallelLinear
@@ -27,6 +27,7 @@ from worker_service.layers.norm import RMSNorm
 from worker_service.layers.rotary import RotaryEmbedding
 from worker_service.layers.sharding import balanced_range, shard_heads
 from worker_service.models.base import CausalLM
+from worker_service.models.config_checks import UnsupportedModel
 
 
 def head_dim_of(config: Any) -> int:
@@ -34,6 +35,8 @@ def head_dim_of(config: Any) -> int:
 
 
 class LlamaAttention(torch.nn.Module):
+    options: AttentionOptions | None = None  # a family's window, soft-cap or scale (Gemma's)
+
     def __init__(
         self, config: Any, layer: int, group: TPGroup, qkv_bias: bool,
         dtype: torch.dtype, device: torch.device, backend: Backend,
@@ -49,42 +52,59 @@ class LlamaAttention(torch.nn.Module):
         d = self.head_dim
         q_rows = range(heads.q_heads.start * d, heads.q_heads.stop * d)
         kv_rows = range(heads.kv_heads.start * d, heads.kv_heads.stop * d)
-        self.qkv_proj = ColumnParallelLinear(
-            config.hidden_size,
-            [(f"{prefix}.q_proj", q_rows), (f"{prefix}.k_proj", kv_rows), (f"{prefix}.v_proj", kv_rows)],
-            qkv_bias, dtype, device,
-        )
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, self.qkv_pieces(config, prefix, q_rows, kv_rows),
+                                             qkv_bias, dtype, device)
         self.o_proj = RowParallelLinear(f"{prefix}.o_proj", q_rows, config.hidden_size, group, dtype, device)
+
+    def qkv_pieces(self, config: Any, prefix: str, q_rows: range, kv_rows: range) -> list[tuple[str, range]]:
+        """Where this rank's q, k and v rows are in the checkpoint (separate projections here)."""
+        return [(f"{prefix}.q_proj", q_rows), (f"{prefix}.k_proj", kv_rows), (f"{prefix}.v_proj", kv_rows)]
+
+    def prepare_qk(self, qkv: torch.Tensor) -> None:
+        """What a family does to q and k between the projection and RoPE, in place (Llama: nothing)."""
 
     def forward(self, hidden: torch.Tensor, step: StepContext, rope: Rope) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden).view(num_tokens, self.num_q_heads + 2 * self.num_kv_heads, self.head_dim)
+        self.prepare_qk(qkv)
         k_slots, v_slots = step.pool.slots(self.layer)
-        attended = self.backend.attention(qkv, self.num_q_heads, k_slots, v_slots, step, rope)
+        attended = self.backend.attention(qkv, self.num_q_heads, k_slots, v_slots, step, rope, self.options)
         return self.o_proj(attended.reshape(num_tokens, self.num_q_heads * self.head_dim))
 
 
 class LlamaMLP(torch.nn.Module):
+    activation = "silu"  # the checkpoint's activation this MLP computes (`activate`)
+
     def __init__(self, config: Any, layer: int, group: TPGroup, dtype: torch.dtype, device: torch.device,
                  backend: Backend) -> None:
         super().__init__()
         self.backend = backend
-        if config.hidden_act != "silu":
-            raise ValueError(f"unsupported activation {config.hidden_act!r} (only silu)")
+        activation = getattr(config, "hidden_activation", None) or config.hidden_act
+        if activation != self.activation:
+            raise UnsupportedModel(f"unsupported activation {activation!r} (only {self.activation})")
         prefix = f"model.layers.{layer}.mlp"
         features = balanced_range(config.intermediate_size, group.world_size, group.rank)
-        self.gate_up_proj = ColumnParallelLinear(
-            config.hidden_size, [(f"{prefix}.gate_proj", features), (f"{prefix}.up_proj", features)],
-            False, dtype, device,
-        )
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, self.gate_up_pieces(config, prefix, features),
+                                                 False, dtype, device)
         self.down_proj = RowParallelLinear(f"{prefix}.down_proj", features, config.hidden_size, group,
                                            dtype, device)
 
+    def gate_up_pieces(self, config: Any, prefix: str, features: range) -> list[tuple[str, range]]:
+        """Where this rank's gate and up rows are in the checkpoint (separate projections here)."""
+        return [(f"{prefix}.gate_proj", features), (f"{prefix}.up_proj", features)]
+
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.backend.silu_mul(gate_up)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.backend.silu_mul(self.gate_up_proj(hidden)))
+        return self.down_proj(self.activate(self.gate_up_proj(hidden)))
 
 
 class LlamaDecoderLayer(torch.nn.Module):
+    # What a family varies (`models/qwen3.py` etc.): its attention's and its MLP's class.
+    attention_class: type[LlamaAttention] = LlamaAttention
+    mlp_class: type[torch.nn.Module] = LlamaMLP
+
     def __init__(
         self, config: Any, layer: int, group: TPGroup, qkv_bias: bool,
         dtype: torch.dtype, device: torch.device, backend: Backend,
@@ -94,11 +114,11 @@ class LlamaDecoderLayer(torch.nn.Module):
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(f"{prefix}.input_layernorm.weight", config.hidden_size, eps, dtype, device,
                                        backend)
-        self.self_attn = LlamaAttention(config, layer, group, qkv_bias, dtype, device, backend)
+        self.self_attn = self.attention_class(config, layer, group, qkv_bias, dtype, device, backend)
         self.post_attention_layernorm = RMSNorm(
             f"{prefix}.post_attention_layernorm.weight", config.hidden_size, eps, dtype, device, backend
         )
-        self.mlp = LlamaMLP(config, layer, group, dtype, device, backend)
+        self.mlp = self.mlp_class(config, layer, group, dtype, device, backend)
 
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, step: StepContext, rope: Rope
@@ -118,15 +138,16 @@ class LlamaForCausalLM(CausalLM):
 
     qkv_bias = False
     fusable_layer = "llama"
+    layer_class: type[torch.nn.Module] = LlamaDecoderLayer
 
     def __init__(self, config: Any, group: TPGroup, dtype: torch.dtype, device: torch.device,
                  backend: Backend) -> None:
         super().__init__()
         self.backend = backend
         if getattr(config, "attention_bias", False) and not self.qkv_bias:
-            raise ValueError("Llama checkpoints with attention_bias=True are not supported")
+            raise UnsupportedModel(f"{type(self).__name__} with attention_bias=True is not supported")
         if getattr(config, "mlp_bias", False):
-            raise ValueError("Llama checkpoints with mlp_bias=True are not supported")
+            raise UnsupportedModel(f"{type(self).__name__} with mlp_bias=True is not supported")
         self.config = config
         self.group = group
         self.num_kv_heads = shard_heads(config.num_attention_heads, config.num_key_value_heads,
@@ -136,7 +157,7 @@ class LlamaForCausalLM(CausalLM):
         )
         self.rotary = RotaryEmbedding(config, head_dim_of(config), config.max_position_embeddings, dtype, device)
         self.layers = torch.nn.ModuleList(
-            LlamaDecoderLayer(config, i, group, self.qkv_bias, dtype, device, backend)
+            self.layer_class(config, i, group, self.qkv_bias, dtype, device, backend)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm("model.norm.weight", config.hidden_size, config.rms_norm_eps, dtype, device, backend)

@@ -1,0 +1,70 @@
+"""A new family through the whole stack: `radixserve up` with a tiny random Qwen3 that speaks
+SmolLM2's vocabulary (its tokenizer and chat template copied in), greedy chats equal to
+transformers' token for token, and a repeated chat served from the radix cache; and `radixserve
+up` refusing an architecture it does not have, in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from constrained_model import SMOLLM2_VOCAB_SIZE, TOKENIZER_FILES
+from e2e.parity import check_greedy_parity
+from e2e.reference import CHATS, MAX_NEW_TOKENS, greedy_references
+from e2e.stack import free_port_block, launch
+from procs import ServiceProcesses
+from radixserve_client import Client
+from worker.families import make_family
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory, smollm2_dir):
+    out_dir = make_family("qwen3", tmp_path_factory.mktemp("qwen3-stack"), vocab_size=SMOLLM2_VOCAB_SIZE)
+    for name in TOKENIZER_FILES:
+        if (smollm2_dir / name).is_file():
+            shutil.copy(smollm2_dir / name, out_dir / name)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def qwen3_references(qwen3_dir):
+    return greedy_references(qwen3_dir)
+
+
+@pytest.fixture(scope="module")
+def stack(qwen3_dir):
+    with ServiceProcesses() as procs:
+        yield launch(procs, qwen3_dir, tp=1, default_max_tokens=MAX_NEW_TOKENS)
+
+
+@pytest.mark.timeout(300)
+def test_qwen3_chats_match_transformers_and_a_repeat_hits_the_cache(stack, qwen3_references) -> None:
+    for index, reference in enumerate(qwen3_references):
+        check_greedy_parity(stack.gateway, index, reference)
+    with Client(stack.gateway) as client:
+        again = client.generate(messages=CHATS[1], max_tokens=MAX_NEW_TOKENS, temperature=0, timeout=60)
+    assert again.token_ids == qwen3_references[1].output_ids
+    assert 0 < again.usage.cached_tokens < again.usage.prompt_tokens
+
+
+@pytest.mark.timeout(300)
+def test_up_with_an_unsupported_architecture_names_it_in_one_line(tmp_path) -> None:
+    model_dir = make_family("qwen3", tmp_path / "model")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["architectures"] = ["NoSuchForCausalLM"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    result = subprocess.run(
+        [sys.executable, "-m", "radixserve.launcher", "up", "--model", str(model_dir), "--tp", "1",
+         "--port", str(free_port_block(1)), "--device", "cpu", "--kv-cache-mb", "16"],
+        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    lines = [line for line in output.splitlines() if "unsupported architecture ['NoSuchForCausalLM']" in line]
+    assert len(lines) == 1 and "'Qwen3ForCausalLM'" in lines[0] and "'Gemma3ForCausalLM'" in lines[0], output[-3000:]
+    assert "Traceback" not in output

@@ -1,0 +1,84 @@
+"""Tiny random checkpoints of every model family beyond Llama and Qwen2, saved with transformers'
+own config and model classes (`save_pretrained`), for the family tests.
+
+Each is 2 layers (3 where a middle layer differs) over hidden 64 with 4 query / 2 KV heads of 16 (TP=2 splits them evenly), a
+vocabulary of `VOCAB_SIZE` and weights larger than transformers' default initialisation so that
+a wrong step moves the logits visibly. Family-specific parts are made non-trivial: norms' weights
+random (not ones), Granite's multipliers away from 1, MoE with 8 experts and top-2 (Qwen3-MoE
+with its middle layer dense, as `mlp_only_layers` allows), Gemma with sliding and full layers, a
+window (`GEMMA_WINDOW`) far shorter than the test prompts, soft-capping on (Gemma 2) and a scaled
+RoPE for the full layers (Gemma 3).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+VOCAB_SIZE = 256
+GEMMA_WINDOW = 8
+# Listed by generation_config.json, as real checkpoints list their end-of-turn tokens.
+EOS_TOKEN_IDS = [2, 5]
+
+
+def _common(**overrides) -> dict:
+    settings = dict(
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+        rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=EOS_TOKEN_IDS[0], pad_token_id=0,
+        initializer_range=0.1, tie_word_embeddings=False,
+    )
+    settings.update(overrides)
+    return settings
+
+
+# Family -> (config class, model class, family settings over `_common`).
+FAMILIES: dict[str, tuple[str, str, dict]] = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(rope_theta=1e6)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None, tie_word_embeddings=True)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(pad_token_id=0)),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", dict(
+        embedding_multiplier=6.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=4.0)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict()),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+        num_hidden_layers=3, mlp_only_layers=[1])),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        num_local_experts=8, num_experts_per_tok=2, sliding_window=None)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)),
+    # Both layer kinds, a window (8) far shorter than the test prompts, soft-capping on.
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24, sliding_window=GEMMA_WINDOW,
+        attn_logit_softcapping=5.0, final_logit_softcapping=3.0, tie_word_embeddings=True,
+        layer_types=["sliding_attention", "full_attention"])),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24, sliding_window=GEMMA_WINDOW,
+        num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}})),
+}
+
+
+def _randomise_norms(model: torch.nn.Module) -> None:
+    """Norm weights away from their initial ones, so that a norm applied in the wrong place shows."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+
+
+def make_family(family: str, out_dir: Path, seed: int = 0, **overrides) -> Path:
+    """`family`'s tiny checkpoint (see `FAMILIES`; `overrides` over its settings) saved in
+    `out_dir`, with a generation config listing `EOS_TOKEN_IDS`."""
+    config_name, model_name, settings = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_name)(**_common(**{**settings, **overrides}))
+    model = getattr(transformers, model_name)(config).eval()
+    _randomise_norms(model)
+    model.generation_config.eos_token_id = EOS_TOKEN_IDS
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+

@@ -1,0 +1,167 @@
+"""Every model family beyond Llama and Qwen2 against transformers, on tiny random checkpoints
+(`families.py`), in float32 on each CPU backend, at TP=1 and TP=2.
+
+Per family and backend: the prompt's logits, then 20 greedy decode steps whose logits are compared
+at every position with transformers' over the same sequence, and the greedy tokens compared with
+transformers' `generate`. At TP=2 (real rank processes over gloo, `test_tensor_parallel.run_ranks`)
+rank 0's prompt logits and its greedy continuation against the same references.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from worker.families import EOS_TOKEN_IDS, FAMILIES, VOCAB_SIZE, make_family
+from worker.tiny_models import reference_greedy
+from worker_service.backends.selection import select_backend
+from worker_service.forward_batch import ForwardEntry
+from worker_service.model_runner import ModelRunner, RunnerConfig
+
+# float32 on 2 layers: measured differences up to ~1e-6 against transformers; a misplaced norm,
+# scale or RoPE moves logits by more than 1e-2.
+ATOL = 1e-4
+PAGE_SIZE = 4
+KV_BYTES = 1 << 20
+PROMPT_LEN = 37  # not a multiple of the page size
+NUM_DECODE_STEPS = 20
+CPU_BACKENDS = ("torch", "native")  # the selection's choices that run on a CPU (`auto` is one of them)
+# The families whose layer is exactly Llama's and so may take its fused path.
+LLAMA_LAYERED = {"mistral", "phi3"}
+
+
+def require_backend(kernel: str) -> None:
+    """Skip where `select_backend` refuses `kernel` on this machine (it says why)."""
+    try:
+        select_backend(kernel, "cpu", torch.float32, 16)
+    except RuntimeError as refusal:
+        pytest.skip(str(refusal).splitlines()[0])
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory) -> tuple[str, Path, torch.nn.Module]:
+    out_dir = make_family(request.param, tmp_path_factory.mktemp(request.param))
+    return request.param, out_dir, AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+
+
+def prompt(seed: int = 1, length: int = PROMPT_LEN) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB_SIZE, (length,), generator=generator).tolist()
+
+
+def reference_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0]
+
+
+def runner_for(model_dir: Path, kernel: str) -> ModelRunner:
+    return ModelRunner(RunnerConfig(model_dir=model_dir, page_size=PAGE_SIZE, kv_cache_bytes=KV_BYTES,
+                                    attention_kernel=kernel))
+
+
+@pytest.mark.parametrize("kernel", CPU_BACKENDS)
+def test_prefill_and_decode_logits_match_transformers(family, kernel) -> None:
+    name, model_dir, reference = family
+    require_backend(kernel)
+    runner = runner_for(model_dir, kernel)
+    token_ids = prompt()
+    pages = list(range(3, 3 + (PROMPT_LEN + NUM_DECODE_STEPS) // PAGE_SIZE + 1))[::-1]  # not in order
+    logits = [runner.forward([ForwardEntry(token_ids, 0, pages, True)])[0]]
+    tokens = [int(logits[0].argmax())]
+    for step in range(NUM_DECODE_STEPS):
+        logits.append(runner.forward([ForwardEntry(tokens[-1:], PROMPT_LEN + step, pages, True)])[0])
+        tokens.append(int(logits[-1].argmax()))
+    expected = reference_logits(reference, token_ids + tokens[:-1])[PROMPT_LEN - 1:]
+    torch.testing.assert_close(torch.stack(logits), expected, atol=ATOL, rtol=0)
+    assert tokens == reference_greedy(reference, token_ids, NUM_DECODE_STEPS + 1), name
+
+
+@pytest.mark.parametrize("kernel", CPU_BACKENDS)
+def test_batched_prefill_chunks_and_decode_rows_match_transformers(family, kernel) -> None:
+    """A chunked prefill (second chunk from the pool) beside decode rows of another sequence."""
+    _, model_dir, reference = family
+    require_backend(kernel)
+    runner = runner_for(model_dir, kernel)
+    first, second = prompt(2, 21), prompt(3, 30)
+    runner.forward([ForwardEntry(first[:-1], 0, list(range(10)), False),
+                    ForwardEntry(second[:13], 0, list(range(20, 30)), False)])
+    logits = runner.forward([ForwardEntry(first[-1:], len(first) - 1, list(range(10)), True),
+                             ForwardEntry(second[13:], 13, list(range(20, 30)), True)])
+    torch.testing.assert_close(logits[0], reference_logits(reference, first)[-1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits[1], reference_logits(reference, second)[-1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kernel", CPU_BACKENDS)
+def test_tp2_matches_transformers(family, kernel, tmp_path) -> None:
+    from worker.test_tensor_parallel import NUM_NEW_TOKENS, run_ranks
+
+    _, model_dir, reference = family
+    require_backend(kernel)
+    token_ids = prompt(4)
+    results = run_ranks(model_dir, token_ids, 2, tmp_path, kernel)
+    torch.testing.assert_close(results[0]["prompt_logits"][0], reference_logits(reference, token_ids)[-1],
+                               atol=ATOL, rtol=0)
+    assert results[1]["prompt_logits"] is None
+    assert results[0]["tokens"] == reference_greedy(reference, token_ids, NUM_NEW_TOKENS)
+
+
+def test_eos_ids_and_fusable_layer(family) -> None:
+    """Every end-of-turn id the generation config lists stops a request; only a layer that is
+    exactly Llama's declares Llama's fused path."""
+    name, model_dir, _ = family
+    runner = runner_for(model_dir, "torch")
+    assert runner.info.eos_token_ids == EOS_TOKEN_IDS
+    assert type(runner.model).fusable_layer == ("llama" if name in LLAMA_LAYERED else None)
+
+
+def _edit_config(model_dir: Path, **changes) -> None:
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(changes)
+    (model_dir / "config.json").write_text(json.dumps(config))
+
+
+def test_a_short_sliding_window_is_refused_by_name(tmp_path) -> None:
+    model_dir = make_family("mistral", tmp_path / "model")
+    _edit_config(model_dir, sliding_window=64)
+    with pytest.raises(ValueError, match=r"Mistral with sliding-window attention \(sliding_window=64"):
+        runner_for(model_dir, "torch")
+    _edit_config(model_dir, sliding_window=256)  # as long as the context: never masks a key
+    assert runner_for(model_dir, "torch").info.context_len == 256
+
+
+def test_unsupported_architecture_names_it_and_the_supported_ones(tmp_path) -> None:
+    model_dir = make_family("qwen3", tmp_path / "model")
+    _edit_config(model_dir, architectures=["NoSuchForCausalLM"])
+    with pytest.raises(ValueError, match=r"NoSuchForCausalLM.*supported: .*'Qwen3ForCausalLM'"):
+        runner_for(model_dir, "torch")
+
+
+def test_a_window_shorter_than_the_prompt_changes_what_gemma_sees(tmp_path) -> None:
+    """The Gemma checkpoints' window is short enough to matter: without it transformers' own
+    logits differ, so matching them above means the window was applied."""
+    from worker.families import GEMMA_WINDOW
+
+    model_dir = make_family("gemma3", tmp_path / "model")
+    windowed = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    _edit_config(model_dir, sliding_window=1024)
+    unwindowed = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    token_ids = prompt(5)
+    assert PROMPT_LEN > GEMMA_WINDOW
+    difference = reference_logits(windowed, token_ids)[-1] - reference_logits(unwindowed, token_ids)[-1]
+    assert difference.abs().max() > 100 * ATOL
+
+
+def test_selection_names_what_runs_in_pytorch_ops() -> None:
+    """A model needing operations no compiled kernel has still gets the compiled backend, whose
+    reason names those operations; the PyTorch backend's reason is unchanged."""
+    ops = ("GELU-tanh gating", "sliding-window attention")
+    assert select_backend("torch", "cpu", torch.float32, 16, ops_without_kernels=ops).reason == "asked for (torch)"
+    require_backend("native")
+    selection = select_backend("native", "cpu", torch.float32, 16, ops_without_kernels=ops)
+    assert selection.backend.name == "native"
+    assert "GELU-tanh gating, sliding-window attention in PyTorch's ops" in selection.reason

@@ -1,0 +1,91 @@
+"""A sparse mixture-of-experts MLP: a router picks `top_k` of `num_experts` SwiGLU experts per
+token and the token's output is their outputs weighted by the router's probabilities.
+
+Routing (the same in Qwen3-MoE, Mixtral and OLMoE): softmax of the router's logits in float32,
+the `top_k` largest, renormalised to sum to 1 where the family says so (`normalize`), cast to the
+dtype. The experts are computed grouped by expert: the step's (token, choice) pairs are sorted by
+expert and each expert multiplies the rows routed to it in one product per projection; its
+weighted output is added into its tokens' rows. No expert runs on rows not routed to it.
+
+Tensor parallel: every expert's intermediate dimension is split across ranks exactly as the dense
+MLP's (gate/up column-parallel, down row-parallel), and since the weighting and the sum over
+experts are linear, a rank adds its experts' partial products and the group sums once per layer.
+The router is replicated (every rank routes the same).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker_service.backends.base import Backend
+from worker_service.distributed import TPGroup, all_reduce_sum
+from worker_service.layers.linear import ColumnParallelLinear, RowParallelLinear
+from worker_service.layers.sharding import balanced_range
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertLayout:
+    """Where a family keeps a layer's experts: `<block>.gate.weight` is the router,
+    `<block>.experts.<e>.<gate|up|down>.weight` expert e's projections."""
+
+    block: str  # e.g. "mlp" (Qwen3-MoE, OLMoE) or "block_sparse_moe" (Mixtral)
+    gate: str
+    up: str
+    down: str
+
+
+@dataclass(frozen=True, slots=True)
+class Routing:
+    num_experts: int
+    top_k: int
+    normalize: bool  # renormalise the chosen probabilities to sum to 1
+
+
+class SparseMoE(torch.nn.Module):
+    def __init__(self, layer: int, hidden_size: int, intermediate_size: int, routing: Routing,
+                 layout: ExpertLayout, group: TPGroup, dtype: torch.dtype, device: torch.device,
+                 backend: Backend) -> None:
+        super().__init__()
+        self.routing = routing
+        self.group = group
+        self.backend = backend
+        prefix = f"model.layers.{layer}.{layout.block}"
+        self.router = ColumnParallelLinear(hidden_size, [(f"{prefix}.gate", range(routing.num_experts))], False,
+                                           dtype, device)
+        features = balanced_range(intermediate_size, group.world_size, group.rank)
+        self.gate_up = torch.nn.ModuleList(
+            ColumnParallelLinear(hidden_size, [(f"{prefix}.experts.{e}.{layout.gate}", features),
+                                               (f"{prefix}.experts.{e}.{layout.up}", features)], False, dtype, device)
+            for e in range(routing.num_experts))
+        self.down = torch.nn.ModuleList(
+            RowParallelLinear(f"{prefix}.experts.{e}.{layout.down}", features, hidden_size, group, dtype, device,
+                              reduce=False)
+            for e in range(routing.num_experts))
+
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights `[T, top_k]` in the dtype, expert ids `[T, top_k]`) of every token."""
+        probabilities = torch.softmax(self.router(hidden).float(), dim=-1)
+        weights, expert_ids = probabilities.topk(self.routing.top_k, dim=-1)
+        if self.routing.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(hidden.dtype), expert_ids
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weights, expert_ids = self.route(hidden)
+        choices = expert_ids.flatten()
+        order = choices.argsort(stable=True)  # (token, choice) pairs grouped by expert
+        counts = torch.bincount(choices, minlength=self.routing.num_experts).tolist()
+        flat_weights = weights.flatten()
+        out = torch.zeros_like(hidden)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            pairs = order[start:start + count]
+            start += count
+            rows = pairs // self.routing.top_k
+            expert_out = self.down[expert](self.backend.silu_mul(self.gate_up[expert](hidden.index_select(0, rows))))
+            out.index_add_(0, rows, expert_out * flat_weights.index_select(0, pairs).unsqueeze(-1))
+        return all_reduce_sum(out, self.group)
