@@ -4,6 +4,10 @@ Requests and responses are the public messages themselves (the HTTP API builds a
 same ones); the router is asked with its own `RouterGenerateRequest`. Every failure becomes a
 status in `errors.to_status`. A request's router call lives exactly as long as the client's stream:
 it is cancelled when the client cancels, when a stop string ends the output, or on error.
+
+Drain (`stop` of the gateway): `draining` refuses new calls; `end_streams` ends every call still
+in flight with `ShuttingDown` (gRPC UNAVAILABLE; the HTTP API's error event and `[DONE]`), so
+both APIs end within one grace period.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from gateway_service.caller import REQUEST_ID_HEADER, Caller, client_key, peer_host, request_id_from
 from gateway_service.config import GatewayConfig
 from gateway_service.constraint_check import ConstraintChecker
 from gateway_service.errors import GatewayError, NoRouterAvailable, ShuttingDown, to_status
@@ -34,6 +39,7 @@ from gateway_service.validation import (
     resolve_sampling,
 )
 from radixserve import constraints, sampling
+from radixserve.security import AUTH_HEADER, BEARER
 from radixserve.v1 import generation_pb2, generation_pb2_grpc, router_pb2
 
 log = logging.getLogger(__name__)
@@ -55,9 +61,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.draining = False
         # Generate calls (both APIs) between admission and their last chunk; `_idle` is set
         # while there are none.
-        self._in_flight = 0
+        self._in_flight: set[asyncio.Task] = set()
         self._idle = asyncio.Event()
         self._idle.set()
+        # Set by `end_streams`: the calls cancelled from then on end with ShuttingDown.
+        self._ending = False
 
     # --- RPCs -----------------------------------------------------------------------------
 
@@ -65,9 +73,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         # Cancellation (asyncio.CancelledError) is not an Exception: it passes through and
         # cancels the router call on its way out.
         try:
+            caller = self._grpc_caller(request, context)
+            await context.send_initial_metadata(((REQUEST_ID_HEADER, caller.request_id),))
             remaining = context.time_remaining()
             deadline = None if remaining is None else time.monotonic() + remaining
-            async for chunk in self.generate(request, deadline, API_GRPC):
+            async for chunk in self.generate(request, deadline, API_GRPC, caller):
                 yield chunk
         except Exception as exc:
             await context.abort(*to_status(exc))
@@ -92,14 +102,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     # --- Generate ---------------------------------------------------------------------------
 
     def generate(
-        self, request: generation_pb2.GenerateRequest, deadline: float | None, api: str
+        self, request: generation_pb2.GenerateRequest, deadline: float | None, api: str, caller: Caller
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        """One request's output, validated and measured; `deadline` is on `time.monotonic()`.
+        """One request's output, validated, measured and logged; `deadline` is on `time.monotonic()`.
 
         Every API (gRPC, the HTTP API's `api` routes) comes through here; errors are raised
         as they are and become a status in `errors.to_status`.
         """
-        return self.metrics.observe(api, self._generate(request, deadline))
+        return self.metrics.observe(api, caller, self._generate(request, deadline, caller))
 
     async def model_info(self) -> generation_pb2.GetModelInfoResponse:
         """The model the routers serve; raises `NoRouterAvailable` while none answers."""
@@ -110,22 +120,36 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         stop, so callers arriving meanwhile get this servicer's UNAVAILABLE, not CANCELLED)."""
         await self._idle.wait()
 
+    def end_streams(self) -> None:
+        """End every Generate call in flight with `ShuttingDown` (the end of the drain's grace)."""
+        self._ending = True
+        for task in self._in_flight:
+            task.cancel()
+
     async def _generate(
-        self, request: generation_pb2.GenerateRequest, deadline: float | None
+        self, request: generation_pb2.GenerateRequest, deadline: float | None, caller: Caller
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         self._refuse_if_draining()
-        self._in_flight += 1
+        # Each call runs in its own task (the gRPC handler's, or one per HTTP choice), which
+        # `end_streams` cancels.
+        task = asyncio.current_task()
+        self._in_flight.add(task)
         self._idle.clear()
         try:
-            async for chunk in self._generate_admitted(request, deadline):
+            async for chunk in self._generate_admitted(request, deadline, caller):
                 yield chunk
+        except asyncio.CancelledError:
+            if not self._ending:
+                raise
+            task.uncancel()
+            raise ShuttingDown("the gateway shut down before the request finished; retry it") from None
         finally:
-            self._in_flight -= 1
-            if self._in_flight == 0:
+            self._in_flight.discard(task)
+            if not self._in_flight:
                 self._idle.set()
 
     async def _generate_admitted(
-        self, request: generation_pb2.GenerateRequest, deadline: float | None
+        self, request: generation_pb2.GenerateRequest, deadline: float | None, caller: Caller
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         info = await self._server_info()
         tokenizer = self._require_tokenizer()
@@ -141,10 +165,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         )
         constraint = constraints.from_proto(request.constraint)
         if constraint is not None:
-            await self._require_constraints().check(constraint)
+            await self._require_constraints().check(constraint, caller.client)
         # The router sees a unique id even when callers reuse theirs; logs keep the caller's.
-        suffix = uuid.uuid4().hex[:12]
-        request_id = f"{request.request_id}-{suffix}" if request.request_id else suffix
+        request_id = f"{caller.request_id}-{uuid.uuid4().hex[:12]}" if caller.given_id else caller.request_id
         routed = router_pb2.RouterGenerateRequest(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
@@ -211,6 +234,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if request.messages:
             return tokenizer.encode_chat(request.messages)
         return tokenizer.encode_prompt(request.prompt)
+
+    def _grpc_caller(self, request: generation_pb2.GenerateRequest, context) -> Caller:
+        """The id from `x-request-id` metadata, else the message's `request_id` (which
+        `check_input` validates), else a new one; the client by its token, else its address."""
+        metadata = {key: value for key, value in context.invocation_metadata() or ()
+                    if isinstance(value, str)}
+        presented = metadata.get(REQUEST_ID_HEADER) or request.request_id
+        request_id, given = request_id_from(presented, self._limits.max_request_id_len)
+        auth = metadata.get(AUTH_HEADER, "")
+        token = auth[len(BEARER):] if auth.startswith(BEARER) else None
+        return Caller(request_id, client=client_key(token, peer_host(context.peer())), given_id=given)
 
     def _refuse_if_draining(self) -> None:
         if self.draining:
