@@ -110,6 +110,7 @@ class CompileProcesses:
         self._num_processes = num_processes
         self._start_timeout_s = start_timeout_s
         self._idle: asyncio.Queue[_Child] = asyncio.Queue()
+        self._children: set[_Child] = set()  # idle or busy
         self._replacing: set[asyncio.Task] = set()
         self._closed = False
 
@@ -118,6 +119,7 @@ class CompileProcesses:
         children = await asyncio.gather(*(
             _Child.start(self._hf_tokenizer, self._start_timeout_s) for _ in range(self._num_processes)))
         for child in children:
+            self._children.add(child)
             self._idle.put_nowait(child)
 
     async def compile(self, constraint: Constraint, timeout_s: float, wait_s: float) -> str | None:
@@ -146,10 +148,13 @@ class CompileProcesses:
         return verdict
 
     async def _replace(self, child: _Child) -> None:
+        self._children.discard(child)
         await child.kill()
         while not self._closed:
             try:
-                self._idle.put_nowait(await _Child.start(self._hf_tokenizer, self._start_timeout_s))
+                fresh = await _Child.start(self._hf_tokenizer, self._start_timeout_s)
+                self._children.add(fresh)
+                self._idle.put_nowait(fresh)
                 return
             except Exception:
                 log.exception("a constraint compile process failed to start; trying again")
@@ -161,10 +166,11 @@ class CompileProcesses:
         task.add_done_callback(self._replacing.discard)
 
     async def close(self) -> None:
+        """Kill every child, busy ones too."""
         self._closed = True
         for task in list(self._replacing):
             task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.gather(*self._replacing, return_exceptions=True)
-        while not self._idle.empty():
-            await self._idle.get_nowait().kill()
+        await asyncio.gather(*(child.kill() for child in self._children))
+        self._children.clear()
