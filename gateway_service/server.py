@@ -1,8 +1,9 @@
 """A running gateway: the gRPC server, the HTTP API, its router pool, and the probe loop that
 drives health (started and stopped by `radixserve.serving.run_service`).
 
-Health is NOT_SERVING until the tokenizer is loaded and at least one router answers
-GetServerInfo; it goes back to NOT_SERVING while no router answers.
+Health is NOT_SERVING until the tokenizer is loaded, the constraint compile processes are up
+and at least one router answers GetServerInfo; it goes back to NOT_SERVING while no router
+answers.
 """
 
 from __future__ import annotations

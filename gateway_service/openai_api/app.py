@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException
 
 from gateway_service.caller import Caller, client_key
 from gateway_service.errors import InvalidRequest
-from gateway_service.metrics import API_CHAT, API_COMPLETIONS, API_MODELS, ROUTES
+from gateway_service.metrics import API_CHAT, API_COMPLETIONS, ROUTES
 from gateway_service.openai_api import responses as bodies
 from gateway_service.openai_api.body import describe, parse_body
 from gateway_service.openai_api.choices import ChoiceStreams, with_choice_seeds
@@ -87,7 +87,7 @@ def build_app(
         return error_response(failure)
 
     def caller_of(request: Request, user: str | None = None) -> Caller:
-        request_id, given = request.state.request_id
+        request_id, given = getattr(request.state, STATE_KEY)
         client = client_key(_bearer_token(request), request.client.host if request.client else None)
         return Caller(request_id, user or "", client, given)
 

@@ -8,7 +8,6 @@ served before the attack are served again after it, and the gateway's RSS grows 
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 

@@ -105,6 +105,34 @@ def test_unauthenticated_bodies_are_refused_unread(gateway) -> None:
     assert max(gaps) < MAX_TOKEN_GAP_S
 
 
+def test_large_authenticated_bodies_are_parsed_off_the_event_loop(gateway) -> None:
+    """Bodies just under --max-request-bytes (4 MiB) are read, parsed and validated (their
+    prompt is then over --max-prompt-chars: 400) while a stream keeps its pace."""
+    gateway.router.script(list(range(1000, 1000 + STREAM_TOKENS)), delay_s=TOKEN_DELAY_S)
+    body = json.dumps({"model": MODEL, "prompt": "word " * 800_000}).encode()
+    assert len(body) < 4 << 20
+    statuses: list[int] = []
+    gaps: list[float] = []
+    streamer = threading.Thread(target=lambda: gaps.extend(stream_gaps(gateway)))
+    streamer.start()
+    time.sleep(0.3)
+
+    def send() -> None:
+        for _ in range(3):
+            statuses.append(httpx.post(f"{gateway.http_url}/v1/completions", content=body, timeout=CALL_TIMEOUT_S,
+                                       headers={"Authorization": f"Bearer {TOKEN}",
+                                                "Content-Type": "application/json"}).status_code)
+
+    senders = [threading.Thread(target=send) for _ in range(4)]
+    for thread in senders:
+        thread.start()
+    for thread in [*senders, streamer]:
+        thread.join(timeout=CALL_TIMEOUT_S * 2)
+    print(f"large bodies: {statuses}, stream max gap {max(gaps):.3f} s")
+    assert statuses == [400] * 12
+    assert max(gaps) < MAX_TOKEN_GAP_S
+
+
 def seconds_until_closed(sock: socket.socket, dribble: bytes = b"") -> float:
     """Time until the server closes `sock`, sending `dribble` a byte at a time meanwhile."""
     start = time.monotonic()

@@ -10,7 +10,6 @@ import json
 import logging
 from collections.abc import Iterator
 
-import grpc
 import httpx
 import pytest
 
@@ -77,6 +76,8 @@ def test_malformed_bodies_are_400(harness) -> None:
     deep = b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     assert_openai_error(post(harness, "/v1/completions", deep), 400, "nested")
     assert_openai_error(post(harness, "/v1/completions", b"[1, 2]"), 400)
+    # Without a valid token the body is never parsed: 401, not 400.
+    assert_openai_error(post(harness, "/v1/completions", b'{"model": ', {"Authorization": "Bearer wrong"}), 401)
 
 
 @pytest.mark.parametrize("fields", [{"stream": "yes"}, {"logprobs": "yes"}, {"n": "2"}, {"n": True},
