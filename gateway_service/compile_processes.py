@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import multiprocessing.forkserver
 from multiprocessing.connection import Connection
 
 from radixserve.constraints import Constraint
@@ -100,6 +101,12 @@ class _Child:
         self.process.kill()
         self.conn.close()
         await asyncio.to_thread(self.process.join)
+
+
+async def warm_up() -> None:
+    """Start the forkserver (a fresh interpreter importing the grammar library) ahead of the
+    first child, e.g. while the gateway loads its tokenizer."""
+    await asyncio.to_thread(multiprocessing.forkserver.ensure_running)
 
 
 class CompileProcesses:

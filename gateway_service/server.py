@@ -15,6 +15,7 @@ import time
 
 import grpc
 
+from gateway_service import compile_processes
 from gateway_service.config import GatewayConfig
 from gateway_service.constraint_check import ConstraintChecker
 from gateway_service.openai_api.app import TokenCheck, build_app
@@ -95,15 +96,18 @@ class Gateway:
         gateway = cls(config, server, health, port, pool, servicer)
         log.info("gateway listening on %s:%d (NOT_SERVING until ready)", config.host, port)
         await gateway._start_http(token_check)
+        forkserver = asyncio.create_task(compile_processes.warm_up())
         if tokenizer is None:
             tokenizer = await asyncio.to_thread(Tokenizer.load, config.model)
             log.info("tokenizer loaded from %s", config.model)
+        await forkserver
         checker = ConstraintChecker(
             tokenizer.hf, config.constraint_timeout_s, config.constraint_cache_size,
             config.constraint_processes, config.constraint_compiles_per_client,
             config.max_constraint_chars, config.constraint_start_timeout_s,
         )
         await checker.start()
+        log.info("%d constraint compile processes ready", config.constraint_processes)
         servicer.tokenizer = tokenizer
         servicer.constraints = checker
         await gateway.probe_once()
