@@ -28,20 +28,17 @@ class Caller:
     request_id: str
     user: str = ""
     client: str = ""
-    # True when `request_id` came from the caller (it may repeat, so the router gets a suffix).
-    given_id: bool = False
 
 
 def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
-def request_id_from(presented: str | None, max_len: int) -> tuple[str, bool]:
-    """The caller's id when usable (printable ASCII within `max_len`), else a new one; the flag
-    says whether the caller's was taken."""
+def request_id_from(presented: str | None, max_len: int) -> str:
+    """The caller's id when usable (printable ASCII within `max_len`), else a new one."""
     if presented and len(presented) <= max_len and presented.isascii() and presented.isprintable():
-        return presented, True
-    return new_request_id(), False
+        return presented
+    return new_request_id()
 
 
 def client_key(token: str | None, peer_host: str | None) -> str:

@@ -166,8 +166,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         constraint = constraints.from_proto(request.constraint)
         if constraint is not None:
             await self._require_constraints().check(constraint, caller.client)
-        # The router sees a unique id even when callers reuse theirs; logs keep the caller's.
-        request_id = f"{caller.request_id}-{uuid.uuid4().hex[:12]}" if caller.given_id else caller.request_id
+        # The router sees a unique id even when callers reuse theirs, or when the choices of one
+        # HTTP request share it; logs keep the caller's.
+        request_id = f"{caller.request_id}-{uuid.uuid4().hex[:12]}"
         routed = router_pb2.RouterGenerateRequest(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
@@ -241,10 +242,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         metadata = {key: value for key, value in context.invocation_metadata() or ()
                     if isinstance(value, str)}
         presented = metadata.get(REQUEST_ID_HEADER) or request.request_id
-        request_id, given = request_id_from(presented, self._limits.max_request_id_len)
+        request_id = request_id_from(presented, self._limits.max_request_id_len)
         auth = metadata.get(AUTH_HEADER, "")
         token = auth[len(BEARER):] if auth.startswith(BEARER) else None
-        return Caller(request_id, client=client_key(token, peer_host(context.peer())), given_id=given)
+        return Caller(request_id, client=client_key(token, peer_host(context.peer())))
 
     def _refuse_if_draining(self) -> None:
         if self.draining:

@@ -87,9 +87,9 @@ def build_app(
         return error_response(failure)
 
     def caller_of(request: Request, user: str | None = None) -> Caller:
-        request_id, given = getattr(request.state, STATE_KEY)
+        request_id = getattr(request.state, STATE_KEY)
         client = client_key(_bearer_token(request), request.client.host if request.client else None)
-        return Caller(request_id, user or "", client, given)
+        return Caller(request_id, user or "", client)
 
     async def authenticated(request: Request) -> None:
         if token_check is not None and not token_check(_bearer_token(request)):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from gateway_service.caller import REQUEST_ID_HEADER, request_id_from
 
 _HEADER = REQUEST_ID_HEADER.encode()
-# Where routes find (request_id, whether the caller gave it): `request.state.request_id`.
+# Where routes find it: `request.state.request_id`.
 STATE_KEY = "request_id"
 
 
@@ -23,8 +23,8 @@ class RequestIds:
             await self.app(scope, receive, send)
             return
         presented = next((value.decode("latin-1") for key, value in scope["headers"] if key == _HEADER), None)
-        request_id, given = request_id_from(presented, self.max_len)
-        scope.setdefault("state", {})[STATE_KEY] = (request_id, given)
+        request_id = request_id_from(presented, self.max_len)
+        scope.setdefault("state", {})[STATE_KEY] = request_id
         echoed = request_id.encode()
 
         async def send_with_id(message) -> None:

@@ -122,6 +122,13 @@ def test_request_id_is_taken_or_made_and_echoed(harness, caplog) -> None:
     reply = post(harness, "/v1/completions", encoded({"model": MODEL, "prompt": "hi"}), {"X-Request-Id": "abc-123"})
     assert reply.status_code == 200 and reply.headers["x-request-id"] == "abc-123"
     assert any(r.request_id.startswith("abc-123-") for r in harness.all_requests())
+    # The choices of one request share its id, and each gets its own router id.
+    for router in harness.routers:
+        router.state.requests.clear()
+    two = post(harness, "/v1/completions", encoded({"model": MODEL, "prompt": "hi", "n": 2}), {"X-Request-Id": "two"})
+    assert two.status_code == 200 and two.headers["x-request-id"] == "two"
+    ids = [r.request_id for r in harness.all_requests()]
+    assert len(ids) == 2 and len(set(ids)) == 2 and all(i.startswith("two-") for i in ids)
     made = post(harness, "/v1/completions", encoded({"model": MODEL, "prompt": "hi"}), {"X-Request-Id": "é".encode("latin-1") * 3})
     assert made.status_code == 200 and len(made.headers["x-request-id"]) == 32
     too_long = post(harness, "/v1/completions", encoded({"model": MODEL, "prompt": "hi"}), {"X-Request-Id": "x" * 500})
