@@ -23,7 +23,7 @@ MODEL = "fake-smollm2"
 GRACE_S = 4.0
 TOKEN_DELAY_S = 0.05
 LONG_TOKENS = 400  # 20 s at the fake router's pace: far past the grace
-SHORT_TOKENS = 20  # 1 s: done within the grace
+SHORT_TOKENS = 30  # 1.5 s: done within the grace, though started before the SIGTERM
 NUM_LONG = 2
 CALL_TIMEOUT_S = 120.0
 
@@ -36,6 +36,7 @@ def grpc_stream(address: str, max_tokens: int, outcome: dict) -> None:
             for response in stub.Generate(pb.GenerateRequest(prompt="count", max_tokens=max_tokens,
                                                              ignore_eos=True), timeout=CALL_TIMEOUT_S):
                 outcome["tokens"] += len(response.token_ids)
+                outcome["started"].set()
                 outcome["finish"] = response.finish_reason
             outcome["status"] = grpc.StatusCode.OK
         except grpc.RpcError as exc:
@@ -52,6 +53,7 @@ def http_stream(url: str, max_tokens: int, outcome: dict) -> None:
         for line in reply.iter_lines():  # a connection cut mid-chunk would raise here
             if line.startswith("data: "):
                 outcome["events"].append(line[len("data: "):])
+                outcome["started"].set()
     outcome["ended"] = time.monotonic()
 
 
@@ -61,12 +63,13 @@ def test_sigterm_ends_every_stream_within_the_grace(smollm2_dir) -> None:
         plan = [(grpc_stream, gateway.grpc_address, LONG_TOKENS)] * NUM_LONG + \
                [(http_stream, gateway.http_url, LONG_TOKENS)] * NUM_LONG + \
                [(grpc_stream, gateway.grpc_address, SHORT_TOKENS), (http_stream, gateway.http_url, SHORT_TOKENS)]
-        outcomes = [{} for _ in plan]
+        outcomes = [{"started": threading.Event()} for _ in plan]
         threads = [threading.Thread(target=run, args=(where, tokens, outcome))
                    for (run, where, tokens), outcome in zip(plan, outcomes)]
         for thread in threads:
             thread.start()
-        time.sleep(1.0)  # every stream has started
+        for outcome in outcomes:  # every stream has its first token before SIGTERM
+            assert outcome["started"].wait(CALL_TIMEOUT_S)
         proc = gateway.procs.procs["gateway"]
         sigterm_at = time.monotonic()
         proc.send_signal(signal.SIGTERM)

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from gateway.harness import GatewayHarness, start_harness, stop_harness
+from gateway.harness import GatewayHarness, running_harness
 from gateway_service.validation import RequestLimits
 from radixserve.v1 import generation_pb2 as pb
 
@@ -27,11 +27,8 @@ MAX_REQUEST_BYTES = RequestLimits().max_request_bytes
 
 @pytest.fixture(scope="module")
 def harness(tokenizer) -> Iterator[GatewayHarness]:
-    running = start_harness(tokenizer, with_http=True, token_check=lambda token: token == TOKEN)
-    try:
+    with running_harness(tokenizer, with_http=True, token_check=lambda token: token == TOKEN) as running:
         yield running
-    finally:
-        stop_harness(running)
 
 
 def url(harness: GatewayHarness, path: str) -> str:
