@@ -42,6 +42,7 @@ def grpc_stream(address: str, max_tokens: int, outcome: dict) -> None:
         except grpc.RpcError as exc:
             outcome["status"] = exc.code()
         outcome["ended"] = time.monotonic()
+        outcome["started"].set()  # a call that failed at once must not hold the test up
 
 
 def http_stream(url: str, max_tokens: int, outcome: dict) -> None:
@@ -55,11 +56,16 @@ def http_stream(url: str, max_tokens: int, outcome: dict) -> None:
                 outcome["events"].append(line[len("data: "):])
                 outcome["started"].set()
     outcome["ended"] = time.monotonic()
+    outcome["started"].set()
 
 
 def test_sigterm_ends_every_stream_within_the_grace(smollm2_dir) -> None:
     with gateway_process(smollm2_dir, "--shutdown-grace-s", str(GRACE_S)) as gateway:
         gateway.router.script(list(range(1000, 1000 + LONG_TOKENS)), delay_s=TOKEN_DELAY_S)
+        # The first calls teach the gateway that the fake router has no multiplexed Stream (the
+        # calls in flight while it learns that fail): learn it before the streams under test.
+        for _ in range(2):
+            grpc_stream(gateway.grpc_address, 1, {"started": threading.Event()})
         plan = [(grpc_stream, gateway.grpc_address, LONG_TOKENS)] * NUM_LONG + \
                [(http_stream, gateway.http_url, LONG_TOKENS)] * NUM_LONG + \
                [(grpc_stream, gateway.grpc_address, SHORT_TOKENS), (http_stream, gateway.http_url, SHORT_TOKENS)]
@@ -69,7 +75,7 @@ def test_sigterm_ends_every_stream_within_the_grace(smollm2_dir) -> None:
         for thread in threads:
             thread.start()
         for outcome in outcomes:  # every stream has its first token before SIGTERM
-            assert outcome["started"].wait(CALL_TIMEOUT_S)
+            assert outcome["started"].wait(CALL_TIMEOUT_S), (outcomes, gateway.log()[-3000:])
         proc = gateway.procs.procs["gateway"]
         sigterm_at = time.monotonic()
         proc.send_signal(signal.SIGTERM)
