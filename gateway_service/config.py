@@ -11,7 +11,17 @@ from gateway_service.validation import RequestLimits
 from radixserve import flags
 from radixserve.flags import nested, setting
 from radixserve.security import SecurityConfig, security_settings
-from radixserve.shared_flags import CONSTRAINT_CACHE_SIZE, HOST, HTTP_PORT, LOG_LEVEL, METRICS_PORT, MODEL, PORT
+from radixserve.constraints import MAX_CONSTRAINT_CHARS
+from radixserve.shared_flags import (
+    CONSTRAINT_CACHE_SIZE,
+    HOST,
+    HTTP_PORT,
+    LOG_FORMAT,
+    LOG_LEVEL,
+    METRICS_PORT,
+    MODEL,
+    PORT,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,14 +40,34 @@ class GatewayConfig:
     shutdown_grace_s: float = setting(20.0, "on SIGTERM: NOT_SERVING at once, new calls refused, open "
                                       "streams get this many seconds to finish", min=0)
     log_level: str = LOG_LEVEL()
+    log_format: str = LOG_FORMAT()
     http_port: int = HTTP_PORT()
     max_choices: int = setting(16, "choices one HTTP request may ask for (n times the prompts of a batch)",
                                min=1)
     metrics_port: int = METRICS_PORT(50151)
-    constraint_timeout_s: float = setting(2.0, "a constraint that takes longer to compile is rejected "
-                                          "(INVALID_ARGUMENT)", above=0)
-    constraint_cache_size: int = CONSTRAINT_CACHE_SIZE()
-    constraint_threads: int = setting(2, "threads that compile constraints, off the event loop", min=1)
+    constraint_timeout_s: float = setting(2.0, "a constraint that takes longer to compile is stopped and "
+                                          "rejected (INVALID_ARGUMENT); a request waiting this long for a "
+                                          "free compile process gets RESOURCE_EXHAUSTED", above=0)
+    constraint_cache_size: int = CONSTRAINT_CACHE_SIZE(help="distinct constraints whose verdict is kept")
+    constraint_processes: int = setting(2, "processes that compile constraints (one that runs past "
+                                        "--constraint-timeout-s is killed and replaced)", min=1)
+    constraint_compiles_per_client: int = setting(1, "constraint compiles one client (API token, else "
+                                                  "address) may have running at once; more get "
+                                                  "RESOURCE_EXHAUSTED", min=1)
+    constraint_start_timeout_s: float = setting(60.0, "how long a compile process may take to start",
+                                                above=0)
+    max_constraint_chars: int = setting(131072, "characters of a constraint's schema, regex or grammar "
+                                        "(of all its choices together)", min=1, max=MAX_CONSTRAINT_CHARS)
+    http_header_timeout_s: float = setting(10.0, "seconds a connection gets to send a complete request "
+                                           "head (HTTP) or finish its handshake (gRPC) before it is "
+                                           "closed", above=0)
+    http_keep_alive_s: float = setting(5.0, "seconds an idle HTTP keep-alive connection stays open",
+                                       above=0)
+    max_connections: int = setting(1024, "open connections on each public port: past it HTTP answers "
+                                   "503 and gRPC refuses new connections", min=1)
+    grpc_max_streams: int = setting(100, "concurrent calls on one gRPC connection", min=1)
+    grpc_idle_timeout_s: float = setting(300.0, "seconds a gRPC connection with no call open stays open",
+                                         above=0)
     tokenizer_threads: int = setting(2, "threads of each pool (encode: tokenization and chat templates; "
                                      "decode: detokenization) that keep that work off the event loop", min=1)
     tool_call_parser: str = setting("auto", "how the model writes tool calls (hermes, llama3_json, mistral); "

@@ -1,59 +1,120 @@
 """The gateway's check of a request's constraint: compile it before the request is routed.
 
 An invalid schema, regex or grammar becomes INVALID_ARGUMENT with the grammar library's message.
-Compiling runs on a small thread pool (llguidance drops the GIL), never on the event loop, and
-each distinct constraint is compiled once (the compiler caches by its text). A compile that
-takes longer than `--constraint-timeout-s` is answered INVALID_ARGUMENT at the deadline and the
-constraint is remembered as rejected, so a pathological regex costs its time once and never
-holds up other requests.
+Compiles run in child processes (`compile_processes`), never on the event loop, and cannot be
+starved by one client:
+
+- a compile past `--constraint-timeout-s` is stopped (its process killed) and answered
+  INVALID_ARGUMENT; that verdict is not remembered, since the machine may have been slow;
+- only the library's own verdicts are cached (they depend on the text alone), so a valid
+  constraint accepted once is accepted again, whatever happened meanwhile;
+- one text is compiled once at a time (later requests for it wait for that compile);
+- a client (API token, else peer address) may have `compiles_per_client` compiles at once,
+  more are RESOURCE_EXHAUSTED, so with more processes than that someone else always finds one;
+- a request that finds every process busy for the timeout is RESOURCE_EXHAUSTED (retry later).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
 
-from gateway_service.errors import InvalidRequest
+import grpc
+
+from gateway_service.compile_processes import CompileFailed, CompileProcesses, CompilersBusy
+from gateway_service.errors import GatewayError, InvalidRequest
 from radixserve.constraints import Constraint
-from radixserve.grammar_compiler import GrammarCompiler, InvalidConstraint
 
 log = logging.getLogger(__name__)
 
 
+class ConstraintsBusy(GatewayError):
+    """Too many compiles now (this client's, or everyone's): retry later."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 class ConstraintChecker:
-    """Builds its compiler in the background at start (about a second for the tokenizer's
-    index); the first check waits for it."""
+    """`start` brings up the compile processes; `check` validates one constraint."""
 
-    def __init__(self, hf_tokenizer, timeout_s: float, cache_size: int, num_threads: int) -> None:
+    def __init__(
+        self, hf_tokenizer, timeout_s: float, cache_size: int, num_processes: int,
+        compiles_per_client: int, max_chars: int, start_timeout_s: float,
+    ) -> None:
         self.timeout_s = timeout_s
-        self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="constraint")
-        self._compiler: Future[GrammarCompiler] = self._pool.submit(
-            GrammarCompiler.from_hf, hf_tokenizer, cache_size
-        )
+        self._cache_size = cache_size
+        self._compiles_per_client = compiles_per_client
+        self._max_chars = max_chars
+        self._processes = CompileProcesses(hf_tokenizer, num_processes, start_timeout_s)
+        # The library's verdicts, least recently used first: None compiles, else its message.
+        self._verdicts: collections.OrderedDict[Constraint, str | None] = collections.OrderedDict()
+        self._compiling: dict[Constraint, asyncio.Task] = {}
+        self._per_client: collections.Counter[str] = collections.Counter()
 
-    async def check(self, constraint: Constraint | None) -> None:
-        """Raise `InvalidRequest` unless `constraint` compiles within the timeout."""
+    async def start(self) -> None:
+        await self._processes.start()
+
+    async def check(self, constraint: Constraint | None, client: str = "") -> None:
+        """Raise `InvalidRequest` unless `constraint` compiles within the timeout, and
+        `ConstraintsBusy` when this client (or everyone) has too many compiles running."""
         if constraint is None:
             return
         problems = constraint.problems()
+        if len(constraint.text) > self._max_chars or sum(map(len, constraint.choices)) > self._max_chars:
+            problems.append(f"constraint.{constraint.kind.value} is longer than {self._max_chars} "
+                            "characters (--max-constraint-chars)")
         if problems:
             raise InvalidRequest("; ".join(problems))
-        compiler = await asyncio.wrap_future(self._compiler)
-        compiling = asyncio.get_running_loop().run_in_executor(self._pool, compiler.compile, constraint)
+        if constraint in self._verdicts:
+            self._verdicts.move_to_end(constraint)
+            verdict = self._verdicts[constraint]
+        else:
+            compiling = self._compiling.get(constraint)
+            if compiling is None:
+                compiling = self._start_compile(constraint, client)
+            # The compile belongs to the checker: a caller that leaves does not stop it (its
+            # verdict is cached for the next), and its client's slot is held until it ends.
+            verdict = await asyncio.shield(compiling)
+        if verdict is not None:
+            raise InvalidRequest(verdict)
+
+    def _start_compile(self, constraint: Constraint, client: str) -> asyncio.Task:
+        if self._per_client[client] >= self._compiles_per_client:
+            raise ConstraintsBusy(
+                f"at most {self._compiles_per_client} constraint compiles at once per client; "
+                "retry when one has finished")
+        self._per_client[client] += 1
+        task = asyncio.create_task(self._compile(constraint))
+
+        def ended(done: asyncio.Task) -> None:
+            if not done.cancelled():
+                done.exception()  # every waiter may have left: the verdict is not lost, only unread
+            self._per_client[client] -= 1
+            if not self._per_client[client]:
+                del self._per_client[client]
+            del self._compiling[constraint]
+
+        task.add_done_callback(ended)
+        self._compiling[constraint] = task
+        return task
+
+    async def _compile(self, constraint: Constraint) -> str | None:
         try:
-            await asyncio.wait_for(compiling, self.timeout_s)
-        except InvalidConstraint as exc:
-            raise InvalidRequest(str(exc)) from exc
-        except asyncio.TimeoutError:
-            message = (
-                f"constraint.{constraint.kind.value} took longer than {self.timeout_s:g} s to "
-                "compile (--constraint-timeout-s)"
-            )
-            compiler.reject(constraint, message)
+            verdict = await self._processes.compile(constraint, self.timeout_s, self.timeout_s)
+        except CompileFailed as exc:
+            message = f"constraint.{constraint.kind.value} {exc} (--constraint-timeout-s)"
             log.warning("rejected %s: %s", constraint.describe(), message)
             raise InvalidRequest(message) from None
+        except CompilersBusy:
+            raise ConstraintsBusy("every constraint compiler is busy; retry later") from None
+        self._verdicts[constraint] = verdict
+        while len(self._verdicts) > self._cache_size:
+            self._verdicts.popitem(last=False)
+        return verdict
 
-    def close(self) -> None:
-        """Drop queued compiles; one still running finishes on its own (the library bounds it)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+    async def close(self) -> None:
+        for task in list(self._compiling.values()):
+            task.cancel()
+        await asyncio.gather(*self._compiling.values(), return_exceptions=True)
+        await self._processes.close()

@@ -4,7 +4,12 @@
 first token), the gaps between tokens (inter-token latency) and the whole request, counts
 prompt and generated tokens from the final usage, and counts the request by API, status and
 finish reason. A request that fails counts with the gRPC status name of its error (the same
-mapping the caller sees, `errors.to_status`) and an empty finish reason.
+mapping the caller sees, `errors.to_status`) and an empty finish reason. A request refused
+before it could start (the HTTP API's 401, 413, malformed body, unknown model) is counted by
+`rejected`. Either way the request gets its access-log line (`access_log`).
+
+Every labelled series exists at 0 from the first request that knows the model name on, so
+rates and alerts work before the first failure of a kind.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from collections.abc import AsyncIterator, Callable
 
 from prometheus_client import CollectorRegistry
 
+from gateway_service.access_log import RequestRecord, log_request
+from gateway_service.caller import Caller
 from gateway_service.errors import status_of
 from radixserve.finish_reason import finish_reason_text
 from radixserve.metrics import counter, latency_histogram
@@ -23,7 +30,18 @@ from radixserve.v1 import generation_pb2
 API_GRPC = "grpc"
 API_CHAT = "chat_completions"
 API_COMPLETIONS = "completions"
+API_MODELS = "models"
+APIS = (API_GRPC, API_CHAT, API_COMPLETIONS, API_MODELS)
+# The route of each API in the access log (HTTP paths; the gRPC method).
+ROUTES = {API_GRPC: "/radixserve.v1.GenerationService/Generate", API_CHAT: "/v1/chat/completions",
+          API_COMPLETIONS: "/v1/completions", API_MODELS: "/v1/models"}
 STATUS_OK = "ok"
+# The (status, finish reason) series declared at 0 for every API.
+DECLARED_OUTCOMES = (
+    (STATUS_OK, "stop"), (STATUS_OK, "length"),
+    *((status, "") for status in ("INVALID_ARGUMENT", "UNAUTHENTICATED", "NOT_FOUND", "RESOURCE_EXHAUSTED",
+                                  "UNAVAILABLE", "CANCELLED", "DEADLINE_EXCEEDED", "INTERNAL")),
+)
 
 
 class GatewayMetrics:
@@ -46,23 +64,46 @@ class GatewayMetrics:
             r, "inter_token_latency_seconds", "Between consecutive tokens of one request.", api)
         self.e2e = latency_histogram(
             r, "e2e_request_latency_seconds", "From request arrival to its last token.", api)
+        self._declared: set[str] = set()
 
-    async def observe(self, api: str, stream: AsyncIterator[generation_pb2.GenerateResponse]) -> AsyncIterator[generation_pb2.GenerateResponse]:
+    def _model(self) -> str:
+        model = self._model_name()
+        if model and model not in self._declared:
+            self._declared.add(model)
+            for name in APIS:
+                for status, finish in DECLARED_OUTCOMES:
+                    self.requests.labels(model, name, status, finish)
+                for series in (self.prompt_tokens, self.generation_tokens, self.cached_prompt_tokens,
+                               self.ttft, self.itl, self.e2e):
+                    series.labels(model, name)
+        return model
+
+    def rejected(self, api: str, caller: Caller, exc: BaseException, started: float) -> None:
+        """Count and log a request refused before it started (`started` on `time.monotonic()`)."""
+        status = status_of(exc).name
+        self.requests.labels(self._model(), api, status, "").inc()
+        log_request(caller, RequestRecord(ROUTES[api], status, total_s=time.monotonic() - started))
+
+    async def observe(
+        self, api: str, caller: Caller, stream: AsyncIterator[generation_pb2.GenerateResponse]
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """Yield `stream`'s chunks unchanged, recording the request's metrics on the way.
 
         The caller must close this generator (`contextlib.aclosing`) or drain it; a stream
         abandoned early (a disconnected client) counts as CANCELLED.
         """
-        model = self._model_name()
+        model = self._model()
         start = last = time.monotonic()
         num_tokens = 0
         status, finish = "CANCELLED", ""
+        record = RequestRecord(ROUTES[api])
         try:
             async for chunk in stream:
                 now = time.monotonic()
                 if chunk.token_ids:
                     if num_tokens == 0:
-                        self.ttft.labels(model, api).observe(now - start)
+                        record.ttft_s = now - start
+                        self.ttft.labels(model, api).observe(record.ttft_s)
                     else:
                         # Tokens that arrive together share the gap since the previous ones.
                         gap = (now - last) / len(chunk.token_ids)
@@ -74,6 +115,9 @@ class GatewayMetrics:
                     self.prompt_tokens.labels(model, api).inc(chunk.usage.prompt_tokens)
                     self.generation_tokens.labels(model, api).inc(chunk.usage.completion_tokens)
                     self.cached_prompt_tokens.labels(model, api).inc(chunk.usage.cached_tokens)
+                    record.prompt_tokens = chunk.usage.prompt_tokens
+                    record.cached_tokens = chunk.usage.cached_tokens
+                    record.output_tokens = chunk.usage.completion_tokens
                 if chunk.finish_reason:
                     status, finish = STATUS_OK, finish_reason_text(chunk.finish_reason)
                     self.e2e.labels(model, api).observe(now - start)
@@ -83,3 +127,7 @@ class GatewayMetrics:
             raise
         finally:
             self.requests.labels(model, api, status, finish).inc()
+            record.status, record.finish_reason = status, finish
+            record.output_tokens = record.output_tokens or num_tokens
+            record.total_s = time.monotonic() - start
+            log_request(caller, record)

@@ -1,8 +1,9 @@
 """A running gateway: the gRPC server, the HTTP API, its router pool, and the probe loop that
 drives health (started and stopped by `radixserve.serving.run_service`).
 
-Health is NOT_SERVING until the tokenizer is loaded and at least one router answers
-GetServerInfo; it goes back to NOT_SERVING while no router answers.
+Health is NOT_SERVING until the tokenizer is loaded, the constraint compile processes are up
+and at least one router answers GetServerInfo; it goes back to NOT_SERVING while no router
+answers.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import time
 
 import grpc
 
+from gateway_service import compile_processes
 from gateway_service.chat_format import ChatFormat
 from gateway_service.config import GatewayConfig
 from gateway_service.constraint_check import ConstraintChecker
 from gateway_service.openai_api.app import TokenCheck, build_app
-from gateway_service.openai_api.server import HttpServer
+from gateway_service.openai_api.server import ConnectionLimits, HttpServer
 from gateway_service.router_choice import RouterPool
 from gateway_service.service import GenerationServicer
 from gateway_service.tokenizer import Tokenizer
@@ -32,6 +34,20 @@ from radixserve.v1 import generation_pb2, generation_pb2_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["GenerationService"].full_name
+# The end of the drain's grace kept for ending the streams still open (error event or status)
+# and closing the servers: at most this, and at most a quarter of the grace.
+END_STREAMS_S = 1.0
+MS = 1000
+
+
+def public_grpc_options(config: GatewayConfig) -> list[tuple[str, int]]:
+    """The public gRPC port's connection limits (the HTTP API's are `ConnectionLimits`)."""
+    return [
+        ("grpc.server_handshake_timeout_ms", int(config.http_header_timeout_s * MS)),
+        ("grpc.max_connection_idle_ms", int(config.grpc_idle_timeout_s * MS)),
+        ("grpc.max_concurrent_streams", config.grpc_max_streams),
+        ("grpc.max_allowed_incoming_connections", config.max_connections),
+    ]
 
 
 class Gateway:
@@ -76,10 +92,12 @@ class Gateway:
             [SERVICE_NAME],
             security=security,
             max_receive_bytes=config.limits.max_request_bytes,
+            extra_options=public_grpc_options(config),
         )
         gateway = cls(config, server, health, port, pool, servicer)
         log.info("gateway listening on %s:%d (NOT_SERVING until ready)", config.host, port)
         await gateway._start_http(token_check)
+        forkserver = asyncio.create_task(compile_processes.warm_up())
         if tokenizer is None:
             tokenizer = await asyncio.to_thread(Tokenizer.load, config.model)
             log.info("tokenizer loaded from %s", config.model)
@@ -87,10 +105,16 @@ class Gateway:
         chat = servicer.chat
         log.info("chat format: %s tool calls, reasoning split %s, template renders tools: %s",
                  chat.tool_parser.name, "on" if chat.reasoning else "off", chat.renders_tools)
-        servicer.tokenizer = tokenizer
-        servicer.constraints = ConstraintChecker(
-            tokenizer.hf, config.constraint_timeout_s, config.constraint_cache_size, config.constraint_threads
+        await forkserver
+        checker = ConstraintChecker(
+            tokenizer.hf, config.constraint_timeout_s, config.constraint_cache_size,
+            config.constraint_processes, config.constraint_compiles_per_client,
+            config.max_constraint_chars, config.constraint_start_timeout_s,
         )
+        await checker.start()
+        log.info("%d constraint compile processes ready", config.constraint_processes)
+        servicer.tokenizer = tokenizer
+        servicer.constraints = checker
         await gateway.probe_once()
         gateway._probing = asyncio.create_task(gateway._probe_loop())
         gateway._probing.add_done_callback(gateway._probe_loop_ended)
@@ -101,9 +125,12 @@ class Gateway:
         config = self.config
         self.metrics = serve_metrics(self.servicer.metrics.registry, config.host, config.metrics_port, "gateway")
         if config.http_port:
-            app = build_app(self.servicer, config.max_choices, lambda: bool(self._serving), token_check)
+            app = build_app(self.servicer, config.max_choices, lambda: bool(self._serving), config.limits,
+                            token_check)
+            limits = ConnectionLimits(config.http_header_timeout_s, config.http_keep_alive_s,
+                                      config.max_connections)
             self.http = await HttpServer.start(
-                app, config.host, config.http_port, config.log_level, config.shutdown_grace_s,
+                app, config.host, config.http_port, config.log_level, limits,
                 tls_cert=config.security.tls_cert, tls_key=config.security.tls_key)
 
     async def probe_once(self) -> bool:
@@ -130,7 +157,9 @@ class Gateway:
 
     async def stop(self) -> None:
         """Drain: NOT_SERVING at once, new calls refused, in-flight streams get
-        `shutdown_grace_s` to finish; then the router channels close."""
+        `shutdown_grace_s` to finish; those still open near its end are ended with the API's
+        error (gRPC UNAVAILABLE; HTTP an error event and `[DONE]`), so that both servers have
+        closed when the grace ends; then the router channels close."""
         log.info("stopping: draining in-flight streams for up to %gs", self.config.shutdown_grace_s)
         self.servicer.draining = True
         self._serving = False  # the HTTP API's /health follows too
@@ -143,16 +172,24 @@ class Gateway:
         # The servers keep accepting while in-flight streams finish, so a call that arrives
         # now is refused by the servicer with UNAVAILABLE (retry elsewhere); a gRPC server
         # that is stopping would cancel it instead. Both APIs share one grace period.
-        drain_until = time.monotonic() + self.config.shutdown_grace_s
+        grace_s = self.config.shutdown_grace_s
+        drain_until = time.monotonic() + grace_s
+        ending_s = min(END_STREAMS_S, grace_s / 4)
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.servicer.wait_idle(), self.config.shutdown_grace_s)
-        stopping = [self._server.stop(max(0.0, drain_until - time.monotonic()))]
+            await asyncio.wait_for(self.servicer.wait_idle(), grace_s - ending_s)
+        self.servicer.end_streams()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.servicer.wait_idle(), ending_s / 2)
+        left_s = max(0.0, drain_until - time.monotonic())
+        stopping = [self._server.stop(left_s)]
         if self.http is not None:
-            stopping.append(self.http.stop())
+            stopping.append(self.http.stop(left_s))
         await asyncio.gather(*stopping)
+        log.info("servers closed %.2fs into the grace period", grace_s - (drain_until - time.monotonic()))
         if self.metrics is not None:
             self.metrics.stop()
         if self.servicer.constraints is not None:
-            self.servicer.constraints.close()
+            await self.servicer.constraints.close()
         await self.pool.close()
         self.servicer.close()
+        log.info("stopped %.2fs into the grace period", grace_s - (drain_until - time.monotonic()))

@@ -4,6 +4,10 @@ Requests and responses are the public messages themselves (the HTTP API builds a
 same ones); the router is asked with its own `RouterGenerateRequest`. Every failure becomes a
 status in `errors.to_status`. A request's router call lives exactly as long as the client's stream:
 it is cancelled when the client cancels, when a stop string ends the output, or on error.
+
+Drain (`stop` of the gateway): `draining` refuses new calls; `end_streams` ends every call still
+in flight with `ShuttingDown` (gRPC UNAVAILABLE; the HTTP API's error event and `[DONE]`), so
+both APIs end within one grace period.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from gateway_service.caller import REQUEST_ID_HEADER, Caller, client_key, peer_host, request_id_from
 from gateway_service.chat_format import ChatFormat, ChatPlan, check_history, check_tools, plan_chat, template_kwargs
 from gateway_service.chat_output import ChatOutputSplitter, ToolCallSplitter
 from gateway_service.chat_render import template_input
@@ -39,6 +44,7 @@ from gateway_service.validation import (
     resolve_sampling,
 )
 from radixserve import constraints, sampling
+from radixserve.security import AUTH_HEADER, BEARER
 from radixserve.v1 import generation_pb2, generation_pb2_grpc, router_pb2
 
 log = logging.getLogger(__name__)
@@ -65,9 +71,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.draining = False
         # Generate calls (both APIs) between admission and their last chunk; `_idle` is set
         # while there are none.
-        self._in_flight = 0
+        self._in_flight: set[asyncio.Task] = set()
         self._idle = asyncio.Event()
         self._idle.set()
+        # Set by `end_streams`: the calls cancelled from then on end with ShuttingDown.
+        self._ending = False
 
     # --- RPCs -----------------------------------------------------------------------------
 
@@ -75,9 +83,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         # Cancellation (asyncio.CancelledError) is not an Exception: it passes through and
         # cancels the router call on its way out.
         try:
+            caller = self._grpc_caller(request, context)
+            await context.send_initial_metadata(((REQUEST_ID_HEADER, caller.request_id),))
             remaining = context.time_remaining()
             deadline = None if remaining is None else time.monotonic() + remaining
-            async for chunk in self.generate(request, deadline, API_GRPC):
+            async for chunk in self.generate(request, deadline, API_GRPC, caller):
                 yield chunk
         except Exception as exc:
             await context.abort(*to_status(exc))
@@ -123,14 +133,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     # --- Generate ---------------------------------------------------------------------------
 
     def generate(
-        self, request: generation_pb2.GenerateRequest, deadline: float | None, api: str
+        self, request: generation_pb2.GenerateRequest, deadline: float | None, api: str, caller: Caller
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        """One request's output, validated and measured; `deadline` is on `time.monotonic()`.
+        """One request's output, validated, measured and logged; `deadline` is on `time.monotonic()`.
 
         Every API (gRPC, the HTTP API's `api` routes) comes through here; errors are raised
         as they are and become a status in `errors.to_status`.
         """
-        return self.metrics.observe(api, self._generate(request, deadline))
+        return self.metrics.observe(api, caller, self._generate(request, deadline, caller))
 
     async def model_info(self) -> generation_pb2.GetModelInfoResponse:
         """The model the routers serve; raises `NoRouterAvailable` while none answers."""
@@ -141,22 +151,36 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         stop, so callers arriving meanwhile get this servicer's UNAVAILABLE, not CANCELLED)."""
         await self._idle.wait()
 
+    def end_streams(self) -> None:
+        """End every Generate call in flight with `ShuttingDown` (the end of the drain's grace)."""
+        self._ending = True
+        for task in self._in_flight:
+            task.cancel()
+
     async def _generate(
-        self, request: generation_pb2.GenerateRequest, deadline: float | None
+        self, request: generation_pb2.GenerateRequest, deadline: float | None, caller: Caller
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         self._refuse_if_draining()
-        self._in_flight += 1
+        # Each call runs in its own task (the gRPC handler's, or one per HTTP choice), which
+        # `end_streams` cancels.
+        task = asyncio.current_task()
+        self._in_flight.add(task)
         self._idle.clear()
         try:
-            async for chunk in self._generate_admitted(request, deadline):
+            async for chunk in self._generate_admitted(request, deadline, caller):
                 yield chunk
+        except asyncio.CancelledError:
+            if not self._ending:
+                raise
+            task.uncancel()
+            raise ShuttingDown("the gateway shut down before the request finished; retry it") from None
         finally:
-            self._in_flight -= 1
-            if self._in_flight == 0:
+            self._in_flight.discard(task)
+            if not self._in_flight:
                 self._idle.set()
 
     async def _generate_admitted(
-        self, request: generation_pb2.GenerateRequest, deadline: float | None
+        self, request: generation_pb2.GenerateRequest, deadline: float | None, caller: Caller
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         info = await self._server_info()
         tokenizer = self._require_tokenizer()
@@ -172,16 +196,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             info.model.context_len, self._config.default_max_tokens,
         )
         constraint = plan.constraint or constraints.from_proto(request.constraint)
-        try:
-            await self._require_constraints().check(constraint)
-        except InvalidRequest as exc:
-            if plan.constraint is None:
-                raise
-            # The tools' grammar failed: a parameters schema the grammar library refused.
-            raise InvalidRequest(f"tools: {exc.message}") from None
-        # The router sees a unique id even when callers reuse theirs; logs keep the caller's.
-        suffix = uuid.uuid4().hex[:12]
-        request_id = f"{request.request_id}-{suffix}" if request.request_id else suffix
+        if constraint is not None:
+            try:
+                await self._require_constraints().check(constraint, caller.client)
+            except InvalidRequest as exc:
+                if plan.constraint is None:
+                    raise
+                # The tools' grammar failed: a parameters schema the grammar library refused.
+                raise InvalidRequest(f"tools: {exc.message}") from None
+        # The router sees a unique id even when callers reuse theirs, or when the choices of one
+        # HTTP request share it; logs keep the caller's.
+        request_id = f"{caller.request_id}-{uuid.uuid4().hex[:12]}"
         routed = router_pb2.RouterGenerateRequest(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
@@ -285,6 +310,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             reasoning = ReasoningSplitter(opens_inside_block(tail))
         tools = ToolCallSplitter(self._require_chat().tool_parser) if plan.parse_tools else None
         return ChatOutputSplitter(reasoning, tools)
+
+    def _grpc_caller(self, request: generation_pb2.GenerateRequest, context) -> Caller:
+        """The id from `x-request-id` metadata, else the message's `request_id` (which
+        `check_input` validates), else a new one; the client by its token, else its address."""
+        metadata = {key: value for key, value in context.invocation_metadata() or ()
+                    if isinstance(value, str)}
+        presented = metadata.get(REQUEST_ID_HEADER) or request.request_id
+        request_id = request_id_from(presented, self._limits.max_request_id_len)
+        auth = metadata.get(AUTH_HEADER, "")
+        token = auth[len(BEARER):] if auth.startswith(BEARER) else None
+        return Caller(request_id, client=client_key(token, peer_host(context.peer())))
 
     def _refuse_if_draining(self) -> None:
         if self.draining:

@@ -31,12 +31,14 @@ MAX_STOP_TOKEN_IDS = 64
 class RequestLimits:
     """Bounds on what one public request may hold (the gateway's flags, named after the fields).
 
-    `max_request_bytes` is enforced by gRPC itself (its maximum receive size); the others here.
+    `max_request_bytes` is enforced by gRPC itself (its maximum receive size) and by the HTTP API
+    while the body streams in; the others here.
     """
 
-    max_request_bytes: int = setting(4 * 1024 * 1024, "largest request message accepted (gRPC's "
-                                     "receive limit on the public port; larger ones get "
-                                     "RESOURCE_EXHAUSTED before they are read)", min=1)
+    max_request_bytes: int = setting(4 * 1024 * 1024, "largest request accepted: gRPC's receive limit "
+                                     "on the public port (larger messages get RESOURCE_EXHAUSTED "
+                                     "before they are read) and the HTTP body limit (413 as soon as "
+                                     "it is passed)", min=1)
     max_prompt_chars: int = setting(131072, "characters of a prompt, or of all messages' roles and "
                                     "contents together (Generate and Tokenize)", min=1)
     max_prompt_tokens: int = setting(0, "prompt tokens after the chat template (0: the model's "
@@ -44,6 +46,8 @@ class RequestLimits:
     max_messages: int = setting(256, "messages in one chat request", min=1)
     max_request_id_len: int = setting(128, "characters of a caller's request_id (printable ASCII)",
                                       min=1)
+    max_user_chars: int = setting(256, "characters of OpenAI's `user` field (an end-user id, any "
+                                  "Unicode, logged with the request)", min=1)
 
     def __post_init__(self) -> None:
         check(self)
@@ -80,6 +84,12 @@ def check_request_id(request_id: str, limits: RequestLimits) -> None:
         raise InvalidRequest(f"request_id is longer than {limits.max_request_id_len} characters")
     if request_id and not (request_id.isascii() and request_id.isprintable()):
         raise InvalidRequest("request_id must be printable ASCII")
+
+
+def check_user(user: str, limits: RequestLimits) -> None:
+    """OpenAI's end-user id: any text, bounded (it is logged)."""
+    if len(user) > limits.max_user_chars:
+        raise InvalidRequest(f"user is longer than {limits.max_user_chars} characters")
 
 
 def check_prompt_tokens(num_tokens: int, context_len: int | None, limits: RequestLimits) -> None:

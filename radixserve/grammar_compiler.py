@@ -1,14 +1,14 @@
 """Constraints compiled into llguidance matchers for one tokenizer, each distinct constraint once.
 
 llguidance was chosen over xgrammar on measurements with the SmolLM2 tokenizer (see the commit
-that added it): a typical JSON schema compiles in ~1.5 ms against ~0.6-1.3 s, pathological
-regexes stop on the library's own fuel limits instead of compiling for seconds, and it needs no
-other package. Its per-step mask costs more (~0.04 ms a row against ~0.01 ms), which is small
+that added it): a typical JSON schema compiles in ~1.5 ms against ~0.6-1.3 s, many pathological
+regexes stop on the library's own fuel limits (not all: some constructions run for seconds
+whatever the fuel), and it needs no other package. Its per-step mask costs more (~0.04 ms a row against ~0.01 ms), which is small
 next to a forward pass.
 
-The gateway compiles to validate (on a thread, under a timeout); rank 0 compiles to get the
-matchers it samples with. Both use the same library, tokenizer and limits, so what the gateway
-accepted compiles on rank 0 too. A compiled constraint is a template matcher in its start state;
+The gateway compiles to validate (in a separate process it can stop, under a timeout); rank 0
+compiles to get the matchers it samples with. Both use the same library, tokenizer and limits,
+so what the gateway accepted compiles on rank 0 too. A compiled constraint is a template matcher in its start state;
 each request gets a `deep_copy` of it.
 """
 
@@ -54,11 +54,39 @@ def grammar_of(constraint: Constraint) -> str:
         raise InvalidConstraint(f"constraint.{kind.value}: {exc}") from exc
 
 
+def build_matcher(tokenizer: llguidance.LLTokenizer, constraint: Constraint) -> llguidance.LLMatcher:
+    """A template matcher for `constraint`; raises `InvalidConstraint` with the library's message.
+
+    Construction drops the GIL; the first mask is computed here as well, because the lexer is
+    built lazily and some errors (too many states for a regex) only show up then. The library's
+    limits do not bound every construction in time, so a caller that must answer in bounded time
+    runs this where it can be stopped (the gateway: `gateway_service.compile_processes`).
+    """
+    problems = constraint.problems()
+    if problems:
+        raise InvalidConstraint("; ".join(problems))
+    grammar = grammar_of(constraint)
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=SILENT, limits=LIMITS)
+    if not matcher.is_error():
+        matcher.compute_bitmask()
+    if matcher.is_error():
+        raise InvalidConstraint(f"constraint.{constraint.kind.value}: {matcher.get_error().strip()}")
+    return matcher
+
+
+def tokenizer_from_hf(hf_tokenizer, vocab_size: int | None = None,
+                      eos_token_ids: list[int] | None = None) -> llguidance.LLTokenizer:
+    """llguidance's view of a Hugging Face fast tokenizer. `vocab_size` is the model's logits
+    width (it may exceed the tokenizer's); `eos_token_ids` the ids that end the output when the
+    constraint is complete (default: the tokenizer's EOS). Takes about a second: build once."""
+    return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids or None)
+
+
 class GrammarCompiler:
     """Compiles constraints for one tokenizer and keeps the last `cache_size` distinct ones.
 
-    Failures are cached too, so a constraint that is slow to fail costs that time once.
-    Thread-safe: the gateway compiles on a pool of threads.
+    The library's rejections are cached too (they depend on the text alone), so a constraint
+    that is slow to fail costs that time once. Thread-safe: rank 0 compiles on a pool of threads.
     """
 
     def __init__(self, tokenizer: llguidance.LLTokenizer, cache_size: int) -> None:
@@ -71,11 +99,8 @@ class GrammarCompiler:
     def from_hf(
         cls, hf_tokenizer, cache_size: int, vocab_size: int | None = None, eos_token_ids: list[int] | None = None
     ) -> GrammarCompiler:
-        """For a Hugging Face fast tokenizer. `vocab_size` is the model's logits width (it may
-        exceed the tokenizer's); `eos_token_ids` the ids that end the output when the constraint
-        is complete (default: the tokenizer's EOS). Takes about a second: build once."""
-        tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids or None)
-        return cls(tokenizer, cache_size)
+        """For a Hugging Face fast tokenizer (see `tokenizer_from_hf`)."""
+        return cls(tokenizer_from_hf(hf_tokenizer, vocab_size, eos_token_ids), cache_size)
 
     def compile(self, constraint: Constraint) -> llguidance.LLMatcher:
         """The template matcher of `constraint` (do not advance it: `matcher` copies it).
@@ -87,8 +112,11 @@ class GrammarCompiler:
             if cached is not None:
                 self._cache.move_to_end(constraint)
         if cached is None:
-            cached = self._build(constraint)
-            self._store(constraint, cached, replace=False)
+            try:
+                cached = build_matcher(self.tokenizer, constraint)
+            except InvalidConstraint as exc:
+                cached = exc
+            self._store(constraint, cached)
         if isinstance(cached, InvalidConstraint):
             raise cached
         return cached
@@ -97,34 +125,8 @@ class GrammarCompiler:
         """A fresh matcher for one request, in the constraint's start state."""
         return self.compile(constraint).deep_copy()
 
-    def reject(self, constraint: Constraint, message: str) -> None:
-        """Remember `constraint` as invalid (it took too long to compile), whatever a compile
-        still running for it finds later."""
-        self._store(constraint, InvalidConstraint(message), replace=True)
-
-    def _build(self, constraint: Constraint) -> llguidance.LLMatcher | InvalidConstraint:
-        problems = constraint.problems()
-        if problems:
-            return InvalidConstraint("; ".join(problems))
-        try:
-            grammar = grammar_of(constraint)
-        except InvalidConstraint as exc:
-            return exc
-        # Construction drops the GIL; the first mask is computed here as well, because the lexer
-        # is built lazily and some errors (too many states for a regex) only show up then.
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=SILENT, limits=LIMITS)
-        if not matcher.is_error():
-            matcher.compute_bitmask()
-        if matcher.is_error():
-            return InvalidConstraint(f"constraint.{constraint.kind.value}: {matcher.get_error().strip()}")
-        return matcher
-
-    def _store(
-        self, constraint: Constraint, compiled: llguidance.LLMatcher | InvalidConstraint, replace: bool
-    ) -> None:
+    def _store(self, constraint: Constraint, compiled: llguidance.LLMatcher | InvalidConstraint) -> None:
         with self._lock:
-            if not replace and isinstance(self._cache.get(constraint), InvalidConstraint):
-                return  # rejected (timed out) while this compile ran: stay rejected
             self._cache[constraint] = compiled
             self._cache.move_to_end(constraint)
             while len(self._cache) > self.cache_size:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import sys
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -27,11 +26,10 @@ from grpc_reflection.v1alpha import reflection
 from radixserve.flags import Program
 from radixserve.guard import Guard
 from radixserve.health import Health
+from radixserve.log_format import TEXT, setup_logging
 from radixserve.security import NO_SECURITY, Security, SecurityError
 
 log = logging.getLogger(__name__)
-
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 # Internal messages up to 64 MiB: a long prompt's token ids or a large batch fit comfortably.
 # The gateway's public port receives far less (its --max-request-bytes).
@@ -67,18 +65,21 @@ async def start_server(
     service_names: Iterable[str],
     security: Security = NO_SECURITY,
     max_receive_bytes: int = MAX_MESSAGE_BYTES,
+    extra_options: Iterable[tuple[str, Any]] = (),
 ) -> tuple[grpc.aio.Server, Health, int]:
     """Start a grpc.aio server with health (NOT_SERVING at first) and reflection.
 
     `register` holds callables `f(server)` that add the service's servicers. The port uses TLS
     when `security` has server credentials, and every call but health checks needs one of its
     accepted tokens when it has any. Requests over `max_receive_bytes` are refused by gRPC
-    (RESOURCE_EXHAUSTED) before they are read whole. Returns the server, its health handle and
+    (RESOURCE_EXHAUSTED) before they are read whole. `extra_options` are further gRPC server
+    arguments (a public port's connection limits). Returns the server, its health handle and
     the bound port (useful when `port` is 0).
     """
     names = list(service_names)
     options = [o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
     options.append(("grpc.max_receive_message_length", max_receive_bytes))
+    options.extend(extra_options)
     server = grpc.aio.server(options=options, interceptors=[Guard(security.accepted_tokens)])
     for add in register:
         add(server)
@@ -99,7 +100,8 @@ async def start_server(
 def run_service(program: Program, start: Start, argv: list[str] | None = None) -> None:
     """A service's `main`: config from flags and environment, then `serve_until` a signal."""
     config = program.parse(argv)
-    logging.basicConfig(level=config.log_level, format=LOG_FORMAT, stream=sys.stderr)
+    # A service whose config declares `log_format` (shared_flags.LOG_FORMAT) may log JSON.
+    setup_logging(config.log_level, getattr(config, "log_format", TEXT))
     try:
         status = asyncio.run(serve_until_signal(start, config))
     except SecurityError as exc:

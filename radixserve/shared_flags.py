@@ -8,6 +8,7 @@ can use them without torch.
 from __future__ import annotations
 
 from radixserve.flags import MAX_PORT, Setting
+from radixserve.log_format import LOG_FORMATS, TEXT
 
 DEFAULT_MODEL_DIR = "models/smollm2-135m-instruct"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
@@ -30,5 +31,7 @@ DTYPE = Setting(AUTO_DTYPE, "weight and KV dtype; auto: bfloat16 on CUDA or on a
 KV_CACHE_MB = Setting(1024, "KV page pool budget of each rank, in MiB (the page count follows)",
                       min=1)
 LOG_LEVEL = Setting("INFO", "log level", choices=LOG_LEVELS, parse=str.upper)
+LOG_FORMAT = Setting(TEXT, "log lines as text, or as one JSON object each (extra fields as keys)",
+                     choices=LOG_FORMATS, parse=str.lower)
 CONSTRAINT_CACHE_SIZE = Setting(256, "distinct constraints kept compiled (least recently used "
                                 "go first)", min=1)

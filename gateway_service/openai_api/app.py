@@ -2,9 +2,15 @@
 
 Every generation goes through `GenerationServicer.generate`, like a gRPC Generate call, so
 validation, routing, stop strings and metrics are the same code. Errors become OpenAI error
-bodies in `openai_api.errors`. A streamed response is returned only once its first chunk (or
-its first error) is known, so that a bad request or a full queue is an HTTP status, not an
-error inside a 200 stream.
+bodies in `openai_api.errors`, unknown routes and methods included. A streamed response is
+returned only once its first chunk (or its first error) is known, so that a bad request or a
+full queue is an HTTP status, not an error inside a 200 stream; an error after that (the
+gateway's drain ending the stream, a router failure) is an error event, then `[DONE]`.
+
+A POST is taken in this order: the bearer token from the headers (401 without reading the
+body), the body bounded and parsed (`openai_api.body`), the model, then the generation.
+Every request refused before its generation started is counted and logged by
+`GatewayMetrics.rejected`; the generation itself by `GatewayMetrics.observe`.
 """
 
 from __future__ import annotations
@@ -12,23 +18,31 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
+from gateway_service.caller import Caller, client_key
 from gateway_service.errors import InvalidRequest
-from gateway_service.metrics import API_CHAT, API_COMPLETIONS
+from gateway_service.metrics import API_CHAT, API_COMPLETIONS, ROUTES
 from gateway_service.openai_api import responses as bodies
+from gateway_service.openai_api.body import describe, parse_body
 from gateway_service.openai_api.choices import ChoiceStreams, with_choice_seeds
 from gateway_service.openai_api.errors import (
     ClientGone,
+    HttpError,
+    MethodNotAllowed,
     ModelNotFound,
+    RouteNotFound,
     Unauthenticated,
     error_body,
     error_response,
 )
+from gateway_service.openai_api.request_ids import STATE_KEY, RequestIds
 from gateway_service.openai_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,38 +51,72 @@ from gateway_service.openai_api.protocol import (
 )
 from gateway_service.openai_api.text_routes import add_text_routes, model_card
 from gateway_service.service import GenerationServicer
+from gateway_service.validation import RequestLimits, check_user
 from radixserve.v1 import generation_pb2
 
 # Checks a bearer token (None when the request sent none): True lets the request through.
 TokenCheck = Callable[[str | None], bool]
 SSE_MEDIA_TYPE = "text/event-stream"
 BEARER = "bearer "
+API_OF_ROUTE = {route: api for api, route in ROUTES.items()}
 
 
 def build_app(
     servicer: GenerationServicer,
     max_choices: int,
     is_serving: Callable[[], bool],
+    limits: RequestLimits,
     token_check: TokenCheck | None = None,
 ) -> FastAPI:
     """The HTTP API. With `token_check`, every `/v1/` route needs `Authorization: Bearer`."""
     app = FastAPI(title="radixserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(RequestIds, max_len=limits.max_request_id_len)
 
     @app.exception_handler(RequestValidationError)
-    async def malformed_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in error['loc'][1:]) or 'body'}: {error['msg']}"
-            for error in exc.errors()
-        )
-        return error_response(InvalidRequest(problems or "malformed request body"))
+    async def malformed_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(InvalidRequest(describe(exc)))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            return error_response(RouteNotFound(f"no such route: {where}"))
+        if exc.status_code == 405:
+            return error_response(MethodNotAllowed(f"method not allowed: {where}"))
+        failure = HttpError(str(exc.detail))
+        failure.http_status = exc.status_code
+        return error_response(failure)
+
+    def caller_of(request: Request, user: str | None = None) -> Caller:
+        request_id = getattr(request.state, STATE_KEY)
+        client = client_key(_bearer_token(request), request.client.host if request.client else None)
+        return Caller(request_id, user or "", client)
 
     async def authenticated(request: Request) -> None:
-        if token_check is None:
-            return
-        header = request.headers.get("authorization", "")
-        token = header[len(BEARER):].strip() if header.lower().startswith(BEARER) else None
-        if not token_check(token or None):
+        if token_check is not None and not token_check(_bearer_token(request)):
             raise Unauthenticated("a valid bearer token is required (Authorization: Bearer <token>)")
+
+    @app.exception_handler(Unauthenticated)
+    async def unauthenticated(request: Request, exc: Unauthenticated) -> JSONResponse:
+        api = API_OF_ROUTE.get(request.url.path)
+        if api is not None:
+            servicer.metrics.rejected(api, caller_of(request), exc, time.monotonic())
+        return error_response(exc)
+
+    async def accepted(request: Request, model: type, api: str, to_inputs: Callable) -> tuple:
+        """(body as `model`, its caller, the served model's name, `to_inputs(body)`: one input
+        per prompt), or the error, counted and logged."""
+        started = time.monotonic()
+        caller = caller_of(request)
+        try:
+            body = await parse_body(request, model, limits.max_request_bytes)
+            if body.user is not None:
+                check_user(body.user, limits)
+                caller = caller_of(request, body.user)
+            return body, caller, await served_model(body.model), to_inputs(body)
+        except Exception as exc:
+            servicer.metrics.rejected(api, caller, exc, started)
+            raise
 
     async def served_model(model: str) -> str:
         info = await servicer.model_info()
@@ -87,10 +135,11 @@ def build_app(
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authenticated)])
     @_answers_errors
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        model = await served_model(body.model)
-        inputs = with_choice_seeds([chat_input(body, max_choices)], body.n)
-        streams = ChoiceStreams(lambda r: servicer.generate(r, None, API_CHAT), inputs)
+    async def chat_completions(request: Request) -> Response:
+        body, caller, model, prompts = await accepted(
+            request, ChatCompletionRequest, API_CHAT, lambda b: [chat_input(b, max_choices)])
+        inputs = with_choice_seeds(prompts, body.n)
+        streams = ChoiceStreams(lambda r: servicer.generate(r, None, API_CHAT, caller), inputs)
         if body.stream:
             header = bodies.ResponseHeader.new("chatcmpl", bodies.CHAT_CHUNK_OBJECT, model)
             return await _event_stream(streams, _chat_events(header, body, len(inputs)))
@@ -103,12 +152,12 @@ def build_app(
 
     @app.post("/v1/completions", dependencies=[Depends(authenticated)])
     @_answers_errors
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        model = await served_model(body.model)
-        prompts = completion_inputs(body, max_choices)
+    async def completions(request: Request) -> Response:
+        body, caller, model, prompts = await accepted(
+            request, CompletionRequest, API_COMPLETIONS, lambda b: completion_inputs(b, max_choices))
         inputs = with_choice_seeds(prompts, body.n)
         echoed = [await _prompt_text(servicer, r) for r in inputs] if body.echo else [""] * len(inputs)
-        streams = ChoiceStreams(lambda r: servicer.generate(r, None, API_COMPLETIONS), inputs)
+        streams = ChoiceStreams(lambda r: servicer.generate(r, None, API_COMPLETIONS, caller), inputs)
         header = bodies.ResponseHeader.new("cmpl", bodies.COMPLETION_OBJECT, model)
         if body.stream:
             return await _event_stream(streams, _completion_events(header, body, echoed, len(prompts)))
@@ -123,13 +172,14 @@ def build_app(
             usage=bodies.usage_body([out.usage for out in outputs], len(prompts)),
         ))
 
-    add_text_routes(app, servicer, authenticated, _answers_errors)
-
-    @app.exception_handler(Unauthenticated)
-    async def unauthenticated(request: Request, exc: Unauthenticated) -> JSONResponse:
-        return error_response(exc)
+    add_text_routes(app, servicer, authenticated, _answers_errors, limits.max_request_bytes)
 
     return app
+
+
+def _bearer_token(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    return (header[len(BEARER):].strip() or None) if header.lower().startswith(BEARER) else None
 
 
 def _answers_errors(route: Callable[..., Awaitable]) -> Callable[..., Awaitable]:

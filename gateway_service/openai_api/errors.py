@@ -1,7 +1,9 @@
 """Failures as OpenAI error bodies: `{"error": {"message", "type", "param", "code"}}`.
 
 The status of a failure is decided once, by `gateway_service.errors.to_status` (the same
-mapping the gRPC API uses); this module only translates that gRPC status into HTTP.
+mapping the gRPC API uses); this module only translates that gRPC status into HTTP. The few
+failures that exist only in HTTP (413, an unknown route, a wrong method) say their HTTP status
+themselves (`HttpError`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,30 @@ class Unauthenticated(GatewayError):
     """No bearer token, or not the right one."""
 
     code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class HttpError(GatewayError):
+    """A failure with its own HTTP status and OpenAI error type (the gRPC code is for metrics)."""
+
+    http_status: int = 400
+    error_type: str = "invalid_request_error"
+
+
+class PayloadTooLarge(HttpError):
+    """The body is over `--max-request-bytes` (gRPC's RESOURCE_EXHAUSTED for the same)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    http_status = 413
+
+
+class RouteNotFound(HttpError):
+    code = grpc.StatusCode.NOT_FOUND
+    http_status = 404
+
+
+class MethodNotAllowed(HttpError):
+    code = grpc.StatusCode.UNIMPLEMENTED
+    http_status = 405
 
 
 class ClientGone(GatewayError):
@@ -53,9 +79,12 @@ _CODES = {
 def error_body(exc: BaseException) -> tuple[int, dict]:
     """The HTTP status and OpenAI error body for `exc`."""
     code, message = to_status(exc)
-    http_status, error_type = _HTTP.get(code, _INTERNAL)
+    if isinstance(exc, HttpError):
+        http_status, error_type, error_code = exc.http_status, exc.error_type, None
+    else:
+        (http_status, error_type), error_code = _HTTP.get(code, _INTERNAL), _CODES.get(code)
     return http_status, {
-        "error": {"message": message, "type": error_type, "param": None, "code": _CODES.get(code)}
+        "error": {"message": message, "type": error_type, "param": None, "code": error_code}
     }
 
 

@@ -3,9 +3,10 @@
 pydantic checks only the JSON types here; every range and rule (temperature in [0, 2], stop
 strings, top_logprobs, chat roles, constraints...) is checked by `gateway_service.validation`
 and the constraint checker, the same code the gRPC API goes through. Unknown fields are
-ignored, as OpenAI does. Structured output comes as OpenAI's `response_format` (`json_schema`,
-`json_object`; `text` is no constraint) or as the `guided_*` extras other servers accept; at
-most one of them per request.
+ignored, as OpenAI does; the types are strict (`openai_api.body` validates with `strict=True`:
+a string is not a boolean). `user` is the caller's end-user id, for logs only. Structured output
+comes as OpenAI's `response_format` (`json_schema`, `json_object`; `text` is no constraint) or
+as the `guided_*` extras other servers accept; at most one of them per request.
 """
 
 from __future__ import annotations
@@ -184,7 +185,6 @@ def _input(body: _Common, max_tokens: int | None, *, top_logprobs: int, **text) 
         ignore_eos=body.ignore_eos,
         sampling=generation_pb2.SamplingParams(**{k: v for k, v in sampling.items() if v is not None}),
         top_logprobs=_int32(top_logprobs),
-        request_id=body.user or "",
         constraint=constraints.to_proto(constraint_of(body)),
         **text,
     )

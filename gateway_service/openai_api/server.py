@@ -10,18 +10,74 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
+from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger(__name__)
 
-# Seconds uvicorn waits for the first request line on a new connection.
-KEEP_ALIVE_S = 5
 # How often start() looks whether uvicorn is up (it binds no socket itself: that is done here).
 STARTUP_POLL_S = 0.01
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    """`head_timeout_s`: time a connection gets to send a complete request head, from when it
+    opens or its previous response ended; `keep_alive_s`: how long an idle connection stays;
+    `max_connections`: past it, requests are answered 503."""
+
+    head_timeout_s: float
+    keep_alive_s: float
+    max_connections: int
+
+
+class _HeadTimedH11(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each request head, which uvicorn lacks: its
+    keep-alive timer stops at the first byte, so a connection that dribbles a head (or sends
+    nothing at all after connecting) would stay open for good."""
+
+    def __init__(self, *args, head_timeout_s: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_timeout_s = head_timeout_s
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._waiting_after = None  # the cycle before the awaited head (None: the first)
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._await_head()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.cycle is not self._waiting_after and self._head_timer is not None:
+            self._head_timer.cancel()  # a head arrived: its request has started
+            self._head_timer = None
+
+    def on_response_complete(self) -> None:
+        self._await_head()  # before uvicorn looks at pipelined requests, which may start one
+        super().on_response_complete()
+
+    def connection_lost(self, exc) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        super().connection_lost(exc)
+
+    def _await_head(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        self._waiting_after = self.cycle
+        self._head_timer = self.loop.call_later(self._head_timeout_s, self._head_missing)
+
+    def _head_missing(self) -> None:
+        self._head_timer = None
+        if self.cycle is self._waiting_after and not self.transport.is_closing():
+            log.debug("closing an HTTP connection that sent no complete request head in %gs",
+                      self._head_timeout_s)
+            self.transport.close()
 
 
 class _Server(uvicorn.Server):
@@ -41,12 +97,11 @@ class HttpServer:
 
     @classmethod
     async def start(
-        cls, app: FastAPI, host: str, port: int, log_level: str, shutdown_grace_s: float,
+        cls, app: FastAPI, host: str, port: int, log_level: str, limits: ConnectionLimits,
         tls_cert: str = "", tls_key: str = "",
     ) -> "HttpServer":
-        """Listen on host:port; on `stop`, open responses get `shutdown_grace_s` to finish,
-        then uvicorn cancels them (which cancels their router calls). With `tls_cert` /
-        `tls_key` (the gateway's own, as on its gRPC port) it speaks HTTPS."""
+        """Listen on host:port with `limits` on connections. With `tls_cert` / `tls_key` (the
+        gateway's own, as on its gRPC port) it speaks HTTPS."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -58,7 +113,8 @@ class HttpServer:
         sock.set_inheritable(True)
         config = uvicorn.Config(
             app, lifespan="off", log_level=log_level.lower(), access_log=False,
-            timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=shutdown_grace_s,
+            http=functools.partial(_HeadTimedH11, head_timeout_s=limits.head_timeout_s),
+            timeout_keep_alive=limits.keep_alive_s, limit_concurrency=limits.max_connections,
             ssl_certfile=tls_cert or None, ssl_keyfile=tls_key or None,
         )
         server = _Server(config)
@@ -73,7 +129,9 @@ class HttpServer:
         log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", scheme, host, bound)
         return cls(server, task, bound)
 
-    async def stop(self) -> None:
-        """Stop accepting; returns once open responses finished or the grace period ended."""
+    async def stop(self, grace_s: float) -> None:
+        """Stop accepting; open responses get `grace_s` to finish, then uvicorn cancels them
+        (the gateway's drain has ended its streams before: this is what remains of its grace)."""
+        self._server.config.timeout_graceful_shutdown = grace_s
         self._server.should_exit = True
         await self._task

@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from fastapi import Depends, FastAPI
+from fastapi import Depends, FastAPI, Request
 from pydantic import BaseModel, ConfigDict
 
 from gateway_service.openai_api import tool_protocol
+from gateway_service.openai_api.body import parse_body
 from gateway_service.openai_api.errors import ModelNotFound
 from gateway_service.service import GenerationServicer
 from radixserve.v1 import generation_pb2
@@ -56,9 +57,10 @@ def model_card(info: generation_pb2.GetModelInfoResponse) -> dict:
 
 def add_text_routes(
     app: FastAPI, servicer: GenerationServicer, authenticated: Callable[..., Awaitable[None]],
-    answers_errors: Callable[[Callable[..., Awaitable]], Callable[..., Awaitable]],
+    answers_errors: Callable[[Callable[..., Awaitable]], Callable[..., Awaitable]], max_request_bytes: int,
 ) -> None:
-    """Adds the routes, each behind `authenticated` and answering errors as OpenAI bodies."""
+    """Adds the routes, each behind `authenticated` (checked before the body is read), bodies
+    bounded and strictly parsed as the generation routes' are, errors answered as OpenAI bodies."""
 
     async def check_model(model: str | None) -> generation_pb2.GetModelInfoResponse:
         info = await servicer.model_info()
@@ -73,7 +75,8 @@ def add_text_routes(
 
     @app.post("/tokenize", dependencies=[Depends(authenticated)])
     @answers_errors
-    async def tokenize(body: TokenizeBody) -> dict:
+    async def tokenize(request: Request) -> dict:
+        body = await parse_body(request, TokenizeBody, max_request_bytes)
         info = await check_model(body.model)
         request = generation_pb2.TokenizeRequest(
             prompt=body.prompt or "",
@@ -92,6 +95,7 @@ def add_text_routes(
 
     @app.post("/detokenize", dependencies=[Depends(authenticated)])
     @answers_errors
-    async def detokenize(body: DetokenizeBody) -> dict:
+    async def detokenize(request: Request) -> dict:
+        body = await parse_body(request, DetokenizeBody, max_request_bytes)
         await check_model(body.model)
         return {"prompt": await servicer.detokenize(body.tokens)}

@@ -180,6 +180,22 @@ def test_error_codes(api, stack) -> None:
     assert reply.status_code == 400 and reply.json()["error"]["type"] == "invalid_request_error"
     assert [m.id for m in api.models.list().data] == [MODEL]
     assert httpx.get(f"{stack.http_base}/health", timeout=10).status_code == 200
+    # Unknown routes and methods, a string for a boolean, a lone surrogate: OpenAI's errors, no 500.
+    for method, path, status in [("GET", "/v1/nope", 404), ("GET", "/v1/completions", 405)]:
+        reply = httpx.request(method, f"{stack.http_base}{path}", timeout=10)
+        assert reply.status_code == status and set(reply.json()["error"]) == {"message", "type", "param", "code"}
+    for body in [b'{"model": "%s", "prompt": "hi", "stream": "yes"}' % MODEL.encode(),
+                 b'{"model": "%s", "prompt": "x\\ud800y"}' % MODEL.encode()]:
+        reply = httpx.post(f"{stack.http_base}/v1/completions", content=body, timeout=10,
+                           headers={"Content-Type": "application/json"})
+        assert reply.status_code == 400 and reply.json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.timeout(60)
+def test_user_is_an_end_user_id_and_the_request_id_is_echoed(stack) -> None:
+    reply = httpx.post(f"{stack.http_base}/v1/completions", headers={"X-Request-Id": "e2e-req-1"}, timeout=TIMEOUT_S,
+                       json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "user": "josé-" + "u" * 200})
+    assert reply.status_code == 200 and reply.headers["x-request-id"] == "e2e-req-1"
 
 
 @pytest.mark.timeout(60)

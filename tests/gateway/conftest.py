@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gateway.harness import GatewayHarness, start_harness, stop_harness
+from gateway.harness import GatewayHarness, running_harness
 from gateway_service.tokenizer import Tokenizer
 
 
@@ -17,11 +17,8 @@ def tokenizer(smollm2_dir) -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def harness(tokenizer) -> Iterator[GatewayHarness]:
-    running = start_harness(tokenizer)
-    try:
+    with running_harness(tokenizer) as running:
         yield running
-    finally:
-        stop_harness(running)
 
 
 @pytest.fixture(autouse=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -73,6 +75,16 @@ def start_harness(
     channel = grpc.insecure_channel(f"127.0.0.1:{gateway.port}")
     stub = generation_pb2_grpc.GenerationServiceStub(channel)
     return GatewayHarness(loop, routers, gateway, channel, stub)
+
+
+@contextlib.contextmanager
+def running_harness(tokenizer: Tokenizer, **options) -> Iterator[GatewayHarness]:
+    """`start_harness(tokenizer, **options)`, stopped on exit."""
+    running = start_harness(tokenizer, **options)
+    try:
+        yield running
+    finally:
+        stop_harness(running)
 
 
 def stop_harness(harness: GatewayHarness) -> None:

@@ -8,17 +8,13 @@ tokenizes a long prompt that is within the limits, and the gateway's memory stay
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 
 import grpc
 import pytest
 
-from gateway.background import BackgroundLoop
-from gateway.fake_router import FakeRouter
-from gateway.harness import server_info
-from procs import ServiceProcesses, free_port
+from gateway.gateway_process import gateway_process, rss_mb
 from radixserve.v1 import generation_pb2 as pb
 from radixserve.v1 import generation_pb2_grpc
 
@@ -36,32 +32,10 @@ TOKENIZE = "/radixserve.v1.GenerationService/Tokenize"
 
 @pytest.fixture(scope="module")
 def gateway(smollm2_dir):
-    loop = BackgroundLoop()
-    router = FakeRouter(server_info())
-    loop.run(router.start())
-    router.script(list(range(1000, 1000 + STREAM_TOKENS)), delay_s=TOKEN_DELAY_S)
-    port = free_port()
-    try:
-        with ServiceProcesses() as procs:
-            proc = procs.start("gateway", [
-                sys.executable, "-m", "gateway_service", "--port", str(port),
-                "--model", str(smollm2_dir), "--routers", router.address,
-            ])
-            address = f"127.0.0.1:{port}"
-            procs.wait_healthy(address, timeout_s=60)
-            with grpc.insecure_channel(address) as channel:
-                yield channel, proc.pid
-    finally:
-        loop.run(router.stop())
-        loop.close()
-
-
-def rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS")
+    with gateway_process(smollm2_dir) as running:
+        running.router.script(list(range(1000, 1000 + STREAM_TOKENS)), delay_s=TOKEN_DELAY_S)
+        with grpc.insecure_channel(running.grpc_address) as channel:
+            yield channel, running.pid
 
 
 def _invalid_utf8(message) -> bytes:

@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.harness import GatewayHarness, start_harness, stop_harness
+from gateway.harness import GatewayHarness, running_harness
 
 pytestmark = pytest.mark.timeout(60)
 MODEL = "fake-smollm2"
@@ -23,11 +23,8 @@ TIMEOUT_S = 10.0
 
 @pytest.fixture(scope="module")
 def harness(tokenizer) -> Iterator[GatewayHarness]:
-    running = start_harness(tokenizer, with_http=True, token_check=lambda token: token == TOKEN)
-    try:
+    with running_harness(tokenizer, with_http=True, token_check=lambda token: token == TOKEN) as running:
         yield running
-    finally:
-        stop_harness(running)
 
 
 def base_url(harness: GatewayHarness) -> str:
