@@ -26,7 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from radixserve.flags import Program
 from radixserve.guard import Guard
 from radixserve.health import Health
-from radixserve.log_format import TEXT, setup_logging
+from radixserve.log_format import setup_logging
 from radixserve.security import NO_SECURITY, Security, SecurityError
 
 log = logging.getLogger(__name__)
@@ -100,8 +100,7 @@ async def start_server(
 def run_service(program: Program, start: Start, argv: list[str] | None = None) -> None:
     """A service's `main`: config from flags and environment, then `serve_until` a signal."""
     config = program.parse(argv)
-    # A service whose config declares `log_format` (shared_flags.LOG_FORMAT) may log JSON.
-    setup_logging(config.log_level, getattr(config, "log_format", TEXT))
+    setup_logging(config.log_level, config.log_format)
     try:
         status = asyncio.run(serve_until_signal(start, config))
     except SecurityError as exc:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from radixserve import flags
 from radixserve.flags import nested, setting
 from radixserve.security import SecurityConfig, security_settings
-from radixserve.shared_flags import HOST, LOG_LEVEL, METRICS_PORT, PORT
+from radixserve.shared_flags import HOST, LOG_FORMAT, LOG_LEVEL, METRICS_PORT, PORT
 from router_service.core.admission import Policy
 from router_service.core.speculation import SpeculationConfig
 
@@ -42,6 +42,7 @@ class RouterConfig:
                                         "limit plus the 13 characters it appends)", min=0)
     shutdown_grace_s: float = setting(5.0, "seconds in-flight streams get to finish on SIGTERM", min=0)
     log_level: str = LOG_LEVEL()
+    log_format: str = LOG_FORMAT()
     metrics_port: int = METRICS_PORT(50152)
     security: SecurityConfig = security_settings()
     speculation: SpeculationConfig = nested(SpeculationConfig)

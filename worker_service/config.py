@@ -15,7 +15,7 @@ import torch
 from radixserve import flags
 from radixserve.flags import MAX_PORT, setting
 from radixserve.security import SecurityConfig, security_settings
-from radixserve.shared_flags import (CONSTRAINT_CACHE_SIZE, DEVICE, DTYPE, HOST, KV_CACHE_MB, LOG_LEVEL,
+from radixserve.shared_flags import (CONSTRAINT_CACHE_SIZE, DEVICE, DTYPE, HOST, KV_CACHE_MB, LOG_FORMAT, LOG_LEVEL,
                                      METRICS_PORT, MODEL, PORT)
 from worker_service.backends.selection import KERNEL_CHOICES
 
@@ -56,6 +56,7 @@ class WorkerConfig:
                                     "group store, before this rank leaves its group (exit status 3)", above=0)
     shutdown_grace_s: float = setting(5.0, "seconds in-flight calls get on SIGTERM", min=0)
     log_level: str = LOG_LEVEL()
+    log_format: str = LOG_FORMAT()
     metrics_port: int = METRICS_PORT(50160)
     constraint_cache_size: int = CONSTRAINT_CACHE_SIZE(help="distinct constraints rank 0 keeps compiled")
     constraint_threads: int = setting(1, "threads rank 0 fills constraint masks with (1: on the step's own "
