@@ -6,10 +6,10 @@ SIGTERM stops the stack, gateway first so that it drains its streams while every
 it still serves them. Once serving, a worker rank that exits takes its TP group with it (the
 other ranks leave on their own, see `worker_service.peer_watch`): the launcher kills what is
 left of the group at once (a frozen rank would never act on SIGTERM) and starts it again on a
-fresh rendezvous port; the router reconnects by itself. A router that exits is started again
-the same way (the gateways reconnect by themselves). Each is restarted at most
-`--max-worker-restarts` times in a row without serving in between. The gateway exiting stops
-the stack.
+fresh rendezvous port; the router reconnects by itself. A router that exits, or a gateway that
+fails (exits non-zero or by a signal), is started again the same way (the gateway reconnects to
+the router by itself). Each is restarted at most `--max-worker-restarts` times in a row without
+serving in between. A gateway that exits 0 (it drained after a SIGTERM) stops the stack.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from radixserve.child_processes import Children
 from radixserve.health import CHECK_TIMEOUT_S, is_serving, probe
@@ -39,6 +40,9 @@ class StackFailed(Exception):
 
 
 def run_up(config: UpConfig) -> int:
+    problem = unusable_input(config)
+    if problem is not None:
+        raise SystemExit(f"radixserve up: {problem}")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: stop.set())
@@ -47,6 +51,23 @@ def run_up(config: UpConfig) -> int:
             print(f"[radixserve] internal token of this launch: {secured.internal_token_file}",
                   flush=True)
         return _run_stack(dataclasses.replace(config, security=secured), stop)
+
+
+def unusable_input(config: UpConfig) -> str | None:
+    """What makes the stack unable to start, found before anything starts (one line for the
+    user, where the workers would end in a traceback), or None."""
+    model = Path(config.model)
+    if not (model / "config.json").is_file():
+        what = "has no config.json" if model.is_dir() else "is not a folder"
+        return (f"--model {config.model} {what}: give a model folder (config.json, safetensors, "
+                "tokenizer), e.g. the one `make model` prepares")
+    if config.device == "cuda":
+        import torch  # only here: the launcher itself needs no torch
+
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else "no visible GPU"
+            return f"--device cuda, but this torch ({torch.__version__}) has {build}"
+    return None
 
 
 def _run_stack(config: UpConfig, stop: threading.Event) -> int:
@@ -134,15 +155,17 @@ def _supervise(
     security: Security,
 ) -> None:
     """Watch the serving stack until `stop`: restart the worker group when a rank exits, the
-    router when it exits; the gateway exiting stops the stack."""
-    workers, router = plan.groups[0], plan.groups[1]
+    router or the gateway when it fails; a gateway that exits 0 (it drained after SIGTERM) stops
+    the stack."""
+    workers, router, gateway = plan.groups
     units = [_Restartable("worker group", [s.name for s in workers], lambda: plan_workers(config)),
-             _Restartable("router", [s.name for s in router], lambda: router)]
+             _Restartable("router", [s.name for s in router], lambda: router),
+             _Restartable("gateway", [s.name for s in gateway], lambda: gateway)]
     specs = {spec.name: spec for group in plan.groups for spec in group}
     while not stop.wait(POLL_INTERVAL_S):
         dead = children.dead_child()
         unit = next((u for u in units if dead is not None and dead[0] in u.names), None)
-        if dead is not None and unit is None:
+        if dead is not None and (unit is None or (unit.what == "gateway" and dead[1] == 0)):
             raise StackFailed(f"{dead[0]} exited with code {dead[1]}")
         if dead is not None and unit is not None:
             if unit.restarts >= config.max_worker_restarts:
