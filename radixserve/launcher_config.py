@@ -29,8 +29,9 @@ class UpConfig:
     startup_timeout_s: float = setting(300.0, "seconds each stage may take to report SERVING", above=0)
     shutdown_timeout_s: float = setting(30.0, "seconds each stage (gateway, router, workers) gets to exit "
                                         "after SIGTERM before SIGKILL", min=0)
-    max_worker_restarts: int = setting(3, "worker group restarts in a row (without the group serving again "
-                                       "in between) before the stack stops", min=0)
+    max_worker_restarts: int = setting(3, "restarts in a row of the worker group, or of the router or the "
+                                       "gateway, each counted alone (without serving again in between) "
+                                       "before the stack stops", min=0)
     log_level: str = LOG_LEVEL(help="log level of every service")
     # Passed down to every service (the API tokens to the gateway only).
     security: SecurityConfig = security_settings(public=True)
