@@ -47,6 +47,8 @@ PROBE_TOKENS = 24
 LOAD_PROMPTS = ("Tell me a long story about a dragon.", "Explain how a radix tree works.",
                 "Describe the water cycle in detail.", "What happened in 1969?")
 LOAD_TOKENS = 64
+# How long a load stream waits after a failed call before the next one.
+RETRY_PAUSE_S = 1.0
 CALL_TIMEOUT_S = 120.0
 # Short deadlines, so that faults show within seconds.
 FAULT_ENV = {
@@ -91,7 +93,7 @@ class Load:
                 call.code = grpc.StatusCode.OK
             except grpc.RpcError as exc:
                 call.code = exc.code()
-                time.sleep(0.2)  # a failing stack: do not spin
+                time.sleep(RETRY_PAUSE_S)  # a stack that is down: do not spin
             call.ended = time.monotonic()
             with self.lock:
                 self.calls.append(call)
@@ -195,14 +197,16 @@ def _run(args, rng: random.Random, address: str, log: Path, reference: list[list
             faults.append(_inject(args, rng, address, log, load, reference))
     finally:
         load.stop.set()
-    total = len(load.calls)
-    failed = sum(c.code != grpc.StatusCode.OK for c in load.calls)
+    ok = sum(c.code == grpc.StatusCode.OK for c in load.calls)
+    in_flight = sum(f.failed_in_flight for f in faults)
+    after = sum(f.failed_after for f in faults)
+    refused = len(load.calls) - ok - in_flight - after
     recovered = [f.recovered_s for f in faults if f.recovered_s is not None]
-    print(f"chaos: {len(faults)} faults in {time.monotonic() - began:.0f}s; {total} load calls, "
-          f"{failed} failed; recovery max {max(recovered, default=0):.1f}s, mean "
-          f"{sum(recovered) / max(len(recovered), 1):.1f}s; probes identical after every fault: "
-          f"{all(f.probes_same for f in faults)}; failures after recovery: "
-          f"{sum(f.failed_after for f in faults)}", flush=True)
+    print(f"chaos: {len(faults)} faults in {time.monotonic() - began:.0f}s; load calls: {ok} ok, "
+          f"{in_flight} failed in flight at a fault, {refused} refused while recovering, {after} "
+          f"failed although sent after recovery; recovery max {max(recovered, default=0):.1f}s, "
+          f"mean {sum(recovered) / max(len(recovered), 1):.1f}s; probes identical after every "
+          f"fault: {all(f.probes_same for f in faults)}", flush=True)
     bad = [f for f in faults if not f.probes_same or f.failed_after or f.recovered_s is None]
     return 1 if bad else 0
 
