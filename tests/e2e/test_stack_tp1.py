@@ -25,6 +25,7 @@ from e2e.stack import LaunchedStack, launch, wait_gone
 from gateway.strategies import generate_requests
 from procs import ServiceProcesses, is_serving
 from radixserve.v1 import generation_pb2 as pb
+from radixserve.serving import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
 from radixserve.stack_plan import WORKER_PORT_OFFSET
 from radixserve.v1 import generation_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -196,6 +197,8 @@ def test_generated_bad_requests_on_the_real_stack(stack):
     assert wait_for(lambda: nothing_locked(router_stats(stack)))
 
 
+# gRPC keepalive: a ping every 10 s, answered within 5 s (radixserve.serving), plus slack.
+KEEPALIVE_WINDOW_S = (KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS) / 1000 + 5
 # Long enough to fill whole pages, which the cache keeps.
 CACHED_PROMPT = "What is the capital of France? Answer in one word, then name three rivers " * 3
 
@@ -233,6 +236,30 @@ def test_default_launch_refuses_internal_callers_without_its_token(stack):
     assert router_stats(stack) == stats_before  # no step ran, no page moved
     assert greedy(stack.gateway, prompt=CACHED_PROMPT) == before
     assert router_stats(stack).cache_hit_tokens > stats_before.cache_hit_tokens
+
+
+@pytest.mark.timeout(180)
+def test_a_frozen_router_is_noticed_by_the_gateway_within_the_keepalive_window(stack):
+    """SIGSTOP on the router with a stream in flight: the gateway's keepalive pings go
+    unanswered, so the stream ends UNAVAILABLE within keepalive time + timeout (README: ~15-20
+    s), the gateway goes NOT_SERVING sooner (its probes time out); SIGCONT: serving again."""
+    wait_until(lambda: serves(stack.gateway), 60, interval_s=0.5)
+    router = stack.child_pids()["router"]
+    stream = RecordedStream(stack.gateway, max_tokens=2000).start()
+    assert stream.started.wait(60) and stream.code is None
+    os.kill(router, signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    try:
+        assert stream.done.wait(KEEPALIVE_WINDOW_S + 10)
+        assert stream.code == grpc.StatusCode.UNAVAILABLE
+        assert not is_serving(stack.gateway)
+    finally:
+        os.kill(router, signal.SIGCONT)
+    ended_s = stream.ended_at - frozen_at
+    wait_until(lambda: serves(stack.gateway), 60, interval_s=0.5)
+    print(f"frozen router: the in-flight stream ended UNAVAILABLE after {ended_s:.1f}s")
+    assert ended_s < KEEPALIVE_WINDOW_S
+    assert stack.child_pids()["router"] == router  # frozen, not dead: nothing restarted
 
 
 @pytest.mark.timeout(180)
