@@ -238,14 +238,14 @@ def test_default_launch_refuses_internal_callers_without_its_token(stack):
     assert router_stats(stack).cache_hit_tokens > stats_before.cache_hit_tokens
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_a_frozen_router_is_noticed_by_the_gateway_within_the_keepalive_window(stack):
-    """SIGSTOP on the router with a stream in flight: the gateway's keepalive pings go
-    unanswered, so the stream ends UNAVAILABLE within keepalive time + timeout (README: ~15-20
-    s), the gateway goes NOT_SERVING sooner (its probes time out); SIGCONT: serving again."""
+    """SIGSTOP on the router with a stream in flight: the gateway's probes go unanswered, so it
+    goes NOT_SERVING and, the router silent for the keepalive time, ends the stream UNAVAILABLE
+    (README: ~15-20 s); SIGCONT: serving again."""
     wait_until(lambda: serves(stack.gateway), 60, interval_s=0.5)
     router = stack.child_pids()["router"]
-    stream = RecordedStream(stack.gateway, max_tokens=2000).start()
+    stream = RecordedStream(stack.gateway, max_tokens=1000).start()
     assert stream.started.wait(60) and stream.code is None
     os.kill(router, signal.SIGSTOP)
     frozen_at = time.monotonic()
