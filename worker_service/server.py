@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 from pathlib import Path
+from collections.abc import Callable
 from typing import NoReturn
 
 import torch
@@ -39,14 +40,20 @@ log = logging.getLogger(__name__)
 BYTES_PER_MIB = 1 << 20
 
 
-def load_executor(config: WorkerConfig, metrics_registry: CollectorRegistry | None = None) -> Executor:
-    """Join the TP group and load this rank's shard; blocks (rendezvous, disk reads)."""
+def load_executor(
+    config: WorkerConfig, metrics_registry: CollectorRegistry | None = None,
+    on_group_formed: Callable[[], None] | None = None,
+) -> Executor:
+    """Join the TP group and load this rank's shard; blocks (rendezvous, disk reads).
+    `on_group_formed` runs once every rank has joined, before the loading."""
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
     init_distributed(
         config.rank, config.world_size, config.master_addr, config.master_port, config.device,
         timeout_s=config.rendezvous_timeout_s, collective_timeout_s=config.collective_timeout_s,
     )
+    if on_group_formed is not None:
+        on_group_formed()
     runner = ModelRunner(
         RunnerConfig(
             model_dir=Path(config.model),
@@ -116,9 +123,21 @@ class Worker:
         # On the task thread (see `WorkerService.run_on_task_thread`); off the event loop, so a
         # stop signal during a long rendezvous can still exit (see `stop`).
         worker._loading = asyncio.ensure_future(
-            worker.service.run_on_task_thread(load_executor, config, worker.registry))
+            worker.service.run_on_task_thread(load_executor, config, worker.registry,
+                                              worker._watch_peers))
         worker._ready = asyncio.create_task(worker._serve_when_loaded())
         return worker
+
+    def _watch_peers(self) -> None:
+        """Start the heartbeats as soon as the group has formed (on the loading thread): the
+        ranks' rendezvous starts them together, whereas the ends of their loading differ by
+        what only rank 0 loads (a peer that waited for it would count it as silent), and a
+        peer lost while loading is noticed too."""
+        config = self.config
+        if config.world_size > 1:
+            self._watch = PeerWatch(config.master_addr, config.master_port, config.rank,
+                                    config.world_size, config.peer_timeout_s)
+            self._watch.start()
 
     async def _serve_when_loaded(self) -> None:
         config = self.config
@@ -135,10 +154,6 @@ class Worker:
             self.crashed.set()
             return
         self.service.attach(executor)
-        if config.world_size > 1:
-            self._watch = PeerWatch(config.master_addr, config.master_port, config.rank,
-                                    config.world_size, config.peer_timeout_s)
-            self._watch.start()
         await self._health.set(True)
         info = executor.info
         log.info(

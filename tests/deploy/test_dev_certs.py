@@ -40,6 +40,14 @@ def test_writes_a_ca_and_certificates_for_the_hosts(tmp_path):
     assert tokens[0] != tokens[1]
 
 
+def test_without_hosts_the_server_certificate_names_localhost_and_loopback(tmp_path):
+    assert main(["--out", str(tmp_path)]) == 0
+    server = _cert(tmp_path / "server.pem")
+    names = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert set(names.get_values_for_type(x509.DNSName)) == {"localhost"}
+    assert {str(ip) for ip in names.get_values_for_type(x509.IPAddress)} == {"127.0.0.1"}
+
+
 def test_keeps_existing_files_unless_forced(tmp_path):
     main(["--out", str(tmp_path)])
     ca = (tmp_path / "ca.pem").read_bytes()

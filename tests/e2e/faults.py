@@ -16,10 +16,10 @@ from radixserve.v1 import generation_pb2_grpc
 PROMPT = "The capital of France is"
 
 
-def greedy(address: str, max_tokens: int = 12, timeout_s: float = 30.0) -> list[int]:
+def greedy(address: str, max_tokens: int = 12, timeout_s: float = 30.0, prompt: str = PROMPT) -> list[int]:
     with grpc.insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
-        request = pb.GenerateRequest(prompt=PROMPT, max_tokens=max_tokens, ignore_eos=True,
+        request = pb.GenerateRequest(prompt=prompt, max_tokens=max_tokens, ignore_eos=True,
                                      sampling=pb.SamplingParams(temperature=0))
         return [t for response in stub.Generate(request, timeout=timeout_s) for t in response.token_ids]
 

@@ -71,6 +71,12 @@ class LaunchedStack:
     def output(self) -> str:
         return self.procs.tail("stack", 200_000)
 
+    def internal_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The `authorization` metadata of this launch's internal token (the launcher prints
+        where it wrote it)."""
+        path = re.search(r"internal token of this launch: (\S+)", self.output())[1]
+        return (("authorization", f"Bearer {Path(path).read_text().strip()}"),)
+
     def child_pids(self) -> dict[str, int]:
         """From the launcher's "started NAME (pid N)" lines."""
         return {m[0]: int(m[1]) for m in re.findall(r"started (\w+) \(pid (\d+)\)", self.output())}

@@ -47,3 +47,30 @@ def test_security_flags_are_passed_down():
     # API tokens travel in the gateway's environment, never on a command line.
     assert gateway.env["RADIXSERVE_API_TOKENS"] == "t" * 20
     assert all("t" * 20 not in " ".join(c.cmd) for c in (*workers, router, gateway))
+
+
+def test_router_and_gateway_settings_go_to_the_services_that_declare_them():
+    args = config_from_args([
+        "up", "--served-model-name", "my-model", "--shutdown-grace-s", "7", "--no-overlap",
+        "--default-max-tokens", "33", "--max-queue", "9",
+    ])
+    plan = plan_stack(args, python="py")
+    _, (router,), (gateway,) = plan.groups
+    assert router.cmd[-7:] == ["--max-queue", "9", "--no-overlap", "--shutdown-grace-s", "7.0",
+                               "--served-model-name", "my-model"]
+    assert gateway.cmd[-4:] == ["--shutdown-grace-s", "7.0", "--default-max-tokens", "33"]
+    assert plan.model_id == "my-model"
+    # What each service parses from them.
+    from gateway_service.config import PROGRAM as GATEWAY
+    from router_service.config import PROGRAM as ROUTER
+    router_config = ROUTER.parse(router.cmd[3:], {})
+    assert (router_config.served_model_name, router_config.shutdown_grace_s, router_config.overlap,
+            router_config.max_queue) == ("my-model", 7.0, False, 9)
+    gateway_config = GATEWAY.parse(gateway.cmd[3:], {})
+    assert (gateway_config.shutdown_grace_s, gateway_config.default_max_tokens) == (7.0, 33)
+
+
+def test_unset_router_and_gateway_settings_are_not_passed():
+    _, (router,), (gateway,) = plan_stack(config_from_args(["up"]), python="py").groups
+    assert "--shutdown-grace-s" not in router.cmd + gateway.cmd
+    assert "--served-model-name" not in router.cmd

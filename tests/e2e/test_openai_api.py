@@ -48,7 +48,8 @@ def grpc_client(stack: LaunchedStack) -> Client:
 
 def router_stats(stack: LaunchedStack) -> router_pb2.GetStatsResponse:
     with grpc.insecure_channel(stack.router) as channel:
-        return router_pb2_grpc.RouterServiceStub(channel).GetStats(router_pb2.GetStatsRequest(), timeout=5)
+        return router_pb2_grpc.RouterServiceStub(channel).GetStats(
+            router_pb2.GetStatsRequest(), timeout=5, metadata=stack.internal_metadata())
 
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:

@@ -12,19 +12,24 @@ an API token on the gateway.
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import grpc
+import httpx
+import openai
 import pytest
+from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from radixserve_client import Client, UnauthenticatedError
-from e2e.stack import launch
-from procs import ServiceProcesses
-from radixserve.dev_certs import write_dev_certs
+from e2e.stack import free_port_block, launch
+from procs import ROOT, ServiceProcesses
+from radixserve.dev_certs import _pem_cert, _pem_key, issue, make_ca
 from radixserve.stack_plan import WORKER_PORT_OFFSET
 from radixserve.v1 import router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -44,9 +49,11 @@ def _read(path: Path) -> bytes:
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("certs")
-    write_dev_certs(out, ["localhost"])
-    return out
+    """The README's TLS quick start, as written: `python -m radixserve.dev_certs --out certs`."""
+    folder = tmp_path_factory.mktemp("quickstart")
+    subprocess.run([sys.executable, "-m", "radixserve.dev_certs", "--out", "certs"], cwd=folder,
+                   check=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return folder / "certs"
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +68,8 @@ def secure_stack(smollm2_dir, certs):
         "--api-token-file", str(certs / "api-token"),
     ]
     with ServiceProcesses() as procs:
-        yield launch(procs, smollm2_dir, tp=1, extra_args=args, credentials=service_creds)
+        yield launch(procs, smollm2_dir, tp=1, extra_args=args, credentials=service_creds,
+                     with_http=True)
 
 
 def _token(certs: Path, name: str) -> str:
@@ -214,3 +222,39 @@ def test_health_probe_speaks_tls(secure_stack, certs):
             "--tls-key", str(certs / "server-key.pem")]
     assert probe(*mtls) == 0
     assert probe() == 1  # plaintext against a TLS port
+
+
+def test_the_openai_client_over_https_with_the_ca(secure_stack, certs):
+    base = f"https://127.0.0.1:{secure_stack.http_port}/v1"
+    with httpx.Client(verify=str(certs / "ca.pem")) as http, openai.OpenAI(
+        base_url=base, api_key=_token(certs, "api-token"), http_client=http, max_retries=0,
+    ) as client:
+        models = client.models.list()
+        reply = client.completions.create(model=models.data[0].id, prompt=PROMPT, max_tokens=4,
+                                          temperature=0)
+    assert reply.choices[0].text and reply.usage.completion_tokens == 4
+
+
+@pytest.mark.timeout(120)
+def test_a_tls_handshake_failure_stops_the_launcher_at_once_naming_it(smollm2_dir, tmp_path):
+    """A service certificate that names no host (what dev_certs wrote without --hosts before):
+    the launcher stops as soon as the first worker listens, with the reason, not after its
+    startup timeout."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_cert, ca_key = make_ca(now)
+    cert, key = issue(ca_cert, ca_key, "no names", [ExtendedKeyUsageOID.SERVER_AUTH], None, now)
+    for name, data in (("ca.pem", _pem_cert(ca_cert)), ("server.pem", _pem_cert(cert)),
+                       ("server-key.pem", _pem_key(key))):
+        (tmp_path / name).write_bytes(data)
+    with ServiceProcesses() as procs:
+        launcher = procs.start("stack", [
+            sys.executable, "-m", "radixserve.launcher", "up", "--model", str(smollm2_dir),
+            "--port", str(free_port_block(1)), "--device", "cpu", "--dtype", "float32",
+            "--kv-cache-mb", "64", "--http-port", "0", "--metrics-port", "0",
+            "--tls-cert", str(tmp_path / "server.pem"), "--tls-key", str(tmp_path / "server-key.pem"),
+            "--tls-ca", str(tmp_path / "ca.pem"), "--startup-timeout-s", "300",
+        ])
+        assert launcher.wait(timeout=100) == 1
+        output = procs.tail("stack")
+    assert "TLS handshake with worker0 at 127.0.0.1:" in output, output
+    assert "IP address mismatch" in output, output

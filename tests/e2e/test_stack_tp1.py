@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from radixserve_client import Client
-from e2e.faults import RecordedStream, greedy, wait_until
+from e2e.faults import RecordedStream, greedy, serves, wait_until
 from e2e.grpcurl_call import GRPCURL, readme_generate
 from e2e.parity import check_greedy_parity
 from e2e.reference import CHATS, MAX_NEW_TOKENS
@@ -25,7 +25,9 @@ from e2e.stack import LaunchedStack, launch, wait_gone
 from gateway.strategies import generate_requests
 from procs import ServiceProcesses, is_serving
 from radixserve.v1 import generation_pb2 as pb
-from radixserve.v1 import generation_pb2_grpc, router_pb2, router_pb2_grpc
+from radixserve.serving import KEEPALIVE_TIME_MS, KEEPALIVE_TIMEOUT_MS
+from radixserve.stack_plan import WORKER_PORT_OFFSET
+from radixserve.v1 import generation_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 # The gateway's default --shutdown-grace-s, and what its drained streams generate.
 GATEWAY_GRACE_S = 20.0
@@ -40,7 +42,8 @@ def stack(smollm2_dir):
 
 def router_stats(stack: LaunchedStack) -> router_pb2.GetStatsResponse:
     with grpc.insecure_channel(stack.router) as channel:
-        return router_pb2_grpc.RouterServiceStub(channel).GetStats(router_pb2.GetStatsRequest(), timeout=5)
+        return router_pb2_grpc.RouterServiceStub(channel).GetStats(
+            router_pb2.GetStatsRequest(), timeout=5, metadata=stack.internal_metadata())
 
 
 def nothing_locked(stats: router_pb2.GetStatsResponse) -> bool:
@@ -192,6 +195,85 @@ def test_generated_bad_requests_on_the_real_stack(stack):
     finally:
         channel.close()
     assert wait_for(lambda: nothing_locked(router_stats(stack)))
+
+
+# gRPC keepalive: a ping every 10 s, answered within 5 s (radixserve.serving), plus slack.
+KEEPALIVE_WINDOW_S = (KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS) / 1000 + 5
+# Long enough to fill whole pages, which the cache keeps.
+CACHED_PROMPT = "What is the capital of France? Answer in one word, then name three rivers " * 3
+
+
+def _poison_task() -> worker_pb2.DecodeTask:
+    """What issue 34's attacker sent: a reset, and token 1234 written over pages 0-10."""
+    task = worker_pb2.DecodeTask(task_id=99, reset=True)
+    task.entries.add(request_id="evil", token_ids=[1234] * 16, start_position=0,
+                     page_ids=list(range(11)), sample=False)
+    return task
+
+
+@pytest.mark.timeout(120)
+def test_default_launch_refuses_internal_callers_without_its_token(stack):
+    """No security flag given: the router and the worker still refuse callers without the
+    launch's own token, and the cached answer stays what it was."""
+    before = greedy(stack.gateway, prompt=CACHED_PROMPT)
+    assert wait_for(lambda: nothing_locked(router_stats(stack)))
+    stats_before = router_stats(stack)
+    worker = f"127.0.0.1:{stack.port + WORKER_PORT_OFFSET}"
+    with grpc.insecure_channel(worker) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            list(worker_pb2_grpc.WorkerServiceStub(channel).Execute(iter([_poison_task()]), timeout=10))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with grpc.insecure_channel(stack.router) as channel:
+        router = router_pb2_grpc.RouterServiceStub(channel)
+        request = router_pb2.RouterGenerateRequest(request_id="direct", prompt_token_ids=[1, 2, 3],
+                                                   max_tokens=4)
+        with pytest.raises(grpc.RpcError) as err:
+            list(router.Generate(request, timeout=10))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as err:
+            router.GetStats(router_pb2.GetStatsRequest(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert router_stats(stack) == stats_before  # no step ran, no page moved
+    assert greedy(stack.gateway, prompt=CACHED_PROMPT) == before
+    assert router_stats(stack).cache_hit_tokens > stats_before.cache_hit_tokens
+
+
+@pytest.mark.timeout(300)
+def test_a_frozen_router_is_noticed_by_the_gateway_within_the_keepalive_window(stack):
+    """SIGSTOP on the router with a stream in flight: the gateway's probes go unanswered, so it
+    goes NOT_SERVING and, the router silent for the keepalive time, ends the stream UNAVAILABLE
+    (README: ~15-20 s); SIGCONT: serving again."""
+    wait_until(lambda: serves(stack.gateway), 60, interval_s=0.5)
+    router = stack.child_pids()["router"]
+    stream = RecordedStream(stack.gateway, max_tokens=1000).start()
+    assert stream.started.wait(60) and stream.code is None
+    os.kill(router, signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    try:
+        assert stream.done.wait(KEEPALIVE_WINDOW_S + 10)
+        assert stream.code == grpc.StatusCode.UNAVAILABLE
+        assert not is_serving(stack.gateway)
+    finally:
+        os.kill(router, signal.SIGCONT)
+    ended_s = stream.ended_at - frozen_at
+    wait_until(lambda: serves(stack.gateway), 60, interval_s=0.5)
+    print(f"frozen router: the in-flight stream ended UNAVAILABLE after {ended_s:.1f}s")
+    assert ended_s < KEEPALIVE_WINDOW_S
+    assert stack.child_pids()["router"] == router  # frozen, not dead: nothing restarted
+
+
+@pytest.mark.timeout(180)
+def test_a_dead_router_is_restarted_and_serves_again(stack):
+    before = greedy(stack.gateway)
+    old = stack.child_pids()["router"]
+    os.kill(old, signal.SIGKILL)
+    killed_at = time.monotonic()
+    wait_until(lambda: stack.child_pids()["router"] != old, 30)
+    wait_until(lambda: serves(stack.gateway), 120, interval_s=0.5)
+    print(f"serving again {time.monotonic() - killed_at:.1f}s after SIGKILL of the router")
+    assert "router exited with code -9; restarting the router" in stack.output()
+    assert greedy(stack.gateway) == before
+    assert stack.launcher.poll() is None
 
 
 @pytest.mark.timeout(120)

@@ -153,3 +153,17 @@ def test_tiny_pool_retracts_and_still_gives_exact_tokens() -> None:
             assert not h.workers[0].errors
 
     asyncio.run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_served_model_name_replaces_the_workers_name() -> None:
+    async def scenario() -> None:
+        async with running_router([50], RouterConfig(), page_size=PAGE_SIZE) as h:
+            workers_name = (await h.stub.GetServerInfo(router_pb2.GetServerInfoRequest())).model.model_name
+        config = RouterConfig(served_model_name="my-model")
+        async with running_router([50], config, page_size=PAGE_SIZE) as h:
+            info = await h.stub.GetServerInfo(router_pb2.GetServerInfoRequest())
+        assert workers_name and workers_name != "my-model"
+        assert info.model.model_name == "my-model"
+
+    asyncio.run(scenario())

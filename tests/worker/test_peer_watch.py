@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -9,7 +13,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from procs import free_port
+from procs import ROOT, free_port
 from worker_service.peer_watch import PeerWatch
 
 TIMEOUT_S = 1.0
@@ -56,3 +60,43 @@ def test_a_lost_store_means_rank_0_is_gone() -> None:
     del store  # the master store closes, as when rank 0's process dies
     assert done.wait(5 * TIMEOUT_S)
     assert lost[0].startswith("the group's store"), lost
+
+
+# Rank 0: hosts the store and beats like a rank does.
+_STORE_HOST = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+from worker_service.peer_watch import PeerWatch
+port, timeout_s = int(sys.argv[1]), float(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=30), wait_for_workers=False)
+PeerWatch("127.0.0.1", port, 0, 2, timeout_s, on_lost=print).start()
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_frozen_store_host_is_lost_within_the_timeout() -> None:
+    """SIGSTOP on the process hosting the store (rank 0): store calls hang forever then, so the
+    heartbeat's watchdog, not the store call, must notice."""
+    port = free_port()
+    host = subprocess.Popen([sys.executable, "-c", _STORE_HOST, str(port), str(TIMEOUT_S)],
+                            stdout=subprocess.PIPE, start_new_session=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert host.stdout.readline() == b"ready\n"
+        lost, done = [], threading.Event()
+        rank1 = watch(port, 1, lost, done)
+        rank1.start()
+        assert not done.wait(2 * TIMEOUT_S)  # the store answers: nothing lost
+        os.kill(host.pid, signal.SIGSTOP)
+        frozen_at = time.monotonic()
+        assert done.wait(5 * TIMEOUT_S)
+        assert time.monotonic() - frozen_at < 2.5 * TIMEOUT_S
+        assert lost[0].startswith("the group's store") and "not answered" in lost[0], lost
+        assert len(lost) == 1
+        rank1.stop()
+    finally:
+        host.kill()
+        host.wait()
