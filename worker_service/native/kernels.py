@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from worker_service.native.library import build, open_library
+from worker_service.native.library import build, cpu_flags, open_library
 from worker_service.native.plan import NativePlan, PlanStruct, build_plan
 from worker_service.native.signatures import DTYPE_CODES
 
@@ -168,6 +168,12 @@ def load() -> NativeKernels | None:
     """The kernels, built and loaded once per process; None (and `failure()` says why) where they cannot be."""
     global _loaded, _failure
     if _loaded is None and _failure is None:
+        if "avx512f" not in cpu_flags().split():
+            # Every source refuses to compile without it (#error); asking the compiler would only
+            # spend half a minute of each worker's start to learn that.
+            _failure = "this CPU has no AVX-512 (avx512f), which the compiled kernels need"
+            log.info("the compiled kernels are unavailable: %s", _failure)
+            return None
         try:
             _loaded = NativeKernels(build())
         except (OSError, RuntimeError, subprocess.SubprocessError) as error:
