@@ -32,6 +32,7 @@ from worker_service.forward_batch import ForwardEntry
 from worker_service.kv_pool import KVPool
 from worker_service.layers.linear import pack_linear_weights
 from worker_service.loader import load_weights
+from worker_service.quant.scheme import quantizer
 from worker_service.models import model_class
 from worker_service.models.llama import head_dim_of
 
@@ -59,6 +60,9 @@ class RunnerConfig:
     # Decode steps of up to this many rows replay CUDA graphs (`cuda_graphs.py`; 0: never). Only
     # on CUDA with the Triton decode kernel and one rank.
     cuda_graph_max_batch: int = 0
+    # Load-time quantization of the decoder layers' linear weights (`worker_service.quant.scheme`).
+    quantization: str = "none"
+    quantization_group_size: int = 32
 
 
 def eos_token_ids(model_dir: Path, config_eos: int | list[int] | None) -> list[int]:
@@ -101,14 +105,15 @@ class ModelRunner:
         group = TPGroup(config.rank, config.world_size)
         head_dim = head_dim_of(self.hf_config)
         selection = select_backend(config.attention_kernel, self.device, self.dtype, head_dim,
-                                   config.world_size, config.cuda_graph_max_batch)
+                                   config.world_size, config.cuda_graph_max_batch, config.quantization)
         self.backend, self.backend_reason = selection.backend, selection.reason
         log.info("rank %d runs the %s backend: %s", config.rank, self.backend.name, self.backend_reason)
         with torch.inference_mode():
             self.model = model_class(self.hf_config)(self.hf_config, group, self.dtype, self.device, self.backend)
         load_weights(self.model, model_dir)
         # After loading: packed weights cannot be loaded into.
-        pack_linear_weights(self.model, self.backend)
+        pack_linear_weights(self.model, self.backend,
+                            quantizer(config.quantization, config.quantization_group_size))
         self.model.eval()
 
         shape = (self.hf_config.num_hidden_layers, config.page_size, self.model.num_kv_heads, head_dim)

@@ -57,6 +57,8 @@ def load_executor(config: WorkerConfig, metrics_registry: CollectorRegistry | No
             world_size=config.world_size,
             attention_kernel=config.attention_kernel,
             cuda_graph_max_batch=config.cuda_graph_max_batch,
+            quantization=config.quantization,
+            quantization_group_size=config.quantization_group_size,
         )
     )
     num_pages = group_num_pages(runner.info.num_pages, config)
