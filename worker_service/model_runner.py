@@ -139,8 +139,11 @@ class ModelRunner:
         self.graphs = self.backend.whole_steps(self.model, self.pool, self.info.context_len, pad_page=num_pages)
 
     def weight_bytes(self) -> int:
-        """Bytes of this rank's parameters (a tied embedding counted once)."""
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """Bytes of this rank's parameters (a tied embedding counted once), with what packed
+        weights hold beside them (`PackedLinear.extra_bytes`: quantized weights' scales)."""
+        extra = sum(module.packed.extra_bytes for module in self.model.modules()
+                    if getattr(module, "packed", None) is not None)
+        return extra + sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     @torch.inference_mode()
     def forward(self, entries: list[ForwardEntry]) -> torch.Tensor | None:

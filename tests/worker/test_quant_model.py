@@ -63,7 +63,7 @@ def test_quantized_model_matches_transformers_over_dequantized_weights(model_dir
     with torch.no_grad():
         expected = reference(torch.tensor([token_ids])).logits[0]
     pages = list(range(20, 30))
-    prefill = runner.forward([ForwardEntry(token_ids[:-3], 0, pages, True)])  # a prefill past 16 rows
+    prefill = runner.forward([ForwardEntry(token_ids[:-3], 0, pages, True)])  # a prefill past GEMV_MAX_ROWS
     torch.testing.assert_close(prefill[0], expected[-4], atol=ATOL, rtol=0)
     for position in range(PROMPT_LEN - 3, PROMPT_LEN):  # decode steps: the in-register kernel
         logits = runner.forward([ForwardEntry([token_ids[position]], position, pages, True)])

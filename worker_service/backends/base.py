@@ -92,9 +92,11 @@ class StepContext:
 
 class PackedLinear(ABC):
     """A weight (and bias) in the form a backend multiplies with. `weight` is the tensor that
-    holds it (the layer keeps it as its parameter: what the rank's weight memory counts)."""
+    holds it (the layer keeps it as its parameter: what the rank's weight memory counts);
+    `extra_bytes` what it holds beyond that (a quantized weight's scales and offsets)."""
 
     weight: torch.Tensor
+    extra_bytes: int = 0
 
     @abstractmethod
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from worker_service.quant.kernels import QuantKernels
 
 # Products of at most this many rows use the in-register kernel; larger ones dequantize + GEMM
 # (docs/quantization.md has the measurement behind it).
-GEMV_MAX_ROWS = 16
+GEMV_MAX_ROWS = 8
 
 
 class DequantizingLinear(PackedLinear):
@@ -36,6 +36,7 @@ class DequantizingLinear(PackedLinear):
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None, float32_out: bool) -> None:
         self.quantized = weight
         self.weight = weight.values
+        self.extra_bytes = weight.nbytes - weight.values.nbytes
         self.bias = None if bias is None else bias.float()
         self.float32_out = float32_out
 

@@ -166,11 +166,27 @@ int radix_quant_dequantize(int format, const void* values, const float* scales, 
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t j = 0; j < n; ++j) {
     float* row = out + j * k;
-    for (int64_t c = 0; c < k; ++c) {
-      const int64_t g = j * num_groups + c / group_size;
-      const float value = format == kInt8 ? float(static_cast<const int8_t*>(values)[j * k + c])
-                                          : float(int4_at(static_cast<const uint8_t*>(values) + j * row_bytes, c));
-      row[c] = value * scales[g] + (offsets == nullptr ? 0.f : offsets[g]);
+    for (int64_t g = 0; g < num_groups; ++g) {
+      const int64_t c0 = g * group_size, c1 = std::min(c0 + group_size, k);
+      const float scale = scales[j * num_groups + g];
+      const float offset = offsets == nullptr ? 0.f : offsets[j * num_groups + g];
+      if (format == kInt8) {
+        const int8_t* v = static_cast<const int8_t*>(values) + j * k;
+        for (int64_t c = c0; c < c1; ++c) row[c] = float(v[c]) * scale + offset;
+        continue;
+      }
+      const uint8_t* v = static_cast<const uint8_t*>(values) + j * row_bytes;
+      for (int64_t c = c0; c < c1; c += kBlock) {  // c0 is a multiple of kBlock
+        const uint8_t* bytes = v + c / 2;
+        if (c + kBlock <= k) {
+          for (int i = 0; i < kBlock / 2; ++i) {
+            row[c + i] = float(bytes[i] & 0x0F) * scale + offset;
+            row[c + kBlock / 2 + i] = float(bytes[i] >> 4) * scale + offset;
+          }
+        } else {
+          for (int64_t i = c; i < k; ++i) row[i] = float(int4_at(v, i)) * scale + offset;
+        }
+      }
     }
   }
   return 0;
