@@ -338,6 +338,7 @@ def _summarize(infos: list[worker_pb2.GetWorkerInfoResponse], max_pages: int) ->
     model = generation_pb2.GetModelInfoResponse(
         model_name=first.model_name,
         dtype=first.dtype,
+        quantization=first.quantization,
         context_len=min(info.context_len for info in infos),
         page_size=first.page_size,
         num_pages=num_pages,

@@ -32,7 +32,7 @@ from worker_service.forward_batch import ForwardEntry
 from worker_service.kv_pool import KVPool
 from worker_service.layers.linear import pack_linear_weights
 from worker_service.loader import load_weights
-from worker_service.quant.scheme import quantizer
+from worker_service.quant.scheme import quantizer, served_name
 from worker_service.models import model_class
 from worker_service.models.llama import head_dim_of
 
@@ -134,6 +134,7 @@ class ModelRunner:
             eos_token_ids=eos_token_ids(model_dir, self.hf_config.eos_token_id),
             rank=config.rank,
             world_size=config.world_size,
+            quantization=served_name(config.quantization, config.quantization_group_size),
         )
         # After the pool: whole steps (CUDA graphs) capture its addresses; page `num_pages` is theirs.
         self.graphs = self.backend.whole_steps(self.model, self.pool, self.info.context_len, pad_page=num_pages)

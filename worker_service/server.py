@@ -69,6 +69,7 @@ def load_executor(config: WorkerConfig, metrics_registry: CollectorRegistry | No
     )
     metrics = WorkerMetrics(runner.info.model_name, config.rank, metrics_registry)
     metrics.backend_chosen(runner.backend.name)
+    metrics.quantization_served(runner.info.quantization)
     constraints = None
     if config.rank == 0:  # only rank 0 samples
         constraints = ConstraintMasks.load(

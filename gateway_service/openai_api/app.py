@@ -85,7 +85,7 @@ def build_app(
         info = await servicer.model_info()
         return {"object": "list", "data": [{
             "id": info.model_name, "object": "model", "created": 0, "owned_by": "radixserve",
-            "max_model_len": info.context_len,
+            "max_model_len": info.context_len, "quantization": info.quantization,
         }]}
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authenticated)])

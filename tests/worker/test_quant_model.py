@@ -5,6 +5,7 @@ reference (dequantizing) and with the compiled AVX2 kernels (auto, where they bu
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -13,10 +14,12 @@ from transformers import AutoModelForCausalLM
 
 from worker.tiny_models import VOCAB_SIZE, greedy_tokens, make_tiny_llama, make_tiny_qwen2, reference_greedy
 from worker_service.backends.linear_quant import CompiledQuantLinear, DequantizingLinear
+from worker_service.config import parse_config
 from worker_service.forward_batch import ForwardEntry
 from worker_service.model_runner import ModelRunner, RunnerConfig
 from worker_service.quant import kernels as quant_kernels
 from worker_service.quant.scheme import quantizer
+from worker_service.server import load_executor
 
 # float32 products over the same dequantized weights, summed in another order (2 layers).
 ATOL = 1e-4
@@ -87,3 +90,22 @@ def test_embedding_and_lm_head_stay_in_the_model_dtype(model_dir) -> None:
                                       quantization="int4"))
     assert runner.model.embed_tokens.weight.dtype == torch.float32
     assert not isinstance(runner.model.lm_head.packed, DequantizingLinear)
+
+
+@pytest.mark.parametrize(("flags", "served"), [(["--quantization", "int4", "--quantization-group-size", "64"],
+                                                "int4-g64"),
+                                               ([], "none")])
+def test_the_worker_reports_its_quantization(flags, served, tmp_path, caplog) -> None:
+    """GetWorkerInfo (and so the router's GetModelInfo and /v1/models), the metrics and the log
+    line say which quantization is served, and how its products run."""
+    model_dir = make_tiny_llama(tmp_path / "model")  # with the tokenizer rank 0's constraints need
+    config = parse_config(["--model", str(model_dir), "--device", "cpu", "--dtype", "float32", "--page-size", "4",
+                           "--kv-cache-mb", "1", *flags], env={})
+    with caplog.at_level(logging.INFO, logger="worker_service"):
+        executor = load_executor(config)
+    assert executor.runner.info.quantization == served
+    assert executor.metrics.registry.get_sample_value(
+        "radixserve:worker_quantization_info",
+        {"model_name": model_dir.name, "rank": "0", "quantization": served}) == 1
+    logged = any(f"{config.quantization}: quantized weights" in record.getMessage() for record in caplog.records)
+    assert logged == (served != "none")

@@ -24,6 +24,11 @@ GROUP_SIZE_CHOICES = (32, 64)
 Quantizer = Callable[[torch.Tensor], QuantizedWeight]
 
 
+def served_name(quantization: str, group_size: int) -> str:
+    """How a worker reports `quantization` (GetWorkerInfo, metrics): int4 with its group size."""
+    return f"int4-g{group_size}" if quantization == "int4" else quantization
+
+
 def quantizer(quantization: str, group_size: int = 32) -> Quantizer | None:
     """What turns a loaded linear weight into its quantized form (None for `none`)."""
     if quantization not in QUANTIZATION_CHOICES:
