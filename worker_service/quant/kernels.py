@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from worker_service.native.library import CSRC, build, cpu_flags
-from worker_service.native.signatures import Signature, check_status
+from worker_service.native.signatures import Signature, bind
 from worker_service.quant.format import QuantizedWeight
 
 SOURCES = [CSRC / "quant_gemv.cpp"]
@@ -36,12 +36,7 @@ class QuantKernels:
     """The loaded library (`path`), its functions typed by `SIGNATURES`."""
 
     def __init__(self, path: Path) -> None:
-        lib = ctypes.CDLL(str(path))
-        for name, signature in SIGNATURES.items():
-            function = getattr(lib, name)
-            function.argtypes, function.restype = list(signature.argtypes), signature.restype
-            if signature.checked:
-                function.errcheck = check_status
+        lib = bind(ctypes.CDLL(str(path)), SIGNATURES)
         if not lib.radix_quant_supported():
             raise RuntimeError("the quantized kernels were built without AVX2 and FMA")
         self._gemv, self._dequantize = lib.radix_quant_gemv, lib.radix_quant_dequantize
