@@ -47,3 +47,11 @@ def test_security_flags_are_passed_down():
     # API tokens travel in the gateway's environment, never on a command line.
     assert gateway.env["RADIXSERVE_API_TOKENS"] == "t" * 20
     assert all("t" * 20 not in " ".join(c.cmd) for c in (*workers, router, gateway))
+
+
+def test_quantization_is_passed_to_every_worker_rank():
+    workers, _, _ = plan_stack(config_from_args(["up", "--tp", "2", "--quantization", "int4"]), python="py").groups
+    for worker in workers:
+        assert worker.cmd[worker.cmd.index("--quantization") + 1] == "int4"
+    default, _, _ = plan_stack(config_from_args(["up"]), python="py").groups
+    assert default[0].cmd[default[0].cmd.index("--quantization") + 1] == "none"
