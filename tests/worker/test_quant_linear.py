@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from worker_service.backends import select_backend
 from worker_service.backends.linear_quant import GEMV_MAX_ROWS, CompiledQuantLinear, DequantizingLinear
 from worker_service.quant import kernels as quant_kernels
 from worker_service.quant.format import QuantizedWeight, quantize_int4, quantize_int8, unpack_int4
@@ -106,3 +107,23 @@ def test_the_quantization_setting_names_its_quantizer() -> None:
     assert quantizer("int4", 64)(torch.randn(4, 64)).group_size == 64
     with pytest.raises(ValueError, match="int4 groups"):
         quantizer("int4", 48)
+
+
+def test_the_selection_chooses_and_names_how_quantized_products_run(monkeypatch) -> None:
+    """Compiled where the kernels build (auto), dequantizing with `torch` or where they do not;
+    the reason the worker logs says which, and why."""
+    weight = quantize_int8(torch.randn(8, 16))
+    compiled_kernels()
+    chosen = select_backend("auto", "cpu", torch.float32, 16, quantization="int8")
+    assert isinstance(chosen.backend.pack(weight), CompiledQuantLinear)
+    assert "int8: quantized weights by the compiled AVX2 kernels" in chosen.reason
+    reference = select_backend("torch", "cpu", torch.float32, 16, quantization="int8")
+    assert type(reference.backend.pack(weight)) is DequantizingLinear
+    assert "int8: quantized weights dequantized for each product (PyTorch) (asked for (torch))" in reference.reason
+    monkeypatch.setattr(quant_kernels, "load", lambda: None)
+    monkeypatch.setattr(quant_kernels, "failure", lambda: "this CPU lacks avx2")
+    fallback = select_backend("auto", "cpu", torch.float32, 16, quantization="int4")
+    assert type(fallback.backend.pack(quantize_int4(torch.randn(8, 32)))) is DequantizingLinear
+    assert fallback.reason.endswith("int4: quantized weights dequantized for each product (PyTorch) "
+                                    "(this CPU lacks avx2)")
+    assert "quantized" not in select_backend("auto", "cpu", torch.float32, 16).reason
