@@ -142,7 +142,7 @@ def test_tiny_model_tp_matches_tp1(arch, world_size, tmp_path, backend) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("backend", ["auto"])
+@pytest.mark.parametrize("backend", backend_params(head_dim=64))
 def test_smollm2_int4_tp2_matches_tp1(smollm2_dir, tmp_path, backend) -> None:
     """int4 in groups of 32: SmolLM2's shards split K on multiples of 64, so each rank quantizes
     whole groups of the TP=1 weight, and TP=2 computes what TP=1 computes."""

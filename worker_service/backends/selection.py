@@ -20,13 +20,13 @@ from dataclasses import dataclass
 import torch
 
 from worker_service import native, triton_support
-from worker_service.quant import kernels as quant_kernels
 from worker_service.attention import triton_decode
 from worker_service.backends.base import Backend
 from worker_service.backends.linear_quant import QuantizedLinears
 from worker_service.backends.native_backend import NativeBackend
 from worker_service.backends.torch_backend import TorchBackend
 from worker_service.backends.triton_backend import TritonBackend
+from worker_service.quant import kernels as quant_kernels
 
 KERNEL_CHOICES = ("auto", "native", "torch", "triton")
 
