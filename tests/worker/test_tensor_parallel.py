@@ -141,7 +141,7 @@ def test_tiny_model_tp_matches_tp1(arch, world_size, tmp_path, backend) -> None:
     check_against_single_rank(model_dir, list(range(3, 40)), world_size, tmp_path, TINY_ATOL, backend)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)  # three SmolLM2 runs; the PyTorch backend dequantizes for every product
 @pytest.mark.parametrize("backend", backend_params(head_dim=64))
 def test_smollm2_int4_tp2_matches_tp1(smollm2_dir, tmp_path, backend) -> None:
     """int4 in groups of 32: SmolLM2's shards split K on multiples of 64, so each rank quantizes
