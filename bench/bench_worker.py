@@ -14,6 +14,9 @@ bandwidth or full GEMM throughput, whichever limits it):
   pages, as the router's radix cache places it), each with its own short rest up to --context;
 - prefill:   one prompt of --prefill-len tokens computed at once (after one warm-up);
 - prefill xN: N prompts of --prefill-len / N tokens in one step.
+`--quantization none,int8,int4` measures each in every dtype in the same run; each fraction is of
+the bound for the run's own weight bytes (quantized values, scales and offsets), and the quantized
+decode figures are printed over the unquantized ones (goals: over bfloat16's).
 Each figure is the best of --repeats runs (others may be loading the machine; best-of shows what
 the code can do). The issue's goals are checked at the end. `--profile` prints a torch.profiler
 table of one decode step of one sequence and of the batch, unshared and shared, and the share of
@@ -54,6 +57,7 @@ PAGE_SIZE = 16  # the worker's default
 BATCHED_BOUND_GOAL = 0.60  # batched unshared decode, fraction of its bound
 SHARED_SPEEDUP_GOAL = 3.0  # batched decode behind a shared prefix over the unshared figure
 SINGLE_BANDWIDTH_GOAL = 0.75  # single-stream decode in bfloat16, fraction of its bandwidth bound
+QUANTIZED_SINGLE_GOALS = {"int8": 1.7, "int4": 2.5}  # single-stream decode over bfloat16's
 
 
 def page_tables(num_sequences: int, tokens_each: int, page_size: int, first_page: int = 0) -> list[list[int]]:
@@ -193,6 +197,32 @@ def fraction(value: float, bound: float) -> str:
     return f"{value:8.1f} ({value / bound:4.0%})"
 
 
+def quantization_goals(by_quantization: dict[str, dict[str, dict[str, float]]],
+                       batches: list[int]) -> list[tuple[str, bool]]:
+    """The issue's goals for quantized weights, each quantized figure paired with the same run's
+    unquantized ones: single-stream decode over bfloat16's, batched decode at least as fast."""
+    goals = []
+    plain = by_quantization.get("none", {})
+    for quantization, by_dtype in by_quantization.items():
+        if quantization == "none":
+            continue
+        for dtype, figures in by_dtype.items():
+            for base_dtype, base in plain.items():
+                speedup = figures["x1"] / base["x1"]
+                print(f"{quantization} {dtype} over {base_dtype}: decode x1 {speedup:.2f}x, "
+                      + ", ".join(f"x{b} {figures[f'x{b}'] / base[f'x{b}']:.2f}x" for b in batches), flush=True)
+                if base_dtype != "bfloat16":
+                    continue
+                goal = QUANTIZED_SINGLE_GOALS[quantization]
+                goals.append((f"{quantization} {dtype}: decode x1 {speedup:.2f}x bfloat16's (goal {goal}x)",
+                              speedup >= goal))
+                for batch in batches:
+                    ratio = figures[f"x{batch}"] / base[f"x{batch}"]
+                    goals.append((f"{quantization} {dtype}: decode x{batch} {ratio:.2f}x bfloat16's (goal 1x)",
+                                  ratio >= 1.0))
+    return goals
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
@@ -211,6 +241,9 @@ def main() -> None:
     parser.add_argument("--attention-kernels", default="auto",
                         help="comma-separated backends to measure (auto, native, torch, triton; see "
                              "worker_service.backends.selection)")
+    parser.add_argument("--quantization", default="none",
+                        help="comma-separated --quantization values to measure (none, int8, int4), each "
+                             "in every --dtypes, in one run: the quantized figures paired with the plain")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--transformers", action="store_true", help="also time transformers' generate (x1)")
     args = parser.parse_args()
@@ -226,11 +259,15 @@ def main() -> None:
     print_bounds("at start", first_bounds)
     measured: list[tuple[str, str, object, dict[str, float]]] = []  # label, dtype, step shape, figures
     references: dict[str, dict[int, float]] = {}  # transformers' decode tokens/s by dtype and batch
-    for dtype, kernel in [(d, k) for d in dtypes for k in args.attention_kernels.split(",")]:
+    by_quantization: dict[str, dict[str, dict[str, float]]] = {}  # first figures of each quantization, dtype
+    runs = [(d, k, q) for q in args.quantization.split(",") for d in dtypes for k in args.attention_kernels.split(",")]
+    for dtype, kernel, quantization in runs:
         runner = ModelRunner(RunnerConfig(model_dir=args.model, device=on, dtype=dtype, page_size=PAGE_SIZE,
                                           kv_cache_bytes=kv_budget(runner_shape(args.model), dtype, args),
-                                          attention_kernel=kernel, cuda_graph_max_batch=args.cuda_graph_max_batch))
+                                          attention_kernel=kernel, cuda_graph_max_batch=args.cuda_graph_max_batch,
+                                          quantization=quantization))
         label = dtype if kernel == "auto" else f"{dtype} {kernel}"
+        label = label if quantization == "none" else f"{quantization} {label}"
         print(f"{label}: the {runner.backend.name} backend ({runner.backend_reason})", flush=True)
         shape = machine.step_shape(runner)
         prefill_tokens_per_s(runner, args.prefill_len, 1)  # warm-up: first calls pick kernels
@@ -249,6 +286,7 @@ def main() -> None:
         figures["prefill_n"] = max(prefill_tokens_per_s(runner, args.prefill_len, args.prefill_prompts)
                                    for _ in range(args.repeats))
         measured.append((label, dtype, shape, figures))
+        by_quantization.setdefault(quantization, {}).setdefault(dtype, figures)
         print(f"{label}: " + ", ".join(f"{name} {value:.1f}" for name, value in figures.items()) + " tokens/s",
               flush=True)
         if args.profile:
@@ -304,6 +342,7 @@ def main() -> None:
         shape = next(s for _, d, s, _ in measured if d == dtype)
         print(" | ".join([f"{'transformers ' + dtype:>18}"]
                          + [f"x{b} {fraction(v, limit(f'x{b}', dtype, shape)):>14}" for b, v in by_batch.items()]))
+    goals += quantization_goals(by_quantization, args.batch)
     for text, met in goals:
         print(f"goal {'met    ' if met else 'NOT met'}: {text}")
     print(f"load average {os.getloadavg()[0]:.2f} at end")

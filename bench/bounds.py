@@ -126,6 +126,11 @@ def step_shape(runner) -> StepShape:
     head_dim = pool.head_dim
     embedding = config.vocab_size * config.hidden_size
     params = sum(p.numel() for p in runner.model.parameters())
+    # A quantized weight's parameter holds its packed values (two int4 per byte): count the product's size.
+    for module in runner.model.modules():
+        quantized = getattr(getattr(module, "packed", None), "quantized", None)
+        if quantized is not None:
+            params += quantized.out_features * quantized.in_features - module.packed.weight.numel()
     # The LM head multiplies each sampled token; a tied one is the embedding, counted once above.
     matmul_params = params - embedding + (embedding if config.tie_word_embeddings else 0)
     return StepShape(

@@ -16,6 +16,8 @@ AUTO_DTYPE = "auto"
 # The dtypes a worker can hold weights and KV pages in (`worker_service.dtypes` maps them).
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
+# Weight formats a worker can quantize its decoder layers' linear weights to at load time.
+QUANTIZATION_NAMES = ("none", "int8", "int4")
 
 HOST = Setting("127.0.0.1", "address to listen on")
 PORT = Setting(0, "port to listen on", min=0, max=MAX_PORT)
@@ -28,6 +30,10 @@ DEVICE = Setting(None, "where weights and KV pages live", choices=DEVICES)
 DTYPE = Setting(AUTO_DTYPE, "weight and KV dtype; auto: bfloat16 on CUDA or on a CPU with "
                 "AVX512-BF16 or AMX, else float32 (the worker reports what it resolved to)",
                 choices=(AUTO_DTYPE, *DTYPE_NAMES))
+QUANTIZATION = Setting("none", "quantize the decoder layers' linear weights at load time: int8 (per output "
+                      "channel, symmetric) or int4 (groups of --quantization-group-size columns with a "
+                      "scale and offset); embeddings and LM head stay in --dtype",
+                      choices=QUANTIZATION_NAMES)
 KV_CACHE_MB = Setting(1024, "KV page pool budget of each rank, in MiB (the page count follows)",
                       min=1)
 LOG_LEVEL = Setting("INFO", "log level", choices=LOG_LEVELS, parse=str.upper)

@@ -106,7 +106,7 @@ def plan_workers(config: UpConfig, python: str = sys.executable) -> list[ChildSp
     for rank in range(config.tp):
         port = config.port + WORKER_PORT_OFFSET + rank
         cmd = [python, "-m", "worker_service", "--model", config.model, "--host", INTERNAL_HOST,
-               "--port", str(port), "--dtype", config.dtype, "--kv-cache-mb",
+               "--port", str(port), "--dtype", config.dtype, "--quantization", config.quantization, "--kv-cache-mb",
                str(config.kv_cache_mb), "--log-level", config.log_level, "--metrics-port",
                str(worker_metrics[rank]), *security_args(config.security)]
         if config.device:

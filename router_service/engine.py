@@ -349,6 +349,7 @@ def _summarize(
     model = generation_pb2.GetModelInfoResponse(
         model_name=served_model_name or first.model_name,
         dtype=first.dtype,
+        quantization=first.quantization,
         context_len=min(info.context_len for info in infos),
         page_size=first.page_size,
         num_pages=num_pages,

@@ -16,8 +16,9 @@ from radixserve import flags
 from radixserve.flags import MAX_PORT, setting
 from radixserve.security import SecurityConfig, security_settings
 from radixserve.shared_flags import (CONSTRAINT_CACHE_SIZE, DEVICE, DTYPE, HOST, KV_CACHE_MB, LOG_FORMAT, LOG_LEVEL,
-                                     METRICS_PORT, MODEL, PORT)
+                                     METRICS_PORT, MODEL, PORT, QUANTIZATION)
 from worker_service.backends.selection import KERNEL_CHOICES
+from worker_service.quant.scheme import GROUP_SIZE_CHOICES
 
 
 def default_device() -> str:
@@ -33,6 +34,9 @@ class WorkerConfig:
     dtype: str = DTYPE()
     page_size: int = setting(16, "tokens per KV page (must match the router's view)", min=1)
     kv_cache_mb: int = KV_CACHE_MB(help="this rank's KV page pool budget, in MiB (the page count follows)")
+    quantization: str = QUANTIZATION()
+    quantization_group_size: int = setting(32, "columns per int4 group (each with its own scale and offset)",
+                                           choices=GROUP_SIZE_CHOICES)
     num_threads: int = setting(0, "torch intra-op threads (0: torch's default)", min=0)
     attention_kernel: str = setting("auto", "native: C++ kernels compiled for this CPU on first use (paged attention "
                                     "for decode and prefill, reading K/V through page tables; RoPE with the K/V "

@@ -39,6 +39,9 @@ class WorkerMetrics:
             r, "worker_sampler_duration_seconds", "Sampling one step's tokens (rank 0).", ["rank"])
         self.backend = Gauge(name("worker_backend_info"), "The backend this rank runs (1 for its name).",
                              [MODEL_LABEL, "rank", "backend"], registry=r)
+        self.quantization = Gauge(name("worker_quantization_info"),
+                                  "The weights' quantization this rank serves (1 for its name).",
+                                  [MODEL_LABEL, "rank", "quantization"], registry=r)
         self.idle = gap_histogram(
             r, "worker_idle_between_tasks_seconds",
             "Time the task thread waited between two tasks (also when the router had nothing to "
@@ -52,6 +55,9 @@ class WorkerMetrics:
 
     def backend_chosen(self, name: str) -> None:
         self.backend.labels(*self._labels, name).set(1)
+
+    def quantization_served(self, quantization: str) -> None:
+        self.quantization.labels(*self._labels, quantization).set(1)
 
     def idle_done(self, seconds: float) -> None:
         self.idle.labels(*self._labels).observe(seconds)

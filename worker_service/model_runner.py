@@ -32,6 +32,7 @@ from worker_service.forward_batch import ForwardEntry
 from worker_service.kv_pool import KVPool
 from worker_service.layers.linear import pack_linear_weights
 from worker_service.loader import load_weights
+from worker_service.quant.scheme import quantizer, served_name
 from worker_service.models import model_class
 from worker_service.models.llama import head_dim_of
 
@@ -59,6 +60,9 @@ class RunnerConfig:
     # Decode steps of up to this many rows replay CUDA graphs (`cuda_graphs.py`; 0: never). Only
     # on CUDA with the Triton decode kernel and one rank.
     cuda_graph_max_batch: int = 0
+    # Load-time quantization of the decoder layers' linear weights (`worker_service.quant.scheme`).
+    quantization: str = "none"
+    quantization_group_size: int = 32
 
 
 def eos_token_ids(model_dir: Path, config_eos: int | list[int] | None) -> list[int]:
@@ -102,14 +106,16 @@ class ModelRunner:
         head_dim = head_dim_of(self.hf_config)
         selection = select_backend(config.attention_kernel, self.device, self.dtype, head_dim,
                                    config.world_size, config.cuda_graph_max_batch,
-                                   model_class(self.hf_config).ops_without_kernels(self.hf_config))
+                                   model_class(self.hf_config).ops_without_kernels(self.hf_config),
+                                   config.quantization)
         self.backend, self.backend_reason = selection.backend, selection.reason
         log.info("rank %d runs the %s backend: %s", config.rank, self.backend.name, self.backend_reason)
         with torch.inference_mode():
             self.model = model_class(self.hf_config)(self.hf_config, group, self.dtype, self.device, self.backend)
         load_weights(self.model, model_dir)
         # After loading: packed weights cannot be loaded into.
-        pack_linear_weights(self.model, self.backend)
+        pack_linear_weights(self.model, self.backend,
+                            quantizer(config.quantization, config.quantization_group_size))
         self.model.eval()
 
         shape = (self.hf_config.num_hidden_layers, config.page_size, self.model.num_kv_heads, head_dim)
@@ -130,13 +136,17 @@ class ModelRunner:
             eos_token_ids=eos_token_ids(model_dir, self.hf_config.eos_token_id),
             rank=config.rank,
             world_size=config.world_size,
+            quantization=served_name(config.quantization, config.quantization_group_size),
         )
         # After the pool: whole steps (CUDA graphs) capture its addresses; page `num_pages` is theirs.
         self.graphs = self.backend.whole_steps(self.model, self.pool, self.info.context_len, pad_page=num_pages)
 
     def weight_bytes(self) -> int:
-        """Bytes of this rank's parameters (a tied embedding counted once)."""
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """Bytes of this rank's parameters (a tied embedding counted once), with what packed
+        weights hold beside them (`PackedLinear.extra_bytes`: quantized weights' scales)."""
+        extra = sum(module.packed.extra_bytes for module in self.model.modules()
+                    if getattr(module, "packed", None) is not None)
+        return extra + sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     @torch.inference_mode()
     def forward(self, entries: list[ForwardEntry]) -> torch.Tensor | None:

@@ -65,6 +65,8 @@ def load_executor(
             world_size=config.world_size,
             attention_kernel=config.attention_kernel,
             cuda_graph_max_batch=config.cuda_graph_max_batch,
+            quantization=config.quantization,
+            quantization_group_size=config.quantization_group_size,
         )
     )
     num_pages = group_num_pages(runner.info.num_pages, config)
@@ -75,6 +77,7 @@ def load_executor(
     )
     metrics = WorkerMetrics(runner.info.model_name, config.rank, metrics_registry)
     metrics.backend_chosen(runner.backend.name)
+    metrics.quantization_served(runner.info.quantization)
     constraints = None
     if config.rank == 0:  # only rank 0 samples
         constraints = ConstraintMasks.load(

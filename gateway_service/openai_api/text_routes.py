@@ -52,7 +52,7 @@ class DetokenizeBody(_Body):
 
 def model_card(info: generation_pb2.GetModelInfoResponse) -> dict:
     return {"id": info.model_name, "object": "model", "created": 0, "owned_by": "radixserve",
-            "max_model_len": info.context_len}
+            "max_model_len": info.context_len, "quantization": info.quantization}
 
 
 def add_text_routes(

@@ -74,3 +74,11 @@ def test_unset_router_and_gateway_settings_are_not_passed():
     _, (router,), (gateway,) = plan_stack(config_from_args(["up"]), python="py").groups
     assert "--shutdown-grace-s" not in router.cmd + gateway.cmd
     assert "--served-model-name" not in router.cmd
+
+
+def test_quantization_is_passed_to_every_worker_rank():
+    workers, _, _ = plan_stack(config_from_args(["up", "--tp", "2", "--quantization", "int4"]), python="py").groups
+    for worker in workers:
+        assert worker.cmd[worker.cmd.index("--quantization") + 1] == "int4"
+    default, _, _ = plan_stack(config_from_args(["up"]), python="py").groups
+    assert default[0].cmd[default[0].cmd.index("--quantization") + 1] == "none"

@@ -46,7 +46,8 @@ def test_heads_split_by_whole_kv_groups() -> None:
         assert [i for r in ranges for i in r] == list(range(total))
 
 
-def run_ranks(model_dir: Path, prompt_ids: list[int], world_size: int, work_dir: Path, backend: str) -> list[dict]:
+def run_ranks(model_dir: Path, prompt_ids: list[int], world_size: int, work_dir: Path, backend: str,
+              quantization: str = "none") -> list[dict]:
     """Start `world_size` rank processes, wait for all (bounded), return what each saved.
 
     Every process is killed on the way out, whether the ranks finished, failed or hung.
@@ -64,7 +65,8 @@ def run_ranks(model_dir: Path, prompt_ids: list[int], world_size: int, work_dir:
                 procs.append(subprocess.Popen(
                     [sys.executable, str(RANK_SCRIPT), "--rank", str(rank), "--world-size", str(world_size),
                      "--master-port", str(port), "--model", str(model_dir),
-                     "--prompt", json.dumps(prompt_ids), "--out", str(outs[rank]), "--backend", backend],
+                     "--prompt", json.dumps(prompt_ids), "--out", str(outs[rank]), "--backend", backend,
+                     "--quantization", quantization],
                     cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                     start_new_session=True,
                 ))
@@ -86,12 +88,14 @@ def run_ranks(model_dir: Path, prompt_ids: list[int], world_size: int, work_dir:
                 proc.wait(timeout=30)
 
 
-def single_rank(model_dir: Path, prompt_ids: list[int], backend: str) -> tuple[torch.Tensor, list[int], int]:
+def single_rank(model_dir: Path, prompt_ids: list[int], backend: str,
+                quantization: str = "none") -> tuple[torch.Tensor, list[int], int]:
     from worker.tiny_models import greedy_tokens
     from worker_service.forward_batch import ForwardEntry
     from worker_service.model_runner import ModelRunner, RunnerConfig
 
-    runner = ModelRunner(RunnerConfig(model_dir=model_dir, kv_cache_bytes=32 << 20, attention_kernel=backend))
+    runner = ModelRunner(RunnerConfig(model_dir=model_dir, kv_cache_bytes=32 << 20, attention_kernel=backend,
+                                      quantization=quantization))
     assert runner.backend.name == backend
     page_table = list(range((len(prompt_ids) + NUM_NEW_TOKENS) // runner.info.page_size + 1))
     logits = runner.forward([ForwardEntry(prompt_ids, 0, page_table, True)])
@@ -99,9 +103,9 @@ def single_rank(model_dir: Path, prompt_ids: list[int], backend: str) -> tuple[t
 
 
 def check_against_single_rank(model_dir: Path, prompt_ids: list[int], world_size: int,
-                              work_dir: Path, atol: float, backend: str) -> list[dict]:
-    logits, tokens, total_bytes = single_rank(model_dir, prompt_ids, backend)
-    results = run_ranks(model_dir, prompt_ids, world_size, work_dir, backend)
+                              work_dir: Path, atol: float, backend: str, quantization: str = "none") -> list[dict]:
+    logits, tokens, total_bytes = single_rank(model_dir, prompt_ids, backend, quantization)
+    results = run_ranks(model_dir, prompt_ids, world_size, work_dir, backend, quantization)
     assert results[0]["tokens"] == tokens
     assert all(r["tokens"] == tokens for r in results)
     torch.testing.assert_close(results[0]["prompt_logits"], logits, atol=atol, rtol=0)
@@ -135,3 +139,12 @@ def test_tiny_model_tp_matches_tp1(arch, world_size, tmp_path, backend) -> None:
 
     model_dir = (make_tiny_qwen2 if arch == "qwen2" else make_tiny_llama)(tmp_path / "model")
     check_against_single_rank(model_dir, list(range(3, 40)), world_size, tmp_path, TINY_ATOL, backend)
+
+
+@pytest.mark.timeout(600)  # three SmolLM2 runs; the PyTorch backend dequantizes for every product
+@pytest.mark.parametrize("backend", backend_params(head_dim=64))
+def test_smollm2_int4_tp2_matches_tp1(smollm2_dir, tmp_path, backend) -> None:
+    """int4 in groups of 32: SmolLM2's shards split K on multiples of 64, so each rank quantizes
+    whole groups of the TP=1 weight, and TP=2 computes what TP=1 computes."""
+    prompt_ids = list(range(100, 140))
+    check_against_single_rank(smollm2_dir, prompt_ids, 2, tmp_path, SMOLLM2_ATOL, backend, "int4")

@@ -22,6 +22,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=str, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--backend", type=str, required=True)
+    parser.add_argument("--quantization", type=str, default="none")
     args = parser.parse_args()
 
     import torch.distributed as dist
@@ -34,7 +35,8 @@ def main() -> None:
     torch.set_num_threads(1)
     init_distributed(args.rank, args.world_size, "127.0.0.1", args.master_port, "cpu")
     runner = ModelRunner(RunnerConfig(model_dir=args.model, kv_cache_bytes=32 << 20,
-                                      rank=args.rank, world_size=args.world_size, attention_kernel=args.backend))
+                                      rank=args.rank, world_size=args.world_size, attention_kernel=args.backend,
+                                      quantization=args.quantization))
     assert runner.backend.name == args.backend
     prompt_ids = json.loads(args.prompt)
     page_table = list(range((len(prompt_ids) + NUM_NEW_TOKENS) // runner.info.page_size + 1))

@@ -16,7 +16,8 @@ What models call (the same calls on every backend, the same results within the d
 - `pack(weight, bias)`, once after loading: the weight in whatever form this backend multiplies
   with, as a `PackedLinear` the layer calls from then on. This is the one place a weight format
   enters: a quantized or differently laid out weight is a new `PackedLinear`, not a new branch
-  in the layers.
+  in the layers. A quantized weight (`worker_service.quant.QuantizedWeight`) is packed by the
+  backend's `quantized` (`linear_quant.QuantizedLinears`), chosen with the backend.
 - `rope(rotary, positions)`, once per step: what `attention` takes as its `rope` argument.
 - `attention(qkv, num_q_heads, k_slots, v_slots, step, rope, options)`: RoPE on q and k, the new
   K/V written into the pool at `step.write_slots`, then attention of every token over its
@@ -47,6 +48,7 @@ import torch
 from worker_service.forward_batch import ForwardEntry
 from worker_service.kv_pool import KVPool
 from worker_service.layers.rotary import RotaryEmbedding
+from worker_service.quant.format import QuantizedWeight
 from worker_service.sampling import Sampler
 
 # cos and signed sin as `Backend.rope` gives them: looked up at the step's positions
@@ -110,9 +112,11 @@ class AttentionOptions:
 
 class PackedLinear(ABC):
     """A weight (and bias) in the form a backend multiplies with. `weight` is the tensor that
-    holds it (the layer keeps it as its parameter: what the rank's weight memory counts)."""
+    holds it (the layer keeps it as its parameter: what the rank's weight memory counts);
+    `extra_bytes` what it holds beyond that (a quantized weight's scales and offsets)."""
 
     weight: torch.Tensor
+    extra_bytes: int = 0
 
     @abstractmethod
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -168,9 +172,9 @@ class Backend(ABC):
     def plan(self, batch: StepBatch, pool: KVPool) -> StepContext: ...
 
     @abstractmethod
-    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+    def pack(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None, *,
              float32_out: bool = False) -> PackedLinear:
-        """`weight` `[N, K]` (loaded, plain) and `bias` `[N]` packed for this backend. With
+        """`weight` `[N, K]` (loaded: plain, or quantized) and `bias` `[N]` packed for this backend. With
         `float32_out` the product may come back in float32 (logits) instead of the weight's dtype."""
 
     @abstractmethod

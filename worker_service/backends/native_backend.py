@@ -19,10 +19,12 @@ from worker_service.attention.decode_plan import shared_prefixes
 from worker_service.backends.base import FusedLayers, PackedLinear, StepBatch, StepContext
 from worker_service.backends.fused_llama import FusedLlamaLayers
 from worker_service.backends.linear_native import NativeLinear
+from worker_service.backends.linear_quant import QuantizedLinears
 from worker_service.backends.linear_torch import TorchLinear
 from worker_service.backends.row_kernels import RowKernelBackend
 from worker_service.kv_pool import KVPool
 from worker_service.native import NativeKernels
+from worker_service.quant.format import QuantizedWeight
 from worker_service.sampling import Sampler
 
 # The layer kinds this backend runs whole, by what models declare as their `fusable_layer`.
@@ -32,8 +34,9 @@ FUSED_LAYERS = {"llama": FusedLlamaLayers}
 class NativeBackend(RowKernelBackend):
     name = "native"
 
-    def __init__(self, kernels: NativeKernels, dtype: torch.dtype, world_size: int = 1) -> None:
-        super().__init__(torch.device("cpu"), dtype, kernels)
+    def __init__(self, kernels: NativeKernels, dtype: torch.dtype, world_size: int = 1,
+                 quantized: QuantizedLinears | None = None) -> None:
+        super().__init__(torch.device("cpu"), dtype, kernels, quantized)
         self.kernels = kernels
         self.world_size = world_size
 
@@ -48,8 +51,10 @@ class NativeBackend(RowKernelBackend):
                        step: StepContext) -> torch.Tensor:
         return step.attention.attend(qkv[:, :num_q_heads], k_slots, v_slots)  # q read where it is
 
-    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+    def pack(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None, *,
              float32_out: bool = False) -> PackedLinear:
+        if isinstance(weight, QuantizedWeight):  # no fused layers then (they need `NativeLinear`s)
+            return self.quantized.pack(weight, bias, float32_out)
         larger = TorchLinear(weight, bias, float32_out)
         gemv = self.kernels.pack_gemv(weight)  # from the plain weight
         return larger if gemv is None else NativeLinear(self.kernels, gemv, bias, larger)

@@ -10,6 +10,11 @@ come with Triton on a single rank when `cuda_graph_max_batch > 0`.
 A model may need operations no kernel has (`CausalLM.ops_without_kernels`: a sliding window, logit
 soft-capping, GELU-tanh gating): every backend computes those with PyTorch's ops, the reason says
 which, and such a model gets no CUDA graphs (a replayed step does not carry what they read).
+
+Quantized weights (`--quantization`) are multiplied the way chosen here too, once, with the
+backend (`linear_quant.QuantizedLinears`): by the compiled AVX2 kernels on CPU where they build
+(their own library: they need no AVX-512), else, and always with `torch` (the reference),
+dequantized for each product by PyTorch. The reason the worker logs says which.
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ import torch
 from worker_service import native, triton_support
 from worker_service.attention import triton_decode
 from worker_service.backends.base import Backend
+from worker_service.backends.linear_quant import QuantizedLinears
 from worker_service.backends.native_backend import NativeBackend
 from worker_service.backends.torch_backend import TorchBackend
 from worker_service.backends.triton_backend import TritonBackend
+from worker_service.quant import kernels as quant_kernels
 
 KERNEL_CHOICES = ("auto", "native", "torch", "triton")
 
@@ -59,28 +66,45 @@ def triton_refusal(device: torch.device, dtype: torch.dtype, head_dim: int) -> s
     return None
 
 
+def select_quantized(choice: str, device: torch.device, quantization: str) -> tuple[QuantizedLinears, str]:
+    """How this worker multiplies `quantization`'s weights (module doc), and what to log about it."""
+    if quantization == "none":
+        return QuantizedLinears(), ""
+    why = "asked for (torch)" if choice == "torch" else None
+    if why is None and device.type != "cpu":
+        why = f"no compiled kernel on {device.type}"
+    kernels = quant_kernels.load() if why is None else None
+    if why is None and kernels is None:
+        why = quant_kernels.failure()
+    linears = QuantizedLinears(kernels)
+    return linears, f"; {quantization}: {linears.description}" + ("" if why is None else f" ({why})")
+
+
 def select_backend(choice: str, device: torch.device | str, dtype: torch.dtype, head_dim: int,
                    world_size: int = 1, cuda_graph_max_batch: int = 0,
-                   ops_without_kernels: tuple[str, ...] = ()) -> Selection:
-    """The backend for `choice` (one of `KERNEL_CHOICES`; see the module doc). Raises RuntimeError,
-    naming the setting and the reason, where an insisted-on backend cannot be used."""
-    selection = _select(choice, torch.device(device), dtype, head_dim, world_size,
-                        0 if ops_without_kernels else cuda_graph_max_batch)
-    if not ops_without_kernels or selection.backend.name == "torch":
-        return selection
-    return Selection(selection.backend, f"{selection.reason}; {', '.join(ops_without_kernels)} in PyTorch's "
-                                        "ops (no kernel of this backend has them)")
+                   ops_without_kernels: tuple[str, ...] = (), quantization: str = "none") -> Selection:
+    """The backend for `choice` (one of `KERNEL_CHOICES`; see the module doc), multiplying
+    `quantization`'s weights as `select_quantized` says. Raises RuntimeError, naming the setting
+    and the reason, where an insisted-on backend cannot be used."""
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"unknown backend {choice!r}; choose from {', '.join(KERNEL_CHOICES)}")
+    device = torch.device(device)
+    quantized, quantized_reason = select_quantized(choice, device, quantization)
+    selection = _select(choice, device, dtype, head_dim, world_size,
+                        0 if ops_without_kernels else cuda_graph_max_batch, quantized)
+    reason = selection.reason
+    if ops_without_kernels and selection.backend.name != "torch":
+        reason += f"; {', '.join(ops_without_kernels)} in PyTorch's ops (no kernel of this backend has them)"
+    return Selection(selection.backend, reason + quantized_reason)
 
 
 def _select(choice: str, device: torch.device, dtype: torch.dtype, head_dim: int, world_size: int,
-            cuda_graph_max_batch: int) -> Selection:
-    if choice not in KERNEL_CHOICES:
-        raise ValueError(f"unknown backend {choice!r}; choose from {', '.join(KERNEL_CHOICES)}")
+            cuda_graph_max_batch: int, quantized: QuantizedLinears) -> Selection:
     refusals = []
     if choice in ("auto", "native"):
         why = native_refusal(device, dtype, head_dim)
         if why is None:
-            return Selection(NativeBackend(native.load(), dtype, world_size),
+            return Selection(NativeBackend(native.load(), dtype, world_size, quantized),
                              f"compiled kernels for head_dim {head_dim} in {dtype} ({choice})")
         if choice == "native":
             raise RuntimeError(f"--attention-kernel native: {why}")
@@ -89,11 +113,11 @@ def _select(choice: str, device: torch.device, dtype: torch.dtype, head_dim: int
         why = triton_refusal(device, dtype, head_dim)
         if why is None:
             graphs = cuda_graph_max_batch if world_size == 1 else 0
-            return Selection(TritonBackend(device, dtype, graphs),
+            return Selection(TritonBackend(device, dtype, graphs, quantized),
                              f"triton on {device.type} for head_dim {head_dim} in {dtype}, "
                              f"CUDA graphs up to {graphs} rows ({choice})")
         if choice == "triton":
             raise RuntimeError(f"--attention-kernel triton: {why}")
         refusals.append(f"triton: {why}")
     reason = "asked for (torch)" if choice == "torch" else "no other backend runs here: " + "; ".join(refusals)
-    return Selection(TorchBackend(device, dtype), reason)
+    return Selection(TorchBackend(device, dtype, quantized), reason)

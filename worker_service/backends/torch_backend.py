@@ -16,17 +16,21 @@ from worker_service.attention import (AttentionBatch, CascadeDecode, GatherSpace
                                       paged_attention, plan_decode)
 from worker_service.attention.paged import DecodeAttention
 from worker_service.attention.windowed import windowed_attention
-from worker_service.backends.base import AttentionOptions, Backend, PrefillChunk, Rope, StepBatch, StepContext
+from worker_service.backends.base import AttentionOptions, Backend, PackedLinear, PrefillChunk, Rope, StepBatch, StepContext
+from worker_service.backends.linear_quant import QuantizedLinears
 from worker_service.backends.linear_torch import TorchLinear
 from worker_service.kv_pool import KVPool
 from worker_service.layers.rotary import RotaryEmbedding, apply_rotary
+from worker_service.quant.format import QuantizedWeight
 
 
 class TorchBackend(Backend):
     name = "torch"
 
-    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype, quantized: QuantizedLinears | None = None) -> None:
         super().__init__(device, dtype)
+        # How quantized weights are multiplied (`linear_quant.py`): dequantizing unless told.
+        self.quantized = quantized or QuantizedLinears()
         self.space = GatherSpace()  # page gathers' buffers, reused by every layer and step
 
     def plan(self, batch: StepBatch, pool: KVPool) -> StepContext:
@@ -51,8 +55,10 @@ class TorchBackend(Backend):
         return PrefillSpan(chunk.token_start, token_stop, chunk.pages.to(self.device),
                            additive_mask(allowed.to(self.device), self.dtype))
 
-    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-             float32_out: bool = False) -> TorchLinear:
+    def pack(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None, *,
+             float32_out: bool = False) -> PackedLinear:
+        if isinstance(weight, QuantizedWeight):
+            return self.quantized.pack(weight, bias, float32_out)
         return TorchLinear(weight, bias, float32_out)
 
     def rope(self, rotary: RotaryEmbedding, positions: torch.Tensor) -> Rope:

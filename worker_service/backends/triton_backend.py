@@ -18,6 +18,7 @@ from worker_service.attention.gpu_decode import plan_gpu_decode
 from worker_service.attention.paged import DecodeAttention
 from worker_service.backends.base import StepBatch, StepContext, WholeSteps
 from worker_service.backends.cuda_graphs import DecodeGraphs
+from worker_service.backends.linear_quant import QuantizedLinears
 from worker_service.backends.row_kernels import RowKernelBackend
 from worker_service.backends.triton_row_ops import TritonRowOps
 from worker_service.kv_pool import KVPool
@@ -26,8 +27,9 @@ from worker_service.kv_pool import KVPool
 class TritonBackend(RowKernelBackend):
     name = "triton"
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, graph_max_batch: int = 0) -> None:
-        super().__init__(device, dtype, TritonRowOps())
+    def __init__(self, device: torch.device, dtype: torch.dtype, graph_max_batch: int = 0,
+                 quantized: QuantizedLinears | None = None) -> None:
+        super().__init__(device, dtype, TritonRowOps(), quantized)
         self.graph_max_batch = graph_max_batch
         self.extra_pages = 1 if graph_max_batch > 0 else 0
 

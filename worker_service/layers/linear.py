@@ -19,6 +19,7 @@ from worker_service.backends.base import Backend, PackedLinear
 from worker_service.backends.linear_torch import TorchLinear
 from worker_service.distributed import TPGroup, all_reduce_sum
 from worker_service.layers.weights import WeightSlice, make_param
+from worker_service.quant.scheme import Quantizer
 
 
 class _Linear(torch.nn.Module):
@@ -28,14 +29,19 @@ class _Linear(torch.nn.Module):
     bias: torch.nn.Parameter | None
     packed: PackedLinear | None = None
 
-    def pack(self, backend: Backend | None = None) -> None:
-        """Hand the loaded weight to `backend` (None: PyTorch's ops, as `TorchBackend`'s) to multiply
-        with from now on; the layer's parameter becomes the packed weight, which can only be
-        multiplied, never read or loaded into again."""
+    def pack(self, backend: Backend | None = None, quantize: Quantizer | None = None) -> None:
+        """Hand the loaded weight, quantized by `quantize` where given, to `backend` (None: PyTorch's
+        ops, as `TorchBackend`'s) to multiply with from now on; the layer's parameter becomes the
+        packed weight, which can only be multiplied, never read or loaded into again."""
         if self.packed is not None:
             return
         weight, bias = self.weight.detach(), None if self.bias is None else self.bias.detach()
-        self.packed = TorchLinear(weight, bias) if backend is None else backend.pack(weight, bias)
+        if quantize is not None:
+            if backend is None:
+                raise ValueError("a quantized weight is packed by a backend (Backend.pack)")
+            self.packed = backend.pack(quantize(weight), bias)
+        else:
+            self.packed = TorchLinear(weight, bias) if backend is None else backend.pack(weight, bias)
         self.weight = torch.nn.Parameter(self.packed.weight, requires_grad=False)
 
 
@@ -52,10 +58,13 @@ class Linear(_Linear):
         return self.packed(x)
 
 
-def pack_linear_weights(model: torch.nn.Module, backend: Backend) -> None:
-    """Pack every layer of `model` that has a `pack(backend)` method (linear layers, the LM head)."""
+def pack_linear_weights(model: torch.nn.Module, backend: Backend, quantize: Quantizer | None = None) -> None:
+    """Pack every layer of `model` that has a `pack(backend)` method (linear layers, the LM head),
+    the decoder layers' linear weights quantized by `quantize` where given (the LM head is not)."""
     for module in model.modules():
-        if module is not model and callable(getattr(module, "pack", None)):
+        if isinstance(module, _Linear):
+            module.pack(backend, quantize)
+        elif module is not model and callable(getattr(module, "pack", None)):
             module.pack(backend)
 
 

@@ -56,25 +56,29 @@ def cpu_flags() -> str:
     return ""
 
 
-def build(compiler: str | None = None) -> Path:
-    """The library, compiled now unless this machine has it cached. Raises RuntimeError on failure."""
+def build(compiler: str | None = None, sources: list[Path] | None = None, name: str = "radixserve-kernels",
+          flags: list[str] | None = None) -> Path:
+    """The library `name` from `sources` (default: the AVX-512 kernels, `SOURCES`, with
+    `COMPILE_FLAGS`), compiled now unless this machine has it cached. Raises RuntimeError on failure."""
+    sources = SOURCES if sources is None else sources
+    flags = COMPILE_FLAGS if flags is None else flags
     compiler = compiler or os.environ.get("CXX") or "g++"
     path = shutil.which(compiler)
     if path is None:
         raise RuntimeError(f"no C++ compiler ({compiler!r} not found; set CXX)")
     version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
     key = hashlib.sha256("\0".join([*(source.read_text() for source in sorted(CSRC.iterdir())), version,
-                                     " ".join(COMPILE_FLAGS), cpu_flags()])
+                                     " ".join(flags), cpu_flags()])
                          .encode()).hexdigest()[:16]
     folder = cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
-    library = folder / f"radixserve-kernels-{key}.so"
+    library = folder / f"{name}-{key}.so"
     if library.is_file():
         return library
     # Build beside the target and rename: workers that start together each build, and each
     # rename is atomic, so none loads a half-written file.
-    partial = folder / f".radixserve-kernels-{key}-{os.getpid()}.so"
-    result = subprocess.run([path, *COMPILE_FLAGS, *map(str, SOURCES), "-o", str(partial)],
+    partial = folder / f".{name}-{key}-{os.getpid()}.so"
+    result = subprocess.run([path, *flags, *map(str, sources), "-o", str(partial)],
                             capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
     if result.returncode != 0:
         partial.unlink(missing_ok=True)

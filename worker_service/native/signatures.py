@@ -67,9 +67,10 @@ def check_status(status: int, function, arguments: tuple) -> int:
     return status
 
 
-def bind(library: ctypes.CDLL) -> ctypes.CDLL:
-    """`library` with every function of `SIGNATURES` typed (and checked where it says so)."""
-    for name, signature in SIGNATURES.items():
+def bind(library: ctypes.CDLL, signatures: dict[str, Signature] | None = None) -> ctypes.CDLL:
+    """`library` with every function of `signatures` (default `SIGNATURES`) typed (and checked
+    where it says so)."""
+    for name, signature in (SIGNATURES if signatures is None else signatures).items():
         function = getattr(library, name)
         function.argtypes = list(signature.argtypes)
         function.restype = signature.restype

@@ -1,0 +1,94 @@
+"""Perplexity of a model served by the worker's `ModelRunner`, per dtype and `--quantization`, on
+a fixed text: what quantizing the weights costs in quality.
+
+    .venv/bin/python -m bench.perplexity [--model DIR] [--text FILE] [--configs float32,bfloat16,int8,int4]
+
+The text is cut into windows of --window tokens (each its own sequence, every position scored:
+the logits of all of a window's positions come from one prefill). A config is a dtype
+(`float32`, `bfloat16`) or a quantization (`int8`, `int4`, in --quant-dtype). It prints each
+config's perplexity and its ratio to bfloat16's (goals: int8 within 1%, int4 within 6%).
+
+The text should be public-domain prose; none was found on the machine this was written on, so the
+default is the repository's own README (its markdown is not prose: compare the configs with each
+other, not with published figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
+
+from worker_service.forward_batch import ForwardEntry  # noqa: E402
+from worker_service.model_runner import ModelRunner, RunnerConfig  # noqa: E402
+
+DEFAULT_MODEL = ROOT / "models" / "smollm2-135m-instruct"
+DEFAULT_TEXT = ROOT / "README.md"
+PAGE_SIZE = 16
+GOALS = {"int8": 0.01, "int4": 0.06}  # relative to bfloat16's perplexity
+
+
+def windows(token_ids: list[int], window: int) -> list[list[int]]:
+    return [token_ids[start:start + window] for start in range(0, len(token_ids) - 1, window)
+            if len(token_ids[start:start + window]) > 1]
+
+
+def perplexity(runner: ModelRunner, pieces: list[list[int]]) -> float:
+    """exp of the mean negative log-likelihood of every token after each window's first."""
+    total, count = 0.0, 0
+    for piece in pieces:
+        pages = list(range(-(-len(piece) // PAGE_SIZE)))
+        logits = runner.forward([ForwardEntry(piece, 0, pages, True, num_logits=len(piece))])
+        log_probs = torch.log_softmax(logits[:-1].float(), dim=-1)
+        targets = torch.tensor(piece[1:])
+        total -= log_probs.gather(1, targets.unsqueeze(1)).sum().item()
+        count += len(targets)
+    return math.exp(total / count)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("--text", type=Path, default=DEFAULT_TEXT)
+    parser.add_argument("--configs", default="float32,bfloat16,int8,int4")
+    parser.add_argument("--quant-dtype", default="float32", help="the dtype quantized configs run in")
+    parser.add_argument("--group-size", type=int, default=32, help="int4 group size")
+    parser.add_argument("--window", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=4096)
+    parser.add_argument("--num-threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.num_threads)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    token_ids = tokenizer(args.text.read_text())["input_ids"][: args.max_tokens]
+    pieces = windows(token_ids, args.window)
+    print(f"{args.model.name} on {args.text.name}: {sum(map(len, pieces))} tokens in windows of {args.window}",
+          flush=True)
+    results = {}
+    for config in args.configs.split(","):
+        quantized = config in GOALS
+        runner = ModelRunner(RunnerConfig(model_dir=args.model, dtype=args.quant_dtype if quantized else config,
+                                          page_size=PAGE_SIZE, kv_cache_bytes=64 << 20,
+                                          quantization=config if quantized else "none",
+                                          quantization_group_size=args.group_size))
+        results[config] = perplexity(runner, pieces)
+        print(f"{config:>10}: perplexity {results[config]:.4f} ({runner.weight_bytes() / 2**20:.1f} MiB of weights)",
+              flush=True)
+        del runner
+    base = results.get("bfloat16")
+    for config, goal in GOALS.items():
+        if config in results and base is not None:
+            change = results[config] / base - 1
+            print(f"goal {'met    ' if change <= goal else 'NOT met'}: {config} perplexity {change:+.2%} vs "
+                  f"bfloat16 (goal within {goal:.0%})")
+
+
+if __name__ == "__main__":
+    main()
