@@ -1,7 +1,8 @@
 """One TP rank of `test_tensor_parallel.py`, run as a script: it joins the group, loads only its
 shard on the backend it is given, computes the prompt's logits and a greedy continuation (rank 0
 picks each token and broadcasts it, as the real rank 0 would return it to the router), and saves
-what it saw for the test."""
+what it saw for the test. Given several models, it does so for each in turn in the same group
+(one process start for many checkpoints) and saves a list, one entry per model."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     for name in ("--rank", "--world-size", "--master-port"):
         parser.add_argument(name, type=int, required=True)
-    parser.add_argument("--model", type=Path, required=True)
+    parser.add_argument("--model", type=Path, nargs="+", required=True)
     parser.add_argument("--prompt", type=str, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--backend", type=str, required=True)
@@ -27,14 +28,22 @@ def main() -> None:
 
     import torch.distributed as dist
 
-    from worker.tiny_models import greedy_tokens
     from worker_service.distributed import init_distributed
-    from worker_service.forward_batch import ForwardEntry
-    from worker_service.model_runner import ModelRunner, RunnerConfig
 
     torch.set_num_threads(1)
     init_distributed(args.rank, args.world_size, "127.0.0.1", args.master_port, "cpu")
-    runner = ModelRunner(RunnerConfig(model_dir=args.model, kv_cache_bytes=32 << 20,
+    results = [run_model(model_dir, args, dist) for model_dir in args.model]
+    torch.save(results[0] if len(results) == 1 else results, args.out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_model(model_dir: Path, args: argparse.Namespace, dist) -> dict:
+    from worker.tiny_models import greedy_tokens
+    from worker_service.forward_batch import ForwardEntry
+    from worker_service.model_runner import ModelRunner, RunnerConfig
+
+    runner = ModelRunner(RunnerConfig(model_dir=model_dir, kv_cache_bytes=32 << 20,
                                       rank=args.rank, world_size=args.world_size, attention_kernel=args.backend,
                                       quantization=args.quantization))
     assert runner.backend.name == args.backend
@@ -56,10 +65,8 @@ def main() -> None:
             return one_hot
 
     tokens = greedy_tokens(BroadcastGreedy(), prompt_ids, NUM_NEW_TOKENS, page_table)
-    torch.save({"weight_bytes": runner.weight_bytes(), "prompt_logits": prompt_logits, "tokens": tokens,
-                "num_pages": runner.info.num_pages}, args.out)
-    dist.barrier()
-    dist.destroy_process_group()
+    return {"weight_bytes": runner.weight_bytes(), "prompt_logits": prompt_logits, "tokens": tokens,
+            "num_pages": runner.info.num_pages}
 
 
 if __name__ == "__main__":
