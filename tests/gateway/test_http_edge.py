@@ -81,9 +81,21 @@ def unauthenticated_body(port: int) -> tuple[int, int]:
         return status, sent
 
 
+def warm_up(gateway: GatewayProcess) -> None:
+    """One stream before anything is measured. The fake router has no Stream call, so the
+    gateway's first request to it falls back to Generate; in one CI run under load that first
+    request was answered 500 (not reproduced since: an open question about the fallback, written
+    up in the session note), so a second try is allowed here, and only here: what this module
+    tests is the HTTP edge, not the fallback."""
+    try:
+        stream_gaps(gateway)
+    except AssertionError:
+        stream_gaps(gateway)
+
+
 def test_unauthenticated_bodies_are_refused_unread(gateway) -> None:
     gateway.router.script(list(range(1000, 1000 + STREAM_TOKENS)), delay_s=TOKEN_DELAY_S)
-    stream_gaps(gateway)  # warm up
+    warm_up(gateway)
     rss_before = rss_mb(gateway.pid)
     results: list[tuple[int, int]] = []
     gaps: list[float] = []
