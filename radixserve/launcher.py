@@ -1,7 +1,9 @@
 """`radixserve up`: the whole stack as local processes — worker rank(s), router, gateway.
 
-Each stage (workers, router, gateway; `radixserve.stack_plan`) is started once the one before
-reports SERVING (bounded waits). Children's output is prefixed with their name. Ctrl-C or
+Every stage (workers, router, gateway; `radixserve.stack_plan`) is started at once and the
+launch waits (bounded) until all report SERVING: the router reconnects to workers that are
+still loading and the gateway probes routers until one answers, so each stage's startup
+overlaps the others' instead of adding to them. Children's output is prefixed with their name. Ctrl-C or
 SIGTERM stops the stack, gateway first so that it drains its streams while everything behind
 it still serves them. Once serving, a worker rank that exits takes its TP group with it (the
 other ranks leave on their own, see `worker_service.peer_watch`): the launcher kills what is
@@ -78,12 +80,10 @@ def _run_stack(config: UpConfig, stop: threading.Event) -> int:
     plan = plan_stack(config)
     children = Children(config.shutdown_timeout_s)
     try:
-        for group in plan.groups:
-            _start(children, group, show_cmd=True)
-            _wait_healthy(children, group, config.startup_timeout_s, stop, security, config.security)
-            if stop.is_set():
-                break
-        else:
+        everything = [spec for group in plan.groups for spec in group]
+        _start(children, everything, show_cmd=True)
+        _wait_healthy(children, everything, config.startup_timeout_s, stop, security, config.security)
+        if not stop.is_set():
             _print_usage(children, plan, config)
             _supervise(children, config, plan, stop, security)
     except StackFailed as exc:

@@ -165,8 +165,10 @@ class Engine:
         except WorkerFault as exc:
             # Once per distinct reason: the attempt repeats every reconnect interval.
             if str(exc) != self._last_connect_error:
-                log.warning("workers not ready (retrying every %.1fs): %s",
-                            self.config.reconnect_interval_s, exc)
+                # Workers still starting beside a new router are the normal case, not a fault.
+                level = logging.WARNING if self.summary is not None else logging.INFO
+                log.log(level, "workers not ready (retrying every %.1fs): %s",
+                        self.config.reconnect_interval_s, exc)
                 self._last_connect_error = str(exc)
             await self.group.close()
             return False
