@@ -1,4 +1,4 @@
-"""`RouterService` on grpc.aio: Generate, Stream, GetStats and GetServerInfo over the engine."""
+"""`RouterService` on grpc.aio: Generate, Stream, Embed, GetStats and GetServerInfo over the engine."""
 
 from __future__ import annotations
 
@@ -53,6 +53,29 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         finally:
             if not ended:  # the caller cancelled or went away
                 self.engine.cancel(generate)
+
+    async def Embed(
+        self, request: router_pb2.RouterEmbedRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.RouterEmbedResponse:
+        """One prompt's embedding: queued and batched like a generation request's prefill."""
+        try:
+            embed = convert.embed_request_from_proto(request, self.engine.config.max_request_id_bytes)
+            queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
+            self.engine.submit(embed, queue)
+        except RouterError as exc:
+            await context.abort(*convert.status_of(exc))
+        ended = False
+        try:
+            event = await queue.get()
+            ended = True
+            if event.error is not None:
+                await context.abort(*convert.status_of(event.error))
+            if not event.embedding:  # a bug: no vector for a finished embedding request
+                await context.abort(*convert.status_of(RouterError(f"no embedding for {embed.request_id}")))
+            return convert.embed_response_to_proto(event.embedding, embed)
+        finally:
+            if not ended:  # the caller cancelled or went away
+                self.engine.cancel(embed)
 
     async def Stream(
         self, request_iterator: AsyncIterator[router_pb2.RouterStreamRequest], context: grpc.aio.ServicerContext
