@@ -28,9 +28,11 @@ from gateway_service.chat_output import ChatOutputSplitter, ToolCallSplitter
 from gateway_service.chat_render import template_input
 from gateway_service.config import GatewayConfig
 from gateway_service.constraint_check import ConstraintChecker
+from gateway_service.embedding import Embedder
 from gateway_service.errors import GatewayError, InvalidRequest, NoRouterAvailable, ShuttingDown, to_status
 from gateway_service.metrics import API_GRPC, GatewayMetrics
 from gateway_service.output import OutputAssembler
+from gateway_service.pooling_config import PoolingConfig
 from gateway_service.reasoning import ReasoningSplitter, opens_inside_block
 from gateway_service.router_choice import RouterPool
 from gateway_service.text_pool import TextPool
@@ -66,6 +68,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.constraints: ConstraintChecker | None = None
         # Set with the tokenizer: the tool-call and reasoning formats of its chat template.
         self.chat: ChatFormat | None = None
+        # Set with the tokenizer: how the model pools an embedding (its folder's config).
+        self.pooling: PoolingConfig | None = None
+        self._embedder = Embedder(pool, config.limits, self._text, config.max_embed_inputs)
         # Set when the gateway starts to drain: calls that arrive from then on are refused
         # here with UNAVAILABLE while the servers still accept (see `wait_idle`).
         self.draining = False
@@ -123,6 +128,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         check_prompt_tokens(len(token_ids), info.model.context_len if info else None, self._limits)
         check_prompt_token_ids(token_ids, (info.vocab_size if info else 0) or tokenizer.vocab_size, "token_ids")
         return await self._text.decode(tokenizer.decode_all, token_ids)
+
+    async def Embed(self, request, context) -> generation_pb2.EmbedResponse:
+        try:
+            caller = self._grpc_caller(request, context)
+            remaining = context.time_remaining()
+            deadline = None if remaining is None else time.monotonic() + remaining
+            return await self.embed(request, caller, deadline)
+        except Exception as exc:
+            await context.abort(*to_status(exc))
+
+    async def embed(self, request: generation_pb2.EmbedRequest, caller: Caller,
+                    deadline: float | None) -> generation_pb2.EmbedResponse:
+        """The inputs' embeddings (both APIs; see embedding.py)."""
+        self._refuse_if_draining()
+        info = await self._server_info()
+        tokenizer = self._require_tokenizer()
+        if self.pooling is None:
+            raise GatewayError("the gateway is still loading its tokenizer", grpc.StatusCode.UNAVAILABLE)
+        return await self._embedder.embed(request, info, tokenizer, self.pooling, caller.request_id, deadline)
 
     async def GetModelInfo(self, request, context) -> generation_pb2.GetModelInfoResponse:
         try:

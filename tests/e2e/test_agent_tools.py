@@ -15,11 +15,10 @@ import pytest
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_openai import ChatOpenAI
 
-from constrained_model import make_constrained_model
-from e2e.stack import LaunchedStack, launch
-from procs import ServiceProcesses
+from e2e.agent_model import AGENT_MAX_TOKENS, AGENT_MODEL
+from e2e.stack import LaunchedStack
 
-MODEL = "tiny-agent"
+MODEL = AGENT_MODEL
 TIMEOUT_S = 60.0
 # Small schemas with bounded values, so a sampled call ends well within max_tokens.
 LEVEL_SCHEMA = {
@@ -37,14 +36,12 @@ SCHEMAS = {"set_level": LEVEL_SCHEMA, "get_weather": WEATHER_SCHEMA}
 TOOLS = [{"type": "function", "function": {"name": name, "description": f"{name} tool", "parameters": schema}}
          for name, schema in SCHEMAS.items()]
 CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
-MAX_TOKENS = 64
+MAX_TOKENS = AGENT_MAX_TOKENS
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, smollm2_dir):
-    model_dir = make_constrained_model(tmp_path_factory.mktemp("agent") / MODEL, smollm2_dir)
-    with ServiceProcesses() as procs:
-        yield launch(procs, model_dir, tp=1, default_max_tokens=MAX_TOKENS, with_http=True)
+def stack(agent_stack: LaunchedStack) -> LaunchedStack:
+    return agent_stack
 
 
 @pytest.fixture(scope="module")

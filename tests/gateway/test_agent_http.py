@@ -193,11 +193,13 @@ def test_tokenize_detokenize_and_model_routes(harness, tokenizer) -> None:
 
 
 UNSUPPORTED = [
-    ("chat", {"logit_bias": {"50256": -100}}, "logit_bias"),
+    ("chat", {"logit_bias": {"99999999": -100}}, "logit_bias: token id 99999999"),
+    ("chat", {"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias: at most 300"),
     ("chat", {"best_of": 2}, "best_of"),
     ("completions", {"suffix": "end."}, "suffix"),
     ("completions", {"best_of": 3}, "best_of"),
-    ("completions", {"logit_bias": {"1": 5}}, "logit_bias"),
+    ("completions", {"logit_bias": {"1": 100.5}}, "logit_bias[1]"),
+    ("completions", {"logit_bias": {"one": 5}}, "logit_bias: key 'one'"),
     ("completions", {"echo": True, "logprobs": 1}, "echo with logprobs"),
     ("chat", {"tool_choice": "required"}, "no tools"),
     ("chat", {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope'"),
@@ -220,3 +222,10 @@ def test_fields_that_would_be_ignored_are_a_400_naming_them(harness, endpoint, f
     assert reply.status_code == 400, reply.text
     assert named in reply.json()["error"]["message"]
     assert len(harness.all_requests()) == before  # refused before any router saw it
+
+
+def test_logit_bias_reaches_the_router_as_token_ids(harness) -> None:
+    body = {"model": MODEL, "messages": CHAT, "logit_bias": {"5": 50, "17": -100}, "max_tokens": 2}
+    reply = httpx.post(f"{_base(harness)}/v1/chat/completions", json=body, timeout=TIMEOUT_S)
+    assert reply.status_code == 200, reply.text
+    assert dict(harness.all_requests()[-1].sampling.logit_bias) == {5: 50.0, 17: -100.0}
