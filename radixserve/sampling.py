@@ -19,6 +19,8 @@ from radixserve.v1 import worker_pb2
 MAX_TOP_LOGPROBS = 20
 # OpenAI's bound on a logit bias: -100 bans a token, 100 all but forces it.
 MAX_LOGIT_BIAS = 100.0
+# Most biased tokens per request (OpenAI's bound as well): bounds the sampler's work per row.
+MAX_LOGIT_BIAS_TOKENS = 300
 SEED_MASK = (1 << 64) - 1  # seeds are unsigned 64-bit on the wire
 
 
@@ -94,6 +96,9 @@ def logit_bias_problems(bias: Iterable[tuple[int, float]], vocab_size: int | Non
     """What is wrong with a logit bias's pairs: ids below 0 (or past `vocab_size` when known),
     values outside [-100, 100]. At most one message per kind, naming the first offender."""
     found = []
+    bias = list(bias)
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        found.append(f"logit_bias: at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(bias)}")
     bad_id = next((token_id for token_id, _ in bias
                    if token_id < 0 or (vocab_size is not None and token_id >= vocab_size)), None)
     if bad_id is not None:
