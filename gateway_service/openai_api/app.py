@@ -140,7 +140,7 @@ def build_app(
         body, caller, model, prompts = await accepted(
             request, ChatCompletionRequest, API_CHAT, lambda b: [chat_input(b, max_choices)])
         inputs = with_choice_seeds(prompts, body.n)
-        streams = ChoiceStreams(lambda r: servicer.generate(r, None, API_CHAT, caller), inputs)
+        streams = ChoiceStreams(lambda r: servicer.generate(r, None, API_CHAT, caller, body.stream), inputs)
         if body.stream:
             header = bodies.ResponseHeader.new("chatcmpl", bodies.CHAT_CHUNK_OBJECT, model)
             return await _event_stream(streams, _chat_events(header, body, len(inputs)))

@@ -120,6 +120,7 @@ def test_openai_client_streamed_calls_reassemble(api) -> None:
     whole = api.chat.completions.create(**fields).choices[0].message.tool_calls
     calls: dict[int, dict] = {}
     finish = None
+    num_pieces = 0
     for chunk in api.chat.completions.create(**fields, stream=True):
         delta = chunk.choices[0].delta
         finish = chunk.choices[0].finish_reason or finish
@@ -128,7 +129,10 @@ def test_openai_client_streamed_calls_reassemble(api) -> None:
             entry["id"] += part.id or ""
             entry["name"] += part.function.name or ""
             entry["arguments"] += part.function.arguments or ""
+            num_pieces += bool(part.function.arguments)
     assert finish == "tool_calls"
+    # The arguments arrive as they are generated, in many deltas (not one whole call at the end).
+    assert num_pieces > 3
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
         (c.function.name, json.loads(c.function.arguments)) for c in whole]
     for call in whole:

@@ -79,9 +79,11 @@ def test_streamed_call_reassembles_to_the_same_call(harness, api, tokenizer) -> 
     content = "".join(c.choices[0].delta.content or "" for c in chunks)
     deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or ()]
     assert content == "Checking. "
-    assert len(deltas) == 1 and deltas[0].index == 0 and deltas[0].id.startswith("call_")
+    # The call streams as OpenAI's deltas: the first names it (id, name), the rest add arguments.
+    assert len(deltas) > 1 and {d.index for d in deltas} == {0} and deltas[0].id.startswith("call_")
     assert deltas[0].function.name == "get_weather"
-    assert json.loads(deltas[0].function.arguments) == {"city": "Paris"}
+    assert all(d.id is None and d.function.name is None for d in deltas[1:])
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == {"city": "Paris"}
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
