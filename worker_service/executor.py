@@ -118,7 +118,7 @@ class Executor:
         batch = [
             ForwardEntry(list(entry.token_ids), entry.start_position, state.page_table,
                          entry.sample and not state.pooling, 1 + entry.num_draft_tokens,
-                         state.pooling, entry.sample)
+                         state.pooling, entry.sample and bool(state.pooling))
             for entry, state in zip(task.entries, states)
         ]
         pooling = any(state.pooling for state in states)

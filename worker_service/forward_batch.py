@@ -36,7 +36,7 @@ class ForwardEntry:
     # With `sample`: logits of this many last positions (1 + the entry's drafts).
     num_logits: int = 1
     # An embedding request's `worker_pb2.PoolingMode` (NONE: a generation request). Such an
-    # entry never samples; `last` marks the chunk that completes its prompt.
+    # entry never samples; `last` marks the chunk that completes its prompt (False otherwise).
     pooling: int = worker_pb2.POOLING_MODE_NONE
     last: bool = False
 

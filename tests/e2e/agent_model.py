@@ -8,6 +8,7 @@ from pathlib import Path
 
 AGENT_MODEL = "tiny-agent"
 AGENT_MAX_TOKENS = 64
+AGENT_TIMEOUT_S = 60.0  # one client call
 
 
 def write_mean_pooling(folder: Path) -> None:

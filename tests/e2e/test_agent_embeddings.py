@@ -41,10 +41,8 @@ def model_dir(stack: LaunchedStack) -> Path:
 
 
 @pytest.fixture(scope="module")
-def api(stack: LaunchedStack) -> openai.OpenAI:
-    with openai.OpenAI(base_url=f"{stack.http_base}/v1", api_key="unused", max_retries=0,
-                       timeout=TIMEOUT_S) as client:
-        yield client
+def api(agent_api: openai.OpenAI) -> openai.OpenAI:
+    return agent_api
 
 
 @pytest.fixture(scope="module")

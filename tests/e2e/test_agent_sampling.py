@@ -31,16 +31,15 @@ def first_token(stub, **sampling) -> generation_pb2.TokenLogprob:
 
 
 @pytest.mark.timeout(120)
-def test_a_strong_bias_forces_and_bans_tokens(agent_stack, grpc_stub) -> None:
+def test_a_strong_bias_forces_and_bans_tokens(agent_api, grpc_stub) -> None:
     greedy = first_token(grpc_stub)
     forced_id = 4242 if greedy.token_id != 4242 else 4243
-    with openai.OpenAI(base_url=f"{agent_stack.http_base}/v1", api_key="unused", max_retries=0,
-                       timeout=TIMEOUT_S) as api:
-        plain = api.completions.create(model=AGENT_MODEL, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=1)
-        biased = api.completions.create(model=AGENT_MODEL, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=1,
-                                        logit_bias={str(forced_id): 100})
-        with pytest.raises(openai.BadRequestError, match="logit_bias"):
-            api.completions.create(model=AGENT_MODEL, prompt=PROMPT, max_tokens=1, logit_bias={"1": 101})
+    api = agent_api
+    plain = api.completions.create(model=AGENT_MODEL, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=1)
+    biased = api.completions.create(model=AGENT_MODEL, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=1,
+                                    logit_bias={str(forced_id): 100})
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        api.completions.create(model=AGENT_MODEL, prompt=PROMPT, max_tokens=1, logit_bias={"1": 101})
     forced = first_token(grpc_stub, logit_bias={forced_id: 100.0})
     assert forced.token_id == forced_id
     assert biased.choices[0].text == forced.token and plain.choices[0].text == greedy.token

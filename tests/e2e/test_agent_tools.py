@@ -45,10 +45,8 @@ def stack(agent_stack: LaunchedStack) -> LaunchedStack:
 
 
 @pytest.fixture(scope="module")
-def api(stack: LaunchedStack) -> openai.OpenAI:
-    with openai.OpenAI(base_url=f"{stack.http_base}/v1", api_key="unused", max_retries=0,
-                       timeout=TIMEOUT_S) as client:
-        yield client
+def api(agent_api: openai.OpenAI) -> openai.OpenAI:
+    return agent_api
 
 
 def langchain_model(stack: LaunchedStack, **settings) -> ChatOpenAI:
