@@ -44,6 +44,8 @@ class GatewayConfig:
     http_port: int = HTTP_PORT()
     max_choices: int = setting(16, "choices one HTTP request may ask for (n times the prompts of a batch)",
                                min=1)
+    max_embed_inputs: int = setting(256, "inputs one Embed call (or /v1/embeddings request) may hold",
+                                    min=1)
     metrics_port: int = METRICS_PORT(50151)
     constraint_timeout_s: float = setting(2.0, "a constraint that takes longer to compile is stopped and "
                                           "rejected (INVALID_ARGUMENT); a request waiting this long for a "

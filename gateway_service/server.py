@@ -23,6 +23,7 @@ from gateway_service.openai_api.app import TokenCheck, build_app
 from gateway_service.openai_api.server import ConnectionLimits, HttpServer
 from gateway_service.router_choice import RouterPool
 from gateway_service.service import GenerationServicer
+from gateway_service.pooling_config import load_pooling
 from gateway_service.tokenizer import Tokenizer
 from radixserve.guard import token_accepted
 from radixserve.metrics import MetricsServer, serve_metrics
@@ -102,6 +103,9 @@ class Gateway:
             tokenizer = await asyncio.to_thread(Tokenizer.load, config.model)
             log.info("tokenizer loaded from %s", config.model)
         servicer.chat = ChatFormat.detect(tokenizer, config.tool_call_parser, config.reasoning_parser)
+        servicer.pooling = pooling = load_pooling(config.model)
+        log.info("embeddings: %s", pooling.problem or f"{pooling.mode_name}, normalize={pooling.pooling.normalize} "
+                 f"({pooling.source})")
         chat = servicer.chat
         log.info("chat format: %s tool calls, reasoning split %s, template renders tools: %s",
                  chat.tool_parser.name, "on" if chat.reasoning else "off", chat.renders_tools)

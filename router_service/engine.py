@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from radixserve.sampling import logit_bias_problems
 from radixserve.security import Security
 from radixserve.serving import NO_SECURITY
 from radixserve.v1 import generation_pb2, router_pb2, worker_pb2
@@ -47,6 +48,8 @@ class StreamEvent:
     logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)
     finished: bool = False
     error: RouterError | None = None
+    # An embedding request's vector (on its one, finished, event).
+    embedding: list[float] = field(default_factory=list)
 
 
 class EventSink(Protocol):
@@ -103,6 +106,9 @@ class Engine:
             raise WorkersUnavailable("the workers are not connected")
         if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= summary.vocab_size:
             raise InvalidRequest(f"token ids must be in [0, {summary.vocab_size})")
+        bias_problems = logit_bias_problems(request.sampling.logit_bias, summary.vocab_size)
+        if bias_problems:
+            raise InvalidRequest("; ".join(bias_problems))
         if scheduler.num_waiting >= self.config.max_queue:
             raise QueueFull(f"{scheduler.num_waiting} requests are already waiting")
         # Worker-side ids must be unique; the caller's id stays readable in the workers' logs.
@@ -285,6 +291,9 @@ class Engine:
             num_new = request.num_output - num_outputs[request.request_id]
             token = sampled[request.request_id]
             logprobs = convert.step_logprobs(token, num_new) if request.sampling.logprobs else []
+            if request.pooling is not None:  # its one "token" is the vector
+                self._send(request, StreamEvent(finished=True, embedding=list(token.embedding)))
+                continue
             self._send(request, StreamEvent(
                 request.token_ids[len(request.token_ids) - num_new:], logprobs,
                 finished=request.finish_reason is not None,
