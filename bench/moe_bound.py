@@ -105,6 +105,9 @@ def routed_shape(shape: StepShape, blocks: list[SparseMoE], runner, entries: lis
         runner.forward(entries)
     finally:
         counter.remove()
+    if len(counter.counts) != len(blocks):  # a step replayed from a CUDA graph runs no Python hooks
+        raise RuntimeError(f"counted {len(counter.counts)} of {len(blocks)} MoE layers' routing on one step: "
+                           "measure MoE checkpoints without CUDA graphs (--cuda-graph-max-batch 0)")
     each = expert_bytes(blocks[0])
     num_experts = sum(block.routing.num_experts for block in blocks)
     routed = sum(counter.counts)
