@@ -32,6 +32,9 @@ def greedy_references(model_dir: Path) -> list[Reference]:
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # `generate` stops on every id the generation config lists, as the stack does.
+    eos = model.generation_config.eos_token_id
+    eos_token_ids = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
     references = []
     for chat in CHATS:
         inputs = tokenizer.apply_chat_template(
@@ -45,6 +48,6 @@ def greedy_references(model_dir: Path) -> list[Reference]:
             prompt_ids=prompt_ids,
             output_ids=output_ids,
             text=tokenizer.decode(output_ids, skip_special_tokens=True),
-            finished_by_eos=output_ids[-1] == tokenizer.eos_token_id,
+            finished_by_eos=output_ids[-1] in eos_token_ids,
         ))
     return references

@@ -1,7 +1,8 @@
 """A new family through the whole stack: `radixserve up` with a tiny random Qwen3 that speaks
 SmolLM2's vocabulary (its tokenizer and chat template copied in), greedy chats equal to
-transformers' token for token, and a repeated chat served from the radix cache; and `radixserve
-up` refusing an architecture it does not have, in one line."""
+transformers' token for token — one of them stopped by the last of the generation config's
+`eos_token_id`s, an ordinary token the model emits a few tokens in — and a repeated chat served
+from the radix cache; and `radixserve up` refusing an architecture it does not have, in one line."""
 
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ from radixserve_client import Client
 from worker.families import make_family
 
 
+STOPPED_CHAT = 2  # the chat that the added end-of-turn id stops
+STOP_AFTER = 3  # tokens of it before that id
+
+
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory, smollm2_dir):
     out_dir = make_family("qwen3", tmp_path_factory.mktemp("qwen3-stack"), vocab_size=SMOLLM2_VOCAB_SIZE)
@@ -32,18 +37,35 @@ def qwen3_dir(tmp_path_factory, smollm2_dir):
 
 
 @pytest.fixture(scope="module")
-def qwen3_references(qwen3_dir):
+def stop_id(qwen3_dir) -> int:
+    """Appended to generation_config.json's `eos_token_id`s: the first token of one chat's greedy
+    output, from its `STOP_AFTER`-th on, that it has not emitted before."""
+    output = greedy_references(qwen3_dir)[STOPPED_CHAT].output_ids
+    token_id = next(t for i, t in enumerate(output) if i >= STOP_AFTER and t not in output[:i])
+    path = qwen3_dir / "generation_config.json"
+    config = json.loads(path.read_text())
+    assert token_id not in config["eos_token_id"]
+    config["eos_token_id"] = [*config["eos_token_id"], token_id]
+    path.write_text(json.dumps(config))
+    return token_id
+
+
+@pytest.fixture(scope="module")
+def qwen3_references(qwen3_dir, stop_id):
     return greedy_references(qwen3_dir)
 
 
 @pytest.fixture(scope="module")
-def stack(qwen3_dir):
+def stack(qwen3_dir, stop_id):
     with ServiceProcesses() as procs:
         yield launch(procs, qwen3_dir, tp=1, default_max_tokens=MAX_NEW_TOKENS)
 
 
 @pytest.mark.timeout(300)
-def test_qwen3_chats_match_transformers_and_a_repeat_hits_the_cache(stack, qwen3_references) -> None:
+def test_qwen3_chats_match_transformers_and_a_repeat_hits_the_cache(stack, qwen3_references, stop_id) -> None:
+    stopped = qwen3_references[STOPPED_CHAT]
+    assert stopped.output_ids[-1] == stop_id and stopped.finished_by_eos
+    assert STOP_AFTER < len(stopped.output_ids) < MAX_NEW_TOKENS
     for index, reference in enumerate(qwen3_references):
         check_greedy_parity(stack.gateway, index, reference)
     with Client(stack.gateway) as client:
