@@ -25,9 +25,9 @@ class Processes:
         self.log_dir = log_dir
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "wb")
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, **(env or {})}, start_new_session=True)
         self.procs[name] = proc
         return proc

@@ -22,6 +22,13 @@ streams; router <= 1 ms per step at 128 running plus <= 5 us per token, the line
 through the rows of one step time; 5 ms steps at 128 streams delivering >= 90% of offered with
 ITL p99 added <= 2 ms) are checked on the rows that have them. `--profile DIR` runs the
 gateway and router under cProfile (`bench.profiled`) and writes one profile per row.
+
+`--baseline-tree DIR` pairs every row: a second router and gateway run from DIR (another
+checkout, e.g. the commit before a change), and each row is measured on both stacks one after
+the other (in alternating order), so that both see the same machine; the last lines give
+the ratios of CPU per token, this tree's over the baseline's. `--baseline-router-args` /
+`--baseline-gateway-args` / `--baseline-gateways` pair the same way with other settings (e.g.
+`--no-overlap` against `--overlap`, one gateway against two), from DIR or from this tree.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import json
 import os
 import shlex
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -57,8 +65,10 @@ class Stack:
     """A fake worker group, a router and `num_gateways` gateways sharing one gRPC and one HTTP
     port (SO_REUSEPORT), all processes of their own."""
 
-    def __init__(self, procs: Processes, args: argparse.Namespace, step_ms: float, tag: str) -> None:
+    def __init__(self, procs: Processes, args: argparse.Namespace, step_ms: float, tag: str, tree: Path,
+                 router_args: str, gateway_args: str, num_gateways: int) -> None:
         self.procs = procs
+        env = {"PYTHONPATH": str(tree)}
         worker_port, router_port = free_port(), free_port()
         self.grpc_port, self.http_port = free_port(), free_port()
         self.router = f"127.0.0.1:{router_port}"
@@ -71,12 +81,13 @@ class Stack:
         self.router_proc = procs.start(f"router-{tag}", [
             *self._wrap("router"), "-m", "router_service", "--port", str(router_port),
             "--workers", f"127.0.0.1:{worker_port}", "--metrics-port", "0", "--log-level", "WARNING",
-            "--max-running-requests", "1024", "--max-queue", "4096", *shlex.split(args.router_args)])
+            "--max-running-requests", "1024", "--max-queue", "4096", *shlex.split(router_args)],
+            env, tree)
         self.gateways = [procs.start(f"gateway{i}-{tag}", [
             *self._wrap(f"gateway{i}"), "-m", "gateway_service", "--port", str(self.grpc_port),
             "--http-port", str(self.http_port), "--routers", self.router, "--model", args.model,
-            "--metrics-port", "0", "--log-level", "WARNING", *shlex.split(args.gateway_args)])
-            for i in range(args.gateways)]
+            "--metrics-port", "0", "--log-level", "WARNING", *shlex.split(gateway_args)], env, tree)
+            for i in range(num_gateways)]
         self.serving = (f"127.0.0.1:{worker_port}", self.worker)
 
     async def ready(self) -> None:
@@ -100,12 +111,12 @@ async def num_steps(address: str) -> int:
 
 
 async def measure(procs: Processes, stack: Stack, args: argparse.Namespace, step_ms: float, api: str,
-                  streams: int, log_dir: Path) -> dict:
+                  streams: int, log_dir: Path, label: str) -> dict:
     start = time.monotonic() + LOAD_STARTUP_S + args.warmup
     end = start + args.seconds
-    out = log_dir / f"load-{step_ms}-{api}-{streams}.json"
+    out = log_dir / f"load-{label}-{step_ms}-{api}-{streams}.json"
     target = stack.gateway if api == "grpc" else f"127.0.0.1:{stack.http_port}"
-    name = f"load-{step_ms}-{api}-{streams}"
+    name = f"load-{label}-{step_ms}-{api}-{streams}"
     load = procs.start(name, [
         PYTHON, "-m", "bench.stack_load", "--api", api, "--target", target, "--streams", str(streams),
         "--max-tokens", str(args.max_tokens), "--window", str(start), str(end), "--out", str(out)])
@@ -125,7 +136,7 @@ async def measure(procs: Processes, stack: Stack, args: argparse.Namespace, step
     per_token["load"] = 1e6 * (load1 - load0) / tokens if tokens else None
     gaps = result["gaps_ms"]
     return {
-        "step_ms": step_ms, "api": api, "streams": streams,
+        "tree": label, "step_ms": step_ms, "api": api, "streams": streams,
         "offered_tps": streams * 1000 / step_ms if step_ms else None,
         "delivered_tps": tokens / args.seconds,
         "cpu_us_per_token": per_token,
@@ -145,16 +156,16 @@ def _f(value: float | None, digits: int = 0) -> str:
 def print_row(row: dict) -> None:
     cpu = row["cpu_us_per_token"]
     share = row["delivered_tps"] / row["offered_tps"] if row["offered_tps"] else None
-    print(f"| {row['step_ms']:g} | {row['api']} | {row['streams']} | {_f(row['offered_tps'])} | "
+    print(f"| {row['tree']} | {row['step_ms']:g} | {row['api']} | {row['streams']} | {_f(row['offered_tps'])} | "
           f"{_f(row['delivered_tps'])} | {_f(share and 100 * share)}% | {_f(cpu['gateway'], 1)} | "
           f"{_f(cpu['router'], 1)} | {_f(cpu['worker'], 1)} | {_f(cpu['load'], 1)} | "
           f"{_f(row['router_cpu_per_step_ms'], 2)} | {_f(row['steps_per_s'])} | "
           f"{_f(row['itl_p50_added_ms'], 2)} / {_f(row['itl_p99_added_ms'], 2)} | {row['num_errors']} |", flush=True)
 
 
-HEADER = ("| step ms | api | streams | offered tok/s | delivered tok/s | delivered % | gateway us/tok | "
+HEADER = ("| tree | step ms | api | streams | offered tok/s | delivered tok/s | delivered % | gateway us/tok | "
           "router us/tok | worker us/tok | load us/tok | router ms/step | steps/s | ITL added p50 / p99 ms | errors |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def check_goals(rows: list[dict]) -> list[str]:
@@ -190,29 +201,68 @@ def check_goals(rows: list[dict]) -> list[str]:
     return lines
 
 
+def paired_ratios(rows: list[dict]) -> list[str]:
+    """For each row measured on both stacks: the medians over its rounds of CPU per token and
+    delivered tokens/s, this stack's over the baseline's."""
+    groups: dict[tuple, dict[str, list[dict]]] = {}
+    for row in rows:
+        groups.setdefault((row["step_ms"], row["api"], row["streams"]), {}).setdefault(row["tree"], []).append(row)
+    lines = []
+    for (step_ms, api, streams), trees in groups.items():
+        if set(trees) != {"this", "baseline"}:
+            continue
+        parts = []
+        for key in ("gateway", "router"):
+            now, before = (statistics.median(r["cpu_us_per_token"][key] or 0 for r in trees[t]) for t in ("this", "baseline"))
+            parts.append(f"{key} {now:.1f} / {before:.1f} us = {now / before:.2f}x" if before else f"{key} -")
+        now, before = (statistics.median(r["delivered_tps"] for r in trees[t]) for t in ("this", "baseline"))
+        parts.append(f"delivered {now:.0f} / {before:.0f} tok/s")
+        lines.append(f"paired {step_ms:g} ms {api} {streams} ({len(trees['this'])} rounds), this / baseline: "
+                     + "; ".join(parts))
+    return lines
+
+
 async def main_async(args: argparse.Namespace) -> None:
     log_dir = Path(tempfile.mkdtemp(prefix="stack-bench-"))
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
     procs = Processes(log_dir)
     rows = []
-    print(f"[bench] logs in {log_dir}; {os.cpu_count()} cores; gateway args {args.gateway_args!r}, "
-          f"router args {args.router_args!r}, {args.gateways} gateway(s)", flush=True)
+    print(f"[bench] logs in {log_dir}; {os.cpu_count()} cores; load average {os.getloadavg()[0]:.1f}; "
+          f"this: {args.gateways} gateway(s), gateway args {args.gateway_args!r}, router args {args.router_args!r}; "
+          f"baseline: tree {args.baseline_tree or '-'}, {args.baseline_gateways or args.gateways} gateway(s), "
+          f"router args {args.baseline_router_args!r}, gateway args {args.baseline_gateway_args!r}", flush=True)
     print(HEADER, flush=True)
     try:
         for step_ms in [float(s) for s in args.steps_ms.split(",")]:
-            stack = Stack(procs, args, step_ms, f"{step_ms:g}ms")
-            await stack.ready()
+            stacks = {"this": Stack(procs, args, step_ms, f"this-{step_ms:g}ms", ROOT, args.router_args,
+                                    args.gateway_args, args.gateways)}
+            if (args.baseline_tree or args.baseline_router_args is not None or args.baseline_gateway_args is not None
+                    or args.baseline_gateways):
+                stacks["baseline"] = Stack(
+                    procs, args, step_ms, f"baseline-{step_ms:g}ms", Path(args.baseline_tree or ROOT),
+                    args.router_args if args.baseline_router_args is None else args.baseline_router_args,
+                    args.gateway_args if args.baseline_gateway_args is None else args.baseline_gateway_args,
+                    args.baseline_gateways or args.gateways)
+            for stack in stacks.values():
+                await stack.ready()
+            turn = 0
             for api in args.apis.split(","):
                 for streams in [int(s) for s in args.streams.split(",")]:
-                    row = await measure(procs, stack, args, step_ms, api, streams, log_dir)
-                    rows.append(row)
-                    print_row(row)
+                    for _ in range(args.rounds):
+                        labels = list(stacks) if turn % 2 == 0 else list(reversed(stacks))
+                        turn += 1
+                        for label in labels:
+                            row = await measure(procs, stacks[label], args, step_ms, api, streams, log_dir, label)
+                            rows.append(row)
+                            print_row(row)
             for name in list(procs.procs):
                 procs.stop(name)
     finally:
         procs.close()
-    for line in check_goals(rows):
+    for line in check_goals([row for row in rows if row["tree"] == "this"]):
+        print(line)
+    for line in paired_ratios(rows):
         print(line)
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
@@ -227,9 +277,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--gateways", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=1, help="measurements of each row (per stack, alternating)")
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--gateway-args", default="")
     parser.add_argument("--router-args", default="")
+    parser.add_argument("--baseline-tree", default="", help="a checkout to pair every row with (see above)")
+    parser.add_argument("--baseline-router-args", default=None, help="the baseline's router flags (default: --router-args)")
+    parser.add_argument("--baseline-gateway-args", default=None, help="the baseline's gateway flags (default: --gateway-args)")
+    parser.add_argument("--baseline-gateways", type=int, default=0, help="the baseline's gateway processes (default: --gateways)")
     parser.add_argument("--profile", default="", help="a folder for cProfile output of the gateway and router")
     parser.add_argument("--out", default="", help="write the rows as JSON here")
     args = parser.parse_args()

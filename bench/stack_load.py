@@ -85,9 +85,10 @@ async def grpc_stream(stub: generation_pb2_grpc.GenerationServiceStub, index: in
 
 async def run_grpc(target: str, streams: int, max_tokens: int, tally: Tally) -> None:
     num_channels = (streams + STREAMS_PER_CHANNEL - 1) // STREAMS_PER_CHANNEL
-    # A local subchannel pool: each channel opens its own connection.
+    # A local subchannel pool and arguments of its own: each channel opens its own connection.
     options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
-    channels = [grpc.aio.insecure_channel(target, options=options) for _ in range(num_channels)]
+    channels = [grpc.aio.insecure_channel(target, options=[*options, ("radixserve.bench_channel", i)])
+                for i in range(num_channels)]
     try:
         stubs = [generation_pb2_grpc.GenerationServiceStub(channel) for channel in channels]
         await asyncio.gather(*(grpc_stream(stubs[i % num_channels], i, max_tokens, tally) for i in range(streams)))
