@@ -20,7 +20,9 @@ over a measuring window after a warm-up the bench reads every process's CPU time
 At the end, the issue's goals (gateway <= 40 us/token over gRPC and <= 60 over HTTP at 128
 streams; router <= 1 ms per step at 128 running plus <= 5 us per token, the line fitted
 through the rows of one step time; 5 ms steps at 128 streams delivering >= 90% of offered with
-ITL p99 added <= 2 ms) are checked on the rows that have them. `--profile DIR` runs the
+ITL p99 added <= 2 ms) are checked on the rows that have them. A row's tokens are counted where
+the client received them and its steps where the router ran them: while the gateway is behind,
+the router runs up to a whole request ahead, so short windows skew per-token figures. `--profile DIR` runs the
 gateway and router under cProfile (`bench.profiled`) and writes one profile per row.
 
 `--baseline-tree DIR` pairs every row: a second router and gateway run from DIR (another
@@ -182,22 +184,16 @@ def check_goals(rows: list[dict]) -> list[str]:
             ok = share >= DELIVERED_GOAL and p99 is not None and p99 <= ITL_ADDED_GOAL_MS
             lines.append(f"5 ms steps, 128 streams, {row['api']}: delivered {100 * share:.0f}% of offered, ITL p99 "
                          f"added {_f(p99, 2)} ms (goal >= 90%, <= 2 ms): {'met' if ok else 'NOT met'}")
-    for step_ms in sorted({row["step_ms"] for row in rows}):
-        for api in sorted({row["api"] for row in rows}):
-            points = [(row["tokens_per_step"], row["router_cpu_per_step_ms"] / 1000) for row in rows
-                      if row["step_ms"] == step_ms and row["api"] == api and row["tokens_per_step"]]
-            if len(points) < 2:
-                continue
-            (x0, y0), (x1, y1) = min(points), max(points)
-            if x1 <= x0:
-                continue
-            slope = (y1 - y0) / (x1 - x0)
-            at_128 = y0 + slope * (128 - x0)
-            fixed = at_128 - slope * 128
-            ok = at_128 <= ROUTER_STEP_GOAL_S + 128 * ROUTER_TOKEN_GOAL_S and slope <= ROUTER_TOKEN_GOAL_S
-            lines.append(f"router, {step_ms:g} ms steps, {api}: {1e3 * at_128:.2f} ms/step at 128 tokens a step "
-                         f"= {1e3 * fixed:.2f} ms + {1e6 * slope:.1f} us/token (goal <= 1 ms + <= 5 us/token): "
-                         f"{'met' if ok else 'NOT met'}")
+    for row in rows:
+        if row["streams"] == 128 and row["router_cpu_per_step_ms"] is not None and row["tokens_per_step"]:
+            # A step yields at most a token per running request (no drafts at this batch size); the
+            # client-side count over the router's steps can say more while a backlog drains.
+            tokens = min(row["tokens_per_step"], row["streams"])
+            allowed_ms = 1e3 * (ROUTER_STEP_GOAL_S + ROUTER_TOKEN_GOAL_S * tokens)
+            got = row["router_cpu_per_step_ms"]
+            lines.append(f"router, {row['step_ms']:g} ms steps, {row['api']}, 128 streams: {got:.2f} ms CPU per step "
+                         f"at ~{tokens:.0f} tokens a step (goal <= 1 ms + 5 us/token = "
+                         f"{allowed_ms:.2f} ms): {'met' if got <= allowed_ms else 'NOT met'}")
     return lines
 
 
