@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 import httpx
@@ -37,7 +37,6 @@ class Ports:
     http: int
     router: str
     procs: ServiceProcesses
-    log_lines: dict[str, int] = field(default_factory=dict)
 
     @property
     def address(self) -> str:
