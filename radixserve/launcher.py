@@ -157,10 +157,11 @@ def _supervise(
     """Watch the serving stack until `stop`: restart the worker group when a rank exits, the
     router or the gateway when it fails; a gateway that exits 0 (it drained after SIGTERM) stops
     the stack."""
-    workers, router, gateway = plan.groups
+    workers, router, gateways = plan.groups
+    # Each gateway is restarted alone: the others keep serving on the shared ports meanwhile.
     units = [_Restartable("worker group", [s.name for s in workers], lambda: plan_workers(config)),
              _Restartable("router", [s.name for s in router], lambda: router),
-             _Restartable("gateway", [s.name for s in gateway], lambda: gateway)]
+             *(_Restartable("gateway", [spec.name], lambda spec=spec: [spec]) for spec in gateways)]
     specs = {spec.name: spec for group in plan.groups for spec in group}
     while not stop.wait(POLL_INTERVAL_S):
         dead = children.dead_child()

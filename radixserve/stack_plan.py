@@ -3,6 +3,7 @@ start order (a plan only; `radixserve.child_processes` runs it).
 
 Ports follow one convention: the gateway on P, the router on P+1, worker rank r on P+9+r;
 their Prometheus /metrics endpoints the same way from M (gateway M, router M+1, rank r M+9+r);
+with `--gateways N` the gateways share P and the HTTP port, and gateway i > 0 has M+1+i;
 the OpenAI-compatible HTTP API on its own port; the ranks rendezvous on a free MASTER_PORT.
 Internal services listen on loopback only; settings go down as flags (the router and gateway
 settings given to `radixserve up` to the services that declare them), API tokens as the
@@ -73,23 +74,32 @@ def plan_stack(config: UpConfig, python: str = sys.executable) -> StackPlan:
          *passed_args(config, "router")],
         f"{INTERNAL_HOST}:{router_port}",
     )
+    gateways = [plan_gateway(config, index, router_port, gateway_metrics, python) for index in range(config.gateways)]
+    served = {p.flag: p.value for p in config.passed}.get("served-model-name")
+    return StackPlan([plan_workers(config, python), [router], gateways], gateways[0].health_address,
+                     config.http_port, reachable(config.host),
+                     served or os.path.basename(os.path.normpath(config.model)))
+
+
+def plan_gateway(config: UpConfig, index: int, router_port: int, metrics_port: int, python: str) -> ChildSpec:
+    """Gateway `index` of `config.gateways`: each on the same gRPC and HTTP ports (they bind
+    them with SO_REUSEPORT); its own /metrics port. (Their health is the shared port's: the
+    launcher learns that one of them serves, not which.)"""
+    if index and metrics_port:
+        metrics_port += ROUTER_PORT_OFFSET + index
     api_token_file = config.security.api_token_file
-    gateway = ChildSpec(
-        "gateway",
+    return ChildSpec(
+        f"gateway{index}" if index else "gateway",
         [python, "-m", "gateway_service", "--host", config.host, "--port", str(config.port),
          "--model", config.model, "--routers", f"{INTERNAL_HOST}:{router_port}",
          "--log-level", config.log_level, "--http-port", str(config.http_port),
-         "--metrics-port", str(gateway_metrics), *secure,
+         "--metrics-port", str(metrics_port), *security_args(config.security),
          *(["--api-token-file", api_token_file] if api_token_file else []),
          *passed_args(config, "gateway")],
         f"{reachable(config.host)}:{config.port}",
         {env_name("api-tokens"): ",".join(config.security.api_tokens)}
         if config.security.api_tokens else {},
     )
-    served = {p.flag: p.value for p in config.passed}.get("served-model-name")
-    return StackPlan([plan_workers(config, python), [router], [gateway]], gateway.health_address,
-                     config.http_port, reachable(config.host),
-                     served or os.path.basename(os.path.normpath(config.model)))
 
 
 def passed_args(config: UpConfig, child: str) -> list[str]:

@@ -181,15 +181,20 @@ def response_to_proto(
     update's own field, so that nothing is built twice) or a new one."""
     response = router_pb2.RouterGenerateResponse() if into is None else into
     response.token_ids.extend(token_ids)
-    response.logprobs.extend(logprobs)
+    if logprobs:
+        response.logprobs.extend(logprobs)
     # Usage rides on every response, so a caller that stops reading early (the gateway, on a
-    # stop string) still knows the prompt's cached tokens.
+    # stop string) still knows the prompt's cached tokens. (Zeros are proto3's default: the
+    # fields that are zero, as most are for a plain request, are left unset, which reads the same.)
     usage = response.usage
     usage.prompt_tokens = request.num_prompt
     usage.completion_tokens = request.num_output
-    usage.cached_tokens = max(request.num_cached_tokens, 0)
-    usage.draft_tokens = request.draft.num_drafted
-    usage.accepted_draft_tokens = request.draft.num_accepted
+    if request.num_cached_tokens > 0:
+        usage.cached_tokens = request.num_cached_tokens
+    draft = request.draft
+    if draft.num_drafted:
+        usage.draft_tokens = draft.num_drafted
+        usage.accepted_draft_tokens = draft.num_accepted
     if finished and request.finish_reason in _FINISH:
         response.finish_reason = _FINISH[request.finish_reason]
     return response

@@ -33,7 +33,8 @@ class RequestStream:
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self._open: dict[str, Request] = {}  # by the caller's request id
-        self._updates: list[router_pb2.RouterStreamUpdate] = []
+        # The next message, its updates written in place as events come (no copy when sent).
+        self._pending = router_pb2.RouterStreamResponse()
         self._ready = asyncio.Event()
         self._caller_done = False
 
@@ -48,11 +49,11 @@ class RequestStream:
             request = convert.request_from_proto(message, self._engine.config.max_request_id_bytes)
             self._engine.submit(request, _Sink(self, caller_id, request))
         except RouterError as exc:
-            self._add(self._error_update(caller_id, exc))
+            self._add_error(caller_id, exc)
             return
         except Exception:  # a router bug: this request fails, the call and its others go on
             log.exception("opening request %r on a Stream call failed", caller_id)
-            self._add(self._error_update(caller_id, RouterError("internal error in the router")))
+            self._add_error(caller_id, RouterError("internal error in the router"))
             return
         self._open[caller_id] = request
 
@@ -78,33 +79,29 @@ class RequestStream:
         while True:
             await self._ready.wait()
             self._ready.clear()
-            updates, self._updates = self._updates, []
-            if updates:
-                yield router_pb2.RouterStreamResponse(updates=updates)
-            if self._caller_done and not self._open and not self._updates:
+            if self._pending.updates:
+                message, self._pending = self._pending, router_pb2.RouterStreamResponse()
+                yield message
+            if self._caller_done and not self._open and not self._pending.updates:
                 return
 
     def event(self, caller_id: str, request: Request, event: StreamEvent) -> None:
         """One of the engine's events for an open request (see `_Sink`)."""
         if self._open.get(caller_id) is not request:
             return  # cancelled by the caller while the event waited in the engine's outbox
-        if event.error is not None:
-            update = self._error_update(caller_id, event.error)
-        else:
-            update = router_pb2.RouterStreamUpdate(request_id=caller_id)
-            convert.response_to_proto(event.token_ids, event.logprobs, request, event.finished, into=update.response)
         if event.error is not None or event.finished:
             self._open.pop(caller_id, None)
-        self._add(update)
-
-    def _add(self, update: router_pb2.RouterStreamUpdate) -> None:
-        self._updates.append(update)
+        if event.error is not None:
+            self._add_error(caller_id, event.error)
+            return
+        update = self._pending.updates.add(request_id=caller_id)
+        convert.response_to_proto(event.token_ids, event.logprobs, request, event.finished, into=update.response)
         self._ready.set()
 
-    @staticmethod
-    def _error_update(caller_id: str, error: RouterError) -> router_pb2.RouterStreamUpdate:
+    def _add_error(self, caller_id: str, error: RouterError) -> None:
         code, message = convert.status_of(error)
-        return router_pb2.RouterStreamUpdate(request_id=caller_id, error_code=code.value[0], error_message=message)
+        self._pending.updates.add(request_id=caller_id, error_code=code.value[0], error_message=message)
+        self._ready.set()
 
 
 class _Sink:

@@ -82,3 +82,20 @@ def test_quantization_is_passed_to_every_worker_rank():
         assert worker.cmd[worker.cmd.index("--quantization") + 1] == "int4"
     default, _, _ = plan_stack(config_from_args(["up"]), python="py").groups
     assert default[0].cmd[default[0].cmd.index("--quantization") + 1] == "none"
+
+
+def test_gateways_share_the_public_ports_and_have_metrics_ports_of_their_own():
+    args = config_from_args(["up", "--gateways", "3", "--port", "6000", "--http-port", "8000",
+                             "--metrics-port", "7000", "--model", "m"])
+    _, (router,), gateways = plan_stack(args, python="py").groups
+    assert [g.name for g in gateways] == ["gateway", "gateway1", "gateway2"]
+    for gateway in gateways:
+        assert gateway.cmd[gateway.cmd.index("--port") + 1] == "6000"
+        assert gateway.cmd[gateway.cmd.index("--http-port") + 1] == "8000"
+        assert gateway.cmd[gateway.cmd.index("--routers") + 1] == "127.0.0.1:6001"
+        assert gateway.health_address == "127.0.0.1:6000"
+    # Gateway M, router M+1, the other gateways M+2, M+3: clear of the ranks' M+9+r.
+    assert [g.cmd[g.cmd.index("--metrics-port") + 1] for g in gateways] == ["7000", "7002", "7003"]
+    assert router.cmd[router.cmd.index("--metrics-port") + 1] == "7001"
+    off = config_from_args(["up", "--gateways", "2", "--metrics-port", "0", "--model", "m"])
+    assert {g.cmd[g.cmd.index("--metrics-port") + 1] for g in plan_stack(off, python="py").groups[2]} == {"0"}
