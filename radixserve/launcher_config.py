@@ -42,7 +42,10 @@ class PassedValue:
 class UpConfig:
     model: str = MODEL()
     tp: int = setting(1, "tensor-parallel size: one worker process per rank", min=1)
-    port: int = PORT(50051, help="gateway port; the router gets P+1, worker rank r gets P+9+r")
+    port: int = PORT(50051, help="gateway port; the router gets P+1, worker rank r gets P+9+r (replica k: "
+                     "router P+1+k, rank r P+9+k*tp+r)")
+    replicas: int = setting(1, "model replicas: each a router with its own group of --tp worker ranks; the "
+                            "gateway routes over them all", min=1, max=8)
     host: str = setting("127.0.0.1", "address the gateway listens on")
     http_port: int = HTTP_PORT(help="the gateway's OpenAI-compatible HTTP API port (0: off)")
     metrics_port: int = METRICS_PORT(50151, help="Prometheus /metrics of the gateway M; router M+1, worker "

@@ -82,3 +82,21 @@ def test_quantization_is_passed_to_every_worker_rank():
         assert worker.cmd[worker.cmd.index("--quantization") + 1] == "int4"
     default, _, _ = plan_stack(config_from_args(["up"]), python="py").groups
     assert default[0].cmd[default[0].cmd.index("--quantization") + 1] == "none"
+
+
+def test_replicas_get_their_own_router_and_worker_group_and_the_gateway_knows_them_all():
+    args = config_from_args(["up", "--replicas", "2", "--tp", "2", "--port", "6000", "--metrics-port", "7000",
+                             "--model", "m"])
+    workers, routers, (gateway,) = plan_stack(args, python="py").groups
+    assert [w.name for w in workers] == ["worker0", "worker1", "worker0_1", "worker1_1"]
+    assert [w.health_address for w in workers] == [f"127.0.0.1:{p}" for p in (6009, 6010, 6011, 6012)]
+    assert [r.name for r in routers] == ["router", "router_1"]
+    assert [r.cmd[r.cmd.index("--workers") + 1] for r in routers] == [
+        "127.0.0.1:6009,127.0.0.1:6010", "127.0.0.1:6011,127.0.0.1:6012"]
+    assert [r.cmd[r.cmd.index("--metrics-port") + 1] for r in routers] == ["7001", "7002"]
+    assert [w.cmd[w.cmd.index("--metrics-port") + 1] for w in workers] == ["7009", "7010", "7011", "7012"]
+    # Each group rendezvouses on its own port; ranks of one group share theirs.
+    assert workers[0].env["MASTER_PORT"] == workers[1].env["MASTER_PORT"]
+    assert workers[2].env["MASTER_PORT"] == workers[3].env["MASTER_PORT"]
+    assert workers[0].env["MASTER_PORT"] != workers[2].env["MASTER_PORT"]
+    assert gateway.cmd[gateway.cmd.index("--routers") + 1] == "127.0.0.1:6001,127.0.0.1:6002"
