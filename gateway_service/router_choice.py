@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 import grpc
 
@@ -59,13 +59,16 @@ class RouterPool:
     def __init__(
         self, addresses: Sequence[str], affinity_tokens: int, probe_timeout_s: float,
         security: Security = NO_SECURITY, *, load_bound: float = DEFAULT_BOUND,
-        memory: PrefixMemory[str] | None = None,
+        memory: PrefixMemory[str] | None = None, tls_name: Callable[[str], str | None] = lambda address: None,
     ) -> None:
+        """`tls_name`: the name a router's certificate is checked for where it is not the host of
+        its address (routers found by DNS, see `router_discovery`)."""
         self._affinity_tokens = affinity_tokens
         self._probe_timeout_s = probe_timeout_s
         self._load_bound = load_bound
         self._memory = memory
         self._security = security
+        self._tls_name = tls_name
         self.call_metadata = security.call_metadata()
         self.addresses: tuple[str, ...] = ()
         self._ranking = Ranking(())
@@ -91,7 +94,9 @@ class RouterPool:
         for address in wanted:
             self._draining.discard(address)
             if address not in self._channels:
-                channel = self._channels[address] = self._security.aio_channel(address, ROUTER_CHANNEL_OPTIONS)
+                name = self._tls_name(address)
+                options = ROUTER_CHANNEL_OPTIONS + ([("grpc.ssl_target_name_override", name)] if name else [])
+                channel = self._channels[address] = self._security.aio_channel(address, options)
                 self._stubs[address] = router_pb2_grpc.RouterServiceStub(channel)
                 self._up[address] = False
                 self._opened[address] = self._in_flight[address] = 0
@@ -247,8 +252,11 @@ class RouterPool:
             log.info("router %s is up (%s)", address, reply.model.model_name)
         self._info[address] = reply
         self._up[address] = True
-        if address not in self._no_stream:
-            self._stream(address)  # open, so that its load reports flow before any request
+        if address in self.loads and address not in self._no_stream:
+            # Reopen a Stream that ended on a router known to have one (it reported a load), so
+            # that its load reports flow before the next request; the first Stream call to a
+            # router is opened by a request, which falls back to Generate where it has none.
+            self._stream(address)
         return True
 
     async def probe_all(self) -> bool:

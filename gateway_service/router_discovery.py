@@ -2,6 +2,9 @@
 (`--router-dns`: a headless Service, one address per ready router pod), re-resolved every
 `--router-dns-interval-s`.
 
+Routers found by DNS are called by address; their certificates are checked for the DNS name
+(`tls_name`), which every router's certificate carries (the headless Service's name).
+
 A resolution that fails keeps the last addresses it found (a DNS hiccup must not drain every
 replica); one that answers is the new set. What changed is the router pool's business
 (`RouterPool.set_addresses`: new routers join, removed ones drain).
@@ -48,6 +51,13 @@ class RouterDiscovery:
         self._resolver = resolver
         self._found: list[str] = []
         self._resolved_at: float | None = None
+
+    def tls_name(self, address: str) -> str | None:
+        """The name to check a router's certificate for: the DNS name for the addresses it gave
+        (None for the static ones, checked for their own host)."""
+        if self._dns is None or address in self._static or address not in self._found:
+            return None
+        return self._dns[0]
 
     @property
     def dynamic(self) -> bool:
