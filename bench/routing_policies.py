@@ -7,8 +7,8 @@ running plus waiting), as a gateway would from the figures routers report:
 - prefix affinity: the first replica in the rendezvous order of the prompt's first 64 tokens,
   exactly as the gateway routes today (`gateway_service.router_choice`);
 - bounded-load affinity, as the gateway routes: the replica its prefix memory names for the
-  prompt's longest known prefix, else the first in rendezvous order, if within a bound of the
-  mean load; else the next in that order that is (`gateway_service.bounded_load`,
+  prompt's longest known prefix if within the memory's bound of the mean load (1.4), else the
+  first in rendezvous order within the bound (1.25); else the next in that order that is (`gateway_service.bounded_load`,
   `gateway_service.prefix_memory`); and the same without the prefix memory;
 - cache aware: SGLang's `cache_aware` policy as its documentation describes it, written here
   from that description (`CacheAware`).
@@ -30,6 +30,7 @@ _GATEWAY = GatewayConfig()  # the gateway's defaults
 AFFINITY_TOKENS = _GATEWAY.affinity_tokens
 MEMORY_ENTRIES = _GATEWAY.prefix_memory_entries
 MEMORY_STRIDE = _GATEWAY.prefix_memory_stride
+MEMORY_BOUND = _GATEWAY.memory_load_bound
 
 
 class Loads(dict[int, int]):
@@ -109,7 +110,8 @@ class BoundedLoad(PrefixAffinity):
         memory = self._memory
         checkpoints = memory.checkpoints(prompt_ids) if memory is not None else []
         preferred = memory.recall(checkpoints) if memory is not None else None
-        chosen = choose_ranked(self._indices, self.weights(prompt_ids), loads, self.bound, loads.total, preferred)
+        chosen = choose_ranked(self._indices, self.weights(prompt_ids), loads, self.bound, loads.total, preferred,
+                               max(self.bound, MEMORY_BOUND))
         if memory is not None:
             memory.remember(checkpoints, chosen)
         return chosen

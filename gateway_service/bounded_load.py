@@ -15,9 +15,10 @@ take the request. Requests that finish between decisions can leave a replica abo
 for a while: nothing is ever moved. `bound` >= 1; a large bound is pure affinity, 1 is even load.
 
 `choose_ranked` is the gateway's form: the replica a prompt prefix memory remembers for the
-request's longest known prefix (`prefix_memory`) is tried first, so a conversation's next turn
-meets the replica holding its history even after its prefix spilled; then the rendezvous order,
-sorted only when the first choice is full.
+request's longest known prefix (`prefix_memory`) is tried first, within a bound of its own
+(larger: a conversation's history on that replica is worth more than a system prompt elsewhere),
+so a conversation's next turn meets the replica holding its history even after its prefix
+spilled; then the rendezvous order, sorted only when the first choice is full.
 
 Plain functions over addresses and counts (and the rendezvous weights), no I/O.
 """
@@ -68,17 +69,19 @@ def choose_bounded(
 def choose_ranked(
     replicas: Sequence[Replica], weights: np.ndarray, loads: Mapping[Replica, int],
     bound: float = DEFAULT_BOUND, total_load: int | None = None, preferred: Replica | None = None,
+    preferred_bound: float | None = None,
 ) -> Replica:
     """As `choose_bounded` over `replicas` in the order of their rendezvous `weights`
     (`rendezvous.Ranking.weights`, highest first), with `preferred` (None, or one of
-    `replicas`) tried before that order."""
+    `replicas`) tried before that order, within `preferred_bound` (None: `bound`)."""
     if not replicas:
         raise ValueError("no replica to choose from")
     if total_load is None:
         total_load = sum(loads.get(replica, 0) for replica in replicas)
+    if preferred is not None:
+        if loads.get(preferred, 0) + 1 <= capacity(total_load, len(replicas), preferred_bound or bound):
+            return preferred
     limit = capacity(total_load, len(replicas), bound)
-    if preferred is not None and loads.get(preferred, 0) + 1 <= limit:
-        return preferred
     first = replicas[int(weights.argmax())]
     if loads.get(first, 0) + 1 <= limit:
         return first

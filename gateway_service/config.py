@@ -38,6 +38,10 @@ class GatewayConfig:
     load_bound: float = setting(1.25, "bounded-load prefix affinity: a request goes to the first router in its "
                                 "order whose outstanding requests, with it, stay within this many times the "
                                 "mean (1: even load; large: pure prefix affinity)", min=1)
+    memory_load_bound: float = setting(1.4, "the bound for the router the prefix memory names (a conversation's "
+                                       "history is cached there): taken while its outstanding requests, with "
+                                       "this one, stay within this many times the mean (at least --load-bound)",
+                                       min=1)
     prefix_memory_entries: int = setting(65536, "prompt prefixes remembered with the router they went to, so a "
                                          "conversation's next turn meets its cached history (0: none)", min=0)
     prefix_memory_stride: int = setting(64, "tokens between the prefixes remembered of one prompt", min=1)
@@ -91,6 +95,9 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         flags.check(self)
+        if self.memory_load_bound < self.load_bound:
+            raise ValueError(f"--memory-load-bound ({self.memory_load_bound:g}) must be at least --load-bound "
+                             f"({self.load_bound:g})")
         if not self.routers and not self.router_dns:
             raise ValueError("--routers or --router-dns must name at least one router")
 

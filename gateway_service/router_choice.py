@@ -2,9 +2,10 @@
 failover order, probing, the set of routers changing at run time; and the calls that carry
 requests to it (router_stream.py).
 
-A request goes to the replica a prefix memory names for its longest known prefix, else to the
-first in its rendezvous order (`rendezvous`), as long as that replica's load stays within
-`load_bound` times the mean (`bounded_load`); otherwise to the next in rendezvous order that is.
+A request goes to the replica a prefix memory names for its longest known prefix while that
+replica's load stays within `memory_load_bound` times the mean, else to the first in its
+rendezvous order (`rendezvous`) while its load stays within `load_bound` times the mean
+(`bounded_load`); otherwise to the next in rendezvous order that is.
 The rest of the rendezvous order is the failover order, as before. A router's load is what it
 last reported on the gateway's Stream call to it (running plus waiting requests, every step and
 every load report interval), plus the requests this gateway opened there since that report.
@@ -23,7 +24,7 @@ import grpc
 from gateway_service.bounded_load import DEFAULT_BOUND, choose_ranked
 from gateway_service.prefix_memory import PrefixMemory
 from gateway_service.rendezvous import Ranking, affinity_key, ranked
-from gateway_service.router_stream import RouterStream
+from gateway_service.router_stream import RouterStream, rpc_error
 from radixserve.security import Security
 from radixserve.serving import CHANNEL_OPTIONS, KEEPALIVE_TIME_MS, NO_SECURITY
 from radixserve.v1 import router_pb2, router_pb2_grpc
@@ -59,13 +60,14 @@ class RouterPool:
     def __init__(
         self, addresses: Sequence[str], affinity_tokens: int, probe_timeout_s: float,
         security: Security = NO_SECURITY, *, load_bound: float = DEFAULT_BOUND,
-        memory: PrefixMemory[str] | None = None, tls_name: Callable[[str], str | None] = lambda address: None,
+        memory: PrefixMemory[str] | None = None, memory_load_bound: float | None = None, tls_name: Callable[[str], str | None] = lambda address: None,
     ) -> None:
         """`tls_name`: the name a router's certificate is checked for where it is not the host of
         its address (routers found by DNS, see `router_discovery`)."""
         self._affinity_tokens = affinity_tokens
         self._probe_timeout_s = probe_timeout_s
         self._load_bound = load_bound
+        self._memory_load_bound = memory_load_bound
         self._memory = memory
         self._security = security
         self._tls_name = tls_name
@@ -146,7 +148,10 @@ class RouterPool:
     ) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
         """One request's responses from the router at `address` (`deadline` on
         `time.monotonic()`): on the gateway's shared Stream call to it, or on a Generate call of
-        its own where the router has no Stream (an older one). Raises `grpc.aio.AioRpcError`."""
+        its own where the router has no Stream (an older one). Raises `grpc.aio.AioRpcError`
+        (UNAVAILABLE for a router drained and closed since the request's order was made)."""
+        if address not in self._stubs:
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, "the router left the set")
         self._in_flight[address] += 1
         self._opened[address] += 1
         try:
@@ -219,7 +224,8 @@ class RouterPool:
                 preferred = None
             replicas = [addresses[i] for i in up]
             loads = {address: self.load(address) for address in replicas}
-            chosen = choose_ranked(replicas, weights[up], loads, self._load_bound, preferred=preferred)
+            chosen = choose_ranked(replicas, weights[up], loads, self._load_bound, preferred=preferred,
+                                   preferred_bound=self._memory_load_bound)
             if memory is not None:
                 memory.remember(checkpoints, chosen)
             yield chosen

@@ -90,7 +90,8 @@ class Gateway:
         memory = (PrefixMemory(config.prefix_memory_entries, config.prefix_memory_stride)
                   if config.prefix_memory_entries else None)
         pool = RouterPool(await discovery.addresses(), config.affinity_tokens, config.probe_timeout_s, security,
-                          load_bound=config.load_bound, memory=memory, tls_name=discovery.tls_name)
+                          load_bound=config.load_bound, memory=memory,
+                          memory_load_bound=config.memory_load_bound, tls_name=discovery.tls_name)
         servicer = GenerationServicer(config, pool)
         server, health, port = await start_server(
             config.host,

@@ -88,3 +88,16 @@ def test_three_replicas_are_three_routers_that_the_gateways_discover(monkeypatch
     assert len(found) == NUM_REPLICAS
     # Their certificates are checked for the Service's name, which the certificate Job puts in.
     assert {discovery.tls_name(address) for address in found} == {host}
+
+
+def test_the_gateway_autoscaler_passes_the_schema_and_targets_the_gateways() -> None:
+    import yaml
+
+    from deploy_checks import builtin_errors
+
+    (hpa,) = list(yaml.safe_load_all((K8S_DIR / "autoscaling" / "gateway-hpa.yaml").read_text()))
+    assert builtin_errors(hpa) == []
+    gateway = find(_rendered(), "Deployment", "radixserve-gateway")
+    target = hpa["spec"]["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("Deployment", gateway["metadata"]["name"])
+    assert hpa["metadata"]["namespace"] == gateway["metadata"]["namespace"]

@@ -86,3 +86,28 @@ def test_choose_ranked_is_choose_bounded_over_the_rendezvous_order_after_the_pre
         preferred = rng.choice(ADDRESSES)
         expected = choose_bounded([preferred] + [a for a in order if a != preferred], loads, 1.25)
         assert choose_ranked(ranking.names, weights, loads, 1.25, preferred=preferred) == expected
+
+
+def test_the_preferred_replica_has_a_bound_of_its_own() -> None:
+    from gateway_service.bounded_load import choose_ranked
+    from gateway_service.rendezvous import Ranking
+
+    ranking = Ranking(ADDRESSES)
+    weights = ranking.weights(affinity_key([8], 64))
+    order = ranking.order(affinity_key([8], 64))
+    preferred = order[-1]
+    loads = dict.fromkeys(ADDRESSES, 4)
+    loads[preferred] = 5  # 33 outstanding: capacity 5 at 1.25, 6 at 1.5
+    assert choose_ranked(ranking.names, weights, loads, 1.25, preferred=preferred) == order[0]
+    assert choose_ranked(ranking.names, weights, loads, 1.25, preferred=preferred, preferred_bound=1.5) == preferred
+    loads[preferred] = 6
+    assert choose_ranked(ranking.names, weights, loads, 1.25, preferred=preferred, preferred_bound=1.5) == order[0]
+
+
+def test_the_gateway_refuses_a_memory_bound_below_the_load_bound() -> None:
+    from gateway_service.config import GatewayConfig
+
+    with pytest.raises(ValueError, match="--memory-load-bound"):
+        GatewayConfig(load_bound=1.5, memory_load_bound=1.2)
+    with pytest.raises(ValueError, match="--routers or --router-dns"):
+        GatewayConfig(routers=())
