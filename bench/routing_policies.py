@@ -7,7 +7,7 @@ running plus waiting), as a gateway would from the figures routers report:
 - prefix affinity: the first replica in the rendezvous order of the prompt's first 64 tokens,
   exactly as the gateway routes today (`gateway_service.router_choice`);
 - bounded-load affinity, as the gateway routes: the replica its prefix memory names for the
-  prompt's longest known prefix if within the memory's bound of the mean load (1.4), else the
+  prompt's longest known prefix if within the memory's bound of the mean load (1.35), else the
   first in rendezvous order within the bound (1.25); else the next in that order that is (`gateway_service.bounded_load`,
   `gateway_service.prefix_memory`); and the same without the prefix memory;
 - cache aware: SGLang's `cache_aware` policy as its documentation describes it, written here

@@ -38,7 +38,7 @@ class GatewayConfig:
     load_bound: float = setting(1.25, "bounded-load prefix affinity: a request goes to the first router in its "
                                 "order whose outstanding requests, with it, stay within this many times the "
                                 "mean (1: even load; large: pure prefix affinity)", min=1)
-    memory_load_bound: float = setting(1.4, "the bound for the router the prefix memory names (a conversation's "
+    memory_load_bound: float = setting(1.35, "the bound for the router the prefix memory names (a conversation's "
                                        "history is cached there): taken while its outstanding requests, with "
                                        "this one, stay within this many times the mean (at least --load-bound)",
                                        min=1)
