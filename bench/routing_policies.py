@@ -98,9 +98,11 @@ class BoundedLoad(PrefixAffinity):
 
     def __init__(
         self, num_replicas: int, memo: bool = True, bound: float = DEFAULT_BOUND, prefix_memory: bool = True,
+        memory_bound: float = MEMORY_BOUND,
     ) -> None:
         super().__init__(num_replicas, memo)
         self.bound = bound
+        self.memory_bound = max(bound, memory_bound)
         self._memory: PrefixMemory[int] | None = (
             PrefixMemory(MEMORY_ENTRIES, MEMORY_STRIDE) if prefix_memory else None)
         if not prefix_memory:
@@ -111,7 +113,7 @@ class BoundedLoad(PrefixAffinity):
         checkpoints = memory.checkpoints(prompt_ids) if memory is not None else []
         preferred = memory.recall(checkpoints) if memory is not None else None
         chosen = choose_ranked(self._indices, self.weights(prompt_ids), loads, self.bound, loads.total, preferred,
-                               max(self.bound, MEMORY_BOUND))
+                               self.memory_bound)
         if memory is not None:
             memory.remember(checkpoints, chosen)
         return chosen
