@@ -73,13 +73,13 @@ def choose_ranked(
 ) -> Replica:
     """As `choose_bounded` over `replicas` in the order of their rendezvous `weights`
     (`rendezvous.Ranking.weights`, highest first), with `preferred` (None, or one of
-    `replicas`) tried before that order, within `preferred_bound` (None: `bound`)."""
+    `replicas`) tried before that order, within `preferred_bound` (never less than `bound`)."""
     if not replicas:
         raise ValueError("no replica to choose from")
     if total_load is None:
         total_load = sum(loads.get(replica, 0) for replica in replicas)
     if preferred is not None:
-        if loads.get(preferred, 0) + 1 <= capacity(total_load, len(replicas), preferred_bound or bound):
+        if loads.get(preferred, 0) + 1 <= capacity(total_load, len(replicas), max(bound, preferred_bound or bound)):
             return preferred
     limit = capacity(total_load, len(replicas), bound)
     first = replicas[int(weights.argmax())]

@@ -40,7 +40,8 @@ class GatewayConfig:
                                 "mean (1: even load; large: pure prefix affinity)", min=1)
     memory_load_bound: float = setting(1.35, "the bound for the router the prefix memory names (a conversation's "
                                        "history is cached there): taken while its outstanding requests, with "
-                                       "this one, stay within this many times the mean (at least --load-bound)",
+                                       "this one, stay within this many times the mean (never less than "
+                                       "--load-bound)",
                                        min=1)
     prefix_memory_entries: int = setting(65536, "prompt prefixes remembered with the router they went to, so a "
                                          "conversation's next turn meets its cached history (0: none)", min=0)
@@ -95,9 +96,6 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         flags.check(self)
-        if self.memory_load_bound < self.load_bound:
-            raise ValueError(f"--memory-load-bound ({self.memory_load_bound:g}) must be at least --load-bound "
-                             f"({self.load_bound:g})")
         if not self.routers and not self.router_dns:
             raise ValueError("--routers or --router-dns must name at least one router")
 

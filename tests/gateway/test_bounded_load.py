@@ -102,12 +102,13 @@ def test_the_preferred_replica_has_a_bound_of_its_own() -> None:
     assert choose_ranked(ranking.names, weights, loads, 1.25, preferred=preferred, preferred_bound=1.5) == preferred
     loads[preferred] = 6
     assert choose_ranked(ranking.names, weights, loads, 1.25, preferred=preferred, preferred_bound=1.5) == order[0]
+    loads[preferred] = 4  # a preferred bound below the bound counts as the bound
+    assert choose_ranked(ranking.names, weights, loads, 1.25, preferred=preferred, preferred_bound=1.0) == preferred
 
 
-def test_the_gateway_refuses_a_memory_bound_below_the_load_bound() -> None:
+def test_the_gateway_needs_a_router_address_or_a_dns_name() -> None:
     from gateway_service.config import GatewayConfig
 
-    with pytest.raises(ValueError, match="--memory-load-bound"):
-        GatewayConfig(load_bound=1.5, memory_load_bound=1.2)
     with pytest.raises(ValueError, match="--routers or --router-dns"):
         GatewayConfig(routers=())
+    assert GatewayConfig(routers=(), router_dns="routers:50052").router_dns == "routers:50052"
