@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 
@@ -35,8 +35,13 @@ class RouterStream:
     """One open Stream call to one router. Once `failed` is set the call is over: every request
     on it got that error, and the pool opens a new call for the next request."""
 
-    def __init__(self, stub: router_pb2_grpc.RouterServiceStub, metadata: Sequence[tuple[str, str]]) -> None:
+    def __init__(
+        self, stub: router_pb2_grpc.RouterServiceStub, metadata: Sequence[tuple[str, str]],
+        on_load: Callable[[router_pb2.RouterLoad], None] | None = None,
+    ) -> None:
+        """`on_load` gets the router's load from every message that carries one."""
         self._call = stub.Stream(metadata=metadata)
+        self._on_load = on_load
         self._inboxes: dict[str, _Inbox] = {}
         self._write_lock = asyncio.Lock()
         self.failed: grpc.aio.AioRpcError | None = None
@@ -108,6 +113,8 @@ class RouterStream:
     async def _read(self) -> None:
         try:
             async for message in self._call:
+                if self._on_load is not None and message.HasField("load"):
+                    self._on_load(message.load)
                 inboxes = self._inboxes
                 for update in message.updates:
                     inbox = inboxes.get(update.request_id)

@@ -31,7 +31,7 @@ from radixserve.health_tls import handshake_error
 from radixserve.launcher_config import UpConfig, config_from_args
 from radixserve.launcher_token import launch_security
 from radixserve.security import Security, SecurityConfig, SecurityError, load_security
-from radixserve.stack_plan import ChildSpec, StackPlan, plan_stack, plan_workers
+from radixserve.stack_plan import ChildSpec, StackPlan, plan_stack, plan_workers, replica_suffix
 
 # How often the launcher looks at its children and their health.
 POLL_INTERVAL_S = 0.25
@@ -157,11 +157,16 @@ def _supervise(
     """Watch the serving stack until `stop`: restart the worker group when a rank exits, the
     router or the gateway when it fails; a gateway that exits 0 (it drained after SIGTERM) stops
     the stack."""
-    workers, router, gateways = plan.groups
+    workers, routers, gateways = plan.groups
+    units: list[_Restartable] = []
+    for replica, router in enumerate(routers):  # each replica's worker group and router alone
+        suffix = replica_suffix(replica)
+        group = workers[replica * config.tp:(replica + 1) * config.tp]
+        units += [_Restartable(f"worker group{suffix}", [s.name for s in group],
+                               lambda replica=replica: plan_workers(config, replica=replica)),
+                  _Restartable(f"router{suffix}", [router.name], lambda router=router: [router])]
     # Each gateway is restarted alone: the others keep serving on the shared ports meanwhile.
-    units = [_Restartable("worker group", [s.name for s in workers], lambda: plan_workers(config)),
-             _Restartable("router", [s.name for s in router], lambda: router),
-             *(_Restartable("gateway", [spec.name], lambda spec=spec: [spec]) for spec in gateways)]
+    units += [_Restartable("gateway", [spec.name], lambda spec=spec: [spec]) for spec in gateways]
     specs = {spec.name: spec for group in plan.groups for spec in group}
     while not stop.wait(POLL_INTERVAL_S):
         dead = children.dead_child()

@@ -22,7 +22,6 @@ PASSED_TO = {"router": RouterConfig, "gateway": GatewayConfig}
 # Their settings the launcher decides itself (addresses, the group's wiring); security and the
 # launcher's own settings of the same name are passed down from the launcher's.
 _DECIDED = frozenset({"workers", "routers"})
-# Gateway i > 0 serves /metrics on M+1+i: the ports between the router's (M+1) and rank 0's (M+9).
 MAX_GATEWAYS = 8
 
 
@@ -44,11 +43,14 @@ class PassedValue:
 class UpConfig:
     model: str = MODEL()
     tp: int = setting(1, "tensor-parallel size: one worker process per rank", min=1)
-    port: int = PORT(50051, help="gateway port; the router gets P+1, worker rank r gets P+9+r")
+    port: int = PORT(50051, help="gateway port; the router gets P+1, worker rank r gets P+9+r (replica k: "
+                     "router P+1+k, rank r P+9+k*tp+r)")
+    replicas: int = setting(1, "model replicas: each a router with its own group of --tp worker ranks; the "
+                            "gateway routes over them all", min=1, max=8)
     host: str = setting("127.0.0.1", "address the gateway listens on")
     gateways: int = setting(1, "gateway processes, sharing the gateway's gRPC and HTTP ports (SO_REUSEPORT: "
-                            "the kernel spreads new connections over them); gateway i > 0 serves /metrics on "
-                            "M+1+i", min=1, max=MAX_GATEWAYS)
+                            "the kernel spreads new connections over them); gateway i > 0 serves /metrics after "
+                            "every rank's, on M+9+replicas*tp+i-1", min=1, max=MAX_GATEWAYS)
     http_port: int = HTTP_PORT(help="the gateway's OpenAI-compatible HTTP API port (0: off)")
     metrics_port: int = METRICS_PORT(50151, help="Prometheus /metrics of the gateway M; router M+1, worker "
                                      "rank r M+9+r (0: all off)")

@@ -161,6 +161,18 @@ def stats_to_proto(
     return response
 
 
+def load_to_proto(scheduler: Scheduler | None, costs: StepCosts) -> router_pb2.RouterLoad:
+    """The router's load as Stream messages carry it; all zero while the workers are away."""
+    if scheduler is None:
+        return router_pb2.RouterLoad()
+    allocator = scheduler.allocator
+    return router_pb2.RouterLoad(
+        num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
+        num_pages_free=allocator.num_free, num_pages_total=allocator.num_pages,
+        step_time_s=costs.step_time_s,
+    )
+
+
 def step_logprobs(sampled: worker_pb2.SampledToken, num_new: int) -> list[generation_pb2.TokenLogprob]:
     """The logprobs of a step's `num_new` output tokens: accepted drafts first, then the
     sampled token (left out when a draft ended the request)."""

@@ -89,6 +89,7 @@ class Engine:
         # Whether the last step was sent with no idle wait since: the next one is back to back.
         self._busy = False
         self.costs = StepCosts()
+        self._last_result_at = 0.0  # time.monotonic() when the last step's result came back
         self._wakeup = asyncio.Event()
         self._request_ids = itertools.count()
         self._task_ids = itertools.count(1)
@@ -128,6 +129,10 @@ class Engine:
         elif self.scheduler is not None:
             self.scheduler.cancel(request)
         self._wakeup.set()
+
+    def load(self) -> router_pb2.RouterLoad:
+        """The load reported on every Stream message (gateways route by it)."""
+        return convert.load_to_proto(self.scheduler, self.costs)
 
     def stats(self) -> router_pb2.GetStatsResponse:
         """GetStats' answer, which the metrics also read: the one conversion of the counters."""
@@ -280,6 +285,9 @@ class Engine:
                 f"rank 0 sampled for other requests than task {flight.task.task_id} asked"
             )
         self.metrics.step(plan, flight.started)
+        now = time.monotonic()
+        self.costs.step_time(now - max(flight.started, self._last_result_at))
+        self._last_result_at = now
         sampled = {token.request_id: token for token in result.tokens}
         num_outputs = {entry.request.request_id: entry.request.num_output for entry in plan.entries}
         updated = scheduler.complete(

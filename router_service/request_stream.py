@@ -7,6 +7,9 @@ docs/router-core.md).
 On a Stream call the caller opens and cancels requests, and the engine's events for all of them
 go back together: the engine hands a step's events over in one go (`Engine._flush`), and the
 call writes whatever has gathered since its last message as one message.
+Every message carries the router's load (`RouterLoad`); while no request produces one, a message
+with the load alone goes out every `load_report_interval_s` when the load changed, so the
+gateways holding these calls route by current figures without asking.
 
 A request on the call behaves as on Generate: the same checks, the same events, the same
 statuses (as an error update); it is cancelled when the caller says so or when the call ends.
@@ -37,6 +40,9 @@ class RequestStream:
         self._pending = router_pb2.RouterStreamResponse()
         self._ready = asyncio.Event()
         self._caller_done = False
+        self._report_due = True  # the first message: the load, before any request opens
+        self._last_load: router_pb2.RouterLoad | None = None
+        self._report_timer: asyncio.TimerHandle | None = None
 
     def open(self, message: router_pb2.RouterGenerateRequest) -> None:
         """Submit a request; a refusal becomes its (only) update."""
@@ -69,6 +75,8 @@ class RequestStream:
 
     def close(self) -> None:
         """The call ended: cancel what is still open."""
+        if self._report_timer is not None:
+            self._report_timer.cancel()
         for request in self._open.values():
             self._engine.cancel(request)
         self._open.clear()
@@ -76,14 +84,28 @@ class RequestStream:
     async def responses(self) -> AsyncIterator[router_pb2.RouterStreamResponse]:
         """Everything gathered since the last message, as one message, until the caller is done
         and nothing is open."""
+        self._ready.set()
         while True:
             await self._ready.wait()
             self._ready.clear()
-            if self._pending.updates:
-                message, self._pending = self._pending, router_pb2.RouterStreamResponse()
-                yield message
+            has_updates = bool(self._pending.updates)
+            if has_updates or self._report_due:
+                load = self._engine.load()
+                if has_updates or load != self._last_load:
+                    self._last_load = load
+                    message, self._pending = self._pending, router_pb2.RouterStreamResponse()
+                    message.load.CopyFrom(load)
+                    yield message
+                if self._report_due:
+                    self._report_due = False
+                    self._report_timer = asyncio.get_running_loop().call_later(
+                        self._engine.config.load_report_interval_s, self._report)
             if self._caller_done and not self._open and not self._pending.updates:
                 return
+
+    def _report(self) -> None:
+        self._report_due = True
+        self._ready.set()
 
     def event(self, caller_id: str, request: Request, event: StreamEvent) -> None:
         """One of the engine's events for an open request (see `_Sink`)."""
