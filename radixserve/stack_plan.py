@@ -111,6 +111,7 @@ def plan_workers(config: UpConfig, python: str = sys.executable) -> list[ChildSp
                str(worker_metrics[rank]), *security_args(config.security)]
         if config.device:
             cmd += ["--device", config.device]
+        cmd.append("--deterministic" if config.deterministic else "--no-deterministic")
         env = {"RANK": str(rank), "WORLD_SIZE": str(config.tp), "MASTER_ADDR": INTERNAL_HOST,
                "MASTER_PORT": str(master_port)}
         if "OMP_NUM_THREADS" not in os.environ:
