@@ -83,6 +83,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=2)
 
 
+def defaults(model: str | Path) -> argparse.Namespace:
+    """This script's settings at their defaults, for `model` (what `bench.run_all` measures)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(["--model", str(model)])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.bench_determinism", description=__doc__.split("\n")[0])
     add_arguments(parser)

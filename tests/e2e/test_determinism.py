@@ -31,9 +31,9 @@ from radixserve.v1 import router_pb2, router_pb2_grpc, worker_pb2
 from worker.tiny_models import VOCAB_SIZE, make_tiny_llama
 
 NUM_EACH = 20  # greedy requests, and as many seeded sampled ones
-MAX_TOKENS = 8
+MAX_TOKENS = 24  # more than a page: running requests outgrow the one page of headroom each gets
 SHARED_PREFIX_LEN = 100  # six whole pages of 16 and a partial one
-SMALL_POOL_PAGES = 24  # 40 requests of up to 9 pages each cannot all run at once
+SMALL_POOL_PAGES = 12  # 40 requests of up to 10 pages each cannot all run at once: some retract
 TIMEOUT_S = 120
 GROUPS = [(1, "float32"), (1, "bfloat16"), (2, "float32"), (2, "bfloat16")]
 FRESH = ["--no-speculative", "--no-overlap"]
@@ -45,7 +45,7 @@ def requests() -> list[router_pb2.RouterGenerateRequest]:
     shared = [rng.randrange(3, VOCAB_SIZE) for _ in range(SHARED_PREFIX_LEN)]
     result = []
     for index in range(2 * NUM_EACH):
-        own = [rng.randrange(3, VOCAB_SIZE) for _ in range(rng.randrange(3, 30))]
+        own = [rng.randrange(3, VOCAB_SIZE) for _ in range(rng.randrange(3, 16))]
         if index % 4 == 1:  # a repeated passage: n-gram drafts get accepted
             own = own + own
         prompt = shared + own if index % 2 else own

@@ -17,29 +17,29 @@ import torch
 
 from worker_service.backends.base import PrefillChunk, StepBatch
 from worker_service.backends.invariant_backend import InvariantTorchBackend
+from worker_service.backends.selection import select_backend
 
 CPU = torch.device("cpu")
 MAX_ROWS = 300
-# (out_features, in_features): SmolLM2's input widths (hidden 576, MLP 1536) with few outputs (the
-# reduction over in_features is what varies; out_features only multiplies the cost).
-FLOAT32_SHAPES = [(64, 576), (32, 1536)]
-BFLOAT16_SHAPES = [(32, 576)]
+# (dtype, out_features, in_features, float32_out): SmolLM2's input widths (hidden 576, MLP 1536)
+# with few outputs (the reduction over in_features is what varies; out_features only multiplies
+# the cost), a product with a bias and one with float32 output as the LM head's.
+LINEAR_CASES = [(torch.float32, 64, 576, False), (torch.float32, 32, 1536, True), (torch.bfloat16, 32, 576, False),
+                (torch.bfloat16, 32, 576, True)]
 
 
-@pytest.mark.parametrize("dtype, shapes", [(torch.float32, FLOAT32_SHAPES), (torch.bfloat16, BFLOAT16_SHAPES)],
-                         ids=["float32", "bfloat16"])
-def test_linear_row_is_the_same_for_every_row_count(dtype, shapes):
+@pytest.mark.parametrize("dtype, out_features, in_features, float32_out", LINEAR_CASES,
+                         ids=[f"{str(c[0])[6:]}-{c[1]}x{c[2]}{'-f32out' if c[3] else ''}" for c in LINEAR_CASES])
+def test_linear_row_is_the_same_for_every_row_count(dtype, out_features, in_features, float32_out):
     backend = InvariantTorchBackend(CPU, dtype)
     generator = torch.Generator().manual_seed(0)
-    for out_features, in_features in shapes:
-        weight = (torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5).to(dtype)
-        bias = torch.randn(out_features, generator=generator).to(dtype)
-        for linear in (backend.pack(weight.clone(), bias.clone()), backend.pack(weight.clone(), float32_out=True)):
-            rows = torch.randn(MAX_ROWS, in_features, generator=generator).to(dtype)
-            alone = torch.cat([linear(rows[i:i + 1]) for i in range(MAX_ROWS)])
-            for num_rows in range(1, MAX_ROWS + 1):
-                together = linear(rows[:num_rows])
-                assert torch.equal(together, alone[:num_rows]), (out_features, in_features, num_rows)
+    weight = (torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5).to(dtype)
+    bias = None if float32_out else torch.randn(out_features, generator=generator).to(dtype)
+    linear = backend.pack(weight, bias, float32_out=float32_out)
+    rows = torch.randn(MAX_ROWS, in_features, generator=generator).to(dtype)
+    alone = torch.cat([linear(rows[i:i + 1]) for i in range(MAX_ROWS)])
+    for num_rows in range(1, MAX_ROWS + 1):
+        assert torch.equal(linear(rows[:num_rows]), alone[:num_rows]), num_rows
 
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 3, 1, 64
@@ -125,3 +125,15 @@ def test_attention_is_the_same_alone_in_groups_cached_and_prefilled(dtype):
     seqs.lengths[0] = length
     mixed = run_step(backend, seqs, [0, 5], (9, 0, seqs.lengths[9]))
     assert torch.equal(mixed[0], alone[0]) and torch.equal(mixed[-1], alone[9])
+
+
+def test_deterministic_selection_takes_the_invariant_backend_or_refuses_saying_why():
+    chosen = select_backend("auto", "cpu", torch.float32, HEAD_DIM, deterministic=True)
+    assert isinstance(chosen.backend, InvariantTorchBackend) and "deterministic" in chosen.reason
+    refusals = [(dict(choice="auto", device="cuda"), "CPU only"), (dict(choice="native", device="cpu"), "native"),
+                (dict(choice="triton", device="cpu"), "triton"),
+                (dict(choice="auto", device="cpu", quantization="int8"), "--quantization int8")]
+    for settings, reason in refusals:
+        with pytest.raises(RuntimeError, match=f"--deterministic: .*{reason}"):
+            select_backend(settings["choice"], settings["device"], torch.float32, HEAD_DIM,
+                           quantization=settings.get("quantization", "none"), deterministic=True)
