@@ -82,3 +82,10 @@ def test_quantization_is_passed_to_every_worker_rank():
         assert worker.cmd[worker.cmd.index("--quantization") + 1] == "int4"
     default, _, _ = plan_stack(config_from_args(["up"]), python="py").groups
     assert default[0].cmd[default[0].cmd.index("--quantization") + 1] == "none"
+
+
+def test_deterministic_is_passed_to_every_worker_rank():
+    workers = plan_stack(config_from_args(["up", "--tp", "2", "--deterministic"]), python="py").groups[0]
+    assert all("--deterministic" in worker.cmd for worker in workers)
+    workers = plan_stack(config_from_args(["up"]), python="py").groups[0]
+    assert all("--no-deterministic" in worker.cmd for worker in workers)
