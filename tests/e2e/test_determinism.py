@@ -5,7 +5,9 @@ One worker group per (TP size, dtype) serves a tiny random Llama; routers with d
 take turns in front of it, each starting with an empty radix cache. 20 greedy and 20 seeded
 sampled requests (half behind one long shared prefix) are sent:
 - all at once to a fresh router (prefixes prefilled in the batch, cascade-shareable decode rows),
-- each alone, one after another (the shared prefix now from the cache),
+- some alone, one after another (the shared prefix now from the cache; 8 of the 40, greedy and
+  sampled, with and without the shared prefix: each alone costs all its steps, and what the
+  others' results add, a batch of one, is the same),
 - all at once again (everything cached),
 - all at once to a router with a pool small enough to retract and resume them, with speculation
   (drafts in a full batch) and overlap scheduling on;
@@ -35,6 +37,9 @@ MAX_TOKENS = 24  # more than a page: running requests outgrow the one page of he
 SHARED_PREFIX_LEN = 100  # six whole pages of 16 and a partial one
 SMALL_POOL_PAGES = 12  # 40 requests of up to 10 pages each cannot all run at once: some retract
 TIMEOUT_S = 120
+# Requests also sent alone: greedy and seeded, each with and without the shared prefix, one with
+# a repeated passage (drafts) of each kind.
+ALONE = [0, 1, 2, 3, NUM_EACH, NUM_EACH + 1, NUM_EACH + 2, NUM_EACH + 3]
 GROUPS = [(1, "float32"), (1, "bfloat16"), (2, "float32"), (2, "bfloat16")]
 FRESH = ["--no-speculative", "--no-overlap"]
 CONTENDED = ["--max-pages", str(SMALL_POOL_PAGES), "--speculative", "--speculative-max-running", "64", "--overlap"]
@@ -132,13 +137,15 @@ def test_outputs_are_bit_identical_whatever_shares_the_batch_or_the_cache(procs,
     router = start_router(procs, workers, FRESH)
     first, _ = run(router, messages, together=True)
     assert len({tuple(tokens) for tokens, _ in first}) > NUM_EACH  # not one degenerate answer for all
-    alone, _ = run(router, messages, together=False)
+    alone, _ = run(router, [messages[i] for i in ALONE], together=False)
     cached, stats = run(router, messages, together=True)
     assert stats.cache_hit_tokens > 0
     router = start_router(procs, workers, CONTENDED)
     contended, stats = run(router, messages, together=True)
     assert stats.num_retractions > 0 and stats.num_accepted_draft_tokens > 0
-    for name, outputs in (("alone", alone), ("cached", cached), ("retracted, speculative, overlapped", contended)):
+    for index, got in zip(ALONE, alone):
+        assert got == first[index], f"request {index} alone: {got} != {first[index]} (first run)"
+    for name, outputs in (("cached", cached), ("retracted, speculative, overlapped", contended)):
         for index, (expected, got) in enumerate(zip(first, outputs)):
             assert got == expected, f"request {index} {name}: {got} != {expected} (first run)"
     print(f"tp={tp} {dtype}: 4 runs of {len(messages)} requests identical in {time.monotonic() - started:.1f}s")
