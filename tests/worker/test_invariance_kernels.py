@@ -2,6 +2,7 @@
 
 - A linear layer's row (through `InvariantTorchBackend.pack`, float32 and bfloat16, the LM head
   with float32 output too) equals the same row multiplied alone, for every row count 1 .. 300.
+- RMSNorm (alone and with the residual add) row by row, for 1 .. 64 rows and 300.
 - Attention: the newest token of a sequence whose prefix is shared by a group of 1 .. 64 decode
   rows (as the cascade would group them) gets the same bits as that token decoded alone, as the
   last token of a fresh prefill of the whole sequence, and as the last token of a prefill chunk
@@ -40,6 +41,25 @@ def test_linear_row_is_the_same_for_every_row_count(dtype, out_features, in_feat
     alone = torch.cat([linear(rows[i:i + 1]) for i in range(MAX_ROWS)])
     for num_rows in range(1, MAX_ROWS + 1):
         assert torch.equal(linear(rows[:num_rows]), alone[:num_rows]), num_rows
+
+
+NORM_ROW_COUNTS = 65  # 1 .. 64 rows, then MAX_ROWS: row-wise kernels have no tiles to cross
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_rms_norm_and_add_rms_norm_rows_do_not_depend_on_the_row_count(dtype):
+    backend = InvariantTorchBackend(CPU, dtype)
+    generator = torch.Generator().manual_seed(2)
+    rows = torch.randn(MAX_ROWS, 576, generator=generator).to(dtype)
+    residual = torch.randn(MAX_ROWS, 576, generator=generator).to(dtype)
+    weight = torch.randn(576, generator=generator).to(dtype)
+    alone = torch.cat([backend.rms_norm(rows[i:i + 1], weight, 1e-5) for i in range(MAX_ROWS)])
+    alone_added = torch.cat([backend.add_rms_norm(rows[i:i + 1], residual[i:i + 1].clone(), weight, 1e-5)[0]
+                             for i in range(MAX_ROWS)])
+    for num_rows in [*range(1, NORM_ROW_COUNTS), MAX_ROWS]:
+        assert torch.equal(backend.rms_norm(rows[:num_rows], weight, 1e-5), alone[:num_rows]), num_rows
+        added, _ = backend.add_rms_norm(rows[:num_rows], residual[:num_rows].clone(), weight, 1e-5)
+        assert torch.equal(added, alone_added[:num_rows]), num_rows
 
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM = 3, 1, 64
