@@ -20,7 +20,6 @@ from worker_service.backends.base import AttentionOptions, PackedLinear, Rope, S
 from worker_service.backends.linear_invariant import RowTiledLinear
 from worker_service.backends.torch_backend import TorchBackend
 from worker_service.kv_pool import KVPool
-from worker_service.layers.rotary import apply_rotary
 from worker_service.quant.format import QuantizedWeight
 
 
@@ -46,9 +45,6 @@ class InvariantTorchBackend(TorchBackend):
 
     def attention(self, qkv: torch.Tensor, num_q_heads: int, k_slots: torch.Tensor, v_slots: torch.Tensor,
                   step: StepContext, rope: Rope, options: AttentionOptions | None = None) -> torch.Tensor:
-        num_kv_heads = k_slots.shape[0]
-        qk = apply_rotary(qkv[:, : num_q_heads + num_kv_heads], *rope)
-        q, k = qk.split([num_q_heads, num_kv_heads], dim=1)
-        v = qkv[:, num_q_heads + num_kv_heads:]
+        q, k, v = self.rotated(qkv, num_q_heads, k_slots.shape[0], rope)
         limits = NO_LIMITS if options is None else (options.window, options.softcap, options.scale)
         return step.attention.attend(q, k, v, k_slots, v_slots, limits)
