@@ -133,7 +133,8 @@ def plan_workers(config: UpConfig, python: str = sys.executable, replica: int = 
         cmd = [python, "-m", "worker_service", "--model", config.model, "--host", INTERNAL_HOST,
                "--port", str(port), "--dtype", config.dtype, "--quantization", config.quantization, "--kv-cache-mb",
                str(config.kv_cache_mb), "--log-level", config.log_level, "--metrics-port",
-               str(worker_metrics[rank]), *security_args(config.security)]
+               str(worker_metrics[rank]), "--deterministic" if config.deterministic else "--no-deterministic",
+               *security_args(config.security)]
         if config.device:
             cmd += ["--device", config.device]
         env = {"RANK": str(rank), "WORLD_SIZE": str(config.tp), "MASTER_ADDR": INTERNAL_HOST,

@@ -63,6 +63,8 @@ class RunnerConfig:
     # Load-time quantization of the decoder layers' linear weights (`worker_service.quant.scheme`).
     quantization: str = "none"
     quantization_group_size: int = 32
+    # Batch- and cache-invariant numerics (`worker_service.backends.invariant_backend`).
+    deterministic: bool = False
 
 
 def eos_token_ids(model_dir: Path, config_eos: int | list[int] | None) -> list[int]:
@@ -107,7 +109,7 @@ class ModelRunner:
         selection = select_backend(config.attention_kernel, self.device, self.dtype, head_dim,
                                    config.world_size, config.cuda_graph_max_batch,
                                    model_class(self.hf_config).ops_without_kernels(self.hf_config),
-                                   config.quantization)
+                                   config.quantization, config.deterministic)
         self.backend, self.backend_reason = selection.backend, selection.reason
         log.info("rank %d runs the %s backend: %s", config.rank, self.backend.name, self.backend_reason)
         with torch.inference_mode():

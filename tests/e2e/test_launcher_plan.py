@@ -128,3 +128,10 @@ def test_replicas_and_gateways_together_keep_every_port_apart():
     listening = [c.health_address for c in (*workers, *routers)] + [gateways[0].health_address]
     assert len(set(listening)) == len(listening)
     assert {g.cmd[g.cmd.index("--routers") + 1] for g in gateways} == {",".join(r.health_address for r in routers)}
+
+
+def test_deterministic_is_passed_to_every_worker_rank():
+    workers = plan_stack(config_from_args(["up", "--tp", "2", "--deterministic"]), python="py").groups[0]
+    assert all("--deterministic" in worker.cmd for worker in workers)
+    workers = plan_stack(config_from_args(["up"]), python="py").groups[0]
+    assert all("--no-deterministic" in worker.cmd for worker in workers)
