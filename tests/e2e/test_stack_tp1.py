@@ -233,7 +233,9 @@ def test_default_launch_refuses_internal_callers_without_its_token(stack):
         with pytest.raises(grpc.RpcError) as err:
             router.GetStats(router_pb2.GetStatsRequest(), timeout=10)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert router_stats(stack) == stats_before  # no step ran, no page moved
+    after = router_stats(stack)
+    changed = [field.name for field, _ in after.ListFields() if getattr(stats_before, field.name) != _]
+    assert after == stats_before, f"changed without an authenticated call: {changed}"  # no step, no page
     assert greedy(stack.gateway, prompt=CACHED_PROMPT) == before
     assert router_stats(stack).cache_hit_tokens > stats_before.cache_hit_tokens
 

@@ -3,7 +3,8 @@
 It streams a fixed list of token ids (one per response unless `chunk_size` says otherwise),
 honouring `max_tokens` (LENGTH), the end-of-sequence and stop token ids (STOP, unless
 `ignore_eos`), and records every request it received and every stream the caller cancelled.
-`fail_with` makes Generate fail with that status before streaming anything.
+`fail_with` makes Generate fail with that status before streaming anything. It has no
+`Stream` call (UNIMPLEMENTED), as a router from before it: `fake_stream_router.py` has one.
 """
 
 from __future__ import annotations
@@ -62,6 +63,12 @@ class FakeRouter(router_pb2_grpc.RouterServiceServicer):
 
     async def GetServerInfo(self, request, context):
         return self.info
+
+    async def Stream(self, request_iterator, context):
+        """A router from before `Stream` (the gateway falls back to Generate). Said explicitly:
+        the generated base method raises after setting UNIMPLEMENTED, which grpc.aio reports
+        as UNKNOWN now and then (the gateway's fallback rightly takes only UNIMPLEMENTED)."""
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
 
     async def GetStats(self, request, context):
         return router_pb2.GetStatsResponse()
