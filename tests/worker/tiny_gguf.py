@@ -6,7 +6,9 @@ Q6_K, so those tensors are random blocks (any bytes are a valid block once its h
 scales are set to small finite values). `MIXED` is what `*Q4_K_M.gguf` files hold: q, k, o, gate
 and up in Q4_K, v and down in Q6_K (so a merged q/k/v projection mixes two layouts). The q and k
 rows are interleaved per head as llama.cpp writes them. With `tokenizer_dir`, the file carries
-that folder's byte-level BPE tokenizer (SmolLM2's) and chat template in its metadata.
+that folder's byte-level BPE tokenizer (SmolLM2's) cut to its first `SMALL_VOCAB` tokens (the
+merges among them: a smaller valid BPE, which every service parses in a moment) and its chat
+template in its metadata.
 """
 
 from __future__ import annotations
@@ -51,12 +53,13 @@ def _interleave_heads(weight: np.ndarray, heads: int) -> np.ndarray:
 
 def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer_dir: Path) -> int:
     spec = json.loads((tokenizer_dir / "tokenizer.json").read_text())
-    vocab = spec["model"]["vocab"]
+    vocab = {token: index for token, index in spec["model"]["vocab"].items() if index < SMALL_VOCAB}
     tokens = [None] * len(vocab)
     for token, index in vocab.items():
         tokens[index] = token
     special = {t["id"] for t in spec["added_tokens"] if t.get("special")}
-    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    pairs = [m.split(" ") if isinstance(m, str) else m for m in spec["model"]["merges"]]
+    merges = [" ".join(pair) for pair in pairs if all(p in vocab for p in pair) and "".join(pair) in vocab]
     hf = AutoTokenizer.from_pretrained(tokenizer_dir)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("smollm")
