@@ -59,7 +59,7 @@ def unusable_input(config: UpConfig) -> str | None:
     try:
         resolve_model(config.model)
     except ModelNotFound as exc:
-        return (f"--model: {exc}: give a model folder (config.json, safetensors, tokenizer), e.g. the "
+        return (f"--model {exc}: give a model folder (config.json, safetensors, tokenizer), e.g. the "
                 "one `make model` prepares, or a GGUF file")
     if config.device == "cuda":
         import torch  # only here: the launcher itself needs no torch
