@@ -35,6 +35,7 @@ from worker_service.layers.linear import pack_linear_weights
 from worker_service.loader import load_weights
 from worker_service.quant.scheme import quantizer, served_name
 from worker_service.models import model_class
+from worker_service.models.config_checks import refuse_prequantized
 from worker_service.models.llama import head_dim_of
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,8 @@ class ModelRunner:
         source = resolve_model(config.model_dir)
         self.hf_config = load_config(source)
         gguf_path = source.gguf_path
+        if gguf_path is None:
+            refuse_prequantized(self.hf_config)
         group = TPGroup(config.rank, config.world_size)
         head_dim = head_dim_of(self.hf_config)
         selection = select_backend(config.attention_kernel, self.device, self.dtype, head_dim,
