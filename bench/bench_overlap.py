@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -41,8 +39,8 @@ if str(ROOT) not in sys.path:
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
+from bench.processes import Processes, cpu_seconds, free_port, wait_serving  # noqa: E402
 from bench.bench_worker import DEFAULT_MODEL, PAGE_SIZE, DecodeBench, kv_budget, runner_shape  # noqa: E402
-from radixserve.health import check_health  # noqa: E402
 from radixserve.serving import CHANNEL_OPTIONS  # noqa: E402
 from radixserve.v1 import generation_pb2, generation_pb2_grpc, router_pb2, router_pb2_grpc, worker_pb2  # noqa: E402
 from worker_service.model_runner import ModelRunner, RunnerConfig  # noqa: E402
@@ -56,60 +54,6 @@ ITL_GOAL = 1.03
 ROUTER_CPU_GOAL_S = 1e-3
 NUM_RUNNING = 64
 CPU_WINDOW_S = 0.25
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-class Processes:
-    """Child processes in their own sessions, killed (whole group) when the bench ends."""
-
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.procs: dict[str, subprocess.Popen] = {}
-
-    def start(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "wb")
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, **(env or {})}, start_new_session=True)
-        self.procs[name] = proc
-        return proc
-
-    def stop(self, name: str) -> None:
-        proc = self.procs.pop(name, None)
-        if proc is None or proc.poll() is not None:
-            return
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=20)
-
-    def close(self) -> None:
-        for name in list(self.procs):
-            self.stop(name)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-async def wait_serving(address: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while not await check_health(address, timeout_s=1.0):
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[:3]} exited with {proc.returncode}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{address} not serving after {READY_TIMEOUT_S}s")
-        await asyncio.sleep(0.2)
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
 
 
 def start_router(procs: Processes, name: str, workers: str, overlap: bool, extra: list[str]) -> tuple[str, subprocess.Popen]:

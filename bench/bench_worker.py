@@ -1,6 +1,6 @@
 """Speed of one worker's `ModelRunner` with no gRPC around it, against this machine's bounds.
 
-    .venv/bin/python -m bench.bench_worker [--model DIR] [--dtypes float32,bfloat16] [--num-threads 2]
+    .venv/bin/python -m bench.bench_worker [--model DIR|random-moe] [--dtypes float32,bfloat16] [--num-threads 2]
     python -m bench.bench_worker --device cuda --dtypes bfloat16 --batch 32,128 --prefill-len 2048 --transformers
 
 The machine's bounds are measured in the same run (`bench.bounds`: read bandwidth, GEMM throughput
@@ -26,6 +26,12 @@ the step it covers (the compiled kernels are not PyTorch ops); `--transformers`
 adds transformers' `generate` as the reference point (its decode steps only: a run of one new
 token, the prefill, is subtracted), for one sequence and, on CUDA, for each batch.
 
+`--model random-moe` saves a random mixture-of-experts checkpoint (`bench.moe_bound`: hidden 512,
+16 experts, top-2) in a temporary folder and measures it. For any MoE checkpoint each decode
+figure's bound counts the bytes that step actually reads (the weights outside the experts and the
+experts its tokens were routed to, counted on one more step of the same sequences, printed per
+figure) and the products of only the `top_k` experts per token.
+
 `--device cuda` runs the worker on the GPU (decode steps replayed from CUDA graphs up to
 --cuda-graph-max-batch rows) against the GPU's bounds (`bench.bounds.cuda_bounds`); every time
 is taken after the GPU has finished (a host copy of the tokens, or a synchronisation).
@@ -36,6 +42,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,6 +53,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from bench import bounds as machine  # noqa: E402
+from bench import moe_bound  # noqa: E402
 from radixserve.model_source import load_config, resolve_model  # noqa: E402
 from worker_service.forward_batch import ForwardEntry  # noqa: E402
 from worker_service.kv_pool import KVPool  # noqa: E402
@@ -227,9 +235,28 @@ def quantization_goals(by_quantization: dict[str, dict[str, dict[str, float]]],
     return goals
 
 
+def figure_shapes(runner: ModelRunner, shape: machine.StepShape, benches: dict[str, DecodeBench],
+                  label: str) -> dict[str, machine.StepShape]:
+    """The step shape each figure's bound is of: the model's own for a dense model; for an MoE
+    model, decode steps reading only the experts routed to (`moe_bound.routed_shape`)."""
+    blocks = moe_bound.moe_blocks(runner.model)
+    if not blocks:
+        return {name: shape for name in [*benches, "prefill", "prefill_n"]}
+    active = moe_bound.active_shape(shape, blocks)
+    shapes = {"prefill": active, "prefill_n": active}
+    for name, bench in benches.items():
+        routed = moe_bound.routed_shape(shape, blocks, runner, bench.entries())
+        shapes[name] = routed.shape
+        print(f"{label}, decode {name}: a step reads {routed.num_routed} of {routed.num_experts} layer-experts, "
+              f"{routed.shape.weight_bytes / 2**20:.1f} of {shape.weight_bytes / 2**20:.1f} MiB of weights",
+              flush=True)
+    return shapes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("--model", default=str(DEFAULT_MODEL),
+                        help=f"a checkpoint folder, or {moe_bound.RANDOM_MOE} (a random MoE made for the run)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--num-threads", type=int, default=2)
     parser.add_argument("--context", type=int, default=1024, help="tokens of each sequence before decoding")
@@ -253,7 +280,14 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--transformers", action="store_true", help="also time transformers' generate (x1)")
     args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        if args.model == moe_bound.RANDOM_MOE:
+            args.model = moe_bound.make_random_moe(Path(scratch) / moe_bound.RANDOM_MOE)
+        args.model = Path(args.model)
+        run(args)
 
+
+def run(args: argparse.Namespace) -> None:
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
     dtypes = args.dtypes.split(",")
@@ -263,7 +297,7 @@ def main() -> None:
           + f", torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f} at start", flush=True)
     first_bounds = machine.measure(dtypes, on)
     print_bounds("at start", first_bounds)
-    measured: list[tuple[str, str, object, dict[str, float]]] = []  # label, dtype, step shape, figures
+    measured: list[tuple[str, str, dict, dict[str, float]]] = []  # label, dtype, step shape by figure, figures
     references: dict[str, dict[int, float]] = {}  # transformers' decode tokens/s by dtype and batch
     by_quantization: dict[str, dict[str, dict[str, float]]] = {}  # first figures of each quantization, dtype
     runs = [(d, k, q) for q in args.quantization.split(",") for d in dtypes for k in args.attention_kernels.split(",")]
@@ -292,7 +326,7 @@ def main() -> None:
         figures["prefill"] = max(prefill_tokens_per_s(runner, args.prefill_len, 1) for _ in range(args.repeats))
         figures["prefill_n"] = max(prefill_tokens_per_s(runner, args.prefill_len, args.prefill_prompts)
                                    for _ in range(args.repeats))
-        measured.append((label, dtype, shape, figures))
+        measured.append((label, dtype, figure_shapes(runner, shape, benches, label), figures))
         by_quantization.setdefault(quantization, {}).setdefault(dtype, figures)
         print(f"{label}: " + ", ".join(f"{name} {value:.1f}" for name, value in figures.items()) + " tokens/s",
               flush=True)
@@ -313,7 +347,8 @@ def main() -> None:
     print_bounds("best of start and end", bounds)
     each = args.prefill_len // args.prefill_prompts
 
-    def limit(name: str, dtype: str, shape) -> float:
+    def limit(name: str, dtype: str, shapes: dict[str, machine.StepShape]) -> float:
+        shape = shapes[name]
         if name == "prefill":
             return machine.prefill_bound_tokens_per_s(shape, bounds, dtype, args.prefill_len)
         if name == "prefill_n":
@@ -328,12 +363,12 @@ def main() -> None:
           f"{args.shared_len}\n" + " | ".join(f"{h:>18}" for h in ["dtype"] + [titles.get(n, n) for n in names]),
           flush=True)
     goals: list[tuple[str, bool]] = []
-    for label, dtype, shape, figures in measured:
-        print(" | ".join([f"{label:>18}"] + [f"{fraction(figures[n], limit(n, dtype, shape)):>18}" for n in names]),
+    for label, dtype, shapes, figures in measured:
+        print(" | ".join([f"{label:>18}"] + [f"{fraction(figures[n], limit(n, dtype, shapes)):>18}" for n in names]),
               flush=True)
         for batch in args.batch:
             unshared, shared = figures[f"x{batch}"], figures[f"x{batch} shared"]
-            bound, shared_bound = limit(f"x{batch}", dtype, shape), limit(f"x{batch} shared", dtype, shape)
+            bound, shared_bound = limit(f"x{batch}", dtype, shapes), limit(f"x{batch} shared", dtype, shapes)
             goals.append((f"{label}: decode x{batch} at {unshared / bound:.0%} of its bound "
                           f"(goal {BATCHED_BOUND_GOAL:.0%})", unshared >= BATCHED_BOUND_GOAL * bound))
             # What the bounds themselves allow: both steps at 100% of their bounds. On this CPU at a
@@ -342,13 +377,13 @@ def main() -> None:
                           f"{SHARED_SPEEDUP_GOAL:.0f}x; {shared_bound / bound:.2f}x if both ran at their bounds)",
                           shared >= SHARED_SPEEDUP_GOAL * unshared))
         if dtype == "bfloat16":
-            bandwidth = limit("x1", dtype, shape)
+            bandwidth = limit("x1", dtype, shapes)
             goals.append((f"{label}: decode x1 at {figures['x1'] / bandwidth:.0%} of its bandwidth bound "
                           f"(goal {SINGLE_BANDWIDTH_GOAL:.0%})", figures["x1"] >= SINGLE_BANDWIDTH_GOAL * bandwidth))
     for dtype, by_batch in references.items():
-        shape = next(s for _, d, s, _ in measured if d == dtype)
+        shapes = next(s for _, d, s, _ in measured if d == dtype)
         print(" | ".join([f"{'transformers ' + dtype:>18}"]
-                         + [f"x{b} {fraction(v, limit(f'x{b}', dtype, shape)):>14}" for b, v in by_batch.items()]))
+                         + [f"x{b} {fraction(v, limit(f'x{b}', dtype, shapes)):>14}" for b, v in by_batch.items()]))
     goals += quantization_goals(by_quantization, args.batch)
     for text, met in goals:
         print(f"goal {'met    ' if met else 'NOT met'}: {text}")

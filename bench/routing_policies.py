@@ -6,8 +6,10 @@ running plus waiting), as a gateway would from the figures routers report:
 - least loaded (ties: the lowest index);
 - prefix affinity: the first replica in the rendezvous order of the prompt's first 64 tokens,
   exactly as the gateway routes today (`gateway_service.router_choice`);
-- bounded-load affinity: the first replica in that order within a bound of the mean load
-  (`gateway_service.bounded_load`);
+- bounded-load affinity, as the gateway routes: the replica its prefix memory names for the
+  prompt's longest known prefix if within the memory's bound of the mean load (1.35), else the
+  first in rendezvous order within the bound (1.25); else the next in that order that is (`gateway_service.bounded_load`,
+  `gateway_service.prefix_memory`); and the same without the prefix memory;
 - cache aware: SGLang's `cache_aware` policy as its documentation describes it, written here
   from that description (`CacheAware`).
 """
@@ -17,10 +19,18 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from gateway_service.bounded_load import DEFAULT_BOUND, choose_bounded
-from gateway_service.router_choice import affinity_key, rendezvous_order
+import numpy as np
 
-AFFINITY_TOKENS = 64  # the gateway's default --affinity-tokens
+from gateway_service.bounded_load import DEFAULT_BOUND, choose_ranked
+from gateway_service.config import GatewayConfig
+from gateway_service.prefix_memory import PrefixMemory
+from gateway_service.rendezvous import Ranking, affinity_key
+
+_GATEWAY = GatewayConfig()  # the gateway's defaults
+AFFINITY_TOKENS = _GATEWAY.affinity_tokens
+MEMORY_ENTRIES = _GATEWAY.prefix_memory_entries
+MEMORY_STRIDE = _GATEWAY.prefix_memory_stride
+MEMORY_BOUND = _GATEWAY.memory_load_bound
 
 
 class Loads(dict[int, int]):
@@ -57,38 +67,63 @@ class LeastLoaded:
 
 class PrefixAffinity:
     """The rendezvous order of a prompt's affinity key, over names like the gateway's
-    addresses. `memo` keeps each key's order (the simulation's shortcut: the same order every
-    time); the timing of a decision runs without it."""
+    addresses (`gateway_service.rendezvous`). `memo` keeps each key's weights (the simulation's
+    shortcut: the same weights every time); the timing of a decision runs without it."""
 
     name = "prefix affinity"
 
     def __init__(self, num_replicas: int, memo: bool = True) -> None:
-        self._names = [f"10.0.{i // 256}.{i % 256}:50052" for i in range(num_replicas)]
-        self._index = {name: index for index, name in enumerate(self._names)}
-        self._memo: dict[bytes, list[int]] | None = {} if memo else None
+        self._ranking = Ranking([f"10.0.{i // 256}.{i % 256}:50052" for i in range(num_replicas)])
+        self._indices = range(num_replicas)
+        self._memo: dict[bytes, np.ndarray] | None = {} if memo else None
 
-    def order(self, prompt_ids: Sequence[int]) -> list[int]:
+    def weights(self, prompt_ids: Sequence[int]) -> np.ndarray:
         key = affinity_key(prompt_ids, AFFINITY_TOKENS)
         if self._memo is not None and key in self._memo:
             return self._memo[key]
-        order = [self._index[name] for name in rendezvous_order(self._names, key)]
+        weights = self._ranking.weights(key)
         if self._memo is not None:
-            self._memo[key] = order
-        return order
+            self._memo[key] = weights
+        return weights
 
     def choose(self, prompt_ids: Sequence[int], loads: Loads) -> int:
-        return self.order(prompt_ids)[0]
+        return int(self.weights(prompt_ids).argmax())
 
 
 class BoundedLoad(PrefixAffinity):
+    """The gateway's choice (`gateway_service.router_choice.RouterPool.order`): bounded load over
+    the rendezvous order, the prefix memory's replica first (`prefix_memory=False`: without)."""
+
     name = "bounded load"
 
-    def __init__(self, num_replicas: int, memo: bool = True, bound: float = DEFAULT_BOUND) -> None:
+    def __init__(
+        self, num_replicas: int, memo: bool = True, bound: float = DEFAULT_BOUND, prefix_memory: bool = True,
+        memory_bound: float = MEMORY_BOUND,
+    ) -> None:
         super().__init__(num_replicas, memo)
         self.bound = bound
+        self.memory_bound = max(bound, memory_bound)
+        self._memory: PrefixMemory[int] | None = (
+            PrefixMemory(MEMORY_ENTRIES, MEMORY_STRIDE) if prefix_memory else None)
+        if not prefix_memory:
+            self.name = "bounded, no memory"
 
     def choose(self, prompt_ids: Sequence[int], loads: Loads) -> int:
-        return choose_bounded(self.order(prompt_ids), loads, self.bound, loads.total)
+        memory = self._memory
+        checkpoints = memory.checkpoints(prompt_ids) if memory is not None else []
+        preferred = memory.recall(checkpoints) if memory is not None else None
+        chosen = choose_ranked(self._indices, self.weights(prompt_ids), loads, self.bound, loads.total, preferred,
+                               self.memory_bound)
+        if memory is not None:
+            memory.remember(checkpoints, chosen)
+        return chosen
+
+
+class BoundedLoadNoMemory(BoundedLoad):
+    name = "bounded, no memory"
+
+    def __init__(self, num_replicas: int, memo: bool = True, bound: float = DEFAULT_BOUND) -> None:
+        super().__init__(num_replicas, memo, bound, prefix_memory=False)
 
 
 class _Node:
@@ -171,4 +206,4 @@ class CacheAware:
             node = child
 
 
-POLICIES = (RoundRobin, LeastLoaded, PrefixAffinity, BoundedLoad, CacheAware)
+POLICIES = (RoundRobin, LeastLoaded, PrefixAffinity, BoundedLoadNoMemory, BoundedLoad, CacheAware)

@@ -29,6 +29,7 @@ class TraceConfig:
     output_len: tuple[int, int] = (8, 48)
     new_session_share: float = 0.3  # of arrivals, when some session is ready for its next turn
     max_turns: int = 6
+    token_ids: tuple[int, int] = (1, VOCAB_SIZE)  # ids are drawn from [low, high)
 
 
 @dataclass(slots=True, eq=False)
@@ -48,10 +49,11 @@ class Turn:
     continues_session: bool = False
 
 
-def _tokens(rng: random.Random, length: int) -> list[int]:
-    """`length` random ids in [1, VOCAB_SIZE) (from random bytes: the modulo's bias is far
-    below anything the simulation measures)."""
-    return [1 + word % (VOCAB_SIZE - 1) for word in array.array("I", rng.randbytes(4 * length))]
+def _tokens(rng: random.Random, length: int, token_ids: tuple[int, int]) -> list[int]:
+    """`length` random ids in [low, high) (from random bytes: the modulo's bias is far below
+    anything the simulation measures)."""
+    low, high = token_ids
+    return [low + word % (high - low) for word in array.array("I", rng.randbytes(4 * length))]
 
 
 class TraceSource:
@@ -68,7 +70,7 @@ class TraceSource:
         prompts_rng = random.Random(seed + 2)  # the prompts depend on the seed only
         low, high = config.system_len
         self._system_prompts = [
-            _tokens(prompts_rng, prompts_rng.randint(low, high)) for _ in range(config.num_system_prompts)
+            _tokens(prompts_rng, prompts_rng.randint(low, high), config.token_ids) for _ in range(config.num_system_prompts)
         ]
         weights = [rank ** -config.zipf_exponent for rank in range(1, config.num_system_prompts + 1)]
         self._cumulative = list(itertools.accumulate(weights))
@@ -86,8 +88,8 @@ class TraceSource:
             pick = bisect.bisect_left(self._cumulative, rng.random() * self._cumulative[-1])
             session = Session(list(self._system_prompts[pick]))
             continues = False
-        prompt = session.history + _tokens(rng, rng.randint(*self.config.user_len))
-        output = _tokens(rng, rng.randint(*self.config.output_len))
+        prompt = session.history + _tokens(rng, rng.randint(*self.config.user_len), self.config.token_ids)
+        output = _tokens(rng, rng.randint(*self.config.output_len), self.config.token_ids)
         session.num_turns += 1
         session.history = prompt + output
         turn = Turn(session, prompt, output, self.next_arrival_s, continues)

@@ -10,7 +10,9 @@
    (`bench.bench_eviction`; no model involved).
 5. Runs speculative decoding on against off (`bench.bench_speculation`: two stacks side by side,
    the quote-and-edit workload and the workloads above, alternating).
-6. Writes `bench/results/latest.json`, `latest.md` and PNG plots (`bench.report`).
+6. Measures what `--deterministic` costs one worker (`bench.bench_determinism`: with and
+   without, taking turns, in the run's dtype).
+7. Writes `bench/results/latest.json`, `latest.md` and PNG plots (`bench.report`).
 
 All engines run on the same machine in the same run, in the same dtype (`--dtype`, resolved as
 the worker resolves it), one after the other, never at once.
@@ -31,7 +33,7 @@ import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from bench import bench_eviction
+from bench import bench_determinism, bench_eviction
 from bench import bench_speculation
 from bench import workloads as wl
 from bench.loadgen import run_workload, wait_serving
@@ -229,6 +231,8 @@ def main() -> None:
     parser.add_argument("--only-speculation", action="store_true",
                         help="run only the speculation comparison (with --workloads to pick some)")
     bench_speculation.add_arguments(parser)
+    parser.add_argument("--skip-determinism", action="store_true",
+                        help="do not measure what --deterministic costs")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results", help="where results go")
     parser.add_argument("--verbose", action="store_true", help="show the stack's logs")
     parser.add_argument("--update-docs", action="store_true",
@@ -251,6 +255,10 @@ def main() -> None:
     spec = None
     if not args.skip_speculation:
         spec = bench_speculation.run(argparse.Namespace(**{**vars(args), "dtype": dtype}))
+    determinism = None
+    if not args.skip_determinism:
+        determinism = bench_determinism.measure(bench_determinism.defaults(args.model), dtype)
+        print("\n".join(f"[bench] {line}" for line in bench_determinism.report_lines(dtype, determinism)), flush=True)
     report = {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.python_implementation()} "
@@ -260,6 +268,7 @@ def main() -> None:
         "radixserve": server, "vllm": vllm, "vllm_skipped": vllm_skipped, "transformers": peer,
         "eviction_seconds_per_call": eviction,
         "speculation": spec,
+        "determinism_tokens_per_s": determinism,
     }
     write_report(report, args.out_dir)
     if args.update_docs and not update_docs(BENCHMARKS_PAGE, markdown(report)):

@@ -20,7 +20,9 @@ the cache, TTFT p50 / p99 (from arrival to the step that samples the first token
 replica's time-averaged outstanding requests over the mean (while requests arrive), the mean
 itself, and the share of turns that continued a session; then the issue's goals for
 bounded-load affinity as ratios. Last, the cost of one routing decision at 8 and 512 replicas
-(no memo: every affinity decision hashes every replica; the total load is kept, not summed).
+(no memo: every affinity decision hashes the prompt's key and mixes it with every replica's own
+hash; the bounded-load policy also hashes the prompt for its prefix memory; the total load is
+kept, not summed).
 
 The trace is scaled down with the fleet (fewer requests per replica at 512) to keep the run
 to minutes: at 512 replicas it ends before most sessions come back for a second turn (see the
@@ -260,8 +262,8 @@ def main(argv: list[str] | None = None) -> None:
         for load in (float(part) for part in args.loads.split(",")):
             results = {}
             for policy_class in POLICIES:
-                if policy_class is BoundedLoad:
-                    policy = BoundedLoad(num_replicas, bound=args.bound)
+                if issubclass(policy_class, BoundedLoad):
+                    policy = policy_class(num_replicas, bound=args.bound)
                 else:
                     policy = policy_class(num_replicas)
                 result = results[policy.name] = simulate(

@@ -1,19 +1,26 @@
 """Prefix affinity with a bound on load: consistent hashing with bounded loads (Mirrokni, Thorup
 and Zadimoghaddam, "Consistent Hashing with Bounded Loads", 2018).
 
-Pure affinity (`router_choice.rendezvous_order`, first choice) keeps each prompt prefix on one
+Pure affinity (`rendezvous.Ranking`, first choice) keeps each prompt prefix on one
 replica, so its cache stays warm, but a popular prefix sends all of its traffic there while
 the others idle. Here a request goes to the first replica in its rendezvous order whose load,
 with this request added, stays within `bound` times the mean: a hot prefix spills to its second
 choice (the same one on every gateway, which then warms its own cache) instead of queueing.
 
-The capacity of each replica is `ceil(bound * (total + 1) / n)` for `total` outstanding
-requests over `n` replicas, so at least one replica is always under it (their loads cannot all
-reach it), and the replica chosen holds at most `bound` times the mean, rounded up to a whole
-request. Requests that finish between decisions can leave a replica above the capacity for a
-while: nothing is ever moved. `bound` >= 1; a large bound is pure affinity, 1 is even load.
+The capacity of each replica is `bound * (total + 1) / n` for `total` outstanding requests over
+`n` replicas, rounded down to whole requests (so the replica chosen holds at most `bound` times
+the mean, never a request more), but never below `ceil((total + 1) / n)`, which the least
+loaded replica is always within (it holds at most `floor(total / n)`): some replica can always
+take the request. Requests that finish between decisions can leave a replica above the capacity
+for a while: nothing is ever moved. `bound` >= 1; a large bound is pure affinity, 1 is even load.
 
-A leaf module: plain functions over addresses and counts, no I/O.
+`choose_ranked` is the gateway's form: the replica a prompt prefix memory remembers for the
+request's longest known prefix (`prefix_memory`) is tried first, within a bound of its own
+(larger: a conversation's history on that replica is worth more than a system prompt elsewhere),
+so a conversation's next turn meets the replica holding its history even after its prefix
+spilled; then the rendezvous order, sorted only when the first choice is full.
+
+Plain functions over addresses and counts (and the rendezvous weights), no I/O.
 """
 
 from __future__ import annotations
@@ -21,6 +28,10 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Mapping, Sequence
 from typing import TypeVar
+
+import numpy as np
+
+from gateway_service.rendezvous import ranked
 
 DEFAULT_BOUND = 1.25
 
@@ -33,7 +44,7 @@ def capacity(total_load: int, num_replicas: int, bound: float) -> int:
         raise ValueError("at least one replica is needed")
     if bound < 1:
         raise ValueError(f"the load bound must be >= 1, got {bound}")
-    return math.ceil(bound * (total_load + 1) / num_replicas)
+    return max(math.floor(bound * (total_load + 1) / num_replicas), -(-(total_load + 1) // num_replicas))
 
 
 def choose_bounded(
@@ -53,3 +64,25 @@ def choose_bounded(
         if loads.get(address, 0) + 1 <= limit:
             return address
     raise AssertionError("unreachable: some replica is always under the capacity")
+
+
+def choose_ranked(
+    replicas: Sequence[Replica], weights: np.ndarray, loads: Mapping[Replica, int],
+    bound: float = DEFAULT_BOUND, total_load: int | None = None, preferred: Replica | None = None,
+    preferred_bound: float | None = None,
+) -> Replica:
+    """As `choose_bounded` over `replicas` in the order of their rendezvous `weights`
+    (`rendezvous.Ranking.weights`, highest first), with `preferred` (None, or one of
+    `replicas`) tried before that order, within `preferred_bound` (never less than `bound`)."""
+    if not replicas:
+        raise ValueError("no replica to choose from")
+    if total_load is None:
+        total_load = sum(loads.get(replica, 0) for replica in replicas)
+    if preferred is not None:
+        if loads.get(preferred, 0) + 1 <= capacity(total_load, len(replicas), max(bound, preferred_bound or bound)):
+            return preferred
+    limit = capacity(total_load, len(replicas), bound)
+    first = replicas[int(weights.argmax())]
+    if loads.get(first, 0) + 1 <= limit:
+        return first
+    return choose_bounded([replicas[i] for i in ranked(weights)], loads, bound, total_load)

@@ -2,9 +2,15 @@
 
 The gateway's text stream (after stop strings) goes through the reasoning splitter first, then
 what is content goes through the tool-call splitter. Content before a call's marker streams as
-it comes; from the marker on the text is held and parsed when the output ends, so each call is
-reported once, whole (one delta with its index, id, name and arguments), on the last chunk. An
-output whose calls do not parse gives its held text back as content (the parser's contract).
+it comes; from the marker on the text is held and parsed when the output ends. Whole calls (a
+non-streamed HTTP answer): each call is reported once (its index, id, name and arguments) on the
+last chunk, and an output whose calls do not parse gives its held text back as content (the
+parser's contract). Incremental calls (streams): a call's first delta (index, id, name and the
+arguments so far) goes out as soon as its name is complete, then each chunk carries the new
+arguments text (`tool_call_stream`), and the last chunk the rest; the arguments' pieces
+concatenate to the text the model wrote (valid JSON whenever the calls parse). Once a call has
+been streamed, an output that ends without parsing (cut by max_tokens) gives nothing back as
+content: the deltas sent stand, and the finish reason says why it ended.
 A chunk's finish reason becomes TOOL_CALLS when calls were parsed from an output that ended by
 itself (a LENGTH end stays LENGTH).
 """
@@ -14,7 +20,10 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 
+from dataclasses import dataclass
+
 from gateway_service.reasoning import ReasoningSplitter
+from gateway_service.tool_call_stream import partial_calls
 from gateway_service.tool_parsers import ParsedCall, ToolCallParser
 from radixserve.v1 import generation_pb2
 
@@ -26,14 +35,55 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-class ToolCallSplitter:
-    """Content in, content that is final out; the calls once the output ends."""
+@dataclass(frozen=True, slots=True)
+class CallDelta:
+    """A piece of call `index`: `name` on its first piece only (then it needs an id)."""
 
-    def __init__(self, parser: ToolCallParser) -> None:
+    index: int
+    name: str | None
+    arguments: str
+
+
+class ToolCallSplitter:
+    """Content in, content that is final out; the calls once the output ends, and with
+    `incremental` their pieces as they are generated (`deltas`, then `final_deltas`)."""
+
+    def __init__(self, parser: ToolCallParser, incremental: bool = False) -> None:
         self._parser = parser
+        self._incremental = incremental
         self._text = ""
         self._sent = 0
         self._calling = False
+        # Incremental: the arguments text sent so far, per call streamed.
+        self._streamed: list[str] = []
+
+    def deltas(self) -> list[CallDelta]:
+        """Incremental: what the calls gained since the last call (nothing before the marker)."""
+        if not self._incremental or not self._calling:
+            return []
+        found = []
+        for index, call in enumerate(partial_calls(self._text[self._sent:])):
+            if index == len(self._streamed):
+                self._streamed.append(call.arguments)
+                found.append(CallDelta(index, call.name, call.arguments))
+            elif len(call.arguments) > len(self._streamed[index]):
+                found.append(CallDelta(index, None, call.arguments[len(self._streamed[index]):]))
+                self._streamed[index] = call.arguments
+        return found
+
+    def final_deltas(self, calls: tuple[ParsedCall, ...]) -> list[CallDelta]:
+        """The parsed `calls` (from `finish`) as the pieces not streamed yet: the rest of each
+        streamed call's arguments text, and every call not streamed, whole."""
+        found = self.deltas()
+        for index, call in enumerate(calls):
+            if index >= len(self._streamed):
+                found.append(CallDelta(index, call.name, call.arguments))
+                continue
+            sent = self._streamed[index]
+            # The streamed text is the model's own: it already parses as these arguments.
+            if sent != call.arguments and call.arguments.startswith(sent):
+                found.append(CallDelta(index, None, call.arguments[len(sent):]))
+        return found
 
     def feed(self, text: str) -> str:
         self._text += text
@@ -51,10 +101,13 @@ class ToolCallSplitter:
 
     def finish(self) -> tuple[str, tuple[ParsedCall, ...]]:
         """The rest of the content and the calls."""
+        self.deltas()  # incremental: what is streamed is settled before the parse
         parsed = self._parser.parse(self._text)
         sent = self._text[:self._sent]
         if parsed.calls and parsed.content.startswith(sent):
             return parsed.content[self._sent:], parsed.calls
+        if self._streamed:
+            return "", ()  # the streamed calls' text is not content too
         return self._text[self._sent:], ()
 
 
@@ -71,6 +124,7 @@ class ChatOutputSplitter:
     def apply(self, chunk: generation_pb2.GenerateResponse) -> None:
         reasoning, content = self._split(chunk.text)
         calls: tuple[ParsedCall, ...] = ()
+        deltas: list[CallDelta] = []
         if chunk.finish_reason:
             if self._reasoning is not None:
                 tail = self._reasoning.flush()
@@ -79,9 +133,14 @@ class ChatOutputSplitter:
             if self._tools is not None:
                 rest, calls = self._tools.finish()
                 content += rest
+                deltas = self._tools.final_deltas(calls)
+        elif self._tools is not None:
+            deltas = self._tools.deltas()
         chunk.text, chunk.reasoning_text = content, reasoning
-        for index, call in enumerate(calls):
-            chunk.tool_calls.add(index=index, id=self._call_id(), name=call.name, arguments=call.arguments)
+        for delta in deltas:
+            call = chunk.tool_calls.add(index=delta.index, arguments=delta.arguments)
+            if delta.name is not None:
+                call.id, call.name = self._call_id(), delta.name
         if calls and chunk.finish_reason == STOP:
             chunk.finish_reason = TOOL_CALLS
 

@@ -30,7 +30,22 @@ class GatewayConfig:
     port: int = PORT(50051)
     model: str = MODEL(help="model folder or GGUF file (tokenizer and chat template)")
     routers: tuple[str, ...] = setting(("127.0.0.1:50052",), "comma-separated router addresses, one per "
-                                       "model replica", min=1)
+                                       "model replica (may be empty with --router-dns)", min=0)
+    router_dns: str = setting("", "host:port of a headless Service whose addresses are routers (one per model "
+                              "replica), added to --routers and re-resolved every --router-dns-interval-s: "
+                              "new ones join, removed ones are drained")
+    router_dns_interval_s: float = setting(5.0, "seconds between resolutions of --router-dns", above=0)
+    load_bound: float = setting(1.25, "bounded-load prefix affinity: a request goes to the first router in its "
+                                "order whose outstanding requests, with it, stay within this many times the "
+                                "mean (1: even load; large: pure prefix affinity)", min=1)
+    memory_load_bound: float = setting(1.35, "the bound for the router the prefix memory names (a conversation's "
+                                       "history is cached there): taken while its outstanding requests, with "
+                                       "this one, stay within this many times the mean (never less than "
+                                       "--load-bound)",
+                                       min=1)
+    prefix_memory_entries: int = setting(65536, "prompt prefixes remembered with the router they went to, so a "
+                                         "conversation's next turn meets its cached history (0: none)", min=0)
+    prefix_memory_stride: int = setting(64, "tokens between the prefixes remembered of one prompt", min=1)
     default_max_tokens: int = setting(256, "max_tokens when a request leaves it unset (capped by what the "
                                       "context leaves)", min=1)
     affinity_tokens: int = setting(64, "leading prompt tokens hashed to choose a router, so shared prefixes "
@@ -44,6 +59,8 @@ class GatewayConfig:
     http_port: int = HTTP_PORT()
     max_choices: int = setting(16, "choices one HTTP request may ask for (n times the prompts of a batch)",
                                min=1)
+    max_embed_inputs: int = setting(256, "inputs one Embed call (or /v1/embeddings request) may hold",
+                                    min=1)
     metrics_port: int = METRICS_PORT(50151)
     constraint_timeout_s: float = setting(2.0, "a constraint that takes longer to compile is stopped and "
                                           "rejected (INVALID_ARGUMENT); a request waiting this long for a "
@@ -81,6 +98,8 @@ class GatewayConfig:
 
     def __post_init__(self) -> None:
         flags.check(self)
+        if not self.routers and not self.router_dns:
+            raise ValueError("--routers or --router-dns must name at least one router")
 
 
 PROGRAM = flags.Program(

@@ -97,6 +97,7 @@ class GatewayMetrics:
         num_tokens = 0
         status, finish = "CANCELLED", ""
         record = RequestRecord(ROUTES[api])
+        itl = self.itl.labels(model, api)  # looked up once: it is observed for every token
         try:
             async for chunk in stream:
                 now = time.monotonic()
@@ -108,7 +109,7 @@ class GatewayMetrics:
                         # Tokens that arrive together share the gap since the previous ones.
                         gap = (now - last) / len(chunk.token_ids)
                         for _ in chunk.token_ids:
-                            self.itl.labels(model, api).observe(gap)
+                            itl.observe(gap)
                     num_tokens += len(chunk.token_ids)
                     last = now
                 if chunk.HasField("usage"):

@@ -1,25 +1,30 @@
-"""Choosing a router replica: prefix-affine rendezvous hashing, failover order, probing; and
-the calls that carry requests to it (router_stream.py).
+"""Choosing a router replica: bounded-load prefix affinity over the routers' load reports,
+failover order, probing, the set of routers changing at run time; and the calls that carry
+requests to it (router_stream.py).
 
-Requests whose prompts share their first `affinity_tokens` token ids hash to the same router,
-so each replica's prefix cache stays warm without any shared state between gateways. The
-rendezvous (highest random weight) order also gives the failover order: when the first choice
-is down, its requests spread over the others the same way on every gateway, and adding or
-removing one replica only moves the prompts that hashed to it.
+A request goes to the replica a prefix memory names for its longest known prefix while that
+replica's load stays within `memory_load_bound` times the mean, else to the first in its
+rendezvous order (`rendezvous`) while its load stays within `load_bound` times the mean
+(`bounded_load`); otherwise to the next in rendezvous order that is.
+The rest of the rendezvous order is the failover order, as before. A router's load is what it
+last reported on the gateway's Stream call to it (running plus waiting requests, every step and
+every load report interval), plus the requests this gateway opened there since that report.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 import grpc
 
-from gateway_service.router_stream import RouterStream
+from gateway_service.bounded_load import DEFAULT_BOUND, choose_ranked
+from gateway_service.prefix_memory import PrefixMemory
+from gateway_service.rendezvous import Ranking, affinity_key, ranked
+from gateway_service.router_stream import RouterStream, rpc_error
 from radixserve.security import Security
 from radixserve.serving import CHANNEL_OPTIONS, KEEPALIVE_TIME_MS, NO_SECURITY
 from radixserve.v1 import router_pb2, router_pb2_grpc
@@ -40,50 +45,84 @@ ROUTER_CHANNEL_OPTIONS = [
 ]
 
 
-def affinity_key(prompt_token_ids: Sequence[int], affinity_tokens: int) -> bytes:
-    head = prompt_token_ids[:affinity_tokens]
-    return b",".join(str(t).encode() for t in head)
-
-
-def rendezvous_order(addresses: Sequence[str], key: bytes) -> list[str]:
-    """Addresses from most to least preferred for `key` (stable for a given set)."""
-
-    def weight(address: str) -> tuple[int, str]:
-        digest = hashlib.blake2b(address.encode() + b"\x00" + key, digest_size=8).digest()
-        return int.from_bytes(digest, "big"), address
-
-    return sorted(addresses, key=weight, reverse=True)
-
-
 class RouterPool:
-    """One channel per router, which routers answered lately, and what they serve.
+    """One channel per router, which routers answered lately, what they serve, and their load.
 
     A router counts as up after it answers GetServerInfo and as down after a probe or a
     Generate call finds it UNAVAILABLE. Down routers stay in the failover order, last.
+    `set_addresses` changes the set at run time: new routers come in down (the next probe
+    brings them up); removed ones take no new request and are closed once the requests this
+    gateway has on them have ended (`close_drained`).
     Channels use TLS and every call carries the internal token as `security` says
     (`call_metadata` is what callers of `stub` pass on).
     """
 
     def __init__(
         self, addresses: Sequence[str], affinity_tokens: int, probe_timeout_s: float,
-        security: Security = NO_SECURITY,
+        security: Security = NO_SECURITY, *, load_bound: float = DEFAULT_BOUND,
+        memory: PrefixMemory[str] | None = None, memory_load_bound: float | None = None, tls_name: Callable[[str], str | None] = lambda address: None,
     ) -> None:
-        if not addresses:
-            raise ValueError("at least one router address is needed")
-        self.addresses = tuple(addresses)
+        """`tls_name`: the name a router's certificate is checked for where it is not the host of
+        its address (routers found by DNS, see `router_discovery`)."""
         self._affinity_tokens = affinity_tokens
         self._probe_timeout_s = probe_timeout_s
+        self._load_bound = load_bound
+        self._memory_load_bound = memory_load_bound
+        self._memory = memory
+        self._security = security
+        self._tls_name = tls_name
         self.call_metadata = security.call_metadata()
-        self._channels = {
-            a: security.aio_channel(a, ROUTER_CHANNEL_OPTIONS) for a in self.addresses
-        }
-        self._stubs = {a: router_pb2_grpc.RouterServiceStub(c) for a, c in self._channels.items()}
-        self._up = dict.fromkeys(self.addresses, False)
+        self.addresses: tuple[str, ...] = ()
+        self._ranking = Ranking(())
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, router_pb2_grpc.RouterServiceStub] = {}
+        self._up: dict[str, bool] = {}
         self._info: dict[str, router_pb2.GetServerInfoResponse] = {}
         self._streams: dict[str, RouterStream] = {}
         self._no_stream: set[str] = set()
         # When each router not answering its probes was first asked without an answer.
         self._silent_since: dict[str, float] = {}
+        self.loads: dict[str, router_pb2.RouterLoad] = {}  # each router's last report
+        self._opened: dict[str, int] = {}  # requests opened here since that report
+        self._in_flight: dict[str, int] = {}  # this gateway's requests on each router now
+        self._draining: set[str] = set()
+        self.set_addresses(addresses)
+
+    def set_addresses(self, addresses: Sequence[str]) -> None:
+        """Route over these routers from now on (see the class's docstring)."""
+        wanted = tuple(sorted(set(addresses)))
+        if wanted == self.addresses:
+            return
+        for address in wanted:
+            self._draining.discard(address)
+            if address not in self._channels:
+                name = self._tls_name(address)
+                options = ROUTER_CHANNEL_OPTIONS + ([("grpc.ssl_target_name_override", name)] if name else [])
+                channel = self._channels[address] = self._security.aio_channel(address, options)
+                self._stubs[address] = router_pb2_grpc.RouterServiceStub(channel)
+                self._up[address] = False
+                self._opened[address] = self._in_flight[address] = 0
+        for address in set(self.addresses) - set(wanted):
+            log.info("router %s left the set: draining it", address)
+            self._draining.add(address)
+            if self._memory is not None:
+                self._memory.forget(address)
+        self.addresses = wanted
+        self._ranking = Ranking(wanted)
+
+    async def close_drained(self) -> None:
+        """Close the removed routers that no request of this gateway uses any more."""
+        for address in [a for a in self._draining if not self._in_flight[a]]:
+            self._draining.discard(address)
+            stream = self._streams.pop(address, None)
+            if stream is not None:
+                await stream.close()
+            await self._channels.pop(address).close()
+            for table in (self._stubs, self._up, self._info, self._silent_since, self.loads, self._opened,
+                          self._in_flight):
+                table.pop(address, None)
+            self._no_stream.discard(address)
+            log.info("router %s drained and closed", address)
 
     @property
     def info(self) -> router_pb2.GetServerInfoResponse | None:
@@ -96,16 +135,37 @@ class RouterPool:
     def stub(self, address: str) -> router_pb2_grpc.RouterServiceStub:
         return self._stubs[address]
 
+    def load(self, address: str) -> int:
+        """Outstanding requests on the router as this gateway knows them: its last report plus
+        what was opened here since; this gateway's own requests where it never reported."""
+        report = self.loads.get(address)
+        if report is None:
+            return self._in_flight[address]
+        return report.num_running + report.num_waiting + self._opened[address]
+
     async def generate(
         self, address: str, request: router_pb2.RouterGenerateRequest, deadline: float | None
     ) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
         """One request's responses from the router at `address` (`deadline` on
         `time.monotonic()`): on the gateway's shared Stream call to it, or on a Generate call of
-        its own where the router has no Stream (an older one). Raises `grpc.aio.AioRpcError`."""
+        its own where the router has no Stream (an older one). Raises `grpc.aio.AioRpcError`
+        (UNAVAILABLE for a router drained and closed since the request's order was made)."""
+        if address not in self._stubs:
+            raise rpc_error(grpc.StatusCode.UNAVAILABLE, "the router left the set")
+        self._in_flight[address] += 1
+        self._opened[address] += 1
+        try:
+            async with contextlib.aclosing(self._generate(address, request, deadline)) as responses:
+                async for response in responses:
+                    yield response
+        finally:
+            self._in_flight[address] -= 1
+
+    async def _generate(
+        self, address: str, request: router_pb2.RouterGenerateRequest, deadline: float | None
+    ) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
         if address not in self._no_stream:
-            stream = self._streams.get(address)
-            if stream is None or stream.failed is not None:
-                stream = self._streams[address] = RouterStream(self._stubs[address], self.call_metadata)
+            stream = self._stream(address)
             try:
                 async with contextlib.aclosing(stream.generate(request, deadline)) as responses:
                     async for response in responses:
@@ -124,6 +184,21 @@ class RouterPool:
         finally:
             call.cancel()  # no-op once finished; frees the router's pages otherwise
 
+    def _stream(self, address: str) -> RouterStream:
+        """The open Stream call to the router (a new one when there is none or it ended)."""
+        stream = self._streams.get(address)
+        if stream is None or stream.failed is not None:
+            if stream is not None and stream.failed.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self._no_stream.add(address)
+            stream = self._streams[address] = RouterStream(
+                self._stubs[address], self.call_metadata, lambda load: self._on_load(address, load))
+        return stream
+
+    def _on_load(self, address: str, load: router_pb2.RouterLoad) -> None:
+        if address in self._opened:  # else: drained meanwhile
+            self.loads[address] = load
+            self._opened[address] = 0
+
     def _fail_streams_of_silent(self, address: str, probe_sent: float) -> None:
         """A router that answered no probe for `SILENT_ROUTER_S`: end the requests on its
         stream (UNAVAILABLE). A frozen router's kernel still acknowledges TCP, and gRPC's
@@ -133,15 +208,34 @@ class RouterPool:
         if silent_s >= SILENT_ROUTER_S and stream is not None and stream.failed is None:
             stream.abandon(f"the router has not answered for {silent_s:.0f}s")
 
-    def order(self, prompt_token_ids: Sequence[int]) -> list[str]:
-        """Failover order for a prompt: rendezvous order, routers known to be down last."""
-        ranked = rendezvous_order(self.addresses, affinity_key(prompt_token_ids, self._affinity_tokens))
-        return [a for a in ranked if self._up[a]] + [a for a in ranked if not self._up[a]]
+    def order(self, prompt_token_ids: Sequence[int]) -> Iterator[str]:
+        """Routers to try for a prompt, in order: the bounded-load choice among the routers up,
+        then the rest of the rendezvous order, routers known to be down last (computed only
+        when the caller asks for more than the first)."""
+        addresses = self.addresses
+        weights = self._ranking.weights(affinity_key(prompt_token_ids, self._affinity_tokens))
+        up = [i for i, address in enumerate(addresses) if self._up[address]]
+        chosen = None
+        if up:
+            memory = self._memory
+            checkpoints = memory.checkpoints(prompt_token_ids) if memory is not None else []
+            preferred = memory.recall(checkpoints) if memory is not None else None
+            if preferred is not None and not self._up.get(preferred, False):
+                preferred = None
+            replicas = [addresses[i] for i in up]
+            loads = {address: self.load(address) for address in replicas}
+            chosen = choose_ranked(replicas, weights[up], loads, self._load_bound, preferred=preferred,
+                                   preferred_bound=self._memory_load_bound)
+            if memory is not None:
+                memory.remember(checkpoints, chosen)
+            yield chosen
+        rest = [addresses[i] for i in ranked(weights) if addresses[i] != chosen]
+        yield from [a for a in rest if self._up.get(a, False)] + [a for a in rest if not self._up.get(a, False)]
 
     def mark_down(self, address: str) -> None:
-        if self._up[address]:
+        if self._up.get(address):
             log.warning("router %s is unavailable", address)
-        self._up[address] = False
+            self._up[address] = False
 
     async def probe(self, address: str) -> bool:
         sent = time.monotonic()
@@ -151,21 +245,30 @@ class RouterPool:
                 metadata=self.call_metadata,
             )
         except grpc.aio.AioRpcError as exc:
-            if self._up[address]:
+            if self._up.get(address):
                 log.warning("router %s stopped answering: %s", address, exc.code().name)
-            self._up[address] = False
-            self._fail_streams_of_silent(address, sent)
+            if address in self._up:
+                self._up[address] = False
+                self._fail_streams_of_silent(address, sent)
             return False
+        if address not in self._up:
+            return False  # drained while the probe was out
         self._silent_since.pop(address, None)
         if not self._up[address]:
             log.info("router %s is up (%s)", address, reply.model.model_name)
         self._info[address] = reply
         self._up[address] = True
+        if address in self.loads and address not in self._no_stream:
+            # Reopen a Stream that ended on a router known to have one (it reported a load), so
+            # that its load reports flow before the next request; the first Stream call to a
+            # router is opened by a request, which falls back to Generate where it has none.
+            self._stream(address)
         return True
 
     async def probe_all(self) -> bool:
-        """Ask every router for its info; True when at least one answered."""
+        """Ask every router for its info and close drained ones; True when one answered."""
         results = await asyncio.gather(*(self.probe(a) for a in self.addresses))
+        await self.close_drained()
         return any(results)
 
     async def close(self) -> None:

@@ -1,9 +1,9 @@
 """The gateway's side of `RouterService.Stream`: one call per router, shared by every request the
 gateway sends there (the router's side, and why: router_service/request_stream.py).
 
-Each request registers a queue under its (unique) request id, opens itself on the call, and
-reads its updates from the queue; one reader task per call hands each message's updates to
-their queues. A request that ends early (its caller cancelled, a stop string, its deadline)
+Each request registers an inbox under its (unique) request id, opens itself on the call, and
+reads its updates from the inbox; one reader task per call hands each message's updates to
+their inboxes. A request that ends early (its caller cancelled, a stop string, its deadline)
 sends a cancel. Failures look as they would on Generate: a router's error update, the call
 breaking, or the deadline passing raise `grpc.aio.AioRpcError` with the status Generate would
 have ended with, so failover and the mapping to the caller's status stay as they are.
@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 
@@ -24,7 +24,7 @@ from radixserve.v1 import router_pb2, router_pb2_grpc
 log = logging.getLogger(__name__)
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
-_DEADLINE = object()  # what a request's deadline timer puts in its queue
+_DEADLINE = object()  # what a request's deadline timer puts in its inbox
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -35,9 +35,14 @@ class RouterStream:
     """One open Stream call to one router. Once `failed` is set the call is over: every request
     on it got that error, and the pool opens a new call for the next request."""
 
-    def __init__(self, stub: router_pb2_grpc.RouterServiceStub, metadata: Sequence[tuple[str, str]]) -> None:
+    def __init__(
+        self, stub: router_pb2_grpc.RouterServiceStub, metadata: Sequence[tuple[str, str]],
+        on_load: Callable[[router_pb2.RouterLoad], None] | None = None,
+    ) -> None:
+        """`on_load` gets the router's load from every message that carries one."""
         self._call = stub.Stream(metadata=metadata)
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._on_load = on_load
+        self._inboxes: dict[str, _Inbox] = {}
         self._write_lock = asyncio.Lock()
         self.failed: grpc.aio.AioRpcError | None = None
         self._abandoned = ""  # why `abandon` ended the call
@@ -48,38 +53,45 @@ class RouterStream:
         self, request: router_pb2.RouterGenerateRequest, deadline: float | None
     ) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
         """The request's responses, as Generate would stream them (`deadline` on
-        `time.monotonic()`); raises `grpc.aio.AioRpcError` as Generate would end."""
+        `time.monotonic()`); raises `grpc.aio.AioRpcError` as Generate would end.
+
+        Updates that arrived while the caller was busy with an earlier response (a caller
+        behind the router's steps) come as one response: their tokens and logprobs in order,
+        the last one's usage and finish reason, as the router's Generate merges what piled up
+        for a slow reader. A caller that keeps up gets one response per step."""
         if self.failed is not None:
             raise self.failed
         request_id = request.request_id
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = queue
-        # The deadline is one timer that puts its error in the queue, not a timeout per read.
+        inbox = _Inbox()
+        self._inboxes[request_id] = inbox
+        # The deadline is one timer that puts its error in the inbox, not a timeout per read.
         loop = asyncio.get_running_loop()
         timer = None if deadline is None else loop.call_at(
-            loop.time() + deadline - time.monotonic(), queue.put_nowait, _DEADLINE)
+            loop.time() + deadline - time.monotonic(), inbox.put, _DEADLINE)
         ended = False
         try:
             await self._write(router_pb2.RouterStreamRequest(open=request))
-            while True:
-                update = await queue.get()
-                if update is _DEADLINE:  # still open on the router: cancelled below
+            while not ended:
+                items = await inbox.take()
+                end = next((i for i, item in enumerate(items) if not _is_update(item)), len(items))
+                updates = items[:end]
+                ended = any(update.response.finish_reason for update in updates)
+                if updates:
+                    yield _merged(updates)
+                if ended or end == len(items):
+                    continue
+                failure = items[end]
+                if failure is _DEADLINE:  # still open on the router: cancelled below
                     raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-                if isinstance(update, grpc.aio.AioRpcError):
-                    ended = True
-                    raise update
-                if update.error_code:
-                    ended = True
-                    code = _CODES.get(update.error_code, grpc.StatusCode.UNKNOWN)
-                    raise rpc_error(code, update.error_message)
-                ended = bool(update.response.finish_reason)
-                yield update.response
-                if ended:
-                    return
+                ended = True
+                if isinstance(failure, grpc.aio.AioRpcError):
+                    raise failure
+                code = _CODES.get(failure.error_code, grpc.StatusCode.UNKNOWN)
+                raise rpc_error(code, failure.error_message)
         finally:
             if timer is not None:
                 timer.cancel()
-            del self._queues[request_id]
+            del self._inboxes[request_id]
             if not ended and self.failed is None:
                 # Not awaited here: a generator being closed must not wait on the network. (The
                 # loop keeps only weak references to tasks: `_cancels` holds it until it is done.)
@@ -101,20 +113,23 @@ class RouterStream:
     async def _read(self) -> None:
         try:
             async for message in self._call:
+                if self._on_load is not None and message.HasField("load"):
+                    self._on_load(message.load)
+                inboxes = self._inboxes
                 for update in message.updates:
-                    queue = self._queues.get(update.request_id)
-                    if queue is not None:  # else: cancelled by its caller meanwhile
-                        queue.put_nowait(update)
+                    inbox = inboxes.get(update.request_id)
+                    if inbox is not None:  # else: cancelled by its caller meanwhile
+                        inbox.put(update)
             error = rpc_error(grpc.StatusCode.UNAVAILABLE, "the router ended the stream")
         except grpc.aio.AioRpcError as exc:
             error = exc
         except asyncio.CancelledError:
             error = rpc_error(grpc.StatusCode.UNAVAILABLE, self._abandoned or "the gateway closed the stream")
         self.failed = error
-        if self._queues:
-            log.warning("stream to the router ended with %s: failing %d request(s)", error.code().name, len(self._queues))
-        for queue in self._queues.values():
-            queue.put_nowait(error)
+        if self._inboxes:
+            log.warning("stream to the router ended with %s: failing %d request(s)", error.code().name, len(self._inboxes))
+        for inbox in self._inboxes.values():
+            inbox.put(error)
 
     async def _write(self, message: router_pb2.RouterStreamRequest) -> None:
         async with self._write_lock:
@@ -130,3 +145,44 @@ class RouterStream:
     async def _cancel(self, request_id: str) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
             await self._write(router_pb2.RouterStreamRequest(cancel=request_id))
+
+
+class _Inbox:
+    """One request's updates (and at most one failure after them), taken all at once."""
+
+    __slots__ = ("_items", "_ready")
+
+    def __init__(self) -> None:
+        self._items: list = []
+        self._ready = asyncio.Event()
+
+    def put(self, item) -> None:
+        self._items.append(item)
+        self._ready.set()
+
+    async def take(self) -> list:
+        """Everything put since the last take (waits for at least one item)."""
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        items, self._items = self._items, []
+        return items
+
+
+def _is_update(item) -> bool:
+    return isinstance(item, router_pb2.RouterStreamUpdate) and not item.error_code
+
+
+def _merged(updates: list[router_pb2.RouterStreamUpdate]) -> router_pb2.RouterGenerateResponse:
+    """One response for consecutive updates of a request: usage (cumulative) and finish reason
+    are the last one's."""
+    if len(updates) == 1:
+        return updates[0].response
+    merged = router_pb2.RouterGenerateResponse()
+    for update in updates:
+        merged.token_ids.extend(update.response.token_ids)
+        merged.logprobs.extend(update.response.logprobs)
+    last = updates[-1].response
+    merged.usage.CopyFrom(last.usage)
+    merged.finish_reason = last.finish_reason
+    return merged

@@ -21,8 +21,11 @@ from gateway_service.config import GatewayConfig
 from gateway_service.constraint_check import ConstraintChecker
 from gateway_service.openai_api.app import TokenCheck, build_app
 from gateway_service.openai_api.server import ConnectionLimits, HttpServer
+from gateway_service.prefix_memory import PrefixMemory
 from gateway_service.router_choice import RouterPool
+from gateway_service.router_discovery import RouterDiscovery
 from gateway_service.service import GenerationServicer
+from gateway_service.pooling_config import load_pooling
 from gateway_service.tokenizer import Tokenizer
 from radixserve.guard import token_accepted
 from radixserve.metrics import MetricsServer, serve_metrics
@@ -53,9 +56,10 @@ def public_grpc_options(config: GatewayConfig) -> list[tuple[str, int]]:
 class Gateway:
     def __init__(
         self, config: GatewayConfig, server: grpc.aio.Server, health: Health, port: int,
-        pool: RouterPool, servicer: GenerationServicer,
+        pool: RouterPool, servicer: GenerationServicer, discovery: RouterDiscovery | None = None,
     ) -> None:
         self.config = config
+        self.discovery = discovery
         self.port = port
         self.pool = pool
         self.servicer = servicer
@@ -83,7 +87,12 @@ class Gateway:
         if token_check is None and security.accepted_tokens:
             accepted = tuple(token.encode() for token in security.accepted_tokens)
             token_check = lambda presented: token_accepted(presented, accepted)  # noqa: E731
-        pool = RouterPool(config.routers, config.affinity_tokens, config.probe_timeout_s, security)
+        discovery = RouterDiscovery(config.routers, config.router_dns, config.router_dns_interval_s)
+        memory = (PrefixMemory(config.prefix_memory_entries, config.prefix_memory_stride)
+                  if config.prefix_memory_entries else None)
+        pool = RouterPool(await discovery.addresses(), config.affinity_tokens, config.probe_timeout_s, security,
+                          load_bound=config.load_bound, memory=memory,
+                          memory_load_bound=config.memory_load_bound, tls_name=discovery.tls_name)
         servicer = GenerationServicer(config, pool)
         server, health, port = await start_server(
             config.host,
@@ -94,7 +103,7 @@ class Gateway:
             max_receive_bytes=config.limits.max_request_bytes,
             extra_options=public_grpc_options(config),
         )
-        gateway = cls(config, server, health, port, pool, servicer)
+        gateway = cls(config, server, health, port, pool, servicer, discovery)
         log.info("gateway listening on %s:%d (NOT_SERVING until ready)", config.host, port)
         await gateway._start_http(token_check)
         forkserver = asyncio.create_task(compile_processes.warm_up())
@@ -102,6 +111,9 @@ class Gateway:
             tokenizer = await asyncio.to_thread(Tokenizer.load, config.model)
             log.info("tokenizer loaded from %s", config.model)
         servicer.chat = ChatFormat.detect(tokenizer, config.tool_call_parser, config.reasoning_parser)
+        servicer.pooling = pooling = load_pooling(config.model)
+        log.info("embeddings: %s", pooling.problem or f"{pooling.mode_name}, normalize={pooling.pooling.normalize} "
+                 f"({pooling.source})")
         chat = servicer.chat
         log.info("chat format: %s tool calls, reasoning split %s, template renders tools: %s",
                  chat.tool_parser.name, "on" if chat.reasoning else "off", chat.renders_tools)
@@ -134,7 +146,10 @@ class Gateway:
                 tls_cert=config.security.tls_cert, tls_key=config.security.tls_key)
 
     async def probe_once(self) -> bool:
-        """Probe every router and update health; True when serving."""
+        """Take in the routers discovery found, probe every router and update health; True when
+        serving."""
+        if self.discovery is not None and self.discovery.dynamic:
+            self.pool.set_addresses(await self.discovery.addresses())
         up = await self.pool.probe_all()
         serving = up and self.servicer.tokenizer is not None
         if serving != self._serving:

@@ -28,9 +28,11 @@ from gateway_service.chat_output import ChatOutputSplitter, ToolCallSplitter
 from gateway_service.chat_render import template_input
 from gateway_service.config import GatewayConfig
 from gateway_service.constraint_check import ConstraintChecker
+from gateway_service.embedding import Embedder
 from gateway_service.errors import GatewayError, InvalidRequest, NoRouterAvailable, ShuttingDown, to_status
 from gateway_service.metrics import API_GRPC, GatewayMetrics
 from gateway_service.output import OutputAssembler
+from gateway_service.pooling_config import PoolingConfig
 from gateway_service.reasoning import ReasoningSplitter, opens_inside_block
 from gateway_service.router_choice import RouterPool
 from gateway_service.text_pool import TextPool
@@ -66,6 +68,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self.constraints: ConstraintChecker | None = None
         # Set with the tokenizer: the tool-call and reasoning formats of its chat template.
         self.chat: ChatFormat | None = None
+        # Set with the tokenizer: how the model pools an embedding (its folder's config).
+        self.pooling: PoolingConfig | None = None
+        self._embedder = Embedder(pool, config.limits, self._text, config.max_embed_inputs)
         # Set when the gateway starts to drain: calls that arrive from then on are refused
         # here with UNAVAILABLE while the servers still accept (see `wait_idle`).
         self.draining = False
@@ -124,6 +129,25 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         check_prompt_token_ids(token_ids, (info.vocab_size if info else 0) or tokenizer.vocab_size, "token_ids")
         return await self._text.decode(tokenizer.decode_all, token_ids)
 
+    async def Embed(self, request, context) -> generation_pb2.EmbedResponse:
+        try:
+            caller = self._grpc_caller(request, context)
+            remaining = context.time_remaining()
+            deadline = None if remaining is None else time.monotonic() + remaining
+            return await self.embed(request, caller, deadline)
+        except Exception as exc:
+            await context.abort(*to_status(exc))
+
+    async def embed(self, request: generation_pb2.EmbedRequest, caller: Caller,
+                    deadline: float | None) -> generation_pb2.EmbedResponse:
+        """The inputs' embeddings (both APIs; see embedding.py)."""
+        self._refuse_if_draining()
+        info = await self._server_info()
+        tokenizer = self._require_tokenizer()
+        if self.pooling is None:
+            raise GatewayError("the gateway is still loading its tokenizer", grpc.StatusCode.UNAVAILABLE)
+        return await self._embedder.embed(request, info, tokenizer, self.pooling, caller.request_id, deadline)
+
     async def GetModelInfo(self, request, context) -> generation_pb2.GetModelInfoResponse:
         try:
             return await self.model_info()
@@ -133,14 +157,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     # --- Generate ---------------------------------------------------------------------------
 
     def generate(
-        self, request: generation_pb2.GenerateRequest, deadline: float | None, api: str, caller: Caller
+        self, request: generation_pb2.GenerateRequest, deadline: float | None, api: str, caller: Caller,
+        incremental_calls: bool = True,
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """One request's output, validated, measured and logged; `deadline` is on `time.monotonic()`.
 
         Every API (gRPC, the HTTP API's `api` routes) comes through here; errors are raised
-        as they are and become a status in `errors.to_status`.
+        as they are and become a status in `errors.to_status`. `incremental_calls`: tool calls
+        stream as they are generated; False (an answer read whole) reports each call once, at
+        the end, and an output whose calls do not parse as content (see chat_output.py).
         """
-        return self.metrics.observe(api, caller, self._generate(request, deadline, caller))
+        return self.metrics.observe(api, caller, self._generate(request, deadline, caller, incremental_calls))
 
     async def model_info(self) -> generation_pb2.GetModelInfoResponse:
         """The model the routers serve; raises `NoRouterAvailable` while none answers."""
@@ -158,7 +185,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             task.cancel()
 
     async def _generate(
-        self, request: generation_pb2.GenerateRequest, deadline: float | None, caller: Caller
+        self, request: generation_pb2.GenerateRequest, deadline: float | None, caller: Caller,
+        incremental_calls: bool,
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         self._refuse_if_draining()
         # Each call runs in its own task (the gRPC handler's, or one per HTTP choice), which
@@ -167,7 +195,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self._in_flight.add(task)
         self._idle.clear()
         try:
-            async for chunk in self._generate_admitted(request, deadline, caller):
+            async for chunk in self._generate_admitted(request, deadline, caller, incremental_calls):
                 yield chunk
         except asyncio.CancelledError:
             if not self._ending:
@@ -180,7 +208,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 self._idle.set()
 
     async def _generate_admitted(
-        self, request: generation_pb2.GenerateRequest, deadline: float | None, caller: Caller
+        self, request: generation_pb2.GenerateRequest, deadline: float | None, caller: Caller,
+        incremental_calls: bool,
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         info = await self._server_info()
         tokenizer = self._require_tokenizer()
@@ -217,7 +246,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             constraint=constraints.to_proto(constraint),
         )
         assembler = OutputAssembler(tokenizer, request.stop, len(prompt_ids))
-        splitter = self._output_splitter(plan, prompt_ids)
+        splitter = self._output_splitter(plan, prompt_ids, incremental_calls)
         log.debug("request %s: %d prompt tokens, max_tokens %d", request_id, len(prompt_ids), max_tokens)
         async with contextlib.aclosing(self._router_stream(routed, deadline)) as stream:
             async for response in stream:
@@ -300,7 +329,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         text = tokenizer.apply_template(messages, tool_defs, kwargs, add_generation_prompt)
         return tokenizer.encode_prompt(text) if add_special_tokens else tokenizer.encode_rendered(text)
 
-    def _output_splitter(self, plan: ChatPlan, prompt_ids: list[int]) -> ChatOutputSplitter | None:
+    def _output_splitter(self, plan: ChatPlan, prompt_ids: list[int],
+                         incremental_calls: bool) -> ChatOutputSplitter | None:
         """What splits a chat's output into reasoning, content and calls (None: nothing to split)."""
         if not plan.split_reasoning and not plan.parse_tools:
             return None
@@ -308,7 +338,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if plan.split_reasoning:
             tail = self._require_tokenizer().decode_all(prompt_ids[-PROMPT_TAIL_TOKENS:])
             reasoning = ReasoningSplitter(opens_inside_block(tail))
-        tools = ToolCallSplitter(self._require_chat().tool_parser) if plan.parse_tools else None
+        tools = None
+        if plan.parse_tools:
+            tools = ToolCallSplitter(self._require_chat().tool_parser, incremental_calls)
         return ChatOutputSplitter(reasoning, tools)
 
     def _grpc_caller(self, request: generation_pb2.GenerateRequest, context) -> Caller:

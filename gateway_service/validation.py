@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from gateway_service.errors import InvalidRequest
 from radixserve.flags import check, setting
-from radixserve.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from radixserve.sampling import MAX_TOP_LOGPROBS, SamplingParams, logit_bias_problems
 from radixserve.v1 import generation_pb2
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -141,7 +141,9 @@ def check_input(request: generation_pb2.GenerateRequest, vocab_size: int, limits
 # The public API's defaults (generation.proto): temperature 1, everything else off.
 PUBLIC_DEFAULTS = SamplingParams(temperature=1.0)
 # The optional fields of the public SamplingParams; each has a SamplingParams field of its name.
-SAMPLING_FIELDS = tuple(field.name for field in generation_pb2.SamplingParams.DESCRIPTOR.fields)
+# (logit_bias, a map, is not optional: it is resolved on its own.)
+SAMPLING_FIELDS = tuple(field.name for field in generation_pb2.SamplingParams.DESCRIPTOR.fields
+                        if field.name != "logit_bias")
 
 
 def resolve_sampling(
@@ -152,8 +154,9 @@ def resolve_sampling(
     top_k larger than the vocabulary means "keep everything", so it is clamped.
     """
     given = {name: getattr(sampling, name) for name in SAMPLING_FIELDS if sampling.HasField(name)}
-    params = replace(PUBLIC_DEFAULTS, **given, logprobs=logprobs, top_logprobs=top_logprobs)
-    problems = params.problems()
+    params = replace(PUBLIC_DEFAULTS, **given, logprobs=logprobs, top_logprobs=top_logprobs,
+                     logit_bias=tuple(sorted(sampling.logit_bias.items())))
+    problems = params.problems() + logit_bias_problems(params.logit_bias, vocab_size)
     if problems:
         raise InvalidRequest(f"sampling.{problems[0]}")
     return replace(params, top_k=min(params.top_k, vocab_size))

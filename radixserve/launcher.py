@@ -1,7 +1,9 @@
 """`radixserve up`: the whole stack as local processes — worker rank(s), router, gateway.
 
-Each stage (workers, router, gateway; `radixserve.stack_plan`) is started once the one before
-reports SERVING (bounded waits). Children's output is prefixed with their name. Ctrl-C or
+Every stage (workers, router, gateway; `radixserve.stack_plan`) is started at once and the
+launch waits (bounded) until all report SERVING: the router reconnects to workers that are
+still loading and the gateway probes routers until one answers, so each stage's startup
+overlaps the others' instead of adding to them. Children's output is prefixed with their name. Ctrl-C or
 SIGTERM stops the stack, gateway first so that it drains its streams while everything behind
 it still serves them. Once serving, a worker rank that exits takes its TP group with it (the
 other ranks leave on their own, see `worker_service.peer_watch`): the launcher kills what is
@@ -29,7 +31,7 @@ from radixserve.launcher_config import UpConfig, config_from_args
 from radixserve.launcher_token import launch_security
 from radixserve.model_source import ModelNotFound, resolve_model
 from radixserve.security import Security, SecurityConfig, SecurityError, load_security
-from radixserve.stack_plan import ChildSpec, StackPlan, plan_stack, plan_workers
+from radixserve.stack_plan import ChildSpec, StackPlan, plan_stack, plan_workers, replica_suffix
 
 # How often the launcher looks at its children and their health.
 POLL_INTERVAL_S = 0.25
@@ -78,12 +80,10 @@ def _run_stack(config: UpConfig, stop: threading.Event) -> int:
     plan = plan_stack(config)
     children = Children(config.shutdown_timeout_s)
     try:
-        for group in plan.groups:
-            _start(children, group, show_cmd=True)
-            _wait_healthy(children, group, config.startup_timeout_s, stop, security, config.security)
-            if stop.is_set():
-                break
-        else:
+        everything = [spec for group in plan.groups for spec in group]
+        _start(children, everything, show_cmd=True)
+        _wait_healthy(children, everything, config.startup_timeout_s, stop, security, config.security)
+        if not stop.is_set():
             _print_usage(children, plan, config)
             _supervise(children, config, plan, stop, security)
     except StackFailed as exc:
@@ -157,10 +157,16 @@ def _supervise(
     """Watch the serving stack until `stop`: restart the worker group when a rank exits, the
     router or the gateway when it fails; a gateway that exits 0 (it drained after SIGTERM) stops
     the stack."""
-    workers, router, gateway = plan.groups
-    units = [_Restartable("worker group", [s.name for s in workers], lambda: plan_workers(config)),
-             _Restartable("router", [s.name for s in router], lambda: router),
-             _Restartable("gateway", [s.name for s in gateway], lambda: gateway)]
+    workers, routers, gateways = plan.groups
+    units: list[_Restartable] = []
+    for replica, router in enumerate(routers):  # each replica's worker group and router alone
+        suffix = replica_suffix(replica)
+        group = workers[replica * config.tp:(replica + 1) * config.tp]
+        units += [_Restartable(f"worker group{suffix}", [s.name for s in group],
+                               lambda replica=replica: plan_workers(config, replica=replica)),
+                  _Restartable(f"router{suffix}", [router.name], lambda router=router: [router])]
+    # Each gateway is restarted alone: the others keep serving on the shared ports meanwhile.
+    units += [_Restartable("gateway", [spec.name], lambda spec=spec: [spec]) for spec in gateways]
     specs = {spec.name: spec for group in plan.groups for spec in group}
     while not stop.wait(POLL_INTERVAL_S):
         dead = children.dead_child()

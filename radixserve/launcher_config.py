@@ -13,7 +13,7 @@ from gateway_service.config import GatewayConfig
 from radixserve import flags
 from radixserve.flags import Flag, setting
 from radixserve.security import SecurityConfig, security_settings
-from radixserve.shared_flags import (DEVICE, DTYPE, HTTP_PORT, KV_CACHE_MB, LOG_LEVEL, METRICS_PORT, MODEL, PORT,
+from radixserve.shared_flags import (DETERMINISTIC, DEVICE, DTYPE, HTTP_PORT, KV_CACHE_MB, LOG_LEVEL, METRICS_PORT, MODEL, PORT,
                                      QUANTIZATION)
 from router_service.config import RouterConfig
 
@@ -22,6 +22,7 @@ PASSED_TO = {"router": RouterConfig, "gateway": GatewayConfig}
 # Their settings the launcher decides itself (addresses, the group's wiring); security and the
 # launcher's own settings of the same name are passed down from the launcher's.
 _DECIDED = frozenset({"workers", "routers"})
+MAX_GATEWAYS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,14 +43,21 @@ class PassedValue:
 class UpConfig:
     model: str = MODEL()
     tp: int = setting(1, "tensor-parallel size: one worker process per rank", min=1)
-    port: int = PORT(50051, help="gateway port; the router gets P+1, worker rank r gets P+9+r")
+    port: int = PORT(50051, help="gateway port; the router gets P+1, worker rank r gets P+9+r (replica k: "
+                     "router P+1+k, rank r P+9+k*tp+r)")
+    replicas: int = setting(1, "model replicas: each a router with its own group of --tp worker ranks; the "
+                            "gateway routes over them all", min=1, max=8)
     host: str = setting("127.0.0.1", "address the gateway listens on")
+    gateways: int = setting(1, "gateway processes, sharing the gateway's gRPC and HTTP ports (SO_REUSEPORT: "
+                            "the kernel spreads new connections over them); gateway i > 0 serves /metrics after "
+                            "every rank's, on M+9+replicas*tp+i-1", min=1, max=MAX_GATEWAYS)
     http_port: int = HTTP_PORT(help="the gateway's OpenAI-compatible HTTP API port (0: off)")
     metrics_port: int = METRICS_PORT(50151, help="Prometheus /metrics of the gateway M; router M+1, worker "
                                      "rank r M+9+r (0: all off)")
     device: str | None = DEVICE(help="worker device (unset: the worker's default, cuda if available)")
     dtype: str = DTYPE()
     quantization: str = QUANTIZATION()
+    deterministic: bool = DETERMINISTIC()
     kv_cache_mb: int = KV_CACHE_MB()
     startup_timeout_s: float = setting(300.0, "seconds each stage may take to report SERVING", above=0)
     shutdown_timeout_s: float = setting(30.0, "seconds each stage (gateway, router, workers) gets to exit "

@@ -11,11 +11,16 @@ check with them, so the three can never disagree.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from radixserve.v1 import worker_pb2
 
 MAX_TOP_LOGPROBS = 20
+# OpenAI's bound on a logit bias: -100 bans a token, 100 all but forces it.
+MAX_LOGIT_BIAS = 100.0
+# Most biased tokens per request (OpenAI's bound as well): bounds the sampler's work per row.
+MAX_LOGIT_BIAS_TOKENS = 300
 SEED_MASK = (1 << 64) - 1  # seeds are unsigned 64-bit on the wire
 
 
@@ -54,6 +59,7 @@ class SamplingParams:
 
     temperature 0 is greedy; top_k 0, top_p 1, min_p 0, repetition_penalty 1 and zero
     presence/frequency penalties switch those steps off. `seed` None means unseeded.
+    `logit_bias` holds (token id, bias) pairs sorted by token id (a tuple: the value is frozen).
     """
 
     temperature: float = 0.0
@@ -66,6 +72,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def has_penalties(self) -> bool:
@@ -81,7 +88,28 @@ class SamplingParams:
             found.append(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         if (problem := seed_problem(self.seed)) is not None:
             found.append(problem)
+        found.extend(logit_bias_problems(self.logit_bias))
         return found
+
+
+def logit_bias_problems(bias: Iterable[tuple[int, float]], vocab_size: int | None = None) -> list[str]:
+    """What is wrong with a logit bias's pairs: ids below 0 (or past `vocab_size` when known),
+    values outside [-100, 100]. At most one message per kind, naming the first offender."""
+    found = []
+    bias = list(bias)
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        found.append(f"logit_bias: at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(bias)}")
+    bad_id = next((token_id for token_id, _ in bias
+                   if token_id < 0 or (vocab_size is not None and token_id >= vocab_size)), None)
+    if bad_id is not None:
+        bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+        found.append(f"logit_bias: token id {bad_id} must be {bound}")
+    bounds = Range(-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+    bad = next((problem for token_id, value in bias
+                if (problem := bounds.problem(f"logit_bias[{token_id}]", value))), None)
+    if bad is not None:
+        found.append(bad)
+    return found
 
 
 def seed_problem(seed: int | None) -> str | None:
@@ -103,6 +131,7 @@ def from_proto(message: worker_pb2.ResolvedSamplingParams) -> SamplingParams:
         seed=message.seed if message.has_seed else None,
         logprobs=message.logprobs,
         top_logprobs=message.top_logprobs,
+        logit_bias=tuple(sorted(message.logit_bias.items())),
     )
 
 
@@ -119,4 +148,5 @@ def to_proto(params: SamplingParams) -> worker_pb2.ResolvedSamplingParams:
         seed=params.seed or 0,
         logprobs=params.logprobs,
         top_logprobs=params.top_logprobs,
+        logit_bias=dict(params.logit_bias),
     )

@@ -35,6 +35,10 @@ QUANTIZATION = Setting("none", "quantize the decoder layers' linear weights at l
                       "channel, symmetric) or int4 (groups of --quantization-group-size columns with a "
                       "scale and offset); embeddings and LM head stay in --dtype",
                       choices=QUANTIZATION_NAMES)
+DETERMINISTIC = Setting(False, "batch- and cache-invariant numerics: a request gets the same tokens and "
+                        "logprobs whatever shares its step or its cache, at a given TP size (PyTorch's "
+                        "ops on CPU; refused on CUDA, with --attention-kernel native or triton, and with "
+                        "--quantization; docs/determinism.md)")
 KV_CACHE_MB = Setting(1024, "KV page pool budget of each rank, in MiB (the page count follows)",
                       min=1)
 LOG_LEVEL = Setting("INFO", "log level", choices=LOG_LEVELS, parse=str.upper)

@@ -1,8 +1,12 @@
-"""What `radixserve up` starts: each child's command line, environment and health address, in
-start order (a plan only; `radixserve.child_processes` runs it).
+"""What `radixserve up` starts: each child's command line, environment and health address,
+grouped by kind (a plan only; `radixserve.child_processes` runs it).
 
 Ports follow one convention: the gateway on P, the router on P+1, worker rank r on P+9+r;
 their Prometheus /metrics endpoints the same way from M (gateway M, router M+1, rank r M+9+r);
+with `--replicas N`, replica k's router on P+1+k and its rank r on P+9+k*tp+r (metrics alike),
+its children named with a `_k` suffix from the second replica on; with `--gateways G` the
+gateways share P and the HTTP port, and gateway i > 0 has its metrics after every rank's,
+on M+9+N*tp+i-1;
 the OpenAI-compatible HTTP API on its own port; the ranks rendezvous on a free MASTER_PORT.
 Internal services listen on loopback only; settings go down as flags (the router and gateway
 settings given to `radixserve up` to the services that declare them), API tokens as the
@@ -37,7 +41,8 @@ class ChildSpec:
 
 @dataclass(frozen=True, slots=True)
 class StackPlan:
-    """Children in start order, grouped: a group starts once the previous one is SERVING."""
+    """Children grouped by kind: worker ranks, routers, gateways (the launcher starts them all at
+    once and stops them gateways first)."""
 
     groups: list[list[ChildSpec]]
     gateway_address: str
@@ -53,44 +58,64 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def metrics_ports(metrics_port: int, tp: int) -> tuple[int, int, list[int]]:
-    """Gateway, router and per-rank metrics ports from the gateway's (all 0 when it is 0)."""
+def metrics_ports(metrics_port: int, tp: int, replica: int = 0) -> tuple[int, int, list[int]]:
+    """Gateway, router and per-rank metrics ports of a replica from the gateway's (all 0 when it
+    is 0)."""
     if metrics_port == 0:
         return 0, 0, [0] * tp
-    return (metrics_port, metrics_port + ROUTER_PORT_OFFSET,
-            [metrics_port + WORKER_PORT_OFFSET + rank for rank in range(tp)])
+    return (metrics_port, metrics_port + ROUTER_PORT_OFFSET + replica,
+            [metrics_port + WORKER_PORT_OFFSET + replica * tp + rank for rank in range(tp)])
+
+
+def replica_suffix(replica: int) -> str:
+    """How a replica's children are named: the first as without replicas, `_k` after it."""
+    return f"_{replica}" if replica else ""
 
 
 def plan_stack(config: UpConfig, python: str = sys.executable) -> StackPlan:
-    router_port = config.port + ROUTER_PORT_OFFSET
-    worker_ports = [config.port + WORKER_PORT_OFFSET + rank for rank in range(config.tp)]
-    gateway_metrics, router_metrics, _ = metrics_ports(config.metrics_port, config.tp)
     secure = security_args(config.security)
-    router = ChildSpec(
-        "router",
-        [python, "-m", "router_service", "--host", INTERNAL_HOST, "--port", str(router_port),
-         "--workers", ",".join(f"{INTERNAL_HOST}:{p}" for p in worker_ports),
-         "--log-level", config.log_level, "--metrics-port", str(router_metrics), *secure,
-         *passed_args(config, "router")],
-        f"{INTERNAL_HOST}:{router_port}",
-    )
+    workers: list[ChildSpec] = []
+    routers: list[ChildSpec] = []
+    for replica in range(config.replicas):
+        router_port = config.port + ROUTER_PORT_OFFSET + replica
+        worker_ports = [config.port + WORKER_PORT_OFFSET + replica * config.tp + rank for rank in range(config.tp)]
+        _, router_metrics, _ = metrics_ports(config.metrics_port, config.tp, replica)
+        workers += plan_workers(config, python, replica)
+        routers.append(ChildSpec(
+            f"router{replica_suffix(replica)}",
+            [python, "-m", "router_service", "--host", INTERNAL_HOST, "--port", str(router_port),
+             "--workers", ",".join(f"{INTERNAL_HOST}:{p}" for p in worker_ports),
+             "--log-level", config.log_level, "--metrics-port", str(router_metrics), *secure,
+             *passed_args(config, "router")],
+            f"{INTERNAL_HOST}:{router_port}",
+        ))
+    gateways = [plan_gateway(config, index, routers, python) for index in range(config.gateways)]
+    served = {p.flag: p.value for p in config.passed}.get("served-model-name")
+    return StackPlan([workers, routers, gateways], gateways[0].health_address,
+                     config.http_port, reachable(config.host),
+                     served or os.path.basename(os.path.normpath(config.model)).removesuffix(GGUF_SUFFIX))
+
+
+def plan_gateway(config: UpConfig, index: int, routers: list[ChildSpec], python: str) -> ChildSpec:
+    """Gateway `index` of `config.gateways`, knowing every replica's router: each on the same
+    gRPC and HTTP ports (they bind them with SO_REUSEPORT); its own /metrics port. (Their health
+    is the shared port's: the launcher learns that one of them serves, not which.)"""
+    metrics_port = config.metrics_port
+    if index and metrics_port:
+        metrics_port += WORKER_PORT_OFFSET + config.replicas * config.tp + index - 1
     api_token_file = config.security.api_token_file
-    gateway = ChildSpec(
-        "gateway",
+    return ChildSpec(
+        f"gateway{index}" if index else "gateway",
         [python, "-m", "gateway_service", "--host", config.host, "--port", str(config.port),
-         "--model", config.model, "--routers", f"{INTERNAL_HOST}:{router_port}",
+         "--model", config.model, "--routers", ",".join(router.health_address for router in routers),
          "--log-level", config.log_level, "--http-port", str(config.http_port),
-         "--metrics-port", str(gateway_metrics), *secure,
+         "--metrics-port", str(metrics_port), *security_args(config.security),
          *(["--api-token-file", api_token_file] if api_token_file else []),
          *passed_args(config, "gateway")],
         f"{reachable(config.host)}:{config.port}",
         {env_name("api-tokens"): ",".join(config.security.api_tokens)}
         if config.security.api_tokens else {},
     )
-    served = {p.flag: p.value for p in config.passed}.get("served-model-name")
-    return StackPlan([plan_workers(config, python), [router], [gateway]], gateway.health_address,
-                     config.http_port, reachable(config.host),
-                     served or os.path.basename(os.path.normpath(config.model)).removesuffix(GGUF_SUFFIX))
 
 
 def passed_args(config: UpConfig, child: str) -> list[str]:
@@ -98,26 +123,27 @@ def passed_args(config: UpConfig, child: str) -> list[str]:
     return [arg for passed in config.passed if child in passed.children for arg in passed.args()]
 
 
-def plan_workers(config: UpConfig, python: str = sys.executable) -> list[ChildSpec]:
-    """The worker ranks, rendezvousing on a port free right now (a restarted group gets a new
-    one, so it never meets what is left of the old group's store)."""
+def plan_workers(config: UpConfig, python: str = sys.executable, replica: int = 0) -> list[ChildSpec]:
+    """A replica's worker ranks, rendezvousing on a port free right now (a restarted group gets
+    a new one, so it never meets what is left of the old group's store)."""
     master_port = free_port()
-    *_, worker_metrics = metrics_ports(config.metrics_port, config.tp)
+    *_, worker_metrics = metrics_ports(config.metrics_port, config.tp, replica)
     workers = []
     for rank in range(config.tp):
-        port = config.port + WORKER_PORT_OFFSET + rank
+        port = config.port + WORKER_PORT_OFFSET + replica * config.tp + rank
         cmd = [python, "-m", "worker_service", "--model", config.model, "--host", INTERNAL_HOST,
                "--port", str(port), "--dtype", config.dtype, "--quantization", config.quantization, "--kv-cache-mb",
                str(config.kv_cache_mb), "--log-level", config.log_level, "--metrics-port",
-               str(worker_metrics[rank]), *security_args(config.security)]
+               str(worker_metrics[rank]), "--deterministic" if config.deterministic else "--no-deterministic",
+               *security_args(config.security)]
         if config.device:
             cmd += ["--device", config.device]
         env = {"RANK": str(rank), "WORLD_SIZE": str(config.tp), "MASTER_ADDR": INTERNAL_HOST,
                "MASTER_PORT": str(master_port)}
         if "OMP_NUM_THREADS" not in os.environ:
             # Ranks share the machine's cores: more threads than cores makes them spin.
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // config.tp))
-        workers.append(ChildSpec(f"worker{rank}", cmd, f"{INTERNAL_HOST}:{port}", env))
+            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (config.tp * config.replicas)))
+        workers.append(ChildSpec(f"worker{rank}{replica_suffix(replica)}", cmd, f"{INTERNAL_HOST}:{port}", env))
     return workers
 
 

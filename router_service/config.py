@@ -22,6 +22,9 @@ class RouterConfig:
     max_batch_tokens: int = setting(2048, "token budget per step: decodes first, then prefill chunks", min=1)
     max_running_requests: int = setting(64, "requests in the running batch at most", min=1)
     max_queue: int = setting(512, "waiting requests before new ones get RESOURCE_EXHAUSTED", min=1)
+    load_report_interval_s: float = setting(0.5, "seconds between load reports on an open Stream call whose "
+                                            "requests produced no message meanwhile (gateways route by load)",
+                                            above=0)
     policy: Policy = setting(Policy.LPM, "queue order: lpm (longest cached prefix first) or fcfs (arrival)")
     reconnect_interval_s: float = setting(1.0, "seconds between attempts to reach the workers while they are "
                                           "down", above=0)

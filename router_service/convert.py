@@ -8,7 +8,7 @@ import grpc
 from radixserve import constraints, sampling
 from radixserve.sampling import SamplingParams
 from radixserve.v1 import generation_pb2, router_pb2, worker_pb2
-from router_service.core.request import FinishReason, Request
+from router_service.core.request import FinishReason, Pooling, Request
 from router_service.core.scheduler import Scheduler
 from router_service.core.stats import SchedulerStats
 from router_service.core.step_costs import StepCosts
@@ -20,6 +20,12 @@ _STATUS: dict[type[RouterError], grpc.StatusCode] = {
     QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
     WorkersUnavailable: grpc.StatusCode.UNAVAILABLE,
 }
+
+_POOLING = {
+    worker_pb2.POOLING_MODE_LAST: Pooling.LAST,
+    worker_pb2.POOLING_MODE_MEAN: Pooling.MEAN,
+}
+_POOLING_MODE = {pooling: mode for mode, pooling in _POOLING.items()}
 
 _FINISH = {
     FinishReason.STOP: generation_pb2.FINISH_REASON_STOP,
@@ -35,6 +41,37 @@ def status_of(error: RouterError) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, str(error)
 
 
+def _check_request_id(request_id: str, max_request_id_bytes: int) -> None:
+    num_id_bytes = len(request_id.encode())
+    if num_id_bytes > max_request_id_bytes:
+        raise InvalidRequest(
+            f"request_id of {num_id_bytes} bytes is longer than {max_request_id_bytes}"
+        )
+
+
+def embed_request_from_proto(msg: router_pb2.RouterEmbedRequest, max_request_id_bytes: int) -> Request:
+    """An embedding `Request` (one "output": the vector); raises `InvalidRequest`."""
+    _check_request_id(msg.request_id, max_request_id_bytes)
+    if not msg.prompt_token_ids:
+        raise InvalidRequest("the prompt is empty")
+    if msg.pooling.mode not in _POOLING:
+        raise InvalidRequest(f"pooling mode must be LAST or MEAN, got {msg.pooling.mode}")
+    return Request(
+        request_id=msg.request_id,
+        prompt_ids=list(msg.prompt_token_ids),
+        max_tokens=1,
+        pooling=_POOLING[msg.pooling.mode],
+        normalize=msg.pooling.normalize,
+    )
+
+
+def embed_response_to_proto(embedding: list[float], request: Request) -> router_pb2.RouterEmbedResponse:
+    response = router_pb2.RouterEmbedResponse(embedding=embedding)
+    response.usage.prompt_tokens = request.num_prompt
+    response.usage.cached_tokens = max(request.num_cached_tokens, 0)
+    return response
+
+
 def request_from_proto(msg: router_pb2.RouterGenerateRequest, max_request_id_bytes: int) -> Request:
     """A `Request` from the wire; raises `InvalidRequest` for what can never be served.
 
@@ -42,11 +79,7 @@ def request_from_proto(msg: router_pb2.RouterGenerateRequest, max_request_id_byt
     the workers: vocabulary, context, pool), so that a rank rejects a task only for a router
     bug. The sampling ranges are `SamplingParams.problems`, the workers' own rules.
     """
-    num_id_bytes = len(msg.request_id.encode())
-    if num_id_bytes > max_request_id_bytes:
-        raise InvalidRequest(
-            f"request_id of {num_id_bytes} bytes is longer than {max_request_id_bytes}"
-        )
+    _check_request_id(msg.request_id, max_request_id_bytes)
     if not msg.prompt_token_ids:
         raise InvalidRequest("the prompt is empty")
     if msg.max_tokens < 1:
@@ -92,6 +125,9 @@ def task_to_proto(plan: StepPlan, task_id: int, previous_task_id: int) -> worker
                 num_prompt_tokens=request.num_prompt,
                 constraint=constraints.to_proto(request.constraint),
             ))
+            if request.pooling is not None:
+                pooling = task_entry.new_request.pooling
+                pooling.mode, pooling.normalize = _POOLING_MODE[request.pooling], request.normalize
     return task
 
 
@@ -125,6 +161,18 @@ def stats_to_proto(
     return response
 
 
+def load_to_proto(scheduler: Scheduler | None, costs: StepCosts) -> router_pb2.RouterLoad:
+    """The router's load as Stream messages carry it; all zero while the workers are away."""
+    if scheduler is None:
+        return router_pb2.RouterLoad()
+    allocator = scheduler.allocator
+    return router_pb2.RouterLoad(
+        num_running=scheduler.num_running, num_waiting=scheduler.num_waiting,
+        num_pages_free=allocator.num_free, num_pages_total=allocator.num_pages,
+        step_time_s=costs.step_time_s,
+    )
+
+
 def step_logprobs(sampled: worker_pb2.SampledToken, num_new: int) -> list[generation_pb2.TokenLogprob]:
     """The logprobs of a step's `num_new` output tokens: accepted drafts first, then the
     sampled token (left out when a draft ended the request)."""
@@ -145,15 +193,20 @@ def response_to_proto(
     update's own field, so that nothing is built twice) or a new one."""
     response = router_pb2.RouterGenerateResponse() if into is None else into
     response.token_ids.extend(token_ids)
-    response.logprobs.extend(logprobs)
+    if logprobs:
+        response.logprobs.extend(logprobs)
     # Usage rides on every response, so a caller that stops reading early (the gateway, on a
-    # stop string) still knows the prompt's cached tokens.
+    # stop string) still knows the prompt's cached tokens. (Zeros are proto3's default: the
+    # fields that are zero, as most are for a plain request, are left unset, which reads the same.)
     usage = response.usage
     usage.prompt_tokens = request.num_prompt
     usage.completion_tokens = request.num_output
-    usage.cached_tokens = max(request.num_cached_tokens, 0)
-    usage.draft_tokens = request.draft.num_drafted
-    usage.accepted_draft_tokens = request.draft.num_accepted
+    if request.num_cached_tokens > 0:
+        usage.cached_tokens = request.num_cached_tokens
+    draft = request.draft
+    if draft.num_drafted:
+        usage.draft_tokens = draft.num_drafted
+        usage.accepted_draft_tokens = draft.num_accepted
     if finished and request.finish_reason in _FINISH:
         response.finish_reason = _FINISH[request.finish_reason]
     return response

@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from radixserve.sampling import logit_bias_problems
 from radixserve.security import Security
 from radixserve.serving import NO_SECURITY
 from radixserve.v1 import generation_pb2, router_pb2, worker_pb2
@@ -47,6 +48,8 @@ class StreamEvent:
     logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)
     finished: bool = False
     error: RouterError | None = None
+    # An embedding request's vector (on its one, finished, event).
+    embedding: list[float] = field(default_factory=list)
 
 
 class EventSink(Protocol):
@@ -86,6 +89,7 @@ class Engine:
         # Whether the last step was sent with no idle wait since: the next one is back to back.
         self._busy = False
         self.costs = StepCosts()
+        self._last_result_at = 0.0  # time.monotonic() when the last step's result came back
         self._wakeup = asyncio.Event()
         self._request_ids = itertools.count()
         self._task_ids = itertools.count(1)
@@ -103,6 +107,9 @@ class Engine:
             raise WorkersUnavailable("the workers are not connected")
         if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= summary.vocab_size:
             raise InvalidRequest(f"token ids must be in [0, {summary.vocab_size})")
+        bias_problems = logit_bias_problems(request.sampling.logit_bias, summary.vocab_size)
+        if bias_problems:
+            raise InvalidRequest("; ".join(bias_problems))
         if scheduler.num_waiting >= self.config.max_queue:
             raise QueueFull(f"{scheduler.num_waiting} requests are already waiting")
         # Worker-side ids must be unique; the caller's id stays readable in the workers' logs.
@@ -122,6 +129,10 @@ class Engine:
         elif self.scheduler is not None:
             self.scheduler.cancel(request)
         self._wakeup.set()
+
+    def load(self) -> router_pb2.RouterLoad:
+        """The load reported on every Stream message (gateways route by it)."""
+        return convert.load_to_proto(self.scheduler, self.costs)
 
     def stats(self) -> router_pb2.GetStatsResponse:
         """GetStats' answer, which the metrics also read: the one conversion of the counters."""
@@ -165,8 +176,10 @@ class Engine:
         except WorkerFault as exc:
             # Once per distinct reason: the attempt repeats every reconnect interval.
             if str(exc) != self._last_connect_error:
-                log.warning("workers not ready (retrying every %.1fs): %s",
-                            self.config.reconnect_interval_s, exc)
+                # Workers still starting beside a new router are the normal case, not a fault.
+                level = logging.WARNING if self.summary is not None else logging.INFO
+                log.log(level, "workers not ready (retrying every %.1fs): %s",
+                        self.config.reconnect_interval_s, exc)
                 self._last_connect_error = str(exc)
             await self.group.close()
             return False
@@ -272,6 +285,9 @@ class Engine:
                 f"rank 0 sampled for other requests than task {flight.task.task_id} asked"
             )
         self.metrics.step(plan, flight.started)
+        now = time.monotonic()
+        self.costs.step_time(now - max(flight.started, self._last_result_at))
+        self._last_result_at = now
         sampled = {token.request_id: token for token in result.tokens}
         num_outputs = {entry.request.request_id: entry.request.num_output for entry in plan.entries}
         updated = scheduler.complete(
@@ -283,6 +299,9 @@ class Engine:
             num_new = request.num_output - num_outputs[request.request_id]
             token = sampled[request.request_id]
             logprobs = convert.step_logprobs(token, num_new) if request.sampling.logprobs else []
+            if request.pooling is not None:  # its one "token" is the vector
+                self._send(request, StreamEvent(finished=True, embedding=list(token.embedding)))
+                continue
             self._send(request, StreamEvent(
                 request.token_ids[len(request.token_ids) - num_new:], logprobs,
                 finished=request.finish_reason is not None,

@@ -7,6 +7,9 @@ docs/router-core.md).
 On a Stream call the caller opens and cancels requests, and the engine's events for all of them
 go back together: the engine hands a step's events over in one go (`Engine._flush`), and the
 call writes whatever has gathered since its last message as one message.
+Every message carries the router's load (`RouterLoad`); while no request produces one, a message
+with the load alone goes out every `load_report_interval_s` when the load changed, so the
+gateways holding these calls route by current figures without asking.
 
 A request on the call behaves as on Generate: the same checks, the same events, the same
 statuses (as an error update); it is cancelled when the caller says so or when the call ends.
@@ -33,9 +36,13 @@ class RequestStream:
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self._open: dict[str, Request] = {}  # by the caller's request id
-        self._updates: list[router_pb2.RouterStreamUpdate] = []
+        # The next message, its updates written in place as events come (no copy when sent).
+        self._pending = router_pb2.RouterStreamResponse()
         self._ready = asyncio.Event()
         self._caller_done = False
+        self._report_due = True  # the first message: the load, before any request opens
+        self._last_load: router_pb2.RouterLoad | None = None
+        self._report_timer: asyncio.TimerHandle | None = None
 
     def open(self, message: router_pb2.RouterGenerateRequest) -> None:
         """Submit a request; a refusal becomes its (only) update."""
@@ -48,11 +55,11 @@ class RequestStream:
             request = convert.request_from_proto(message, self._engine.config.max_request_id_bytes)
             self._engine.submit(request, _Sink(self, caller_id, request))
         except RouterError as exc:
-            self._add(self._error_update(caller_id, exc))
+            self._add_error(caller_id, exc)
             return
         except Exception:  # a router bug: this request fails, the call and its others go on
             log.exception("opening request %r on a Stream call failed", caller_id)
-            self._add(self._error_update(caller_id, RouterError("internal error in the router")))
+            self._add_error(caller_id, RouterError("internal error in the router"))
             return
         self._open[caller_id] = request
 
@@ -68,6 +75,8 @@ class RequestStream:
 
     def close(self) -> None:
         """The call ended: cancel what is still open."""
+        if self._report_timer is not None:
+            self._report_timer.cancel()
         for request in self._open.values():
             self._engine.cancel(request)
         self._open.clear()
@@ -75,36 +84,46 @@ class RequestStream:
     async def responses(self) -> AsyncIterator[router_pb2.RouterStreamResponse]:
         """Everything gathered since the last message, as one message, until the caller is done
         and nothing is open."""
+        self._ready.set()
         while True:
             await self._ready.wait()
             self._ready.clear()
-            updates, self._updates = self._updates, []
-            if updates:
-                yield router_pb2.RouterStreamResponse(updates=updates)
-            if self._caller_done and not self._open and not self._updates:
+            has_updates = bool(self._pending.updates)
+            if has_updates or self._report_due:
+                load = self._engine.load()
+                if has_updates or load != self._last_load:
+                    self._last_load = load
+                    message, self._pending = self._pending, router_pb2.RouterStreamResponse()
+                    message.load.CopyFrom(load)
+                    yield message
+                if self._report_due:
+                    self._report_due = False
+                    self._report_timer = asyncio.get_running_loop().call_later(
+                        self._engine.config.load_report_interval_s, self._report)
+            if self._caller_done and not self._open and not self._pending.updates:
                 return
+
+    def _report(self) -> None:
+        self._report_due = True
+        self._ready.set()
 
     def event(self, caller_id: str, request: Request, event: StreamEvent) -> None:
         """One of the engine's events for an open request (see `_Sink`)."""
         if self._open.get(caller_id) is not request:
             return  # cancelled by the caller while the event waited in the engine's outbox
-        if event.error is not None:
-            update = self._error_update(caller_id, event.error)
-        else:
-            update = router_pb2.RouterStreamUpdate(request_id=caller_id)
-            convert.response_to_proto(event.token_ids, event.logprobs, request, event.finished, into=update.response)
         if event.error is not None or event.finished:
             self._open.pop(caller_id, None)
-        self._add(update)
-
-    def _add(self, update: router_pb2.RouterStreamUpdate) -> None:
-        self._updates.append(update)
+        if event.error is not None:
+            self._add_error(caller_id, event.error)
+            return
+        update = self._pending.updates.add(request_id=caller_id)
+        convert.response_to_proto(event.token_ids, event.logprobs, request, event.finished, into=update.response)
         self._ready.set()
 
-    @staticmethod
-    def _error_update(caller_id: str, error: RouterError) -> router_pb2.RouterStreamUpdate:
+    def _add_error(self, caller_id: str, error: RouterError) -> None:
         code, message = convert.status_of(error)
-        return router_pb2.RouterStreamUpdate(request_id=caller_id, error_code=code.value[0], error_message=message)
+        self._pending.updates.add(request_id=caller_id, error_code=code.value[0], error_message=message)
+        self._ready.set()
 
 
 class _Sink:

@@ -1,15 +1,17 @@
-"""`RouterService` on grpc.aio: Generate, Stream, GetStats and GetServerInfo over the engine."""
+"""`RouterService` on grpc.aio: Generate, Stream, Embed, GetStats and GetServerInfo over the engine."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 
 from radixserve.v1 import router_pb2, router_pb2_grpc
 from router_service import convert
+from router_service.core.request import Request
 from router_service.engine import Engine, StreamEvent
 from router_service.errors import RouterError, WorkersUnavailable
 from router_service.request_stream import RequestStream
@@ -28,12 +30,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
     ) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
         """Stream token ids as steps produce them; the last response carries finish reason and
         usage. A caller that cancels or disconnects takes its request out of the batch."""
-        try:
-            generate = convert.request_from_proto(request, self.engine.config.max_request_id_bytes)
-            queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
-            self.engine.submit(generate, queue)
-        except RouterError as exc:
-            await context.abort(*convert.status_of(exc))
+        generate, queue = await self._submit(convert.request_from_proto, request, context)
         ended = False
         try:
             while not ended:
@@ -53,6 +50,24 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         finally:
             if not ended:  # the caller cancelled or went away
                 self.engine.cancel(generate)
+
+    async def Embed(
+        self, request: router_pb2.RouterEmbedRequest, context: grpc.aio.ServicerContext
+    ) -> router_pb2.RouterEmbedResponse:
+        """One prompt's embedding: queued and batched like a generation request's prefill."""
+        embed, queue = await self._submit(convert.embed_request_from_proto, request, context)
+        ended = False
+        try:
+            event = await queue.get()
+            ended = True
+            if event.error is not None:
+                await context.abort(*convert.status_of(event.error))
+            if not event.embedding:  # a bug: no vector for a finished embedding request
+                await context.abort(*convert.status_of(RouterError(f"no embedding for {embed.request_id}")))
+            return convert.embed_response_to_proto(event.embedding, embed)
+        finally:
+            if not ended:  # the caller cancelled or went away
+                self.engine.cancel(embed)
 
     async def Stream(
         self, request_iterator: AsyncIterator[router_pb2.RouterStreamRequest], context: grpc.aio.ServicerContext
@@ -78,6 +93,19 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         finally:
             reader.cancel()
             stream.close()
+
+    async def _submit(
+        self, from_proto: Callable[[Any, int], Request], message: Any, context: grpc.aio.ServicerContext,
+    ) -> tuple[Request, asyncio.Queue[StreamEvent]]:
+        """The request `from_proto` reads from `message`, queued; its events come on the queue.
+        A `RouterError` aborts the call with its status."""
+        try:
+            request = from_proto(message, self.engine.config.max_request_id_bytes)
+            queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
+            self.engine.submit(request, queue)
+        except RouterError as exc:
+            await context.abort(*convert.status_of(exc))
+        return request, queue
 
     async def GetStats(
         self, request: router_pb2.GetStatsRequest, context: grpc.aio.ServicerContext

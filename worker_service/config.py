@@ -15,7 +15,8 @@ import torch
 from radixserve import flags
 from radixserve.flags import MAX_PORT, setting
 from radixserve.security import SecurityConfig, security_settings
-from radixserve.shared_flags import (CONSTRAINT_CACHE_SIZE, DEVICE, DTYPE, HOST, KV_CACHE_MB, LOG_FORMAT, LOG_LEVEL,
+from radixserve.shared_flags import (CONSTRAINT_CACHE_SIZE, DETERMINISTIC, DEVICE, DTYPE, HOST, KV_CACHE_MB,
+                                     LOG_FORMAT, LOG_LEVEL,
                                      METRICS_PORT, MODEL, PORT, QUANTIZATION)
 from worker_service.backends.selection import KERNEL_CHOICES
 from worker_service.quant.scheme import GROUP_SIZE_CHOICES
@@ -47,6 +48,7 @@ class WorkerConfig:
                                     "(gathers pages); auto: native on CPU where it builds, triton on CUDA "
                                     "where triton imports",
                                     choices=KERNEL_CHOICES)
+    deterministic: bool = DETERMINISTIC()
     cuda_graph_max_batch: int = setting(128, "on CUDA (with the triton kernel, one rank), decode steps of up to "
                                         "this many rows replay captured CUDA graphs; 0: never", min=0)
     rank: int = setting(0, "this rank", min=0, also_env="RANK")

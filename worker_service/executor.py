@@ -27,7 +27,8 @@ from radixserve import constraints, sampling
 from radixserve.grammar_compiler import InvalidConstraint
 from radixserve.v1 import generation_pb2, worker_pb2
 from worker_service.draft_verify import num_accepted, verify_rows
-from worker_service.forward_batch import ForwardEntry
+from worker_service.embedding import finish_embedding, pooling_problem
+from worker_service.forward_batch import ForwardEntry, StepOutput
 from worker_service.grammar import ConstraintMasks, RequestMatcher
 from worker_service.metrics import WorkerMetrics
 from worker_service.request_state import RequestState, RequestTable
@@ -46,6 +47,8 @@ class Runner(Protocol):
     info: worker_pb2.GetWorkerInfoResponse
 
     def forward(self, entries: list[ForwardEntry]) -> torch.Tensor | None: ...
+
+    def forward_step(self, entries: list[ForwardEntry]) -> StepOutput: ...
 
 
 class InvalidTask(ValueError):
@@ -111,17 +114,54 @@ class Executor:
         `result`. Changes nothing else but the constrained requests' matchers, which follow
         their sampled tokens (a matcher is synced to the output before each use, so it never
         depends on a task being committed)."""
+        # An embedding entry never samples: rank 0 pools its hidden states instead.
         batch = [
-            ForwardEntry(list(entry.token_ids), entry.start_position, state.page_table, entry.sample,
-                         1 + entry.num_draft_tokens)
+            ForwardEntry(list(entry.token_ids), entry.start_position, state.page_table,
+                         entry.sample and not state.pooling, 1 + entry.num_draft_tokens,
+                         state.pooling, entry.sample and bool(state.pooling))
             for entry, state in zip(task.entries, states)
         ]
+        pooling = any(state.pooling for state in states)
         started = time.monotonic()
-        logits = self.runner.forward(batch) if batch else None
+        pooled: list[torch.Tensor | None] = []
+        if pooling:
+            output = self.runner.forward_step(batch)
+            logits, pooled = output.logits, output.pooled
+        else:
+            logits = self.runner.forward(batch) if batch else None
         if self.metrics is not None and batch:
             self.metrics.forward_done([len(e.token_ids) for e in batch], time.monotonic() - started)
-        sampled = [(entry, state) for entry, state in zip(task.entries, states) if entry.sample]
-        if self.sampler is None or not sampled:
+        if self.sampler is None:
+            return
+        sampled = [(entry, state) for entry, state in zip(task.entries, states)
+                   if entry.sample and not state.pooling]
+        self._sample(logits, sampled, result)
+        if pooling:
+            self._add_embeddings(task, states, pooled, result)
+
+    def _add_embeddings(self, task: worker_pb2.DecodeTask, states: list[RequestState],
+                        pooled: list[torch.Tensor | None], result: worker_pb2.TaskResult) -> None:
+        """Rank 0: fold the step's pooled rows into the embedding requests' states, and put the
+        finished embeddings among the sampled tokens, everything in entry order."""
+        made = {}
+        for token in result.tokens:
+            made[token.request_id] = copy = worker_pb2.SampledToken()
+            copy.CopyFrom(token)
+        ordered = []
+        for entry, state, rows in zip(task.entries, states, pooled):
+            if state.pooling:
+                token = finish_embedding(state, rows, len(entry.token_ids), entry.sample)
+                if token is not None:
+                    made[entry.request_id] = worker_pb2.SampledToken(request_id=entry.request_id, embedding=token)
+            if entry.sample:
+                ordered.append(made[entry.request_id])
+        del result.tokens[:]
+        result.tokens.extend(ordered)
+
+    def _sample(self, logits: torch.Tensor | None, sampled: list[tuple[worker_pb2.TaskEntry, RequestState]],
+                result: worker_pb2.TaskResult) -> None:
+        """Rank 0: sample the generation entries' tokens into `result`."""
+        if not sampled:
             return
         # The states already hold this step's tokens: penalties and seeds see the sequence so far.
         # One row per verified position (one for an entry without drafts).
@@ -196,7 +236,12 @@ class Executor:
                 f"[0, context length {self.info.context_len}]"
             )
         self._check_token_ids(new.cached_token_ids, f"{where}: cached_token_ids")
-        state = RequestState(request_id, params, new.num_prompt_tokens)
+        self._check_token_ids([token_id for token_id, _ in params.logit_bias], f"{where}: logit_bias")
+        problem = pooling_problem(new)
+        if problem is not None:
+            raise InvalidTask(f"{where}: {problem}")
+        state = RequestState(request_id, params, new.num_prompt_tokens, pooling=new.pooling.mode,
+                             normalize=new.pooling.normalize)
         state.append(new.cached_token_ids, ())
         state.matcher = self._new_matcher(request_id, new, where)
         return state
@@ -236,6 +281,10 @@ class Executor:
             )
         if entry.num_draft_tokens and not entry.sample:
             raise InvalidTask(f"{where}: drafts to verify, but sample is false")
+        if entry.num_draft_tokens and state.pooling:
+            raise InvalidTask(f"{where}: drafts for an embedding request")
+        if state.pooling and entry.sample and entry.start_position + len(entry.token_ids) != state.num_prompt_tokens:
+            raise InvalidTask(f"{where}: an embedding request samples only where its prompt ends")
         end = entry.start_position + len(entry.token_ids)
         if end > info.context_len:
             raise InvalidTask(

@@ -28,7 +28,7 @@ from worker_service.backends import StepBatch, select_backend
 from worker_service.backends.base import PrefillChunk
 from worker_service.distributed import TPGroup
 from worker_service.dtypes import DTYPES, resolve_dtype
-from worker_service.forward_batch import ForwardEntry
+from worker_service.forward_batch import ForwardEntry, StepOutput
 from worker_service.gguf_loader import load_gguf_weights
 from worker_service.kv_pool import KVPool
 from worker_service.layers.linear import pack_linear_weights
@@ -66,6 +66,8 @@ class RunnerConfig:
     # Load-time quantization of the decoder layers' linear weights (`worker_service.quant.scheme`).
     quantization: str = "none"
     quantization_group_size: int = 32
+    # Batch- and cache-invariant numerics (`worker_service.backends.invariant_backend`).
+    deterministic: bool = False
 
 
 def eos_token_ids(source: ModelSource, config_eos: int | list[int] | None) -> list[int]:
@@ -114,7 +116,8 @@ class ModelRunner:
         selection = select_backend(config.attention_kernel, self.device, self.dtype, head_dim,
                                    config.world_size, config.cuda_graph_max_batch,
                                    model_class(self.hf_config).ops_without_kernels(self.hf_config),
-                                   "gguf" if gguf_path is not None else config.quantization)
+                                   "gguf" if gguf_path is not None else config.quantization,
+                                   config.deterministic)
         self.backend, self.backend_reason = selection.backend, selection.reason
         log.info("rank %d runs the %s backend: %s", config.rank, self.backend.name, self.backend_reason)
         with torch.inference_mode():
@@ -161,15 +164,24 @@ class ModelRunner:
                     if getattr(module, "packed", None) is not None)
         return extra + sum(p.numel() * p.element_size() for p in self.model.parameters())
 
-    @torch.inference_mode()
     def forward(self, entries: list[ForwardEntry]) -> torch.Tensor | None:
         """One step over `entries`; float32 logits `[sum of sampled entries' num_logits, vocab]`
         on rank 0, else None."""
+        return self.forward_step(entries).logits
+
+    @torch.inference_mode()
+    def forward_step(self, entries: list[ForwardEntry]) -> StepOutput:
+        """`forward`, with the pooled rows of embedding entries (see `StepOutput`)."""
+        logits, pooled = self._run(entries)
+        return StepOutput(logits, pooled)
+
+    def _run(self, entries: list[ForwardEntry]) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+        no_pooling: list[torch.Tensor | None] = [None] * len(entries)
         if not entries:  # every rank gets the same entries, so every rank skips the collectives
             empty = torch.empty(0, self.info.vocab_size, dtype=torch.float32, device=self.device)
-            return empty if self.config.rank == 0 else None
+            return (empty if self.config.rank == 0 else None), no_pooling
         if self.graphs is not None and self.graphs.applies(entries):
-            return self.graphs.run(entries)
+            return self.graphs.run(entries), no_pooling
         token_ids, batch, sample_indices = self._layout(entries)
         step = self.backend.plan(batch, self.pool)
         model = self.model
@@ -179,7 +191,36 @@ class ModelRunner:
         else:
             hidden, residual = model.run_layers(hidden, step)
         logits = model.logits(hidden, residual, sample_indices)
-        return None if logits is None else logits.float()
+        pooled = no_pooling
+        if self.config.rank == 0 and any(entry.pooling for entry in entries):
+            pooled = self._pool(entries, hidden, residual)
+        return (None if logits is None else logits.float()), pooled
+
+    def _pool(self, entries: list[ForwardEntry], hidden: torch.Tensor,
+              residual: torch.Tensor) -> list[torch.Tensor | None]:
+        """Rank 0: the embedding entries' pooled rows (see `StepOutput`), over the flat layout
+        `_layout` made (decode tokens first, then each prefill chunk in entry order)."""
+        flat: list[tuple[int, int]] = []  # each entry's [first, end) in the flat layout
+        num_decode = sum(1 for entry in entries if len(entry.token_ids) == 1)
+        next_decode, next_prefill = 0, num_decode
+        for entry in entries:
+            if len(entry.token_ids) == 1:
+                flat.append((next_decode, next_decode + 1))
+                next_decode += 1
+            else:
+                flat.append((next_prefill, next_prefill + len(entry.token_ids)))
+                next_prefill += len(entry.token_ids)
+        pooled: list[torch.Tensor | None] = []
+        for entry, (first, end) in zip(entries, flat):
+            if entry.pooling == worker_pb2.POOLING_MODE_MEAN:
+                indices = torch.arange(first, end, device=self.device)
+                pooled.append(self.model.final_hidden(hidden, residual, indices).float().sum(dim=0))
+            elif entry.pooling == worker_pb2.POOLING_MODE_LAST and entry.last:
+                indices = torch.tensor([end - 1], device=self.device)
+                pooled.append(self.model.final_hidden(hidden, residual, indices).float()[0])
+            else:
+                pooled.append(None)
+        return pooled
 
     def _layout(self, entries: list[ForwardEntry]) -> tuple[torch.Tensor, StepBatch, torch.Tensor]:
         """Flat token layout (decode tokens first, then each prefill chunk) and its description.

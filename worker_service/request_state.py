@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 from radixserve.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from worker_service.grammar import RequestMatcher
 
 
@@ -49,6 +51,11 @@ class RequestState:
     # Drafts at the end of `token_ids` from the last entry (speculative decoding).
     num_unverified: int = 0
     token_array: array = field(default_factory=lambda: array("i"))
+    # An embedding request's `worker_pb2.PoolingMode` (0: generation) and whether to normalise;
+    # rank 0, MEAN: the sum of the final hidden states over the positions computed so far.
+    pooling: int = 0
+    normalize: bool = False
+    pooled_sum: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if len(self.token_array) != len(self.token_ids):

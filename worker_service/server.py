@@ -67,6 +67,7 @@ def load_executor(
             cuda_graph_max_batch=config.cuda_graph_max_batch,
             quantization=config.quantization,
             quantization_group_size=config.quantization_group_size,
+            deterministic=config.deterministic,
         )
     )
     num_pages = group_num_pages(runner.info.num_pages, config)

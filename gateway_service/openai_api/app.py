@@ -49,6 +49,7 @@ from gateway_service.openai_api.protocol import (
     chat_input,
     completion_inputs,
 )
+from gateway_service.openai_api.embedding_routes import add_embedding_routes
 from gateway_service.openai_api.text_routes import add_text_routes, model_card
 from gateway_service.service import GenerationServicer
 from gateway_service.validation import RequestLimits, check_user
@@ -139,7 +140,7 @@ def build_app(
         body, caller, model, prompts = await accepted(
             request, ChatCompletionRequest, API_CHAT, lambda b: [chat_input(b, max_choices)])
         inputs = with_choice_seeds(prompts, body.n)
-        streams = ChoiceStreams(lambda r: servicer.generate(r, None, API_CHAT, caller), inputs)
+        streams = ChoiceStreams(lambda r: servicer.generate(r, None, API_CHAT, caller, body.stream), inputs)
         if body.stream:
             header = bodies.ResponseHeader.new("chatcmpl", bodies.CHAT_CHUNK_OBJECT, model)
             return await _event_stream(streams, _chat_events(header, body, len(inputs)))
@@ -173,6 +174,7 @@ def build_app(
         ))
 
     add_text_routes(app, servicer, authenticated, _answers_errors, limits.max_request_bytes)
+    add_embedding_routes(app, servicer, authenticated, _answers_errors, limits, caller_of)
 
     return app
 

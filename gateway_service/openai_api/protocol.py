@@ -92,8 +92,9 @@ class _Common(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    # Not supported: each is a 400 naming it when it would change the output.
+    # Token id (as a string, OpenAI's shape) -> bias in [-100, 100].
     logit_bias: dict[str, float] | None = None
+    # Not supported: a 400 naming it when it would change the output.
     best_of: int | None = None
 
     @property
@@ -126,7 +127,7 @@ Endpoint = Literal["chat", "completions"]
 
 def chat_input(body: ChatCompletionRequest, max_choices: int) -> generation_pb2.GenerateRequest:
     check_choices(body.n, max_choices)
-    tool_protocol.check_unsupported(body.logit_bias, body.best_of, None)
+    tool_protocol.check_unsupported(body.best_of, None)
     turns = [
         generation_pb2.ChatMessage(role=ROLE_ALIASES.get(m.role, m.role), content=_text(m.content, index),
                                    **tool_protocol.history_fields(m))
@@ -144,7 +145,7 @@ def chat_input(body: ChatCompletionRequest, max_choices: int) -> generation_pb2.
 
 def completion_inputs(body: CompletionRequest, max_choices: int) -> list[generation_pb2.GenerateRequest]:
     """One input per prompt (a list of prompts is a batch; choices come prompt by prompt)."""
-    tool_protocol.check_unsupported(body.logit_bias, body.best_of, body.suffix)
+    tool_protocol.check_unsupported(body.best_of, body.suffix)
     if body.echo and body.logprobs is not None:
         raise InvalidRequest("echo with logprobs is not supported (this server has no prompt logprobs); "
                              "send echo or logprobs alone")
@@ -179,6 +180,7 @@ def _input(body: _Common, max_tokens: int | None, *, top_logprobs: int, **text) 
         raise InvalidRequest(f"sampling.{problem}")
     sampling = {name: getattr(body, name) for name in generation_pb2.SamplingParams.DESCRIPTOR.fields_by_name}
     sampling["top_k"] = _int32(sampling["top_k"])
+    sampling["logit_bias"] = _logit_bias(body.logit_bias)
     request = generation_pb2.GenerateRequest(
         stop=stop,
         stop_token_ids=[_int32(token_id) for token_id in body.stop_token_ids or ()],
@@ -191,6 +193,19 @@ def _input(body: _Common, max_tokens: int | None, *, top_logprobs: int, **text) 
     if max_tokens is not None:
         request.max_tokens = _int32(max_tokens)
     return request
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's string keys as token ids (their range is checked with the vocabulary later)."""
+    if not bias:
+        return None
+    ids = {}
+    for key, value in bias.items():
+        try:
+            ids[_int32(int(key))] = value
+        except ValueError:
+            raise InvalidRequest(f"logit_bias: key {key!r} is not a token id") from None
+    return ids
 
 
 def _int32(value: int | None) -> int | None:

@@ -100,6 +100,10 @@ def chat_logprobs(logprobs: Sequence[TokenLogprob]) -> dict:
 
 
 def tool_call_body(call: generation_pb2.ToolCall, streamed: bool = False) -> dict:
+    """A call; streamed, a delta: the first of a call has its id and name, later ones (no id)
+    only more of the arguments."""
+    if streamed and not call.id:
+        return {"index": call.index, "function": {"arguments": call.arguments}}
     body = {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
     return {"index": call.index, **body} if streamed else body
 

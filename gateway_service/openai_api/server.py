@@ -3,7 +3,9 @@
 One loop for both APIs keeps one router pool, one tokenizer and one set of metrics; the work
 per request on the loop is the same for both (detokenizing, stop strings). The socket is bound
 here, before uvicorn starts, so that a taken port fails the gateway's start at once and a
-port of 0 in tests gets a free one. Signals stay with the gateway (it stops this server).
+port of 0 in tests gets a free one. Several gateway processes may listen on one port
+(SO_REUSEPORT): the kernel spreads new connections over them. Signals stay with the gateway
+(it stops this server).
 """
 
 from __future__ import annotations
@@ -105,6 +107,9 @@ class HttpServer:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # Gateway processes of one host share the port (`radixserve up --gateways N`), as gRPC
+        # shares its own by default; a socket bound without it still makes this bind fail.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
             sock.bind((host, port))
         except OSError:

@@ -102,11 +102,9 @@ def template_kwargs_text(kwargs: dict[str, Any] | None) -> str:
     return "" if not kwargs else json.dumps(kwargs)
 
 
-def check_unsupported(logit_bias: dict | None, best_of: int | None, suffix: str | None) -> None:
+def check_unsupported(best_of: int | None, suffix: str | None) -> None:
     """Fields that would change the output but are not implemented: a 400 naming each, never
     an answer that silently ignores them."""
-    if logit_bias:
-        raise InvalidRequest("logit_bias is not supported by this server")
     if best_of is not None and best_of > 1:
         raise InvalidRequest(f"best_of > 1 is not supported by this server (got {best_of}); use n")
     if suffix:

@@ -29,8 +29,7 @@ def in_policy_order(waiting: list[Request], policy: Policy, cache: RadixCache) -
         return list(waiting)
     if policy is Policy.LPM and len(waiting) <= LPM_MAX_WAITING:
         def key(request: Request) -> tuple[int, int]:
-            tokens = request.token_ids
-            matched = cache.match_prefix(tokens[: len(tokens) - 1]).matched_len
+            matched = cache.match_prefix(request.cacheable_prefix()).matched_len
             return (-matched, request.arrival)
         return sorted(waiting, key=key)
     return sorted(waiting, key=lambda request: request.arrival)

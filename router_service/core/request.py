@@ -18,6 +18,13 @@ class FinishReason(enum.Enum):
     FAILED = "failed"  # the workers failed, or the router found its own bookkeeping broken
 
 
+class Pooling(enum.Enum):
+    """An embedding request's pooling (see worker.proto `PoolingMode`)."""
+
+    LAST = "last"  # the last prompt position's hidden state: a cached prefix is fine
+    MEAN = "mean"  # the mean over every prompt position: each one must be computed
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     """A request's state. `token_ids` is prompt + output so far and only ever grows.
@@ -37,6 +44,8 @@ class Request:
       certainly written (only those may enter the cache). `num_unresolved` tokens were sampled
       in steps still in flight: they follow `token_ids`, value unknown, and the next decode
       entry refers to the first of them instead of carrying it.
+    An embedding request (`pooling` set) is a prompt with `max_tokens` 1 whose one "token" is
+    the workers' vector: it never decodes, and its whole prompt pages are cached like any.
     """
 
     request_id: str  # unique per router: it names the request on the workers
@@ -62,6 +71,9 @@ class Request:
     finish_reason: FinishReason | None = None
     # Speculative decoding: its n-gram lookup state, acceptance and draft counters.
     draft: DraftState = field(default_factory=DraftState)
+    # Embedding requests only: how the workers pool the prompt, and whether they normalise.
+    pooling: Pooling | None = None
+    normalize: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -70,6 +82,13 @@ class Request:
     @property
     def num_prompt(self) -> int:
         return len(self.prompt_ids)
+
+    def cacheable_prefix(self) -> list[int]:
+        """The tokens the prefix cache may serve: all but the last (whose logits or hidden state
+        are needed), none for mean pooling (which needs every position's hidden state)."""
+        if self.pooling is Pooling.MEAN:
+            return []
+        return self.token_ids[: len(self.token_ids) - 1]
 
     @property
     def num_pending(self) -> int:

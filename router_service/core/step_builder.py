@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from router_service.core.admission import Policy, defers, in_policy_order
 from router_service.core.lifecycle import Lifecycle
-from router_service.core.request import FinishReason, Request
+from router_service.core.request import FinishReason, Pooling, Request
 from router_service.core.speculation import Speculator
 from router_service.core.step_plan import ScheduledEntry, StepPlan
 
@@ -175,9 +175,9 @@ class StepBuilder:
             if self.budget == 0 or not self._has_slot():
                 break
             tokens = request.token_ids
-            # Leave at least the last token to compute: its logits give the next token.
-            match = self.pages.cache.match_prefix(tokens[: len(tokens) - 1])
-            if prefilling is not None and defers(request, match.matched_len, prefilling, self.pages.page_size):
+            match = self.pages.cache.match_prefix(request.cacheable_prefix())
+            may_defer = prefilling is not None and request.pooling is not Pooling.MEAN
+            if may_defer and defers(request, match.matched_len, prefilling, self.pages.page_size):
                 deferred = True
                 continue  # not short of pages: the ones behind it may go
             num_tokens = min(len(tokens) - match.matched_len, self.budget)

@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 # Medians are over this many recent steps: recent enough to follow a change of load, enough
 # to be stable.
 RECENT_STEPS = 1024
+# The newest step's weight in the step time reported to gateways (`StepCosts.step_time_s`): an
+# exponentially weighted mean follows a change of load within tens of steps, at no cost per read.
+STEP_TIME_WEIGHT = 0.1
 SECONDS_PER_MS = 1e-3
 
 
@@ -59,6 +62,13 @@ class StepCosts:
         self.router_cpu = RecentFigures()
         self._period_idle: list[float] = []
         self._period_cpu: list[float] = []
+        self.step_time_s = 0.0  # wall time per step, weighted towards the recent ones
+
+    def step_time(self, seconds: float) -> None:
+        """A step's wall time: from its send, or from the result before it when it was sent
+        earlier (overlap), to its result."""
+        previous = self.step_time_s
+        self.step_time_s = seconds if previous == 0.0 else previous + STEP_TIME_WEIGHT * (seconds - previous)
 
     def step_done(self, router_cpu_s: float, worker_idle_s: float | None) -> None:
         """A step's result was applied; `worker_idle_s` None: not sent back to back."""

@@ -23,7 +23,7 @@ from deploy_checks import (
     manifest_errors,
 )
 from pod_checks import pod_security_errors, probe_errors
-from topology_checks import k8s_worker_errors, network_policy_errors
+from topology_checks import k8s_worker_errors, lws_router_workers, network_policy_errors
 
 LAYOUTS = {"leaderworkerset": K8S_DIR, "statefulset": K8S_DIR / "statefulset"}
 needs_kubectl = pytest.mark.skipif(kubectl_binary() is None, reason="kubectl is not on PATH")
@@ -74,7 +74,7 @@ def test_kustomize_rejects_a_missing_resource(tmp_path: Path) -> None:
     broken = tmp_path / "k8s"
     shutil.copytree(K8S_DIR, broken)
     assert kustomize(broken)[1] == []
-    (broken / "base" / "router.yaml").unlink()
+    (broken / "base" / "gateway.yaml").unlink()
     assert kustomize(broken)[1] != []
     assert kustomize(broken / "statefulset")[1] != []
 
@@ -119,7 +119,8 @@ def _break(doc: dict[str, Any], path: str, value: Any) -> dict[str, Any]:
          "pdb-type", "command-type", "protocol-type", "configmap-value-type"],
 )
 def test_schema_check_rejects_broken_copies(kind: str, name: str, path: str, value: Any) -> None:
-    doc = find(kustomization_documents(K8S_DIR), kind, name)
+    # The router Deployment is the StatefulSet layout's (the other runs it in the LWS leader).
+    doc = find(kustomization_documents(K8S_DIR / "statefulset"), kind, name)
     assert builtin_errors(doc) == []
     assert builtin_errors(_break(doc, path, value)) != []
 
@@ -167,7 +168,9 @@ def test_router_lists_every_rank_in_order(layout_docs: list[dict[str, Any]]) -> 
 @pytest.mark.parametrize(
     ("kind", "path", "value", "message"),
     [
-        ("LeaderWorkerSet", "spec.leaderWorkerTemplate.size", 3, "RADIXSERVE_WORKERS"),
+        ("LeaderWorkerSet", "spec.leaderWorkerTemplate.leaderTemplate.spec.containers.1.args",
+         ['export RADIXSERVE_WORKERS="$LWS_LEADER_ADDRESS:50060" && exec python -m router_service'],
+         "RADIXSERVE_WORKERS"),
         ("LeaderWorkerSet", "spec.leaderWorkerTemplate.restartPolicy", "None", "recreated"),
         ("LeaderWorkerSet", "spec.leaderWorkerTemplate.workerTemplate.spec.containers.0.args",
          ["exec python -m worker_service"], "RANK"),
@@ -200,9 +203,11 @@ def _pod_specs(docs: list[dict[str, Any]]):
         if doc["kind"] not in {"Deployment", "StatefulSet", "LeaderWorkerSet"}:
             continue
         spec = doc["spec"]
-        pod = (spec["leaderWorkerTemplate"]["workerTemplate"] if doc["kind"] == "LeaderWorkerSet"
-               else spec["template"])["spec"]
-        yield doc["metadata"]["name"], pod
+        if doc["kind"] == "LeaderWorkerSet":
+            for key in ("leaderTemplate", "workerTemplate"):
+                yield f"{doc['metadata']['name']} {key}", spec["leaderWorkerTemplate"][key]["spec"]
+        else:
+            yield doc["metadata"]["name"], spec["template"]["spec"]
 
 
 def test_probes_and_shutdown(layout_docs: list[dict[str, Any]]) -> None:
@@ -227,23 +232,25 @@ def test_tls_is_on_everywhere(layout_docs: list[dict[str, Any]]) -> None:
     for name, pod in _pod_specs(layout_docs):
         secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
         assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsUser"], name
-        container = pod["containers"][0]
-        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
-        assert secrets.get(mounts.get("/certs")) == "radixserve-tls", name
-        env = configs[container["envFrom"][0]["configMapRef"]["name"]]
-        assert env["RADIXSERVE_MTLS"] == "true", name
-        for key in ("RADIXSERVE_TLS_CERT", "RADIXSERVE_TLS_KEY", "RADIXSERVE_TLS_CA",
-                    "RADIXSERVE_INTERNAL_TOKEN_FILE"):
-            assert env[key].startswith("/certs/"), (name, key)
+        for container in pod["containers"]:
+            mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+            assert secrets.get(mounts.get("/certs")) == "radixserve-tls", name
+            env = configs[container["envFrom"][0]["configMapRef"]["name"]]
+            assert env["RADIXSERVE_MTLS"] == "true", name
+            for key in ("RADIXSERVE_TLS_CERT", "RADIXSERVE_TLS_KEY", "RADIXSERVE_TLS_CA",
+                        "RADIXSERVE_INTERNAL_TOKEN_FILE"):
+                assert env[key].startswith("/certs/"), (name, key)
     assert configs["radixserve-gateway"]["RADIXSERVE_API_TOKEN_FILE"].startswith("/certs/")
     job = find(layout_docs, "Job", "radixserve-certs")
     command = job["spec"]["template"]["spec"]["containers"][0]["command"]
     assert command[:3] == ["python", "-m", "radixserve.k8s_secret"]
     names = {h.strip() for h in command[command.index("--hosts") + 1].split(",")}
-    called = [
-        *configs["radixserve-router"]["RADIXSERVE_WORKERS"].split(","),
-        *configs["radixserve-gateway"]["RADIXSERVE_ROUTERS"].split(","),
-    ]
+    lws = [d for d in layout_docs if d["kind"] == "LeaderWorkerSet"]
+    workers = (lws_router_workers(lws[0], "radixserve-worker-0.radixserve-worker.radixserve") if lws
+               else configs["radixserve-router"]["RADIXSERVE_WORKERS"].split(","))
+    gateway = configs["radixserve-gateway"]
+    # Routers found by DNS are called by address, their certificate checked for the name.
+    called = [*workers, *filter(None, gateway["RADIXSERVE_ROUTERS"].split(",")), gateway["RADIXSERVE_ROUTER_DNS"]]
     for address in called:
         host = address.rpartition(":")[0]
         wildcard = "*." + host.partition(".")[2]

@@ -19,33 +19,42 @@ WORKLOADS = {"Deployment", "StatefulSet", "LeaderWorkerSet"}
 COMPONENT_CONFIG = {"gateway": "radixserve-gateway", "router": "radixserve-router", "worker": "radixserve-worker"}
 
 
-def _pod_template(doc: dict[str, Any]) -> dict[str, Any]:
+def _pod_templates(doc: dict[str, Any]) -> list[dict[str, Any]]:
     spec = doc["spec"]
-    return spec["leaderWorkerTemplate"]["workerTemplate"] if doc["kind"] == "LeaderWorkerSet" else spec["template"]
+    if doc["kind"] == "LeaderWorkerSet":
+        return [spec["leaderWorkerTemplate"][key] for key in ("leaderTemplate", "workerTemplate")]
+    return [spec["template"]]
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_k8s_pods_expose_metrics_and_the_gateway_http(layout: str) -> None:
     docs = kustomization_documents(LAYOUTS[layout])
     workloads = [d for d in docs if d["kind"] in WORKLOADS and d["metadata"]["name"] != "radixserve-model"]
-    assert {_pod_template(d)["metadata"]["labels"]["app.kubernetes.io/component"] for d in workloads} \
-        == set(COMPONENT_CONFIG)
-    for doc in workloads:
-        template = _pod_template(doc)
-        component = template["metadata"]["labels"]["app.kubernetes.io/component"]
-        config = find(docs, "ConfigMap", COMPONENT_CONFIG[component])["data"]
-        ports = {p["name"]: p["containerPort"] for p in template["spec"]["containers"][0]["ports"]}
+    templates = [t for d in workloads for t in _pod_templates(d)]
+    configs = {c["envFrom"][0]["configMapRef"]["name"] for t in templates for c in t["spec"]["containers"]}
+    assert configs == set(COMPONENT_CONFIG.values())  # every service runs somewhere
+    scraped: set[str] = set()
+    for template in templates:
         annotations = template["metadata"].get("annotations", {})
-        assert annotations.get("prometheus.io/scrape") == "true", doc["metadata"]["name"]
-        assert int(annotations["prometheus.io/port"]) == ports["metrics"] == int(config["RADIXSERVE_METRICS_PORT"])
-        if component == "gateway":
-            assert ports["http"] == int(config["RADIXSERVE_HTTP_PORT"])
-            service = find(docs, "Service", "radixserve-gateway")
-            assert {"name": "http", "port": ports["http"], "targetPort": "http"}.items() <= \
-                next(p for p in service["spec"]["ports"] if p["name"] == "http").items()
+        assert annotations.get("prometheus.io/scrape") == "true", template["metadata"]
+        for index, container in enumerate(template["spec"]["containers"]):
+            config_name = container["envFrom"][0]["configMapRef"]["name"]
+            config = find(docs, "ConfigMap", config_name)["data"]
+            ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+            metrics_name = next(name for name in ports if name.endswith("metrics"))
+            scraped.add(metrics_name)
+            assert ports[metrics_name] == int(config["RADIXSERVE_METRICS_PORT"]), config_name
+            if index == 0:
+                assert int(annotations["prometheus.io/port"]) == ports[metrics_name]
+            component = config_name.removeprefix("radixserve-")
+            if component == "gateway":
+                assert ports["http"] == int(config["RADIXSERVE_HTTP_PORT"])
+                service = find(docs, "Service", "radixserve-gateway")
+                assert {"name": "http", "port": ports["http"], "targetPort": "http"}.items() <= \
+                    next(p for p in service["spec"]["ports"] if p["name"] == "http").items()
     metrics = find(docs, "NetworkPolicy", "radixserve-metrics")
     for rule in metrics["spec"]["ingress"]:
-        assert [p["port"] for p in rule["ports"]] == ["metrics"]
+        assert scraped <= {p["port"] for p in rule["ports"]} <= {"metrics", "router-metrics"}
         assert all(set(peer) == {"namespaceSelector"} for peer in rule["from"])
 
 
@@ -53,7 +62,7 @@ def test_podmonitor_scrapes_the_metrics_port() -> None:
     monitor = yaml.safe_load((K8S_DIR / "monitoring" / "podmonitor.yaml").read_text())
     assert monitor["kind"] == "PodMonitor"
     assert monitor["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "radixserve"}
-    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["metrics"]
+    assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["metrics", "router-metrics"]
 
 
 @pytest.mark.skipif(compose_binary() is None, reason="no docker-compose binary")

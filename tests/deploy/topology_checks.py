@@ -8,6 +8,7 @@ Each returns a list of errors, empty when the layout is right.
 
 from __future__ import annotations
 
+import subprocess
 from typing import Any
 
 PROBE_MODULE = "radixserve.health_probe"
@@ -151,6 +152,30 @@ def _config(docs: list[dict[str, Any]], name: str) -> dict[str, str]:
     return {}
 
 
+NAMESPACE = "radixserve"
+
+
+def lws_router(lws: dict[str, Any]) -> dict[str, Any] | None:
+    """The router container of a LeaderWorkerSet's leader pod, if it has one."""
+    leader = lws["spec"]["leaderWorkerTemplate"].get("leaderTemplate") or {"spec": {"containers": []}}
+    return next((c for c in leader["spec"]["containers"] if c["name"] == "router"), None)
+
+
+def lws_router_workers(lws: dict[str, Any], leader_address: str) -> list[str]:
+    """RADIXSERVE_WORKERS as the leader pod's router command sets it for a group whose leader is
+    at `leader_address` (its shell script run with the LWS variables, the router left out)."""
+    router = lws_router(lws)
+    if router is None:
+        return []
+    script = " ".join(router.get("args", []))
+    script = script.replace("exec python -m router_service", 'printf %s "$RADIXSERVE_WORKERS"')
+    size = lws["spec"]["leaderWorkerTemplate"].get("size", 1)
+    result = subprocess.run(["/bin/sh", "-c", script], capture_output=True, text=True, timeout=10,
+                            env={"LWS_LEADER_ADDRESS": leader_address, "LWS_GROUP_SIZE": str(size),
+                                 "PATH": "/usr/bin:/bin"})
+    return result.stdout.split(",") if result.returncode == 0 else [f"(script failed: {result.stderr})"]
+
+
 def k8s_worker_errors(docs: list[dict[str, Any]]) -> list[str]:
     """The router's worker list against the LeaderWorkerSet or StatefulSet that makes the ranks."""
     errors: list[str] = []
@@ -163,10 +188,12 @@ def k8s_worker_errors(docs: list[dict[str, Any]]) -> list[str]:
     if lws:
         name = lws[0]["metadata"]["name"]
         size = lws[0]["spec"]["leaderWorkerTemplate"].get("size")
-        # Group 0: the leader pod <name>-0, workers <name>-0-<index>, under the LWS's
-        # headless Service <name>.
-        expected = [f"{name}-0.{name}:{port}"] + [f"{name}-0-{i}.{name}:{port}"
-                                                  for i in range(1, size or 0)]
+        # Group 1 as LWS names it: the leader pod <name>-1, workers <name>-1-<index>, under the
+        # LWS's headless Service <name> (LWS_LEADER_ADDRESS is qualified by the namespace); the
+        # router in the leader pod names them from the LWS variables.
+        domain = f"{name}.{NAMESPACE}"
+        expected = [f"{name}-1.{domain}:{port}"] + [f"{name}-1-{i}.{domain}:{port}" for i in range(1, size or 0)]
+        addresses = lws_router_workers(lws[0], f"{name}-1.{domain}")
         template = lws[0]["spec"]["leaderWorkerTemplate"]["workerTemplate"]
         script = " ".join(template["spec"]["containers"][0].get("args", []))
         for ours, theirs in (("RANK", "LWS_WORKER_INDEX"), ("WORLD_SIZE", "LWS_GROUP_SIZE"),
@@ -209,7 +236,8 @@ def network_policy_errors(docs: list[dict[str, Any]]) -> list[str]:
     if not any(p["spec"].get("podSelector") == {} and not p["spec"].get("ingress")
                and "Ingress" in p["spec"].get("policyTypes", []) for p in policies):
         errors.append("no default-deny ingress policy")
-    allowed = {"router": {"gateway"}, "worker": {"router", "worker"}}
+    # A LeaderWorkerSet group's router pod is its leader and runs rank 0 beside the router.
+    allowed = {"router": {"gateway", "worker"}, "worker": {"router", "worker"}}
     for component, sources in allowed.items():
         selected = [p for p in policies if p["spec"].get("podSelector", {}).get("matchLabels", {})
                     .get("app.kubernetes.io/component") == component]

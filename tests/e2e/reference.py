@@ -36,6 +36,9 @@ def greedy_references(model_dir: Path) -> list[Reference]:
     source = resolve_model(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(source.folder, **source.hf_kwargs())
     model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=torch.float32, **source.hf_kwargs()).eval()
+    # `generate` stops on every id the generation config lists, as the stack does.
+    eos = model.generation_config.eos_token_id
+    eos_token_ids = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
     references = []
     for chat in CHATS:
         inputs = tokenizer.apply_chat_template(
@@ -49,6 +52,6 @@ def greedy_references(model_dir: Path) -> list[Reference]:
             prompt_ids=prompt_ids,
             output_ids=output_ids,
             text=tokenizer.decode(output_ids, skip_special_tokens=True),
-            finished_by_eos=output_ids[-1] == tokenizer.eos_token_id,
+            finished_by_eos=output_ids[-1] in eos_token_ids,
         ))
     return references

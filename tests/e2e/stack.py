@@ -28,12 +28,13 @@ def _is_free(port: int) -> bool:
         return True
 
 
-def free_port_block(tp: int) -> int:
-    """A gateway port P whose whole block (P, P+1, P+9 ... P+9+tp-1) is free right now."""
+def free_port_block(tp: int, replicas: int = 1) -> int:
+    """A gateway port P whose whole block (P, a router port per replica from P+1, P+9 ...
+    P+9+tp*replicas-1) is free right now."""
     for _ in range(200):
         port = random.randint(20000, 45000)
-        needed = [port, port + ROUTER_PORT_OFFSET,
-                  *(port + WORKER_PORT_OFFSET + r for r in range(tp))]
+        needed = [port, *(port + ROUTER_PORT_OFFSET + k for k in range(replicas)),
+                  *(port + WORKER_PORT_OFFSET + r for r in range(tp * replicas))]
         if all(_is_free(p) for p in needed):
             return port
     raise RuntimeError("no free port block found")
@@ -89,20 +90,21 @@ def launch(
     with_http: bool = False,
     device: str = "cpu",
     dtype: str = "float32",
+    replicas: int = 1,
 ) -> LaunchedStack:
     """`extra_args` go to `radixserve up`; `credentials` are for its health (TLS stacks);
     `with_http`: also the HTTP API and every /metrics endpoint, on free ports."""
-    port = free_port_block(tp)
+    port = free_port_block(tp, replicas)
     http_port = metrics_port = 0
     if with_http:
         http_port = free_port_block(0)
-        metrics_port = free_port_block(tp)
+        metrics_port = free_port_block(tp, replicas)
     procs.start(
         "stack",
         [sys.executable, "-m", "radixserve.launcher", "up", "--model", str(model_dir),
          "--tp", str(tp), "--port", str(port), "--device", device, "--dtype", dtype, "--kv-cache-mb", "64",
          "--shutdown-timeout-s", "20", "--http-port", str(http_port),
-         "--metrics-port", str(metrics_port), *extra_args],
+         "--metrics-port", str(metrics_port), "--replicas", str(replicas), *extra_args],
         # The launcher passes its environment on: the gateway reads the first; one torch
         # thread per worker, since the test session sets OMP_NUM_THREADS=2 for itself and
         # ranks spinning against each other on two busy cores are many times slower.

@@ -15,11 +15,10 @@ import pytest
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_openai import ChatOpenAI
 
-from constrained_model import make_constrained_model
-from e2e.stack import LaunchedStack, launch
-from procs import ServiceProcesses
+from e2e.agent_model import AGENT_MAX_TOKENS, AGENT_MODEL
+from e2e.stack import LaunchedStack
 
-MODEL = "tiny-agent"
+MODEL = AGENT_MODEL
 TIMEOUT_S = 60.0
 # Small schemas with bounded values, so a sampled call ends well within max_tokens.
 LEVEL_SCHEMA = {
@@ -37,21 +36,17 @@ SCHEMAS = {"set_level": LEVEL_SCHEMA, "get_weather": WEATHER_SCHEMA}
 TOOLS = [{"type": "function", "function": {"name": name, "description": f"{name} tool", "parameters": schema}}
          for name, schema in SCHEMAS.items()]
 CHAT = [{"role": "user", "content": "What is the weather in Paris?"}]
-MAX_TOKENS = 64
+MAX_TOKENS = AGENT_MAX_TOKENS
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory, smollm2_dir):
-    model_dir = make_constrained_model(tmp_path_factory.mktemp("agent") / MODEL, smollm2_dir)
-    with ServiceProcesses() as procs:
-        yield launch(procs, model_dir, tp=1, default_max_tokens=MAX_TOKENS, with_http=True)
+def stack(agent_stack: LaunchedStack) -> LaunchedStack:
+    return agent_stack
 
 
 @pytest.fixture(scope="module")
-def api(stack: LaunchedStack) -> openai.OpenAI:
-    with openai.OpenAI(base_url=f"{stack.http_base}/v1", api_key="unused", max_retries=0,
-                       timeout=TIMEOUT_S) as client:
-        yield client
+def api(agent_api: openai.OpenAI) -> openai.OpenAI:
+    return agent_api
 
 
 def langchain_model(stack: LaunchedStack, **settings) -> ChatOpenAI:
@@ -123,6 +118,7 @@ def test_openai_client_streamed_calls_reassemble(api) -> None:
     whole = api.chat.completions.create(**fields).choices[0].message.tool_calls
     calls: dict[int, dict] = {}
     finish = None
+    num_pieces = 0
     for chunk in api.chat.completions.create(**fields, stream=True):
         delta = chunk.choices[0].delta
         finish = chunk.choices[0].finish_reason or finish
@@ -131,7 +127,10 @@ def test_openai_client_streamed_calls_reassemble(api) -> None:
             entry["id"] += part.id or ""
             entry["name"] += part.function.name or ""
             entry["arguments"] += part.function.arguments or ""
+            num_pieces += bool(part.function.arguments)
     assert finish == "tool_calls"
+    # The arguments arrive as they are generated, in many deltas (not one whole call at the end).
+    assert num_pieces > 3
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
         (c.function.name, json.loads(c.function.arguments)) for c in whole]
     for call in whole:

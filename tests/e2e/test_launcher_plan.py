@@ -82,3 +82,56 @@ def test_quantization_is_passed_to_every_worker_rank():
         assert worker.cmd[worker.cmd.index("--quantization") + 1] == "int4"
     default, _, _ = plan_stack(config_from_args(["up"]), python="py").groups
     assert default[0].cmd[default[0].cmd.index("--quantization") + 1] == "none"
+
+
+def test_gateways_share_the_public_ports_and_have_metrics_ports_of_their_own():
+    args = config_from_args(["up", "--gateways", "3", "--port", "6000", "--http-port", "8000",
+                             "--metrics-port", "7000", "--model", "m"])
+    _, (router,), gateways = plan_stack(args, python="py").groups
+    assert [g.name for g in gateways] == ["gateway", "gateway1", "gateway2"]
+    for gateway in gateways:
+        assert gateway.cmd[gateway.cmd.index("--port") + 1] == "6000"
+        assert gateway.cmd[gateway.cmd.index("--http-port") + 1] == "8000"
+        assert gateway.cmd[gateway.cmd.index("--routers") + 1] == "127.0.0.1:6001"
+        assert gateway.health_address == "127.0.0.1:6000"
+    # Gateway M, router M+1, the rank M+9, the other gateways after it: M+10, M+11.
+    assert [g.cmd[g.cmd.index("--metrics-port") + 1] for g in gateways] == ["7000", "7010", "7011"]
+    assert router.cmd[router.cmd.index("--metrics-port") + 1] == "7001"
+    off = config_from_args(["up", "--gateways", "2", "--metrics-port", "0", "--model", "m"])
+    assert {g.cmd[g.cmd.index("--metrics-port") + 1] for g in plan_stack(off, python="py").groups[2]} == {"0"}
+
+
+def test_replicas_get_their_own_router_and_worker_group_and_the_gateway_knows_them_all():
+    args = config_from_args(["up", "--replicas", "2", "--tp", "2", "--port", "6000", "--metrics-port", "7000",
+                             "--model", "m"])
+    workers, routers, (gateway,) = plan_stack(args, python="py").groups
+    assert [w.name for w in workers] == ["worker0", "worker1", "worker0_1", "worker1_1"]
+    assert [w.health_address for w in workers] == [f"127.0.0.1:{p}" for p in (6009, 6010, 6011, 6012)]
+    assert [r.name for r in routers] == ["router", "router_1"]
+    assert [r.cmd[r.cmd.index("--workers") + 1] for r in routers] == [
+        "127.0.0.1:6009,127.0.0.1:6010", "127.0.0.1:6011,127.0.0.1:6012"]
+    assert [r.cmd[r.cmd.index("--metrics-port") + 1] for r in routers] == ["7001", "7002"]
+    assert [w.cmd[w.cmd.index("--metrics-port") + 1] for w in workers] == ["7009", "7010", "7011", "7012"]
+    # Each group rendezvouses on its own port; ranks of one group share theirs.
+    assert workers[0].env["MASTER_PORT"] == workers[1].env["MASTER_PORT"]
+    assert workers[2].env["MASTER_PORT"] == workers[3].env["MASTER_PORT"]
+    assert workers[0].env["MASTER_PORT"] != workers[2].env["MASTER_PORT"]
+    assert gateway.cmd[gateway.cmd.index("--routers") + 1] == "127.0.0.1:6001,127.0.0.1:6002"
+
+
+def test_replicas_and_gateways_together_keep_every_port_apart():
+    args = config_from_args(["up", "--replicas", "3", "--gateways", "2", "--tp", "2", "--port", "6000",
+                             "--metrics-port", "7000", "--model", "m"])
+    workers, routers, gateways = plan_stack(args, python="py").groups
+    metrics = [c.cmd[c.cmd.index("--metrics-port") + 1] for c in (*workers, *routers, *gateways)]
+    assert len(set(metrics)) == len(metrics) == 6 + 3 + 2
+    listening = [c.health_address for c in (*workers, *routers)] + [gateways[0].health_address]
+    assert len(set(listening)) == len(listening)
+    assert {g.cmd[g.cmd.index("--routers") + 1] for g in gateways} == {",".join(r.health_address for r in routers)}
+
+
+def test_deterministic_is_passed_to_every_worker_rank():
+    workers = plan_stack(config_from_args(["up", "--tp", "2", "--deterministic"]), python="py").groups[0]
+    assert all("--deterministic" in worker.cmd for worker in workers)
+    workers = plan_stack(config_from_args(["up"]), python="py").groups[0]
+    assert all("--no-deterministic" in worker.cmd for worker in workers)

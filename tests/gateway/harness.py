@@ -59,11 +59,12 @@ class GatewayHarness:
 
 def start_harness(
     tokenizer: Tokenizer, num_routers: int = 2, with_http: bool = False,
-    token_check: TokenCheck | None = None,
+    token_check: TokenCheck | None = None, router_class: type[FakeRouter] = FakeRouter,
 ) -> GatewayHarness:
-    """`with_http`: also the OpenAI-compatible HTTP API on a free port (`gateway.http.port`)."""
+    """`with_http`: also the OpenAI-compatible HTTP API on a free port (`gateway.http.port`);
+    `router_class`: the fake routers' kind (`FakeRouter` or a subclass)."""
     loop = BackgroundLoop()
-    routers = [FakeRouter(server_info()) for _ in range(num_routers)]
+    routers = [router_class(server_info()) for _ in range(num_routers)]
     for router in routers:
         loop.run(router.start())
     config = GatewayConfig(

@@ -79,9 +79,11 @@ def test_streamed_call_reassembles_to_the_same_call(harness, api, tokenizer) -> 
     content = "".join(c.choices[0].delta.content or "" for c in chunks)
     deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or ()]
     assert content == "Checking. "
-    assert len(deltas) == 1 and deltas[0].index == 0 and deltas[0].id.startswith("call_")
+    # The call streams as OpenAI's deltas: the first names it (id, name), the rest add arguments.
+    assert len(deltas) > 1 and {d.index for d in deltas} == {0} and deltas[0].id.startswith("call_")
     assert deltas[0].function.name == "get_weather"
-    assert json.loads(deltas[0].function.arguments) == {"city": "Paris"}
+    assert all(d.id is None and d.function.name is None for d in deltas[1:])
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == {"city": "Paris"}
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
@@ -193,11 +195,13 @@ def test_tokenize_detokenize_and_model_routes(harness, tokenizer) -> None:
 
 
 UNSUPPORTED = [
-    ("chat", {"logit_bias": {"50256": -100}}, "logit_bias"),
+    ("chat", {"logit_bias": {"99999999": -100}}, "logit_bias: token id 99999999"),
+    ("chat", {"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias: at most 300"),
     ("chat", {"best_of": 2}, "best_of"),
     ("completions", {"suffix": "end."}, "suffix"),
     ("completions", {"best_of": 3}, "best_of"),
-    ("completions", {"logit_bias": {"1": 5}}, "logit_bias"),
+    ("completions", {"logit_bias": {"1": 100.5}}, "logit_bias[1]"),
+    ("completions", {"logit_bias": {"one": 5}}, "logit_bias: key 'one'"),
     ("completions", {"echo": True, "logprobs": 1}, "echo with logprobs"),
     ("chat", {"tool_choice": "required"}, "no tools"),
     ("chat", {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope'"),
@@ -220,3 +224,10 @@ def test_fields_that_would_be_ignored_are_a_400_naming_them(harness, endpoint, f
     assert reply.status_code == 400, reply.text
     assert named in reply.json()["error"]["message"]
     assert len(harness.all_requests()) == before  # refused before any router saw it
+
+
+def test_logit_bias_reaches_the_router_as_token_ids(harness) -> None:
+    body = {"model": MODEL, "messages": CHAT, "logit_bias": {"5": 50, "17": -100}, "max_tokens": 2}
+    reply = httpx.post(f"{_base(harness)}/v1/chat/completions", json=body, timeout=TIMEOUT_S)
+    assert reply.status_code == 200, reply.text
+    assert dict(harness.all_requests()[-1].sampling.logit_bias) == {5: 50.0, 17: -100.0}

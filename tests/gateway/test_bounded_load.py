@@ -7,7 +7,7 @@ import random
 import pytest
 
 from gateway_service.bounded_load import capacity, choose_bounded
-from gateway_service.router_choice import affinity_key, rendezvous_order
+from gateway_service.rendezvous import affinity_key, rendezvous_order
 
 ADDRESSES = [f"10.0.0.{i}:50052" for i in range(8)]
 
@@ -16,17 +16,20 @@ def test_takes_the_first_choice_while_it_is_within_the_bound() -> None:
     order = rendezvous_order(ADDRESSES, affinity_key([1, 2, 3], 64))
     assert choose_bounded(order, {}) == order[0]
     loads = dict.fromkeys(ADDRESSES, 4)
-    # 32 outstanding over 8: capacity ceil(1.25 * 33 / 8) = 6, the first choice has 4 (+1).
-    assert capacity(32, 8, 1.25) == 6
+    # 32 outstanding over 8: capacity floor(1.25 * 33 / 8) = 5, the first choice has 4 (+1).
+    assert capacity(32, 8, 1.25) == 5
     assert choose_bounded(order, loads, 1.25) == order[0]
-    loads[order[0]] = 6  # 34 outstanding: capacity ceil(1.25 * 35 / 8) = 6
+    loads[order[0]] = 6  # 34 outstanding: capacity floor(1.25 * 35 / 8) = 5
     assert choose_bounded(order, loads, 1.25) == order[1]  # full: spill to the second choice
-    loads[order[1]] = 9  # 39 outstanding: capacity 7, and the first choice is under it again
-    assert choose_bounded(order, loads, 1.25) == order[0]
-    loads[order[0]] = 7
+    loads[order[1]] = 9  # 39 outstanding: capacity 6, both full
     assert choose_bounded(order, loads, 1.25) == order[2]
     assert choose_bounded(order, loads, 1.25, total_load=sum(loads.values())) == order[2]
     assert choose_bounded(order, loads, 1.25, total_load=1000) == order[0]  # a larger mean
+    # Never below ceil((total + 1) / n), which the least loaded replica is always within.
+    assert capacity(5, 4, 1.0) == 2 and capacity(0, 8, 1.25) == 1
+    for total in range(40):
+        for n in range(1, 9):
+            assert capacity(total, n, 1.0) >= total // n + 1
 
 
 def test_a_hot_prefix_spreads_and_the_busiest_stays_within_the_bound() -> None:
@@ -65,3 +68,47 @@ def test_a_huge_bound_is_pure_affinity_and_bad_input_is_refused() -> None:
         choose_bounded(order, loads, 0.5)
     with pytest.raises(ValueError):
         choose_bounded([], loads)
+
+
+def test_choose_ranked_is_choose_bounded_over_the_rendezvous_order_after_the_preferred() -> None:
+    from gateway_service.bounded_load import choose_ranked
+    from gateway_service.rendezvous import Ranking
+
+    ranking = Ranking(ADDRESSES)
+    rng = random.Random(3)
+    for _ in range(300):
+        key = affinity_key([rng.randrange(1000)], 64)
+        loads = {address: rng.randrange(6) for address in ADDRESSES}
+        order = ranking.order(key)
+        assert order == rendezvous_order(ADDRESSES, key)
+        weights = ranking.weights(key)
+        assert choose_ranked(ranking.names, weights, loads, 1.25) == choose_bounded(order, loads, 1.25)
+        preferred = rng.choice(ADDRESSES)
+        expected = choose_bounded([preferred] + [a for a in order if a != preferred], loads, 1.25)
+        assert choose_ranked(ranking.names, weights, loads, 1.25, preferred=preferred) == expected
+
+
+def test_the_preferred_replica_has_a_bound_of_its_own() -> None:
+    from gateway_service.bounded_load import choose_ranked
+    from gateway_service.rendezvous import Ranking
+
+    ranking = Ranking(ADDRESSES)
+    weights = ranking.weights(affinity_key([8], 64))
+    order = ranking.order(affinity_key([8], 64))
+    preferred = order[-1]
+    loads = dict.fromkeys(ADDRESSES, 4)
+    loads[preferred] = 5  # 33 outstanding: capacity 5 at 1.25, 6 at 1.5
+    assert choose_ranked(ranking.names, weights, loads, 1.25, preferred=preferred) == order[0]
+    assert choose_ranked(ranking.names, weights, loads, 1.25, preferred=preferred, preferred_bound=1.5) == preferred
+    loads[preferred] = 6
+    assert choose_ranked(ranking.names, weights, loads, 1.25, preferred=preferred, preferred_bound=1.5) == order[0]
+    loads[preferred] = 4  # a preferred bound below the bound counts as the bound
+    assert choose_ranked(ranking.names, weights, loads, 1.25, preferred=preferred, preferred_bound=1.0) == preferred
+
+
+def test_the_gateway_needs_a_router_address_or_a_dns_name() -> None:
+    from gateway_service.config import GatewayConfig
+
+    with pytest.raises(ValueError, match="--routers or --router-dns"):
+        GatewayConfig(routers=())
+    assert GatewayConfig(routers=(), router_dns="routers:50052").router_dns == "routers:50052"

@@ -90,3 +90,13 @@ def test_only_small_output_work_runs_on_the_event_loop(tokenizer):
     for _ in range(CHEAP_WINDOW + 1):
         assembler.add([lead_byte])
     assert not assembler.is_cheap(ids[:1])  # the next add would decode the whole held-back run
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=49151), max_size=30))
+def test_decoding_matches_the_transformers_tokenizer(tokenizer, ids):
+    """The gateway decodes with the fast tokenizer's own (Rust) decoder: the text must be what
+    transformers' `decode` gives, with and without special tokens."""
+    assert tokenizer.decode(ids) == tokenizer.hf.decode(ids, skip_special_tokens=True)
+    assert tokenizer.decode_all(ids) == tokenizer.hf.decode(ids, skip_special_tokens=False)
+    assert [tokenizer.token_text(t) for t in ids[:5]] == [tokenizer.hf.decode([t]) for t in ids[:5]]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway_service.router_choice import affinity_key, rendezvous_order
+from gateway_service.rendezvous import affinity_key, rendezvous_order
 
 ROUTERS = ["10.0.0.1:50052", "10.0.0.2:50052", "10.0.0.3:50052"]
 
@@ -26,3 +26,13 @@ def test_removing_a_router_only_moves_its_own_keys():
         without = rendezvous_order([r for r in ROUTERS if r != ROUTERS[0]], key)
         # Failover order is the full order with the missing router skipped.
         assert without == [r for r in full if r != ROUTERS[0]]
+
+
+def test_the_vectorized_weights_are_the_documented_mix() -> None:
+    from gateway_service.rendezvous import Ranking, hash64, weight
+
+    ranking = Ranking(ROUTERS)
+    key = affinity_key([4, 5, 6], 8)
+    expected = [weight(hash64(name.encode()), hash64(key)) for name in ROUTERS]
+    assert ranking.weights(key).tolist() == expected
+    assert ranking.order(key) == sorted(ROUTERS, key=lambda name: expected[ROUTERS.index(name)], reverse=True)

@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from gateway.harness import CONTEXT_LEN, EOS_TOKEN_ID
-from gateway_service.router_choice import affinity_key, rendezvous_order
+from gateway_service.rendezvous import affinity_key, rendezvous_order
 from radixserve.v1 import generation_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)

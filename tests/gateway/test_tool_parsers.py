@@ -124,3 +124,52 @@ def test_the_default_parser_comes_from_the_template() -> None:
     assert isinstance(detect_tool_parser("{{ '[AVAILABLE_TOOLS]' }}{{ '[TOOL_CALLS]' }}"), MistralParser)
     assert isinstance(detect_tool_parser("{{ message['content'] }}"), HermesParser)  # no tools: the fallback
     assert isinstance(tool_parser("mistral", "{{ '<tool_call>' }}"), MistralParser)  # the flag wins
+
+
+def _incremental_feed(parser, text: str, size: int) -> tuple[str, dict[int, list], list[int]]:
+    """Feed `text` in pieces of `size` with incremental calls: (content, per call index its
+    name and argument pieces, how many pieces each feed gave)."""
+    splitter = ToolCallSplitter(parser, incremental=True)
+    content, calls, counts = [], {}, []
+    pieces = [text[i:i + size] for i in range(0, len(text), size)]
+    for piece in pieces:
+        content.append(splitter.feed(piece))
+        deltas = splitter.deltas()
+        counts.append(len(deltas))
+        for delta in deltas:
+            _add_delta(calls, delta)
+    rest, parsed = splitter.finish()
+    for delta in splitter.final_deltas(parsed):
+        _add_delta(calls, delta)
+    return "".join(content) + rest, calls, counts
+
+
+def _add_delta(calls: dict, delta) -> None:
+    if delta.name is not None:
+        assert delta.index not in calls, "a call is named once, on its first piece"
+        calls[delta.index] = [delta.name, []]
+    calls[delta.index][1].append(delta.arguments)
+
+
+@pytest.mark.parametrize("parser, text, content, expected", RECORDED)
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_incremental_pieces_reassemble_to_the_parsed_calls(parser, text, content, expected, size) -> None:
+    got_content, calls, _ = _incremental_feed(parser(), text, size)
+    assert got_content == content
+    assert [(name, json.loads("".join(pieces))) for name, pieces in calls.values()] == [
+        (call.name, json.loads(call.arguments)) for call in expected]
+
+
+def test_arguments_stream_while_they_are_generated() -> None:
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+    _, calls, counts = _incremental_feed(HermesParser(), text, 4)
+    assert calls[0][0] == "get_weather"
+    assert len([piece for piece in calls[0][1] if piece]) > 5  # many pieces, not one
+    first_named = next(i for i, count in enumerate(counts) if count)
+    assert first_named * 4 < text.index('"city"')  # the name went out before the arguments were done
+
+
+def test_a_streamed_call_cut_short_is_not_repeated_as_content() -> None:
+    content, calls, _ = _incremental_feed(HermesParser(), MALFORMED[0][1], 5)
+    assert content == "" and calls[0][0] == "get_weather"
+    assert "".join(calls[0][1]) == '{"city": "Par'

@@ -41,31 +41,34 @@ async def wait_serving(address: str, timeout_s: float = HEALTH_TIMEOUT_S) -> Non
 
 @contextlib.asynccontextmanager
 async def running_router(
-    num_pages: list[int], config: RouterConfig | None = None, **fake_kwargs
+    num_pages: list[int], config: RouterConfig | None = None, *, host: str = "127.0.0.1", port: int = 0,
+    **fake_kwargs,
 ) -> AsyncIterator[Harness]:
-    """Fake worker ranks (one per entry of `num_pages`) and a router on free loopback ports."""
+    """Fake worker ranks (one per entry of `num_pages`) and a router on free loopback ports (the
+    router at `host`:`port` when `port` is given)."""
     servers = []
     workers = []
     stop = asyncio.Event()
     engine_task = None
     try:
         for rank, pages in enumerate(num_pages):
-            server, port, worker = await start_fake_worker(
+            server, worker_port, worker = await start_fake_worker(
                 rank=rank, world_size=len(num_pages), num_pages=pages, **fake_kwargs
             )
-            servers.append((server, port))
+            servers.append((server, worker_port))
             workers.append(worker)
         base = config or RouterConfig()
-        router_port = free_port()
+        router_port = port or free_port()
         config = dataclasses.replace(
             base,
+            host=host,
             port=router_port,
-            workers=tuple(f"127.0.0.1:{port}" for _, port in servers),
+            workers=tuple(f"127.0.0.1:{worker_port}" for _, worker_port in servers),
             reconnect_interval_s=0.2,
             metrics_port=0,
         )
         engine_task = asyncio.create_task(serve_until(Router.start, config, stop))
-        address = f"127.0.0.1:{router_port}"
+        address = f"{host}:{router_port}"
         await wait_serving(address)
         async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
             yield Harness(router_pb2_grpc.RouterServiceStub(channel), address, workers, servers)

@@ -1,10 +1,12 @@
-"""Prefix reuse with the real worker and the default model: cached tokens are not recomputed."""
+"""Prefix reuse with the real worker and the default model: cached tokens are not recomputed
+(the router reports them cached) and what is computed on top of them is transformers' greedy
+output. How much faster a cached prefix is belongs to the benchmarks (the shared-prefix workload of
+bench/workloads.py), not to a timed assertion here."""
 
 from __future__ import annotations
 
 import asyncio
 import random
-import time
 
 import grpc
 import pytest
@@ -19,22 +21,19 @@ PREFIX_LEN = 500
 # Enough KV for a few 500-token requests without loading the machine with the 1 GiB default.
 KV_CACHE_MB = 96
 MAX_TOKENS = 4
-NUM_PAIRS = 3
+NUM_PAIRS = 2
 # A generated token counts as greedy when its reference logit is this close to the maximum.
 LOGIT_TOLERANCE = 1e-3
 
 
-async def time_to_first_token(stub, prompt: list[int]) -> tuple[float, list[int], object]:
-    start = time.perf_counter()
-    first = None
+async def generate(stub, prompt: list[int]) -> tuple[list[int], object]:
+    """The tokens and the last response of a greedy request."""
     tokens: list[int] = []
     last = None
     async for response in stub.Generate(generate_request(prompt, MAX_TOKENS), timeout=300):
-        if first is None:
-            first = time.perf_counter() - start
         tokens.extend(response.token_ids)
         last = response
-    return first, tokens, last
+    return tokens, last
 
 
 @pytest.mark.timeout(300)
@@ -46,8 +45,7 @@ def test_shared_500_token_prefix_is_served_from_cache(smollm2_dir) -> None:
     def fresh(num_tokens: int) -> list[int]:
         return [rng.randrange(100, 40000) for _ in range(num_tokens)]
 
-    # Pairs of (cold request, warm request sharing its 500-token prefix), back to back so that
-    # both see the same load from other processes on the machine; the best pair decides.
+    # Pairs of (cold request, warm request sharing its 500-token prefix).
     cold_prompts = [fresh(PREFIX_LEN) + fresh(12) for _ in range(NUM_PAIRS)]
     warm_prompts = [prompt[:PREFIX_LEN] + fresh(12) for prompt in cold_prompts]
     with ServiceProcesses() as procs:
@@ -65,23 +63,20 @@ def test_shared_500_token_prefix_is_served_from_cache(smollm2_dir) -> None:
         async def scenario():
             async with grpc.aio.insecure_channel(router_address, options=CHANNEL_OPTIONS) as channel:
                 stub = router_pb2_grpc.RouterServiceStub(channel)
-                await time_to_first_token(stub, [1, 2, 3])  # one-time warm-up costs out of the way
                 pairs = []
                 for cold_prompt, warm_prompt in zip(cold_prompts, warm_prompts):
-                    cold = await time_to_first_token(stub, cold_prompt)
-                    warm = await time_to_first_token(stub, warm_prompt)
+                    cold = await generate(stub, cold_prompt)
+                    warm = await generate(stub, warm_prompt)
                     pairs.append((cold, warm))
                 return pairs
 
         pairs = asyncio.run(scenario())
 
-    for warm_prompt, ((_, _, cold_last), (_, _, warm_last)) in zip(warm_prompts, pairs):
+    for warm_prompt, ((_, cold_last), (_, warm_last)) in zip(warm_prompts, pairs):
         assert cold_last.usage.cached_tokens < 16
         assert warm_last.usage.cached_tokens >= 480
         assert warm_last.usage.prompt_tokens == len(warm_prompt)
-    ratios = [cold[0] / warm[0] for cold, warm in pairs]
-    assert max(ratios) >= 5, [(cold[0], warm[0]) for cold, warm in pairs]
-    second_prompt, (_, (_, second_tokens, _)) = warm_prompts[0], pairs[0]
+    second_prompt, (_, (second_tokens, _)) = warm_prompts[0], pairs[0]
     # The tokens computed on top of cached pages are greedy under transformers' own logits.
     from transformers import AutoModelForCausalLM
 

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from worker.tiny_models import VOCAB_SIZE, make_tiny_llama
+from worker.tiny_models import make_tiny_llama
 from worker_service.attention.cascade import decode_attention
 from worker_service.attention.decode_plan import plan_decode, shared_prefixes
 from worker_service.attention.kernels import GatherSpace
@@ -115,15 +115,37 @@ def _whole_shared(tables: list[list[int]], rows: list[int]) -> bool:
     return len({tables[r][0] for r in rows}) == 1
 
 
-def test_a_batch_sharing_a_prefix_decodes_as_each_sequence_alone(tmp_path) -> None:
+def _model_dir(family: str, out_dir) -> object:
+    from worker.families import make_family
+
+    return make_tiny_llama(out_dir) if family == "llama" else make_family(family, out_dir)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+def test_a_batch_sharing_a_prefix_decodes_as_each_sequence_alone(family, tmp_path, monkeypatch) -> None:
     """Through the model: greedy tokens of 4 sequences behind one 10-token prefix (pages of 4, so
-    the prefix ends inside a page) decoded together over the same prefix pages equal each alone."""
+    the prefix ends inside a page) decoded together over the same prefix pages equal each alone.
+
+    Llama and Qwen3 attend the shared pages once per group (the plan's shared prefix is checked);
+    Gemma 3's layers (a window of 8, shorter than the sequences) take the windowed path, which
+    attends per sequence, and must give the same tokens too."""
+    from worker_service.backends import torch_backend
+
+    planned: list[int] = []  # the shared-prefix groups of each decode step's plan
+
+    def spied_plan(*args, **kwargs):
+        plan = plan_decode(*args, **kwargs)
+        planned.append(len(plan.prefixes))
+        return plan
+
+    monkeypatch.setattr(torch_backend, "plan_decode", spied_plan)
     page_size, prefix_len, steps = 4, 10, 6
-    runner = ModelRunner(RunnerConfig(model_dir=make_tiny_llama(tmp_path), page_size=page_size,
-                                      kv_cache_bytes=1 << 20))
+    runner = ModelRunner(RunnerConfig(model_dir=_model_dir(family, tmp_path / family), page_size=page_size,
+                                      kv_cache_bytes=1 << 20, attention_kernel="torch"))
+    vocab_size = runner.info.vocab_size
     generator = torch.Generator().manual_seed(0)
-    prefix = torch.randint(3, VOCAB_SIZE, (prefix_len,), generator=generator).tolist()
-    prompts = [prefix + torch.randint(3, VOCAB_SIZE, (3 + i,), generator=generator).tolist() for i in range(4)]
+    prefix = torch.randint(3, vocab_size, (prefix_len,), generator=generator).tolist()
+    prompts = [prefix + torch.randint(3, vocab_size, (3 + i,), generator=generator).tolist() for i in range(4)]
     pages_each = -(-(prefix_len + len(prompts) + 3 + steps) // page_size)
     cached = 2 * page_size  # the prefix's whole pages, computed once as the router would cache them
     shared = [40, 7]  # out of order on purpose
@@ -141,6 +163,7 @@ def test_a_batch_sharing_a_prefix_decodes_as_each_sequence_alone(tmp_path) -> No
     runner.forward([ForwardEntry(prefix[:cached], 0, shared, False)])
     together = decode([ForwardEntry(p[cached:], cached, shared + [60 + 10 * i + j for j in range(pages_each - 2)], True)
                        for i, p in enumerate(prompts)])
+    assert planned == [1] * (steps - 1)  # each decode step of the batch: one group behind the shared pages
     alone = [decode([ForwardEntry(p, 0, [200 + 10 * i + j for j in range(pages_each)], True)])[0]
              for i, p in enumerate(prompts)]
     assert together == alone

@@ -49,8 +49,9 @@ class Live:
 class SpecDriver:
     """A minimal router: prefill, then one entry per request per step, with oracle drafts."""
 
-    def __init__(self, executor: Executor) -> None:
+    def __init__(self, executor: Executor, vocab_size: int = 49152) -> None:
         self.executor, self.task_id, self.next_id = executor, 0, 0
+        self.vocab_size = vocab_size  # wrong drafts stay inside the vocabulary
         self.num_drafted = self.num_accepted = 0
 
     def run(self, prompts: list[list[int]], params: list[SamplingParams], constraints: list[Constraint | None],
@@ -93,13 +94,12 @@ class SpecDriver:
         self._execute([], release=[live.request_id for live in lives])
         return lives
 
-    @staticmethod
-    def _drafts(reference: list[int], num_output: int, rng: random.Random) -> list[int]:
+    def _drafts(self, reference: list[int], num_output: int, rng: random.Random) -> list[int]:
         room = min(MAX_DRAFTS, MAX_TOKENS - num_output - 1)
         drafts = list(reference[num_output : num_output + max(room, 0)])
         for index in range(len(drafts)):
             if rng.random() < 0.25:
-                drafts[index] = (drafts[index] + 1) % 49152  # a wrong draft
+                drafts[index] = (drafts[index] + 1) % self.vocab_size  # a wrong draft
         if EOS in drafts:
             drafts = drafts[: drafts.index(EOS) + 1]  # nothing follows a stop, as the router does
         return drafts
@@ -154,6 +154,26 @@ def test_speculative_entries_give_the_tokens_of_plain_decoding_alone_and_batched
     assert [live.output for live in spec_batched] == references
     assert spec_batched[0].logprobs == pytest.approx(alone[0].logprobs, abs=LOGPROB_TOLERANCE)
     assert spec_batched[2].logprobs == pytest.approx(alone[2].logprobs, abs=LOGPROB_TOLERANCE)
+    assert 0 < driver.num_accepted < driver.num_drafted
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+def test_speculative_greedy_tokens_equal_plain_decoding_on_new_families(family, tmp_path) -> None:
+    """Qwen3 (per-head q/k norms) and Gemma 3 (sliding-window layers whose window, 8, is shorter
+    than the prompts; their attention takes the windowed path): draft entries give the greedy
+    tokens of one-token-per-step decoding, alone and batched."""
+    from worker.families import VOCAB_SIZE, make_family
+
+    runner = ModelRunner(RunnerConfig(model_dir=make_family(family, tmp_path / family), kv_cache_bytes=KV_CACHE_BYTES))
+    driver = SpecDriver(Executor(runner, Sampler(seed=0)), vocab_size=VOCAB_SIZE)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, VOCAB_SIZE) for _ in range(rng.randrange(12, 30))] for _ in range(3)]
+    greedy, unconstrained = [SamplingParams()] * len(prompts), [UNCONSTRAINED] * len(prompts)
+    references = [driver.run([p], greedy[:1], unconstrained[:1], None, rng)[0].output for p in prompts]
+    assert [live.output for live in driver.run(prompts, greedy, unconstrained, None, rng)] == references
+    spec_alone = driver.run(prompts[:1], greedy[:1], unconstrained[:1], references[:1], rng)[0]
+    assert spec_alone.output == references[0]
+    assert [live.output for live in driver.run(prompts, greedy, unconstrained, references, rng)] == references
     assert 0 < driver.num_accepted < driver.num_drafted
 
 

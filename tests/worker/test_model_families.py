@@ -4,7 +4,9 @@
 Per family and backend: the prompt's logits, then 20 greedy decode steps whose logits are compared
 at every position with transformers' over the same sequence, and the greedy tokens compared with
 transformers' `generate`. At TP=2 (real rank processes over gloo, `test_tensor_parallel.run_ranks`)
-rank 0's prompt logits and its greedy continuation against the same references.
+rank 0's logits of the prompt and of every greedy decode step, and its greedy continuation, against
+the same references. The checkpoints, their transformers models and greedy references are made
+once per module (`Checkpoints`) and shared by the TP=1 and TP=2 checks.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from transformers import AutoModelForCausalLM
 
 from worker.families import EOS_TOKEN_IDS, FAMILIES, VOCAB_SIZE, make_family
 from worker.tiny_models import reference_greedy
+from worker.tp_rank import NUM_NEW_TOKENS
 from worker_service.backends.selection import select_backend
 from worker_service.forward_batch import ForwardEntry
 from worker_service.model_runner import ModelRunner, RunnerConfig
@@ -42,15 +45,43 @@ def require_backend(kernel: str) -> None:
         pytest.skip(str(refusal).splitlines()[0])
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def family(request, tmp_path_factory) -> tuple[str, Path, torch.nn.Module]:
-    out_dir = make_family(request.param, tmp_path_factory.mktemp(request.param))
-    return request.param, out_dir, AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
-
-
 def prompt(seed: int = 1, length: int = PROMPT_LEN) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB_SIZE, (length,), generator=generator).tolist()
+
+
+class Checkpoints:
+    """Each family's checkpoint, its transformers model and transformers' greedy continuation of
+    `prompt()`, each made on first use and shared by the module's tests."""
+
+    def __init__(self, tmp_path_factory) -> None:
+        self.tmp_path_factory = tmp_path_factory
+        self.models: dict[str, tuple[Path, torch.nn.Module]] = {}
+        self.continuations: dict[str, list[int]] = {}
+
+    def get(self, name: str) -> tuple[Path, torch.nn.Module]:
+        if name not in self.models:
+            out_dir = make_family(name, self.tmp_path_factory.mktemp(name))
+            self.models[name] = out_dir, AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+        return self.models[name]
+
+    def greedy(self, name: str, num_tokens: int) -> list[int]:
+        """The first `num_tokens` (at most `NUM_NEW_TOKENS`) of `generate`'s greedy continuation
+        (greedy decoding's first tokens do not depend on how many follow)."""
+        assert num_tokens <= NUM_NEW_TOKENS
+        if name not in self.continuations:
+            self.continuations[name] = reference_greedy(self.get(name)[1], prompt(), NUM_NEW_TOKENS)
+        return self.continuations[name][:num_tokens]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> Checkpoints:
+    return Checkpoints(tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, checkpoints) -> tuple[str, Path, torch.nn.Module]:
+    return request.param, *checkpoints.get(request.param)
 
 
 def reference_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
@@ -64,7 +95,7 @@ def runner_for(model_dir: Path, kernel: str) -> ModelRunner:
 
 
 @pytest.mark.parametrize("kernel", CPU_BACKENDS)
-def test_prefill_and_decode_logits_match_transformers(family, kernel) -> None:
+def test_prefill_and_decode_logits_match_transformers(family, kernel, checkpoints) -> None:
     name, model_dir, reference = family
     require_backend(kernel)
     runner = runner_for(model_dir, kernel)
@@ -77,7 +108,7 @@ def test_prefill_and_decode_logits_match_transformers(family, kernel) -> None:
         tokens.append(int(logits[-1].argmax()))
     expected = reference_logits(reference, token_ids + tokens[:-1])[PROMPT_LEN - 1:]
     torch.testing.assert_close(torch.stack(logits), expected, atol=ATOL, rtol=0)
-    assert tokens == reference_greedy(reference, token_ids, NUM_DECODE_STEPS + 1), name
+    assert tokens == checkpoints.greedy(name, NUM_DECODE_STEPS + 1), name
 
 
 @pytest.mark.parametrize("kernel", CPU_BACKENDS)
@@ -97,22 +128,27 @@ def test_batched_prefill_chunks_and_decode_rows_match_transformers(family, kerne
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("kernel", CPU_BACKENDS)
-def test_tp2_matches_transformers_for_every_family(kernel, tmp_path_factory, tmp_path) -> None:
+def test_tp2_matches_transformers_for_every_family(kernel, checkpoints, tmp_path) -> None:
     """Every family at TP=2, one after another in one pair of rank processes (a process start
-    per family would cost more than the families' own steps)."""
-    from worker.test_tensor_parallel import NUM_NEW_TOKENS, run_ranks
+    per family would cost more than the families' own steps): rank 0's logits of the prompt and
+    of each of its greedy steps, and its tokens, against transformers'."""
+    from worker.test_tensor_parallel import run_ranks
 
     require_backend(kernel)
     names = sorted(FAMILIES)
-    model_dirs = [make_family(name, tmp_path_factory.mktemp(f"tp2-{name}")) for name in names]
-    token_ids = prompt(4)
-    per_rank = run_ranks(model_dirs, token_ids, 2, tmp_path, kernel, timeout_s=540)
-    for name, model_dir, first, second in zip(names, model_dirs, *per_rank):
-        reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        torch.testing.assert_close(first["prompt_logits"][0], reference_logits(reference, token_ids)[-1],
-                                   atol=ATOL, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
-        assert second["prompt_logits"] is None, name
-        assert first["tokens"] == reference_greedy(reference, token_ids, NUM_NEW_TOKENS), name
+    token_ids = prompt()
+    per_rank = run_ranks([checkpoints.get(name)[0] for name in names], token_ids, 2, tmp_path, kernel,
+                         timeout_s=540)
+    for name, first, second in zip(names, *per_rank):
+        reference = checkpoints.get(name)[1]
+        tokens = checkpoints.greedy(name, NUM_NEW_TOKENS)
+        assert first["tokens"] == tokens, name
+        expected = reference_logits(reference, token_ids + tokens[:-1])[PROMPT_LEN - 1:]
+        torch.testing.assert_close(first["prompt_logits"][0], expected[0], atol=ATOL, rtol=0,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(first["step_logits"], expected, atol=ATOL, rtol=0,
+                                   msg=lambda m, name=name: f"{name}, greedy steps: {m}")
+        assert second["prompt_logits"] is None and second["step_logits"] is None, name
 
 
 def test_eos_ids_and_fusable_layer(family) -> None:

@@ -229,9 +229,32 @@ def test_logprobs_are_log_softmax_of_raw_logits(new_sampler) -> None:
         (SamplingParams(repetition_penalty=0.0), "repetition_penalty"),
         (SamplingParams(presence_penalty=float("nan")), "presence_penalty"),
         (SamplingParams(top_logprobs=21), "top_logprobs"),
+        (SamplingParams(logit_bias=((5, 100.5),)), "logit_bias[5]"),
+        (SamplingParams(logit_bias=((-1, 1.0),)), "token id -1"),
     ],
 )
 def test_bad_sampling_values_are_named(params: SamplingParams, needle: str) -> None:
     problems = params.problems()
     assert len(problems) == 1 and needle in problems[0]
     assert SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.05, seed=2**64 - 1).problems() == []
+
+
+def test_logit_bias_moves_the_draw_and_leaves_logprobs_raw(new_sampler) -> None:
+    """A bias of 100 makes greedy and sampled rows pick a token they never would; -100 bans the
+    argmax; logprobs stay those of the raw logits (the documented order)."""
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(4)) * 3
+    least = logits[0].argmin().item()
+    top = logits[1].argmax().item()
+    params = [
+        SamplingParams(logit_bias=((least, 100.0),), logprobs=True),
+        SamplingParams(logit_bias=((top, -100.0),)),
+        SamplingParams(temperature=1.0, top_k=1, logit_bias=((7, 100.0), (least, 100.0)), seed=3),
+    ]
+    samples = new_sampler(seed=0).sample(logits, [row(p) for p in params])
+    assert samples[0].token_id == least
+    assert samples[1].token_id != top
+    assert samples[1].token_id == logits[1].topk(2).indices[1].item()
+    expected = 7 if logits[2, 7] > logits[2, least] else least
+    assert samples[2].token_id == expected
+    assert samples[0].logprob == pytest.approx(torch.log_softmax(logits[0], -1)[least].item(), abs=1e-5)
+    assert logits.equal(torch.randn(3, 300, generator=torch.Generator().manual_seed(4)) * 3), "input must not change"

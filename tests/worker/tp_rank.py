@@ -51,6 +51,8 @@ def run_model(model_dir: Path, args: argparse.Namespace, dist) -> dict:
     page_table = list(range((len(prompt_ids) + NUM_NEW_TOKENS) // runner.info.page_size + 1))
     prompt_logits = runner.forward([ForwardEntry(prompt_ids, 0, page_table, True)])
 
+    step_logits = []  # rank 0's logits of each greedy step: the prompt's last position, then each decode
+
     class BroadcastGreedy:
         """Rank 0's argmax, shared so that every rank feeds the same next token."""
 
@@ -58,6 +60,7 @@ def run_model(model_dir: Path, args: argparse.Namespace, dist) -> dict:
             logits = runner.forward(entries)
             token = torch.zeros(1, dtype=torch.int64)
             if logits is not None:
+                step_logits.append(logits[0])
                 token[0] = logits[0].argmax()
             dist.broadcast(token, src=0)
             one_hot = torch.zeros(1, runner.info.vocab_size)
@@ -66,7 +69,7 @@ def run_model(model_dir: Path, args: argparse.Namespace, dist) -> dict:
 
     tokens = greedy_tokens(BroadcastGreedy(), prompt_ids, NUM_NEW_TOKENS, page_table)
     return {"weight_bytes": runner.weight_bytes(), "prompt_logits": prompt_logits, "tokens": tokens,
-            "num_pages": runner.info.num_pages}
+            "step_logits": torch.stack(step_logits) if step_logits else None, "num_pages": runner.info.num_pages}
 
 
 if __name__ == "__main__":

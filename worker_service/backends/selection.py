@@ -15,6 +15,12 @@ Quantized weights (`--quantization`) are multiplied the way chosen here too, onc
 backend (`linear_quant.QuantizedLinears`): by the compiled AVX2 kernels on CPU where they build
 (their own library: they need no AVX-512), else, and always with `torch` (the reference),
 dequantized for each product by PyTorch. The reason the worker logs says which.
+
+`deterministic` (`--deterministic`) takes PyTorch's ops in their batch- and cache-invariant form
+(`invariant_backend.py`) whatever `auto` would have chosen, and refuses what cannot keep that
+promise: `native` and `triton` insisted on, CUDA (its Triton kernels split rows by the batch's
+shape and no GPU has checked an invariant form of them), and quantized weights (their products
+are not checked to be row-invariant).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 from worker_service import native, triton_support
 from worker_service.attention import triton_decode
 from worker_service.backends.base import Backend
+from worker_service.backends.invariant_backend import InvariantTorchBackend
 from worker_service.backends.linear_quant import QuantizedLinears
 from worker_service.backends.native_backend import NativeBackend
 from worker_service.backends.torch_backend import TorchBackend
@@ -82,13 +89,16 @@ def select_quantized(choice: str, device: torch.device, quantization: str) -> tu
 
 def select_backend(choice: str, device: torch.device | str, dtype: torch.dtype, head_dim: int,
                    world_size: int = 1, cuda_graph_max_batch: int = 0,
-                   ops_without_kernels: tuple[str, ...] = (), quantization: str = "none") -> Selection:
+                   ops_without_kernels: tuple[str, ...] = (), quantization: str = "none",
+                   deterministic: bool = False) -> Selection:
     """The backend for `choice` (one of `KERNEL_CHOICES`; see the module doc), multiplying
     `quantization`'s weights as `select_quantized` says. Raises RuntimeError, naming the setting
     and the reason, where an insisted-on backend cannot be used."""
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"unknown backend {choice!r}; choose from {', '.join(KERNEL_CHOICES)}")
     device = torch.device(device)
+    if deterministic:
+        return Selection(InvariantTorchBackend(device, dtype), _deterministic_reason(choice, device, quantization))
     quantized, quantized_reason = select_quantized(choice, device, quantization)
     selection = _select(choice, device, dtype, head_dim, world_size,
                         0 if ops_without_kernels else cuda_graph_max_batch, quantized)
@@ -96,6 +106,25 @@ def select_backend(choice: str, device: torch.device | str, dtype: torch.dtype, 
     if ops_without_kernels and selection.backend.name != "torch":
         reason += f"; {', '.join(ops_without_kernels)} in PyTorch's ops (no kernel of this backend has them)"
     return Selection(selection.backend, reason + quantized_reason)
+
+
+def deterministic_refusal(choice: str, device: torch.device, quantization: str) -> str | None:
+    """Why `--deterministic` cannot be kept with these settings (module doc), or None."""
+    if device.type != "cpu":
+        return (f"batch-invariant kernels run on CPU only, not {device.type} (the Triton path splits "
+                "its reductions by the batch's shape)")
+    if choice in ("native", "triton"):
+        return f"--attention-kernel {choice} is not batch-invariant; use auto or torch"
+    if quantization != "none":
+        return f"--quantization {quantization}: quantized products are not checked to be batch-invariant"
+    return None
+
+
+def _deterministic_reason(choice: str, device: torch.device, quantization: str) -> str:
+    why = deterministic_refusal(choice, device, quantization)
+    if why is not None:
+        raise RuntimeError(f"--deterministic: {why}")
+    return f"deterministic: PyTorch's ops in a batch- and cache-invariant order ({choice})"
 
 
 def _select(choice: str, device: torch.device, dtype: torch.dtype, head_dim: int, world_size: int,

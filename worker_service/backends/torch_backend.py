@@ -65,13 +65,18 @@ class TorchBackend(Backend):
         """The tables' rows at the step's positions, `[T, 1, head_dim]` (looked up once per step)."""
         return rotary.lookup(positions)
 
-    def attention(self, qkv: torch.Tensor, num_q_heads: int, k_slots: torch.Tensor, v_slots: torch.Tensor,
-                  step: StepContext, rope: Rope, options: AttentionOptions | None = None) -> torch.Tensor:
-        num_kv_heads = k_slots.shape[0]
+    @staticmethod
+    def rotated(qkv: torch.Tensor, num_q_heads: int, num_kv_heads: int,
+                rope: Rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q, k, v) of the merged projections, q and k rotated."""
         # q and k sit side by side in the merged output: rotate both with one call.
         qk = apply_rotary(qkv[:, : num_q_heads + num_kv_heads], *rope)
         q, k = qk.split([num_q_heads, num_kv_heads], dim=1)
-        v = qkv[:, num_q_heads + num_kv_heads:]
+        return q, k, qkv[:, num_q_heads + num_kv_heads:]
+
+    def attention(self, qkv: torch.Tensor, num_q_heads: int, k_slots: torch.Tensor, v_slots: torch.Tensor,
+                  step: StepContext, rope: Rope, options: AttentionOptions | None = None) -> torch.Tensor:
+        q, k, v = self.rotated(qkv, num_q_heads, k_slots.shape[0], rope)
         if options is None:
             return paged_attention(q, k, v, k_slots, v_slots, step.attention)
         k_slots.index_copy_(1, step.write_slots, k.transpose(0, 1))

@@ -40,6 +40,13 @@ class CausalLM(torch.nn.Module):
         """Logits `[len(sample_indices), vocab]` of the chosen tokens, on rank 0 (None elsewhere)."""
         raise NotImplementedError
 
+    def final_hidden(self, hidden: torch.Tensor, residual: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """The final hidden states `[len(indices), hidden]` (after the model's last norm: what
+        transformers' base model returns as `last_hidden_state`) of the chosen tokens. Local to
+        the rank (no collective): every rank holds the whole hidden state. The default is for
+        models whose last norm is `self.norm` over the residual sum."""
+        return self.norm((hidden + residual).index_select(0, indices))
+
     def forward(self, token_ids: torch.Tensor, step: StepContext, sample_indices: torch.Tensor) -> torch.Tensor | None:
         hidden, residual = self.run_layers(self.embed(token_ids), step)
         return self.logits(hidden, residual, sample_indices)

@@ -1,8 +1,9 @@
 """Rank 0's sampler: one token per row of logits, vectorised over the batch.
 
 Order of operations, per row:
-    penalties (repetition, presence, frequency) -> temperature -> top_k / top_p / min_p -> draw.
-Greedy rows (temperature 0) take the argmax of the penalised logits.
+    penalties (repetition, presence, frequency) -> logit bias -> temperature
+    -> top_k / top_p / min_p -> draw.
+Greedy rows (temperature 0) take the argmax of the penalised and biased logits.
 
 Reproducibility: a seeded row draws its random number from a generator seeded from
 (seed, number of output tokens so far) and used for that row alone, so the token depends only on
@@ -13,7 +14,7 @@ Where the compiled kernels run (CPU), every step runs in them, with the same res
 ops; `ops.py` holds both and the one place where rows the kernels refuse go to PyTorch.
 
 Logprobs are the log-softmax of the RAW logits: the model's own distribution, before penalties,
-temperature and truncation change it. A constrained row's logits arrive already masked (see
+temperature, logit bias and truncation change it. A constrained row's logits arrive already masked (see
 grammar.py), so its logprobs are of the constrained distribution.
 """
 
@@ -71,8 +72,23 @@ class Sampler:
         return self._with_logprobs(raw, self._ops.sample(logits, rows, is_random, uniform), rows)
 
     def _penalise(self, raw: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """The rows' penalties applied to `raw` (a copy where any row has one)."""
-        return self._ops.penalise(raw, rows)
+        """The rows' penalties, then their logit biases, applied to `raw` (a copy where any row
+        has either)."""
+        logits = self._ops.penalise(raw, rows)
+        biased = [(index, row.params.logit_bias) for index, row in enumerate(rows) if row.params.logit_bias]
+        if not biased:
+            return logits
+        if logits is raw:
+            logits = raw.clone()
+        row_index = [index for index, bias in biased for _ in bias]
+        token_ids = [token_id for _, bias in biased for token_id, _ in bias]
+        values = [value for _, bias in biased for _, value in bias]
+        device = logits.device
+        logits.index_put_(
+            (torch.tensor(row_index, device=device), torch.tensor(token_ids, device=device)),
+            torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True,
+        )
+        return logits
 
     def _uniform(self, rows: list[SampleRow], is_random: list[bool]) -> torch.Tensor:
         """One uniform number in [0, 1) per row (float64; greedy rows get 0, unused).

@@ -1,0 +1,123 @@
+"""Whether a compiled grouped-expert product would pay: one MoE layer's time split into the
+experts' products and the work around them (Python, op dispatch, routing, gathers and
+scatter-adds), against the bandwidth floor of the experts it reads.
+
+    PYTHONPATH=$PWD .venv/bin/python -m bench.bench_expert_product [--batch 1,32] [--num-threads 1]
+
+On `bench_worker --model random-moe`'s checkpoint (`bench.moe_bound`: hidden 512, 16 experts,
+top-2), PyTorch backend, float32, for each batch of random hidden rows routed by each layer's own
+router, per layer (best of --repeats, each the mean of --iterations calls; on one thread the
+calling thread's CPU time, which other work on a shared machine does not inflate by descheduling
+the process; on more threads, wall time):
+- layer:    `SparseMoE.forward` (route, sort by expert, per expert: gather its rows, gate/up
+            product, SiLU-gating, down product, weight and scatter-add);
+- around:   the same layer of the same checkpoint made with hidden 16 — the same routing
+            structure and the same ops, products too small to cost: what a single compiled call
+            for the whole grouped product could save at most;
+- products: the routed experts' gate/up and down products alone, on rows gathered beforehand,
+            through the same packed linear layers (what any grouped product must still compute);
+- floor:    the routed experts' bytes at the read bandwidth measured in the same run (wall time).
+The decision and its figures are in docs/models.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from bench import bounds as machine  # noqa: E402
+from bench import moe_bound  # noqa: E402
+from worker_service.model_runner import ModelRunner, RunnerConfig  # noqa: E402
+from worker_service.models.moe import SparseMoE  # noqa: E402
+
+SMALL_HIDDEN = 16
+
+
+def best_mean_s(fn, repeats: int, iterations: int, clock) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = clock()
+        for _ in range(iterations):
+            fn()
+        best = min(best, (clock() - start) / iterations)
+    return best
+
+
+def products_only(block: SparseMoE, hidden: torch.Tensor):
+    """A callable computing just the routed experts' products over pre-gathered rows, and the
+    number of experts it multiplies."""
+    _, expert_ids = block.route(hidden)
+    inputs = []
+    for expert in expert_ids.flatten().unique().tolist():
+        rows = (expert_ids == expert).any(dim=-1).nonzero().flatten()
+        x = hidden.index_select(0, rows)
+        middle = block.backend.silu_mul(block.gate_up[expert](x))
+        inputs.append((block.gate_up[expert], x, block.down[expert], middle))
+
+    def run() -> None:
+        for gate_up, x, down, middle in inputs:
+            gate_up(x)
+            down(middle)
+
+    return run, len(inputs)
+
+
+def moe_layers(model_dir: Path) -> list[SparseMoE]:
+    runner = ModelRunner(RunnerConfig(model_dir=model_dir, dtype="float32", kv_cache_bytes=1 << 20,
+                                      attention_kernel="torch"))
+    return moe_bound.moe_blocks(runner.model)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=lambda text: [int(b) for b in text.split(",")], default=[1, 32])
+    parser.add_argument("--num-threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--iterations", type=int, default=20)
+    args = parser.parse_args()
+    torch.set_num_threads(args.num_threads)
+    clock, clock_name = (time.thread_time, "thread CPU time") if args.num_threads == 1 else (time.perf_counter, "wall time")
+    with tempfile.TemporaryDirectory() as scratch, torch.inference_mode():
+        blocks = moe_layers(moe_bound.make_random_moe(Path(scratch) / "full"))
+        small_blocks = moe_layers(moe_bound.make_random_moe(Path(scratch) / "small", SMALL_HIDDEN))
+        each = moe_bound.expert_bytes(blocks[0])
+        first_bandwidth = machine.memory_bandwidth()
+        rows = []
+        for batch in args.batch:
+            generator = torch.Generator().manual_seed(batch)
+            hidden = torch.randn(batch, blocks[0].gate_up[0].weight.shape[1], generator=generator)
+            small_hidden = torch.randn(batch, SMALL_HIDDEN, generator=generator)
+            layer_s = around_s = products_s = 0.0
+            routed = small_routed = 0
+            for block, small in zip(blocks, small_blocks):
+                layer_s += best_mean_s(lambda: block(hidden), args.repeats, args.iterations, clock)
+                around_s += best_mean_s(lambda: small(small_hidden), args.repeats, args.iterations, clock)
+                run, count = products_only(block, hidden)
+                products_s += best_mean_s(run, args.repeats, args.iterations, clock)
+                routed += count
+                small_routed += int(small.route(small_hidden)[1].unique().numel())
+            rows.append((batch, *(x / len(blocks) for x in (layer_s, around_s, products_s, routed, small_routed))))
+        bandwidth = max(first_bandwidth, machine.memory_bandwidth())
+    print(f"{len(blocks)} MoE layers of {blocks[0].routing.num_experts} experts ({each / 2**20:.1f} MiB each), "
+          f"top-{blocks[0].routing.top_k}, float32, {args.num_threads} thread(s) ({clock_name}), read bandwidth "
+          f"{bandwidth / 1e9:.1f} GB/s; per layer:")
+    for batch, layer_s, around_s, products_s, routed, small_routed in rows:
+        floor_s = routed * each / bandwidth
+        print(f"  batch {batch:>3}: layer {layer_s * 1e6:6.0f} us ({routed:4.1f} experts); around the products "
+              f"{around_s * 1e6:5.0f} us = {around_s / layer_s:4.0%} of the layer ({small_routed:4.1f} experts, "
+              f"{around_s / small_routed * 1e6:3.0f} us each); products alone {products_s * 1e6:6.0f} us; "
+              f"their bandwidth floor {floor_s * 1e6:6.0f} us")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""The stack benchmark's fake worker group speaks the worker protocol as the router uses it:
+tokens of real text at the entry's position, overlap references, drafts accepted while they
+match, logprobs only when asked, releases and resets."""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer
+
+from bench.fake_worker_group import LOGPROB, TEXT, FakeWorkerGroup, text_token_ids
+from radixserve.v1 import worker_pb2
+
+
+def new_request(logprobs: bool) -> worker_pb2.NewRequest:
+    return worker_pb2.NewRequest(sampling=worker_pb2.ResolvedSamplingParams(logprobs=logprobs), num_prompt_tokens=3)
+
+
+def test_samples_the_paragraph_in_order_with_references_drafts_and_logprobs(smollm2_dir) -> None:
+    token_ids, vocab_size, eos = text_token_ids(str(smollm2_dir))
+    # The gateway detokenizes real text (with the same decoder, see gateway_service/tokenizer.py).
+    assert Tokenizer.from_file(str(smollm2_dir / "tokenizer.json")).decode(token_ids) == TEXT
+    assert vocab_size == 49152 and eos
+    worker = FakeWorkerGroup(0.0, token_ids, vocab_size, eos)
+    # Prefill of 3 prompt tokens for two requests: each samples the text's token at position 3.
+    first = worker.run(worker_pb2.DecodeTask(task_id=1, reset=True, entries=[
+        worker_pb2.TaskEntry(request_id="a", new_request=new_request(True), token_ids=[1, 2, 3], sample=True),
+        worker_pb2.TaskEntry(request_id="b", new_request=new_request(False), token_ids=[1, 2, 3], sample=True),
+    ]))
+    assert [(t.request_id, t.token_id, t.logprob) for t in first.tokens] == [
+        ("a", token_ids[3], LOGPROB), ("b", token_ids[3], 0.0)]
+    # A decode that refers to the token in flight (overlap) computes position 3: samples 4.
+    second = worker.run(worker_pb2.DecodeTask(task_id=2, entries=[
+        worker_pb2.TaskEntry(request_id="a", start_position=3, sampled_in_task=1, sample=True)]))
+    assert [t.token_id for t in second.tokens] == [token_ids[4]]
+    # Drafts for positions 5.. are accepted while they match the text: two right, then a wrong one.
+    drafts = [token_ids[5], token_ids[6], token_ids[7] + 1]
+    third = worker.run(worker_pb2.DecodeTask(task_id=3, release_request_ids=["b"], entries=[
+        worker_pb2.TaskEntry(request_id="a", start_position=4, token_ids=[token_ids[4], *drafts], sample=True,
+                             num_draft_tokens=3)]))
+    (sampled,) = third.tokens
+    assert (sampled.num_accepted_drafts, sampled.token_id) == (2, token_ids[7])
+    assert [(lp.token_id, lp.logprob) for lp in sampled.accepted_logprobs] == [(d, LOGPROB) for d in drafts[:2]]
+    assert "b" not in worker.logprobs and worker.logprobs["a"]
+    # An entry that does not sample answers nothing (a prefill chunk before the last).
+    assert not worker.run(worker_pb2.DecodeTask(task_id=4, entries=[
+        worker_pb2.TaskEntry(request_id="c", new_request=new_request(False), token_ids=[1, 2])])).tokens

@@ -1,0 +1,43 @@
+"""The gateway's prompt prefix memory: a conversation's next turn finds the replica of its history."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway_service.prefix_memory import PrefixMemory
+
+
+def test_the_longest_remembered_prefix_names_the_replica() -> None:
+    memory: PrefixMemory[str] = PrefixMemory(100, stride=4)
+    system = list(range(10, 18))  # two whole strides
+    turn1 = system + [1, 2, 3, 4, 5]
+    assert len(memory.checkpoints(turn1)) == 3  # 4, 8 and 12 tokens; the 13th is not a whole stride
+    assert memory.recall(memory.checkpoints(turn1)) is None
+    memory.remember(memory.checkpoints(turn1), "a")
+    other_session = system + [9, 9, 9, 9, 9, 9]
+    memory.remember(memory.checkpoints(other_session), "b")
+    # The first session's next turn resends its history: its own 12-token prefix is the longest.
+    turn2 = turn1 + [7] * 10
+    assert memory.recall(memory.checkpoints(turn2)) == "a"
+    # A new session of the same system prompt goes where that prompt went last.
+    assert memory.recall(memory.checkpoints(system + [6, 6, 6, 6])) == "b"
+    assert memory.recall(memory.checkpoints([1, 2, 3, 4, 5, 6, 7, 8])) is None
+    assert memory.recall(memory.checkpoints([10, 11, 12])) is None  # shorter than one stride
+
+
+def test_it_stays_within_its_entries_and_forgets_a_replica() -> None:
+    memory: PrefixMemory[str] = PrefixMemory(5, stride=2)
+    first = [1, 2, 3, 4]
+    memory.remember(memory.checkpoints(first), "a")
+    for i in range(3):
+        memory.remember(memory.checkpoints([50 + i, 60 + i]), "b")
+    assert len(memory) == 5
+    memory.remember(memory.checkpoints([70, 80]), "c")  # the least recently used goes: [1, 2]
+    assert len(memory) == 5
+    assert memory.recall(memory.checkpoints([1, 2])) is None
+    assert memory.recall(memory.checkpoints(first)) == "a"
+    memory.forget("b")
+    assert len(memory) == 2
+    assert memory.recall(memory.checkpoints([50, 60])) is None
+    with pytest.raises(ValueError):
+        PrefixMemory(0, 4)
