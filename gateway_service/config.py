@@ -28,7 +28,7 @@ from radixserve.shared_flags import (
 class GatewayConfig:
     host: str = HOST()
     port: int = PORT(50051)
-    model: str = MODEL(help="model folder (tokenizer and chat template)")
+    model: str = MODEL(help="model folder or GGUF file (tokenizer and chat template)")
     routers: tuple[str, ...] = setting(("127.0.0.1:50052",), "comma-separated router addresses, one per "
                                        "model replica (may be empty with --router-dns)", min=0)
     router_dns: str = setting("", "host:port of a headless Service whose addresses are routers (one per model "

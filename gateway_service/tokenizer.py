@@ -1,4 +1,5 @@
-"""The model's tokenizer and chat template, loaded from the model folder.
+"""The model's tokenizer and chat template, loaded from the model folder or GGUF file
+(`radixserve.model_source`).
 
 Only `transformers.AutoTokenizer` is used: the gateway never runs the model.
 """
@@ -9,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gateway_service.errors import InvalidRequest
+from radixserve.model_source import load_tokenizer, resolve_model
 from radixserve.v1 import generation_pb2
 
 
@@ -32,10 +34,8 @@ class Tokenizer:
         self._backend_decode = backend.decode if backend is not None and not cleans_up else None
 
     @classmethod
-    def load(cls, model_dir: str | Path) -> "Tokenizer":
-        from transformers import AutoTokenizer  # heavy import, done once at startup
-
-        return cls(AutoTokenizer.from_pretrained(str(model_dir)))
+    def load(cls, model: str | Path) -> "Tokenizer":
+        return cls(load_tokenizer(resolve_model(model)))
 
     @property
     def hf(self):

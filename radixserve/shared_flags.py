@@ -25,7 +25,8 @@ METRICS_PORT = Setting(0, "port of the Prometheus /metrics endpoint, on --host (
                        min=0, max=MAX_PORT)
 HTTP_PORT = Setting(8000, "port of the OpenAI-compatible HTTP API, on --host (0: off)",
                     min=0, max=MAX_PORT)
-MODEL = Setting(DEFAULT_MODEL_DIR, "model folder (config.json, safetensors, tokenizer)")
+MODEL = Setting(DEFAULT_MODEL_DIR, "model folder (config.json, safetensors, tokenizer), or a GGUF file (or a folder "
+                "holding one) served with its quantization, tokenizer and chat template")
 DEVICE = Setting(None, "where weights and KV pages live", choices=DEVICES)
 DTYPE = Setting(AUTO_DTYPE, "weight and KV dtype; auto: bfloat16 on CUDA or on a CPU with "
                 "AVX512-BF16 or AMX, else float32 (the worker reports what it resolved to)",

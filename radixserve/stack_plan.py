@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from radixserve.flags import env_name
 from radixserve.launcher_config import UpConfig
+from radixserve.model_source import GGUF_SUFFIX
 from radixserve.security import security_args
 
 ROUTER_PORT_OFFSET = 1
@@ -92,7 +93,7 @@ def plan_stack(config: UpConfig, python: str = sys.executable) -> StackPlan:
     served = {p.flag: p.value for p in config.passed}.get("served-model-name")
     return StackPlan([workers, routers, gateways], gateways[0].health_address,
                      config.http_port, reachable(config.host),
-                     served or os.path.basename(os.path.normpath(config.model)))
+                     served or os.path.basename(os.path.normpath(config.model)).removesuffix(GGUF_SUFFIX))
 
 
 def plan_gateway(config: UpConfig, index: int, routers: list[ChildSpec], python: str) -> ChildSpec:

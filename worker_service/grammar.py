@@ -30,6 +30,7 @@ import torch
 
 from radixserve.constraints import Constraint
 from radixserve.grammar_compiler import GrammarCompiler
+from radixserve.model_source import load_tokenizer, resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -88,11 +89,10 @@ class ConstraintMasks:
     @classmethod
     def load(cls, model_dir: Path, vocab_size: int, eos_token_ids: list[int], cache_size: int,
              num_threads: int) -> ConstraintMasks | None:
-        """From the tokenizer in the model folder; None (constraints refused) when it has none."""
-        from transformers import AutoTokenizer
-
+        """From the model's tokenizer (its folder's or GGUF file's); None (constraints refused)
+        when it has none."""
         try:
-            hf_tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+            hf_tokenizer = load_tokenizer(resolve_model(model_dir))
         except (OSError, ValueError) as exc:
             log.warning("no tokenizer in %s, so constrained requests are refused: %s", model_dir, exc)
             return None

@@ -21,19 +21,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig
 
+from radixserve.model_source import ModelSource, load_config, resolve_model
 from radixserve.v1 import worker_pb2
 from worker_service.backends import StepBatch, select_backend
 from worker_service.backends.base import PrefillChunk
 from worker_service.distributed import TPGroup
 from worker_service.dtypes import DTYPES, resolve_dtype
 from worker_service.forward_batch import ForwardEntry, StepOutput
+from worker_service.gguf_loader import load_gguf_weights
 from worker_service.kv_pool import KVPool
 from worker_service.layers.linear import pack_linear_weights
 from worker_service.loader import load_weights
 from worker_service.quant.scheme import quantizer, served_name
 from worker_service.models import model_class
+from worker_service.models.config_checks import refuse_prequantized
 from worker_service.models.llama import head_dim_of
 
 log = logging.getLogger(__name__)
@@ -41,7 +43,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True, frozen=True)
 class RunnerConfig:
-    """What a rank runs: the checkpoint folder, where and in which dtype, and its KV budget.
+    """What a rank runs: the checkpoint (a folder, or a GGUF file: `radixserve.model_source`),
+    where and in which dtype, and its KV budget.
 
     `dtype` may be `auto` (see `worker_service.dtypes`); `info.dtype` says what it resolved to.
     `kv_cache_bytes` is this rank's budget for its KV pages (K and V, all layers, its own KV
@@ -67,12 +70,13 @@ class RunnerConfig:
     deterministic: bool = False
 
 
-def eos_token_ids(model_dir: Path, config_eos: int | list[int] | None) -> list[int]:
-    """EOS ids from config.json and generation_config.json together, first-seen order."""
+def eos_token_ids(source: ModelSource, config_eos: int | list[int] | None) -> list[int]:
+    """EOS ids from the config and a Hugging Face folder's generation_config.json together,
+    first-seen order."""
     found: list[int] = []
     sources: list[int | list[int] | None] = [config_eos]
-    generation_config = model_dir / "generation_config.json"
-    if generation_config.is_file():
+    generation_config = source.folder / "generation_config.json"
+    if source.gguf_file is None and generation_config.is_file():
         sources.append(json.loads(generation_config.read_text()).get("eos_token_id"))
     for source in sources:
         ids = [] if source is None else [source] if isinstance(source, int) else list(source)
@@ -102,19 +106,29 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = DTYPES[dtype_name]
         self.page_size = config.page_size
-        model_dir = Path(config.model_dir)
-        self.hf_config = AutoConfig.from_pretrained(model_dir)
+        source = resolve_model(config.model_dir)
+        self.hf_config = load_config(source)
+        gguf_path = source.gguf_path
+        if gguf_path is None:
+            refuse_prequantized(self.hf_config)
         group = TPGroup(config.rank, config.world_size)
         head_dim = head_dim_of(self.hf_config)
         selection = select_backend(config.attention_kernel, self.device, self.dtype, head_dim,
                                    config.world_size, config.cuda_graph_max_batch,
                                    model_class(self.hf_config).ops_without_kernels(self.hf_config),
-                                   config.quantization, config.deterministic)
+                                   "gguf" if gguf_path is not None else config.quantization,
+                                   config.deterministic)
         self.backend, self.backend_reason = selection.backend, selection.reason
         log.info("rank %d runs the %s backend: %s", config.rank, self.backend.name, self.backend_reason)
         with torch.inference_mode():
             self.model = model_class(self.hf_config)(self.hf_config, group, self.dtype, self.device, self.backend)
-        load_weights(self.model, model_dir)
+        quantization = served_name(config.quantization, config.quantization_group_size)
+        if gguf_path is not None:
+            # The file's quantized linear weights are kept; `--quantization` applies to its plain ones.
+            kept = load_gguf_weights(self.model, gguf_path, self.hf_config)
+            quantization = kept if config.quantization == "none" else f"{kept}+{quantization}"
+        else:
+            load_weights(self.model, source.folder)
         # After loading: packed weights cannot be loaded into.
         pack_linear_weights(self.model, self.backend,
                             quantizer(config.quantization, config.quantization_group_size))
@@ -128,17 +142,17 @@ class ModelRunner:
         self.fused = self.backend.fused_layers(self.model, self.pool)
         # What this rank reports (GetWorkerInfo); the executor copies it with the group's page count.
         self.info = worker_pb2.GetWorkerInfoResponse(
-            model_name=model_dir.name,
+            model_name=source.name,
             dtype=dtype_name,
             device=str(self.device),
             page_size=config.page_size,
             num_pages=num_pages,
             context_len=self.hf_config.max_position_embeddings,
             vocab_size=self.hf_config.vocab_size,
-            eos_token_ids=eos_token_ids(model_dir, self.hf_config.eos_token_id),
+            eos_token_ids=eos_token_ids(source, self.hf_config.eos_token_id),
             rank=config.rank,
             world_size=config.world_size,
-            quantization=served_name(config.quantization, config.quantization_group_size),
+            quantization=quantization,
         )
         # After the pool: whole steps (CUDA graphs) capture its addresses; page `num_pages` is theirs.
         self.graphs = self.backend.whole_steps(self.model, self.pool, self.info.context_len, pad_page=num_pages)

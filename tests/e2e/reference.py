@@ -24,14 +24,18 @@ class Reference:
 
 
 def greedy_references(model_dir: Path) -> list[Reference]:
-    """`AutoModelForCausalLM` + `apply_chat_template` + `generate(do_sample=False)` per chat."""
+    """`AutoModelForCausalLM` + `apply_chat_template` + `generate(do_sample=False)` per chat, for
+    a model folder or a GGUF file (transformers dequantizing it; tokenizer and template from it)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from radixserve.model_source import resolve_model
+
     # One thread: on a busy two-core machine more threads spin against each other.
     torch.set_num_threads(1)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    source = resolve_model(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(source.folder, **source.hf_kwargs())
+    model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=torch.float32, **source.hf_kwargs()).eval()
     # `generate` stops on every id the generation config lists, as the stack does.
     eos = model.generation_config.eos_token_id
     eos_token_ids = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}

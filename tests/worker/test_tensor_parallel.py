@@ -104,20 +104,26 @@ def single_rank(model_dir: Path, prompt_ids: list[int], backend: str,
     return logits, greedy_tokens(runner, prompt_ids, NUM_NEW_TOKENS, page_table), runner.weight_bytes()
 
 
-def check_against_single_rank(model_dir: Path, prompt_ids: list[int], world_size: int,
-                              work_dir: Path, atol: float, backend: str, quantization: str = "none") -> list[dict]:
-    logits, tokens, total_bytes = single_rank(model_dir, prompt_ids, backend, quantization)
-    results = run_ranks(model_dir, prompt_ids, world_size, work_dir, backend, quantization)
-    assert results[0]["tokens"] == tokens
-    assert all(r["tokens"] == tokens for r in results)
-    torch.testing.assert_close(results[0]["prompt_logits"], logits, atol=atol, rtol=0)
-    assert all(r["prompt_logits"] is None for r in results[1:])
-    for result in results:
-        # Each rank holds about 1/world_size (measured on SmolLM2 at TP=2: 0.53 and 0.47; the
-        # uneven head split gives rank 0 two of the three KV groups).
-        share = result["weight_bytes"] / total_bytes
-        assert 0.8 / world_size <= share <= 1.3 / world_size, f"rank holds {share:.2f} of the weights"
-    return results
+def check_against_single_rank(model_dir: Path | list[Path], prompt_ids: list[int], world_size: int,
+                              work_dir: Path, atol: float, backend: str, quantization: str = "none") -> list:
+    """TP=`world_size` against TP=1 for one model (each rank's result) or several run in one
+    group of rank processes (each rank's list of results, one per model)."""
+    models = model_dir if isinstance(model_dir, list) else [model_dir]
+    singles = [single_rank(model, prompt_ids, backend, quantization) for model in models]
+    per_rank = run_ranks(models, prompt_ids, world_size, work_dir, backend, quantization)
+    per_model = [[results[i] for results in per_rank] for i in range(len(models))] if len(models) > 1 \
+        else [per_rank]
+    for (logits, tokens, total_bytes), results in zip(singles, per_model):
+        assert results[0]["tokens"] == tokens
+        assert all(r["tokens"] == tokens for r in results)
+        torch.testing.assert_close(results[0]["prompt_logits"], logits, atol=atol, rtol=0)
+        assert all(r["prompt_logits"] is None for r in results[1:])
+        for result in results:
+            # Each rank holds about 1/world_size (measured on SmolLM2 at TP=2: 0.53 and 0.47; the
+            # uneven head split gives rank 0 two of the three KV groups).
+            share = result["weight_bytes"] / total_bytes
+            assert 0.8 / world_size <= share <= 1.3 / world_size, f"rank holds {share:.2f} of the weights"
+    return per_rank
 
 
 @pytest.mark.timeout(240)
@@ -143,14 +149,19 @@ def test_tiny_model_tp_matches_tp1(arch, world_size, tmp_path, backend) -> None:
     check_against_single_rank(model_dir, list(range(3, 40)), world_size, tmp_path, TINY_ATOL, backend)
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("backend", backend_params())
-def test_tiny_model_int4_tp2_matches_tp1(tmp_path, backend) -> None:
+def test_tiny_model_int4_and_gguf_tp2_match_tp1(tmp_path, backend) -> None:
     """int4 in groups of 32 at TP=2 as at TP=1: the tiny Llama's row-parallel shards split K on
     multiples of 32 (o_proj 64 + 32, down_proj 64 + 64), so each rank quantizes whole groups of
     the TP=1 weight and TP=2 computes what TP=1 computes. (int8's scales are per output channel
-    of each rank's shard, so a row-parallel layer's differ from TP=1's: no such equality.)"""
+    of each rank's shard, so a row-parallel layer's differ from TP=1's: no such equality.)
+    In the same rank pair, a GGUF file's quantized weights sharded as they are (Q4_K_M's mix):
+    column-parallel ones by whole rows, row-parallel ones (o_proj 128 + 128 columns, down_proj
+    256 + 256) on whole groups of Q4_K's 32 and Q6_K's 16 columns."""
+    from worker.tiny_gguf import MIXED, write_tiny_gguf
     from worker.tiny_models import make_tiny_llama
 
     model_dir = make_tiny_llama(tmp_path / "model")
-    check_against_single_rank(model_dir, list(range(3, 40)), 2, tmp_path, TINY_ATOL, backend, "int4")
+    gguf_path = write_tiny_gguf(tmp_path / "tiny.gguf", MIXED)
+    check_against_single_rank([model_dir, gguf_path], list(range(3, 40)), 2, tmp_path, TINY_ATOL, backend, "int4")

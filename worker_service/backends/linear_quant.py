@@ -16,6 +16,7 @@ weight (summed in a different order), and the result comes back in the activatio
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -64,6 +65,33 @@ class CompiledQuantLinear(DequantizingLinear):
 
     def _plain(self) -> torch.Tensor:
         return self._kernels.dequantize(self.quantized)
+
+
+class StackedLinear(PackedLinear):
+    """Row blocks of one weight packed separately (their layouts differ: a GGUF file's q and k in
+    Q4_K beside v in Q6_K), their outputs side by side as one product's."""
+
+    def __init__(self, parts: list[PackedLinear]) -> None:
+        self.parts = parts
+        self.weight = parts[0].weight
+        self.extra_bytes = sum(p.extra_bytes for p in parts) + sum(p.weight.nbytes for p in parts[1:])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+def pack_row_blocks(pack: Callable[..., PackedLinear], blocks: list[QuantizedWeight],
+                    bias: torch.Tensor | None) -> PackedLinear:
+    """`blocks` (consecutive rows of one weight) packed by `pack` (a backend's), with their
+    slices of `bias`: one packed weight, or a `StackedLinear` of several."""
+    if len(blocks) == 1:
+        return pack(blocks[0], bias)
+    parts, start = [], 0
+    for block in blocks:
+        stop = start + block.out_features
+        parts.append(pack(block, None if bias is None else bias[start:stop]))
+        start = stop
+    return StackedLinear(parts)
 
 
 @dataclass(frozen=True, slots=True)

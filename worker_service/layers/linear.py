@@ -16,27 +16,38 @@ from __future__ import annotations
 import torch
 
 from worker_service.backends.base import Backend, PackedLinear
+from worker_service.backends.linear_quant import pack_row_blocks
 from worker_service.backends.linear_torch import TorchLinear
 from worker_service.distributed import TPGroup, all_reduce_sum
 from worker_service.layers.weights import WeightSlice, make_param
+from worker_service.quant.format import QuantizedWeight
 from worker_service.quant.scheme import Quantizer
 
 
-class _Linear(torch.nn.Module):
+class PackableLinear(torch.nn.Module):
     """x @ weight.T (+ bias) by the packed weight the backend made (`pack`)."""
 
     weight: torch.nn.Parameter
     bias: torch.nn.Parameter | None
     packed: PackedLinear | None = None
+    # Set by a loader that read the weight already quantized (a GGUF file, `gguf_loader.py`): its
+    # consecutive row blocks, each in one layout, packed as they are in place of `weight`.
+    checkpoint_quantized: list[QuantizedWeight] | None = None
 
     def pack(self, backend: Backend | None = None, quantize: Quantizer | None = None) -> None:
-        """Hand the loaded weight, quantized by `quantize` where given, to `backend` (None: PyTorch's
-        ops, as `TorchBackend`'s) to multiply with from now on; the layer's parameter becomes the
-        packed weight, which can only be multiplied, never read or loaded into again."""
+        """Hand the loaded weight (the checkpoint's quantized one where the loader set it, else the
+        plain one, quantized by `quantize` where given) to `backend` (None: PyTorch's ops, as
+        `TorchBackend`'s) to multiply with from now on; the layer's parameter becomes the packed
+        weight, which can only be multiplied, never read or loaded into again."""
         if self.packed is not None:
             return
         weight, bias = self.weight.detach(), None if self.bias is None else self.bias.detach()
-        if quantize is not None:
+        if self.checkpoint_quantized is not None:
+            if backend is None:
+                raise ValueError("a quantized weight is packed by a backend (Backend.pack)")
+            self.packed = pack_row_blocks(backend.pack, self.checkpoint_quantized, bias)
+            self.checkpoint_quantized = None
+        elif quantize is not None:
             if backend is None:
                 raise ValueError("a quantized weight is packed by a backend (Backend.pack)")
             self.packed = backend.pack(quantize(weight), bias)
@@ -45,7 +56,7 @@ class _Linear(torch.nn.Module):
         self.weight = torch.nn.Parameter(self.packed.weight, requires_grad=False)
 
 
-class Linear(_Linear):
+class Linear(PackableLinear):
     """A single-rank linear layer over a given weight: the worker's kernel without a checkpoint
     (the benchmark times GEMM throughput with it)."""
 
@@ -62,13 +73,13 @@ def pack_linear_weights(model: torch.nn.Module, backend: Backend, quantize: Quan
     """Pack every layer of `model` that has a `pack(backend)` method (linear layers, the LM head),
     the decoder layers' linear weights quantized by `quantize` where given (the LM head is not)."""
     for module in model.modules():
-        if isinstance(module, _Linear):
+        if isinstance(module, PackableLinear):
             module.pack(backend, quantize)
         elif module is not model and callable(getattr(module, "pack", None)):
             module.pack(backend)
 
 
-class ColumnParallelLinear(_Linear):
+class ColumnParallelLinear(PackableLinear):
     """y = x @ W_local.T (+ b_local), where W_local stacks rows of one or more checkpoint matrices.
 
     `pieces` lists, in output order, `(checkpoint prefix, rows)`: rows `rows` of
@@ -103,7 +114,7 @@ class ColumnParallelLinear(_Linear):
         return self.packed(x)
 
 
-class RowParallelLinear(_Linear):
+class RowParallelLinear(PackableLinear):
     """y = sum over ranks of x_local @ W[:, cols_local].T: the input arrives already split.
 
     With `reduce=False` the layer returns this rank's partial product and the caller sums over the

@@ -96,6 +96,18 @@ class QuantizedWeight:
                                self.group_size, stop - start)
 
 
+def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight | None:
+    """`weights` stacked along their rows (merged q, k and v), or None where their layouts
+    differ (format, group size or columns): those stay separate products."""
+    first = weights[0]
+    if any((w.format, w.group_size, w.in_features) != (first.format, first.group_size, first.in_features)
+           for w in weights):
+        return None
+    offsets = None if first.offsets is None else torch.cat([w.offsets for w in weights])
+    return QuantizedWeight(first.format, torch.cat([w.values for w in weights]),
+                           torch.cat([w.scales for w in weights]), offsets, first.group_size, first.in_features)
+
+
 def num_groups(in_features: int, group_size: int) -> int:
     return -(-in_features // group_size)
 

@@ -1,0 +1,82 @@
+"""Where a model's files are: a Hugging Face folder, or one GGUF file (given itself, or the only
+`.gguf` in a folder without `config.json`).
+
+Every service that reads the model (the gateway's tokenizer, the worker's config, weights and
+tokenizer) resolves `--model` here once, so a GGUF file is served as it is everywhere: its config,
+tokenizer and chat template come from its metadata (transformers reads them with `gguf_file=`).
+transformers is imported only inside the functions that need it: the router imports none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+GGUF_SUFFIX = ".gguf"
+HF_CONFIG = "config.json"
+# Our model class for each GGUF architecture we serve (the file names no `architectures`).
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+class ModelNotFound(ValueError):
+    """`--model` names neither a model folder nor a GGUF file (the message says which and why)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """A model folder, and the GGUF file in it that holds the model (None: a Hugging Face folder)."""
+
+    folder: Path
+    gguf_file: str | None = None
+
+    @property
+    def gguf_path(self) -> Path | None:
+        return None if self.gguf_file is None else self.folder / self.gguf_file
+
+    @property
+    def name(self) -> str:
+        """The served model's name: the folder's, or the GGUF file's without its suffix."""
+        return self.folder.name if self.gguf_file is None else self.gguf_file.removesuffix(GGUF_SUFFIX)
+
+    def hf_kwargs(self) -> dict[str, str]:
+        """What `from_pretrained(self.folder, ...)` needs to read this model."""
+        return {} if self.gguf_file is None else {"gguf_file": self.gguf_file}
+
+
+def resolve_model(path: str | Path) -> ModelSource:
+    """`path` as a `ModelSource`; `ModelNotFound` (one line) where it is neither."""
+    path = Path(path)
+    if path.is_file():
+        if path.suffix != GGUF_SUFFIX:
+            raise ModelNotFound(f"{path} is a file but not a {GGUF_SUFFIX} file")
+        return ModelSource(path.parent, path.name)
+    if not path.is_dir():
+        raise ModelNotFound(f"{path} is not a folder or a {GGUF_SUFFIX} file (it does not exist)")
+    if (path / HF_CONFIG).is_file():
+        return ModelSource(path)
+    found = sorted(p.name for p in path.glob(f"*{GGUF_SUFFIX}") if p.is_file())
+    if len(found) == 1:
+        return ModelSource(path, found[0])
+    if found:
+        raise ModelNotFound(f"{path} holds several GGUF files ({', '.join(found)}): name one")
+    raise ModelNotFound(f"{path} has no {HF_CONFIG} and no {GGUF_SUFFIX} file")
+
+
+def load_tokenizer(source: ModelSource):
+    """The model's Hugging Face tokenizer (with its chat template)."""
+    from transformers import AutoTokenizer  # heavy import, done once at startup
+
+    return AutoTokenizer.from_pretrained(str(source.folder), **source.hf_kwargs())
+
+
+def load_config(source: ModelSource) -> Any:
+    """The model's transformers config; a GGUF file's names the architecture we serve it with
+    (`GGUF_ARCHITECTURES`; an architecture we lack keeps none, and the worker says so)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(source.folder), **source.hf_kwargs())
+    if source.gguf_file is not None and not getattr(config, "architectures", None):
+        architecture = GGUF_ARCHITECTURES.get(config.model_type)
+        config.architectures = [architecture] if architecture else [f"gguf:{config.model_type}"]
+    return config

@@ -1,0 +1,106 @@
+"""GGUF files served as they are: each kept block type maps exactly onto our layouts, and a tiny
+random Llama written by the `gguf` package in each type gives transformers' logits and greedy
+tokens (transformers dequantizing the same file), its linear weights kept quantized."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from radixserve.model_source import ModelNotFound, resolve_model
+from worker.tiny_gguf import (HEAD_DIM, HIDDEN, INTERMEDIATE, KV_HEADS, LAYERS, MIXED, RANDOM_BLOCK_HALVES, TYPES,
+                              random_blocks, write_tiny_gguf)
+from worker.tiny_models import greedy_tokens, reference_greedy
+from worker_service.quant.gguf_types import KEPT_TYPES, to_quantized
+
+PROMPT_IDS = list(range(3, 40))
+NUM_NEW_TOKENS = 8
+
+
+def _random_rows(qtype: T, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if qtype in RANDOM_BLOCK_HALVES:
+        return random_blocks((rows, cols), qtype, rng)
+    return gguf.quants.quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+
+
+@pytest.mark.parametrize("qtype", KEPT_TYPES, ids=lambda t: t.name)
+def test_each_kept_type_stands_for_exactly_the_weights_gguf_dequantizes(qtype) -> None:
+    rows, cols = 7, 768  # odd rows, three K-quant super-blocks
+    raw = _random_rows(qtype, rows, cols)
+    weight = to_quantized(raw, qtype, cols)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
+    assert torch.equal(weight.dequantize(), expected)
+    # A row-parallel shard on a group boundary is the same columns of the same weights.
+    start = 256
+    assert torch.equal(weight.cols(range(start, cols)).dequantize(), expected[:, start:])
+    assert torch.equal(weight.rows(range(2, 5)).dequantize(), expected[2:5])
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("gguf")
+    return {qtype: write_tiny_gguf(folder / f"tiny-{qtype}.gguf", qtype) for qtype in TYPES}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("qtype", TYPES)
+def test_tiny_gguf_matches_transformers_reading_the_same_file(gguf_files, qtype) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from worker_service.model_runner import ModelRunner, RunnerConfig
+    from worker_service.forward_batch import ForwardEntry
+
+    path = gguf_files[qtype]
+    reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                     dtype=torch.float32).eval()
+    runner = ModelRunner(RunnerConfig(model_dir=path, kv_cache_bytes=16 << 20))
+    kept = sorted({"Q4_K", "Q6_K"} if qtype == MIXED else {qtype})
+    assert runner.info.quantization == "gguf:" + "+".join(kept)
+    assert runner.info.model_name == path.stem
+    page_table = list(range((len(PROMPT_IDS) + NUM_NEW_TOKENS) // runner.info.page_size + 1))
+    logits = runner.forward([ForwardEntry(PROMPT_IDS, 0, page_table, True)])[0]
+    with torch.no_grad():
+        expected = reference(torch.tensor([PROMPT_IDS])).logits[0, -1]
+    torch.testing.assert_close(logits, expected, atol=1e-4 * float(expected.abs().max()), rtol=0)
+    assert greedy_tokens(runner, PROMPT_IDS, NUM_NEW_TOKENS, page_table) == \
+        reference_greedy(reference, PROMPT_IDS, NUM_NEW_TOKENS)
+    # The decoder's linear weights stayed quantized: well under their float32 bytes.
+    linear_params = LAYERS * ((2 * HIDDEN + 2 * KV_HEADS * HEAD_DIM) * HIDDEN + 3 * HIDDEN * INTERMEDIATE)
+    dense_bytes = sum(p.numel() * p.element_size() for p in reference.parameters())
+    assert runner.weight_bytes() < dense_bytes - linear_params * 4 * 0.6
+
+
+def test_model_source_finds_the_gguf_file(gguf_files, tmp_path) -> None:
+    path = gguf_files["Q8_0"]
+    assert resolve_model(path).gguf_path == path
+    single = tmp_path / "single"
+    single.mkdir()
+    (single / "model.gguf").symlink_to(path)
+    assert resolve_model(single).gguf_file == "model.gguf"
+    (single / "other.gguf").symlink_to(path)
+    with pytest.raises(ModelNotFound, match="several GGUF files"):
+        resolve_model(single)
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(ModelNotFound, match="not a .gguf file"):
+        resolve_model(tmp_path / "weights.bin")
+
+
+def test_a_prequantized_checkpoint_is_refused_naming_its_method(tmp_path) -> None:
+    import json
+
+    from worker.tiny_models import make_tiny_llama
+    from worker_service.model_runner import ModelRunner, RunnerConfig
+    from worker_service.models.config_checks import UnsupportedModel
+
+    model_dir = make_tiny_llama(tmp_path / "awq")
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModel, match=r"pre-quantized checkpoints \(awq\) are not supported"):
+        ModelRunner(RunnerConfig(model_dir=model_dir, kv_cache_bytes=1 << 20))

@@ -1,0 +1,121 @@
+"""Tiny random Llama GGUF files written by the `gguf` package, in each type we keep.
+
+The shapes are multiples of 256 (the K-quants' super-block). Q8_0, Q4_0 and Q4_1 are quantized
+from a random transformers Llama by `gguf.quants.quantize`; the package cannot quantize Q4_K or
+Q6_K, so those tensors are random blocks (any bytes are a valid block once its half-precision
+scales are set to small finite values). `MIXED` is what `*Q4_K_M.gguf` files hold: q, k, o, gate
+and up in Q4_K, v and down in Q6_K (so a merged q/k/v projection mixes two layouts). The q and k
+rows are interleaved per head as llama.cpp writes them. With `tokenizer_dir`, the file carries
+that folder's byte-level BPE tokenizer (SmolLM2's) cut to its first `SMALL_VOCAB` tokens (the
+merges among them: a smaller valid BPE, which every service parses in a moment) and its chat
+template in its metadata.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+MIXED = "Q4_K_M"
+TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", MIXED)
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 256, 512, 4, 2, 64, 2
+SMALL_VOCAB = 512
+# Where each random block's half-precision scales sit, and how large they may be.
+RANDOM_BLOCK_HALVES = {T.Q4_K: ((0, 5e-4), (2, 5e-4)), T.Q6_K: ((208, 2e-4),)}
+
+
+def _type_of(name: str, qtype: str) -> T:
+    if qtype != MIXED:
+        return T[qtype]
+    return T.Q6_K if ("attn_v" in name or "ffn_down" in name) else T.Q4_K
+
+
+def random_blocks(shape: tuple[int, int], qtype: T, rng: np.random.Generator) -> np.ndarray:
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = shape
+    blocks = rng.integers(0, 256, size=(rows, cols // block_size, type_size), dtype=np.uint8)
+    for offset, scale in RANDOM_BLOCK_HALVES[qtype]:
+        halves = (rng.random((rows, cols // block_size, 1)) * scale).astype(np.float16)
+        blocks[:, :, offset:offset + 2] = halves.view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def _interleave_heads(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's order of a q or k projection's rows (the inverse of transformers' reading)."""
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer_dir: Path) -> int:
+    spec = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    vocab = {token: index for token, index in spec["model"]["vocab"].items() if index < SMALL_VOCAB}
+    tokens = [None] * len(vocab)
+    for token, index in vocab.items():
+        tokens[index] = token
+    special = {t["id"] for t in spec["added_tokens"] if t.get("special")}
+    pairs = [m.split(" ") if isinstance(m, str) else m for m in spec["model"]["merges"]]
+    merges = [" ".join(pair) for pair in pairs if all(p in vocab for p in pair) and "".join(pair) in vocab]
+    hf = AutoTokenizer.from_pretrained(tokenizer_dir)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
+                            for i in range(len(tokens))])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(hf.bos_token_id)
+    writer.add_eos_token_id(hf.eos_token_id)
+    writer.add_pad_token_id(hf.pad_token_id)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(hf.chat_template)
+    return len(tokens)
+
+
+def write_tiny_gguf(out: Path, qtype: str, tokenizer_dir: Path | None = None, seed: int = 0) -> Path:
+    """A 2-layer random Llama (4 q / 2 KV heads, tied embeddings) as `out` in `qtype` (`TYPES`)."""
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(out, "llama")
+    vocab_size = _add_tokenizer(writer, tokenizer_dir) if tokenizer_dir is not None else SMALL_VOCAB
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                         num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                         head_dim=HEAD_DIM, rms_norm_eps=1e-5, tie_word_embeddings=True, initializer_range=0.1)
+    model = LlamaForCausalLM(config).eval()
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(512)
+    writer.add_embedding_length(HIDDEN)
+    writer.add_feed_forward_length(INTERMEDIATE)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_rope_dimension_count(HEAD_DIM)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_vocab_size(vocab_size)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, LAYERS)
+    for hf_name, tensor in model.state_dict().items():
+        base, _, suffix = hf_name.rpartition(".")
+        gguf_name = f"{names.get_name(base)}.{suffix}"
+        weight = tensor.float().numpy()
+        if weight.ndim == 1:
+            writer.add_tensor(gguf_name, weight)
+            continue
+        if "embed_tokens" in hf_name:
+            writer.add_tensor(gguf_name, weight.astype(np.float16))
+            continue
+        if ".q_proj." in hf_name or ".k_proj." in hf_name:
+            weight = _interleave_heads(weight, HEADS if ".q_proj." in hf_name else KV_HEADS)
+        kind = _type_of(gguf_name, qtype)
+        if kind in RANDOM_BLOCK_HALVES:
+            data = random_blocks(weight.shape, kind, rng)
+        else:
+            data = gguf.quants.quantize(weight, kind)
+        writer.add_tensor(gguf_name, data, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
