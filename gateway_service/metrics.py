@@ -6,7 +6,8 @@ prompt and generated tokens from the final usage, and counts the request by API,
 finish reason. A request that fails counts with the gRPC status name of its error (the same
 mapping the caller sees, `errors.to_status`) and an empty finish reason. A request refused
 before it could start (the HTTP API's 401, 413, malformed body, unknown model) is counted by
-`rejected`. Either way the request gets its access-log line (`access_log`).
+`rejected`. Either way the request gets its access-log line (`access_log`). Embedding requests
+(`observe_embedding`) count the same way, with prompt tokens only and no finish reason.
 
 Every labelled series exists at 0 from the first request that knows the model name on, so
 rates and alerts work before the first failure of a kind.
@@ -15,7 +16,7 @@ rates and alerts work before the first failure of a kind.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from prometheus_client import CollectorRegistry
 
@@ -31,17 +32,21 @@ API_GRPC = "grpc"
 API_CHAT = "chat_completions"
 API_COMPLETIONS = "completions"
 API_MODELS = "models"
-APIS = (API_GRPC, API_CHAT, API_COMPLETIONS, API_MODELS)
+API_EMBED = "grpc_embed"
+API_EMBEDDINGS = "embeddings"
+APIS = (API_GRPC, API_CHAT, API_COMPLETIONS, API_MODELS, API_EMBED, API_EMBEDDINGS)
+# APIs that answer embeddings: their requests end without a finish reason.
+EMBEDDING_APIS = (API_EMBED, API_EMBEDDINGS)
 # The route of each API in the access log (HTTP paths; the gRPC method).
 ROUTES = {API_GRPC: "/radixserve.v1.GenerationService/Generate", API_CHAT: "/v1/chat/completions",
-          API_COMPLETIONS: "/v1/completions", API_MODELS: "/v1/models"}
+          API_COMPLETIONS: "/v1/completions", API_MODELS: "/v1/models",
+          API_EMBED: "/radixserve.v1.GenerationService/Embed", API_EMBEDDINGS: "/v1/embeddings"}
 STATUS_OK = "ok"
-# The (status, finish reason) series declared at 0 for every API.
-DECLARED_OUTCOMES = (
-    (STATUS_OK, "stop"), (STATUS_OK, "length"),
-    *((status, "") for status in ("INVALID_ARGUMENT", "UNAUTHENTICATED", "NOT_FOUND", "RESOURCE_EXHAUSTED",
-                                  "UNAVAILABLE", "CANCELLED", "DEADLINE_EXCEEDED", "INTERNAL")),
-)
+# The (status, finish reason) series declared at 0 for every API (embeddings: `ok` alone).
+FAILURES = tuple((status, "") for status in ("INVALID_ARGUMENT", "UNAUTHENTICATED", "NOT_FOUND", "RESOURCE_EXHAUSTED",
+                                             "UNAVAILABLE", "CANCELLED", "DEADLINE_EXCEEDED", "INTERNAL"))
+DECLARED_OUTCOMES = ((STATUS_OK, "stop"), (STATUS_OK, "length"), *FAILURES)
+EMBEDDING_OUTCOMES = ((STATUS_OK, ""), *FAILURES)
 
 
 class GatewayMetrics:
@@ -71,7 +76,7 @@ class GatewayMetrics:
         if model and model not in self._declared:
             self._declared.add(model)
             for name in APIS:
-                for status, finish in DECLARED_OUTCOMES:
+                for status, finish in EMBEDDING_OUTCOMES if name in EMBEDDING_APIS else DECLARED_OUTCOMES:
                     self.requests.labels(model, name, status, finish)
                 for series in (self.prompt_tokens, self.generation_tokens, self.cached_prompt_tokens,
                                self.ttft, self.itl, self.e2e):
@@ -83,6 +88,31 @@ class GatewayMetrics:
         status = status_of(exc).name
         self.requests.labels(self._model(), api, status, "").inc()
         log_request(caller, RequestRecord(ROUTES[api], status, total_s=time.monotonic() - started))
+
+    async def observe_embedding(
+        self, api: str, caller: Caller, call: Awaitable[generation_pb2.EmbedResponse]
+    ) -> generation_pb2.EmbedResponse:
+        """`call`'s answer, the request counted (prompt and cached tokens, latency, status) and
+        logged as a generation request is; it has no output tokens and no finish reason."""
+        model = self._model()
+        start = time.monotonic()
+        status = "CANCELLED"
+        record = RequestRecord(ROUTES[api])
+        try:
+            response = await call
+            status = STATUS_OK
+            self.prompt_tokens.labels(model, api).inc(response.usage.prompt_tokens)
+            self.cached_prompt_tokens.labels(model, api).inc(response.usage.cached_tokens)
+            self.e2e.labels(model, api).observe(time.monotonic() - start)
+            record.prompt_tokens, record.cached_tokens = response.usage.prompt_tokens, response.usage.cached_tokens
+            return response
+        except Exception as exc:
+            status = status_of(exc).name
+            raise
+        finally:
+            self.requests.labels(model, api, status, "").inc()
+            record.status, record.total_s = status, time.monotonic() - start
+            log_request(caller, record)
 
     async def observe(
         self, api: str, caller: Caller, stream: AsyncIterator[generation_pb2.GenerateResponse]

@@ -18,7 +18,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 import grpc
 
@@ -30,7 +30,7 @@ from gateway_service.config import GatewayConfig
 from gateway_service.constraint_check import ConstraintChecker
 from gateway_service.embedding import Embedder
 from gateway_service.errors import GatewayError, InvalidRequest, NoRouterAvailable, ShuttingDown, to_status
-from gateway_service.metrics import API_GRPC, GatewayMetrics
+from gateway_service.metrics import API_EMBED, API_GRPC, GatewayMetrics
 from gateway_service.output import OutputAssembler
 from gateway_service.pooling_config import PoolingConfig
 from gateway_service.reasoning import ReasoningSplitter, opens_inside_block
@@ -134,13 +134,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             caller = self._grpc_caller(request, context)
             remaining = context.time_remaining()
             deadline = None if remaining is None else time.monotonic() + remaining
-            return await self.embed(request, caller, deadline)
+            return await self.embed(request, caller, deadline, API_EMBED)
         except Exception as exc:
             await context.abort(*to_status(exc))
 
-    async def embed(self, request: generation_pb2.EmbedRequest, caller: Caller,
-                    deadline: float | None) -> generation_pb2.EmbedResponse:
-        """The inputs' embeddings (both APIs; see embedding.py)."""
+    def embed(self, request: generation_pb2.EmbedRequest, caller: Caller, deadline: float | None,
+              api: str) -> Awaitable[generation_pb2.EmbedResponse]:
+        """The inputs' embeddings (both APIs; see embedding.py), measured and logged."""
+        return self.metrics.observe_embedding(api, caller, self._embed(request, caller, deadline))
+
+    async def _embed(self, request: generation_pb2.EmbedRequest, caller: Caller,
+                     deadline: float | None) -> generation_pb2.EmbedResponse:
         self._refuse_if_draining()
         info = await self._server_info()
         tokenizer = self._require_tokenizer()

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Any
 
 import grpc
 
 from radixserve_client.connection import Endpoint
 from radixserve_client.errors import from_rpc_error
-from radixserve_client.request import Message, chat_messages, generate_request
+from radixserve_client.request import Message, chat_messages, embed_request, generate_request
 from radixserve_client.results import Chunk, GenerateResult, ModelInfo, chunk_from_proto, join_chunks
 from radixserve.v1 import generation_pb2
 
@@ -80,3 +80,15 @@ class AsyncClient(Endpoint):
             )
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
+
+    async def embed(
+        self, inputs: str | Sequence[int] | Sequence[str | Sequence[int]], *,
+        dimensions: int | None = None, timeout: float | None = None,
+    ) -> list[list[float]]:
+        """The embedding of each input (a text, a list of token ids, or a list of either), in order,
+        pooled as the served model's folder says (docs/agent-api.md)."""
+        try:
+            reply = await self._stub.Embed(embed_request(inputs, dimensions), timeout=timeout, metadata=self._metadata)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+        return [list(item.values) for item in reply.embeddings]

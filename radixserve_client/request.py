@@ -1,4 +1,4 @@
-"""Building a GenerateRequest from keyword arguments (shared by both clients)."""
+"""Building a GenerateRequest or an EmbedRequest from arguments (shared by both clients)."""
 
 from __future__ import annotations
 
@@ -63,4 +63,18 @@ def generate_request(
     )
     if max_tokens is not None:
         request.max_tokens = max_tokens
+    return request
+
+
+def embed_request(inputs: str | Sequence[int] | Sequence[str | Sequence[int]],
+                  dimensions: int | None = None) -> generation_pb2.EmbedRequest:
+    """One text, one list of token ids, or a list of either: one `EmbedInput` each."""
+    if isinstance(inputs, str) or (inputs and all(isinstance(item, int) for item in inputs)):
+        inputs = [inputs]
+    request = generation_pb2.EmbedRequest(inputs=[
+        generation_pb2.EmbedInput(text=item) if isinstance(item, str)
+        else generation_pb2.EmbedInput(tokens=generation_pb2.TokenIds(token_ids=list(item)))
+        for item in inputs])
+    if dimensions is not None:
+        request.dimensions = dimensions
     return request

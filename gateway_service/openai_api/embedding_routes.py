@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import struct
+import time
 from collections.abc import Awaitable, Callable
 from typing import Literal
 
@@ -19,6 +20,7 @@ from pydantic import BaseModel, ConfigDict
 
 from gateway_service.caller import Caller
 from gateway_service.errors import InvalidRequest
+from gateway_service.metrics import API_EMBEDDINGS
 from gateway_service.openai_api.body import parse_body
 from gateway_service.openai_api.errors import ModelNotFound
 from gateway_service.openai_api.protocol import INT32_MAX, INT32_MIN
@@ -77,15 +79,21 @@ def add_embedding_routes(
     @app.post("/v1/embeddings", dependencies=[Depends(authenticated)])
     @answers_errors
     async def embeddings(request: Request) -> dict:
-        body = await parse_body(request, EmbeddingRequest, limits.max_request_bytes)
-        if body.user is not None:
-            check_user(body.user, limits)
-        info = await servicer.model_info()
-        if body.model != info.model_name:
-            raise ModelNotFound(f"the model {body.model!r} does not exist; this server serves {info.model_name!r}")
-        if not body.input:
-            raise InvalidRequest("input is empty")
-        response = await servicer.embed(embed_request(body), caller_of(request, body.user), None)
+        started, caller = time.monotonic(), caller_of(request)
+        try:
+            body = await parse_body(request, EmbeddingRequest, limits.max_request_bytes)
+            if body.user is not None:
+                check_user(body.user, limits)
+                caller = caller_of(request, body.user)
+            info = await servicer.model_info()
+            if body.model != info.model_name:
+                raise ModelNotFound(f"the model {body.model!r} does not exist; this server serves {info.model_name!r}")
+            if not body.input:
+                raise InvalidRequest("input is empty")
+        except Exception as exc:  # refused before it started: counted and logged all the same
+            servicer.metrics.rejected(API_EMBEDDINGS, caller, exc, started)
+            raise
+        response = await servicer.embed(embed_request(body), caller, None, API_EMBEDDINGS)
         num_tokens = response.usage.prompt_tokens
         return {
             "object": "list",

@@ -20,8 +20,10 @@ import torch
 from transformers import AutoModel, AutoTokenizer
 
 from e2e.agent_model import AGENT_MODEL
+from e2e.metrics_scrape import scrape, total
 from e2e.stack import LaunchedStack
 from radixserve.v1 import generation_pb2, generation_pb2_grpc
+from radixserve_client import Client, InvalidArgumentError
 
 MODEL = AGENT_MODEL
 TIMEOUT_S = 60.0
@@ -141,3 +143,36 @@ def test_grpc_embed(stack, reference) -> None:
         with pytest.raises(grpc.RpcError) as failure:
             stub.Embed(generation_pb2.EmbedRequest(), timeout=TIMEOUT_S)
         assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "inputs" in failure.value.details()
+    # The Python client's embed: the same vectors, one input or several.
+    with Client(stack.gateway) as client:
+        assert client.embed(TEXTS[0], timeout=TIMEOUT_S) == [list(reply.embeddings[0].values)]
+        assert client.embed([TEXTS[0], [5, 6, 7]], timeout=TIMEOUT_S) == [list(e.values) for e in reply.embeddings]
+        with pytest.raises(InvalidArgumentError):
+            client.embed([], timeout=TIMEOUT_S)
+
+
+@pytest.mark.timeout(120)
+def test_embedding_requests_are_counted_and_logged(api, stack) -> None:
+    """requests_total and prompt_tokens_total count Embed and /v1/embeddings as they count
+    generation (a refusal too), and each request gets its access-log line."""
+    requests, prompt = "radixserve:requests_total", "radixserve:prompt_tokens_total"
+    before = scrape(stack.metrics_url("gateway"))
+    done = api.embeddings.create(model=MODEL, input=TEXTS[:2])
+    with pytest.raises(openai.NotFoundError):
+        api.embeddings.create(model="no-such-model", input="x")
+    with grpc.insecure_channel(stack.gateway) as channel:
+        generation_pb2_grpc.GenerationServiceStub(channel).Embed(generation_pb2.EmbedRequest(
+            inputs=[generation_pb2.EmbedInput(tokens=generation_pb2.TokenIds(token_ids=[5, 6, 7]))]),
+            timeout=TIMEOUT_S, metadata=(("x-request-id", "embed-req-1"),))
+    after = scrape(stack.metrics_url("gateway"))
+
+    def delta(name: str, **labels: str) -> float:
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    assert delta(requests, api="embeddings", status="ok", finish_reason="") == 1
+    assert delta(requests, api="embeddings", status="NOT_FOUND") == 1
+    assert delta(requests, api="grpc_embed", status="ok") == 1
+    assert delta(prompt, api="embeddings") == done.usage.prompt_tokens
+    assert delta(prompt, api="grpc_embed") == 3
+    assert any(re.search(r"request embed-req-1 /radixserve.v1.GenerationService/Embed ok", line)
+               for line in stack.output().splitlines())

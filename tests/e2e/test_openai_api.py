@@ -13,9 +13,9 @@ import grpc
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from radixserve_client import Client
+from e2e.metrics_scrape import scrape, total
 from e2e.stack import LaunchedStack, launch
 from procs import ServiceProcesses
 from radixserve.v1 import router_pb2, router_pb2_grpc
@@ -50,22 +50,6 @@ def router_stats(stack: LaunchedStack) -> router_pb2.GetStatsResponse:
     with grpc.insecure_channel(stack.router) as channel:
         return router_pb2_grpc.RouterServiceStub(channel).GetStats(
             router_pb2.GetStatsRequest(), timeout=5, metadata=stack.internal_metadata())
-
-
-def scrape(url: str) -> dict[tuple[str, tuple], float]:
-    """Every sample of a /metrics page: (name, sorted labels) -> value."""
-    text = httpx.get(url, timeout=10).text
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-def total(samples: dict, name: str, **labels: str) -> float:
-    """Sum of `name` over the samples whose labels include `labels`."""
-    return sum(value for (sample, sample_labels), value in samples.items()
-               if sample == name and set(labels.items()) <= set(sample_labels))
 
 
 @pytest.mark.timeout(120)
