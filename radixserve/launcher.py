@@ -17,6 +17,7 @@ serving in between. A gateway that exits 0 (it drained after a SIGTERM) stops th
 from __future__ import annotations
 
 import dataclasses
+import json
 import signal
 import sys
 import threading
@@ -24,12 +25,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from radixserve.architectures import unsupported
 from radixserve.child_processes import Children
 from radixserve.health import CHECK_TIMEOUT_S, is_serving, probe
 from radixserve.health_tls import handshake_error
 from radixserve.launcher_config import UpConfig, config_from_args
 from radixserve.launcher_token import launch_security
-from radixserve.model_source import ModelNotFound, resolve_model
+from radixserve.model_source import HF_CONFIG, ModelNotFound, resolve_model
 from radixserve.security import Security, SecurityConfig, SecurityError, load_security
 from radixserve.stack_plan import ChildSpec, StackPlan, plan_stack, plan_workers, replica_suffix
 
@@ -59,10 +61,18 @@ def unusable_input(config: UpConfig) -> str | None:
     """What makes the stack unable to start, found before anything starts (one line for the
     user, where the workers would end in a traceback), or None."""
     try:
-        resolve_model(config.model)
+        source = resolve_model(config.model)
     except ModelNotFound as exc:
         return (f"--model {exc}: give a model folder (config.json, safetensors, tokenizer), e.g. the "
                 "one `make model` prepares, or a GGUF file")
+    if source.gguf_file is None:  # a GGUF file's architecture is checked by the workers
+        try:
+            declared = json.loads((source.folder / HF_CONFIG).read_text()).get("architectures") or []
+        except (OSError, ValueError) as exc:
+            return f"--model {config.model}: {HF_CONFIG} is unreadable: {exc}"
+        refusal = unsupported(declared)
+        if refusal is not None:
+            return f"--model {config.model}: {refusal}"
     if config.device == "cuda":
         import torch  # only here: the launcher itself needs no torch
 

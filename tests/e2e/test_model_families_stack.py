@@ -112,3 +112,4 @@ def test_up_with_an_unsupported_architecture_names_it_in_one_line(tmp_path) -> N
     lines = [line for line in output.splitlines() if "unsupported architecture ['NoSuchForCausalLM']" in line]
     assert len(lines) == 1 and "'Qwen3ForCausalLM'" in lines[0] and "'Gemma3ForCausalLM'" in lines[0], output[-3000:]
     assert "Traceback" not in output
+    assert "started worker0" not in output  # refused before anything started

@@ -206,3 +206,12 @@ def test_selection_names_what_runs_in_pytorch_ops() -> None:
     selection = select_backend("native", "cpu", torch.float32, 16, ops_without_kernels=ops)
     assert selection.backend.name == "native"
     assert "GELU-tanh gating, sliding-window attention in PyTorch's ops" in selection.reason
+
+
+def test_the_registry_is_the_launchers_list_of_architectures():
+    """`radixserve up` refuses a folder by `radixserve.architectures` before starting a worker:
+    the worker's registry must be exactly that list."""
+    from radixserve.architectures import SUPPORTED_ARCHITECTURES
+    from worker_service.models import MODEL_CLASSES
+
+    assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES)

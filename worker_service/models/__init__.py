@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from radixserve.architectures import unsupported
 from worker_service.models.base import CausalLM
 from worker_service.models.config_checks import UnsupportedModel
 from worker_service.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
@@ -18,6 +19,7 @@ from worker_service.models.qwen2 import Qwen2ForCausalLM
 from worker_service.models.qwen3 import Qwen3ForCausalLM
 from worker_service.models.qwen3_moe import Qwen3MoeForCausalLM
 
+# Exactly radixserve.architectures.SUPPORTED_ARCHITECTURES (which the launcher checks folders against).
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -41,4 +43,4 @@ def model_class(config: Any) -> type[CausalLM]:
     for name in architectures:
         if name in MODEL_CLASSES:
             return MODEL_CLASSES[name]
-    raise UnsupportedModel(f"unsupported architecture {architectures}; supported: {sorted(MODEL_CLASSES)}")
+    raise UnsupportedModel(unsupported(architectures))
