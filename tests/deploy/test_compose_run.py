@@ -3,8 +3,8 @@
 Each service of the default profile is started as a local process with exactly the command and
 environment Compose resolves for it. Only what a container engine would provide is translated:
 service host names resolve to 127.0.0.1, each container port becomes a free loopback port,
-0.0.0.0 becomes 127.0.0.1, and the `models` volume becomes a folder that holds the prepared
-model. Services start in `depends_on` order with the file's conditions (completed, started, or
+0.0.0.0 becomes 127.0.0.1, and the `models` volume becomes a folder that holds a model under
+the default model's name (a tiny one with its tokenizer). Services start in `depends_on` order with the file's conditions (completed, started, or
 healthy, judged by running the file's own health check command), and a Generate call goes
 through the gateway, as does `make compose-test`'s greedy check against transformers (piped
 into python the way that test runs it in the gateway container), both over TLS with the API
@@ -28,6 +28,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from constrained_model import make_constrained_model
 from deploy_checks import ROOT, compose_binary, compose_model
 from procs import ServiceProcesses, free_port
 from radixserve.v1 import generation_pb2, generation_pb2_grpc
@@ -179,7 +180,10 @@ def test_compose_services_serve_generate(smollm2_dir: Path, tmp_path: Path) -> N
     # The `models` volume: the prepared model where the model service will look for it.
     volume = tmp_path / "volumes" / "models"
     volume.mkdir(parents=True)
-    (volume / smollm2_dir.name).symlink_to(smollm2_dir.resolve(), target_is_directory=True)
+    # Under the default model's name, a tiny random Llama with its tokenizer and chat template:
+    # what is checked is the file's wiring, and transformers' greedy reference is the same check
+    # on any model.
+    make_constrained_model(volume / smollm2_dir.name, smollm2_dir)
     topology = LocalTopology(project, tmp_path / "volumes")
 
     awaited = _awaited_healthy(topology.services)
