@@ -20,7 +20,7 @@ from worker_service.backends.base import PackedExperts, PackedLinear
 from worker_service.native.moe_kernels import WEIGHT_DTYPES, MoEKernels
 
 # Steps of at most this many rows take the compiled call (docs/models.md has the measurement).
-COMPILED_MAX_ROWS = 64
+COMPILED_MAX_ROWS = 128
 
 
 class ExpertSlice(PackedLinear):
