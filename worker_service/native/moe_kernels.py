@@ -9,12 +9,11 @@ builds it once per process (None where it cannot be built: no compiler, no AVX2/
 from __future__ import annotations
 
 import ctypes
-import subprocess
 from pathlib import Path
 
 import torch
 
-from worker_service.native.library import CSRC, build, cpu_flags
+from worker_service.native.library import CSRC, LazyLibrary
 from worker_service.native.signatures import Signature, bind
 
 SOURCES = [CSRC / "moe_experts.cpp"]
@@ -61,26 +60,7 @@ class MoEKernels:
         return out
 
 
-_loaded: MoEKernels | None = None
-_failure: str | None = None
-
-
-def load() -> MoEKernels | None:
-    """The library, built on first use; None where it cannot be (then `failure()` says why)."""
-    global _loaded, _failure
-    if _loaded is None and _failure is None:
-        flags = cpu_flags().split()
-        missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in flags]
-        if missing:
-            _failure = f"this CPU lacks {', '.join(missing)}"
-            return None
-        try:
-            _loaded = MoEKernels(build(sources=SOURCES, name="radixserve-moe", flags=COMPILE_FLAGS))
-        except (RuntimeError, OSError, subprocess.SubprocessError) as error:
-            _failure = str(error)
-    return _loaded
-
-
-def failure() -> str | None:
-    """Why `load()` returned None (None before it was called or where it succeeded)."""
-    return _failure
+_library = LazyLibrary("radixserve-moe", SOURCES, COMPILE_FLAGS, REQUIRED_CPU_FLAGS, MoEKernels)
+# The library, built on first use; None where it cannot be (then `failure()` says why).
+load = _library.load
+failure = _library.failure
