@@ -6,7 +6,7 @@ floor of the experts it reads.
     PYTHONPATH=$PWD .venv/bin/python -m bench.bench_expert_product [--batch 1,8,32] [--num-threads 1]
 
 On `bench_worker --model random-moe`'s checkpoint (`bench.moe_bound`: hidden 512, 16 experts,
-top-2), PyTorch backend, float32, for each batch of random hidden rows routed by each layer's own
+top-2), PyTorch backend, float32 (or `--dtype`), for each batch of random hidden rows routed by each layer's own
 router, per layer (best of --repeats, each the mean of --iterations calls; on one thread the
 calling thread's CPU time, which other work on a shared machine does not inflate by descheduling
 the process; on more threads, wall time):
@@ -78,8 +78,8 @@ def products_only(block: SparseMoE, hidden: torch.Tensor):
     return run, len(inputs)
 
 
-def moe_layers(model_dir: Path, kernel: str = "torch") -> list[SparseMoE]:
-    runner = ModelRunner(RunnerConfig(model_dir=model_dir, dtype="float32", kv_cache_bytes=1 << 20,
+def moe_layers(model_dir: Path, kernel: str = "torch", dtype: str = "float32") -> list[SparseMoE]:
+    runner = ModelRunner(RunnerConfig(model_dir=model_dir, dtype=dtype, kv_cache_bytes=1 << 20,
                                       attention_kernel=kernel))
     return moe_bound.moe_blocks(runner.model)
 
@@ -88,6 +88,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=lambda text: [int(b) for b in text.split(",")], default=[1, 8, 32])
     parser.add_argument("--num-threads", type=int, default=1)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--compiled-max-rows", type=int, default=None,
                         help="the compiled product's row limit (default: the worker's)")
     parser.add_argument("--repeats", type=int, default=5)
@@ -97,21 +98,22 @@ def main() -> None:
     clock, clock_name = (time.thread_time, "thread CPU time") if args.num_threads == 1 else (time.perf_counter, "wall time")
     with tempfile.TemporaryDirectory() as scratch, torch.inference_mode():
         full = moe_bound.make_random_moe(Path(scratch) / "full")
-        blocks = moe_layers(full)
-        compiled_blocks = moe_layers(full, "auto")
+        blocks = moe_layers(full, dtype=args.dtype)
+        compiled_blocks = moe_layers(full, "auto", args.dtype)
         if any(block.experts is None for block in compiled_blocks):
             compiled_blocks = []  # the kernel does not build here (or `auto` did not take it)
         for block in compiled_blocks:
             if args.compiled_max_rows is not None:
                 block.experts.max_rows = args.compiled_max_rows
-        small_blocks = moe_layers(moe_bound.make_random_moe(Path(scratch) / "small", SMALL_HIDDEN))
+        small_blocks = moe_layers(moe_bound.make_random_moe(Path(scratch) / "small", SMALL_HIDDEN), dtype=args.dtype)
         each = moe_bound.expert_bytes(blocks[0])
         first_bandwidth = machine.memory_bandwidth()
         rows = []
         for batch in args.batch:
             generator = torch.Generator().manual_seed(batch)
-            hidden = torch.randn(batch, blocks[0].gate_up[0].weight.shape[1], generator=generator)
-            small_hidden = torch.randn(batch, SMALL_HIDDEN, generator=generator)
+            dtype = blocks[0].gate_up[0].weight.dtype
+            hidden = torch.randn(batch, blocks[0].gate_up[0].weight.shape[1], generator=generator).to(dtype)
+            small_hidden = torch.randn(batch, SMALL_HIDDEN, generator=generator).to(dtype)
             layer_s = around_s = products_s = compiled_s = 0.0
             routed = small_routed = 0
             for index, (block, small) in enumerate(zip(blocks, small_blocks)):
@@ -128,7 +130,7 @@ def main() -> None:
                                                              compiled_s))))
         bandwidth = max(first_bandwidth, machine.memory_bandwidth())
     print(f"{len(blocks)} MoE layers of {blocks[0].routing.num_experts} experts ({each / 2**20:.1f} MiB each), "
-          f"top-{blocks[0].routing.top_k}, float32, {args.num_threads} thread(s) ({clock_name}), read bandwidth "
+          f"top-{blocks[0].routing.top_k}, {args.dtype}, {args.num_threads} thread(s) ({clock_name}), read bandwidth "
           f"{bandwidth / 1e9:.1f} GB/s; per layer:")
     for batch, layer_s, around_s, products_s, routed, small_routed, compiled_s in rows:
         floor_s = routed * each / bandwidth
