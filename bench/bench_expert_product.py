@@ -1,11 +1,12 @@
-"""Whether a compiled grouped-expert product would pay: one MoE layer's time split into the
-experts' products and the work around them (Python, op dispatch, routing, gathers and
-scatter-adds), against the bandwidth floor of the experts it reads.
+"""Whether the compiled grouped-expert product pays: one MoE layer's time with it against the
+same layer's per-expert PyTorch products, and that layer split into the experts' products and the
+work around them (Python, op dispatch, routing, gathers and scatter-adds), against the bandwidth
+floor of the experts it reads.
 
-    PYTHONPATH=$PWD .venv/bin/python -m bench.bench_expert_product [--batch 1,32] [--num-threads 1]
+    PYTHONPATH=$PWD .venv/bin/python -m bench.bench_expert_product [--batch 1,8,32] [--num-threads 1]
 
 On `bench_worker --model random-moe`'s checkpoint (`bench.moe_bound`: hidden 512, 16 experts,
-top-2), PyTorch backend, float32, for each batch of random hidden rows routed by each layer's own
+top-2), PyTorch backend, float32 (or `--dtype`), for each batch of random hidden rows routed by each layer's own
 router, per layer (best of --repeats, each the mean of --iterations calls; on one thread the
 calling thread's CPU time, which other work on a shared machine does not inflate by descheduling
 the process; on more threads, wall time):
@@ -16,7 +17,12 @@ the process; on more threads, wall time):
             for the whole grouped product could save at most;
 - products: the routed experts' gate/up and down products alone, on rows gathered beforehand,
             through the same packed linear layers (what any grouped product must still compute);
-- floor:    the routed experts' bytes at the read bandwidth measured in the same run (wall time).
+- floor:    the routed experts' bytes at the read bandwidth measured in the same run (wall time);
+- compiled: `SparseMoE.forward` of the same checkpoint loaded with `--attention-kernel auto`,
+            which takes the compiled grouped product (`backends/grouped_experts.py`) for steps of
+            up to its row limit (past it the layer is the per-expert one again; "n/a" where the
+            kernel does not build), and its ratio to `layer`; `--compiled-max-rows` moves that
+            limit (to measure where it should be).
 The decision and its figures are in docs/models.md.
 """
 
@@ -72,47 +78,65 @@ def products_only(block: SparseMoE, hidden: torch.Tensor):
     return run, len(inputs)
 
 
-def moe_layers(model_dir: Path) -> list[SparseMoE]:
-    runner = ModelRunner(RunnerConfig(model_dir=model_dir, dtype="float32", kv_cache_bytes=1 << 20,
-                                      attention_kernel="torch"))
+def moe_layers(model_dir: Path, kernel: str = "torch", dtype: str = "float32") -> list[SparseMoE]:
+    runner = ModelRunner(RunnerConfig(model_dir=model_dir, dtype=dtype, kv_cache_bytes=1 << 20,
+                                      attention_kernel=kernel))
     return moe_bound.moe_blocks(runner.model)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=lambda text: [int(b) for b in text.split(",")], default=[1, 32])
+    parser.add_argument("--batch", type=lambda text: [int(b) for b in text.split(",")], default=[1, 8, 32])
     parser.add_argument("--num-threads", type=int, default=1)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--compiled-max-rows", type=int, default=None,
+                        help="the compiled product's row limit (default: the worker's)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--iterations", type=int, default=20)
     args = parser.parse_args()
     torch.set_num_threads(args.num_threads)
     clock, clock_name = (time.thread_time, "thread CPU time") if args.num_threads == 1 else (time.perf_counter, "wall time")
     with tempfile.TemporaryDirectory() as scratch, torch.inference_mode():
-        blocks = moe_layers(moe_bound.make_random_moe(Path(scratch) / "full"))
-        small_blocks = moe_layers(moe_bound.make_random_moe(Path(scratch) / "small", SMALL_HIDDEN))
+        full = moe_bound.make_random_moe(Path(scratch) / "full")
+        blocks = moe_layers(full, dtype=args.dtype)
+        compiled_blocks = moe_layers(full, "auto", args.dtype)
+        if any(block.experts is None for block in compiled_blocks):
+            compiled_blocks = []  # the kernel does not build here (or `auto` did not take it)
+        for block in compiled_blocks:
+            if args.compiled_max_rows is not None:
+                block.experts.max_rows = args.compiled_max_rows
+        small_blocks = moe_layers(moe_bound.make_random_moe(Path(scratch) / "small", SMALL_HIDDEN), dtype=args.dtype)
         each = moe_bound.expert_bytes(blocks[0])
         first_bandwidth = machine.memory_bandwidth()
         rows = []
         for batch in args.batch:
             generator = torch.Generator().manual_seed(batch)
-            hidden = torch.randn(batch, blocks[0].gate_up[0].weight.shape[1], generator=generator)
-            small_hidden = torch.randn(batch, SMALL_HIDDEN, generator=generator)
-            layer_s = around_s = products_s = 0.0
+            dtype = blocks[0].gate_up[0].weight.dtype
+            hidden = torch.randn(batch, blocks[0].gate_up[0].weight.shape[1], generator=generator).to(dtype)
+            small_hidden = torch.randn(batch, SMALL_HIDDEN, generator=generator).to(dtype)
+            layer_s = around_s = products_s = compiled_s = 0.0
             routed = small_routed = 0
-            for block, small in zip(blocks, small_blocks):
+            for index, (block, small) in enumerate(zip(blocks, small_blocks)):
                 layer_s += best_mean_s(lambda: block(hidden), args.repeats, args.iterations, clock)
+                if compiled_blocks:
+                    compiled = compiled_blocks[index]
+                    compiled_s += best_mean_s(lambda: compiled(hidden), args.repeats, args.iterations, clock)
                 around_s += best_mean_s(lambda: small(small_hidden), args.repeats, args.iterations, clock)
                 run, count = products_only(block, hidden)
                 products_s += best_mean_s(run, args.repeats, args.iterations, clock)
                 routed += count
                 small_routed += int(small.route(small_hidden)[1].unique().numel())
-            rows.append((batch, *(x / len(blocks) for x in (layer_s, around_s, products_s, routed, small_routed))))
+            rows.append((batch, *(x / len(blocks) for x in (layer_s, around_s, products_s, routed, small_routed,
+                                                             compiled_s))))
         bandwidth = max(first_bandwidth, machine.memory_bandwidth())
     print(f"{len(blocks)} MoE layers of {blocks[0].routing.num_experts} experts ({each / 2**20:.1f} MiB each), "
-          f"top-{blocks[0].routing.top_k}, float32, {args.num_threads} thread(s) ({clock_name}), read bandwidth "
+          f"top-{blocks[0].routing.top_k}, {args.dtype}, {args.num_threads} thread(s) ({clock_name}), read bandwidth "
           f"{bandwidth / 1e9:.1f} GB/s; per layer:")
-    for batch, layer_s, around_s, products_s, routed, small_routed in rows:
+    for batch, layer_s, around_s, products_s, routed, small_routed, compiled_s in rows:
         floor_s = routed * each / bandwidth
+        compiled = (f"{compiled_s * 1e6:6.0f} us = {compiled_s / layer_s:5.2f}x the per-expert layer"
+                    if compiled_blocks else "n/a")
+        print(f"  batch {batch:>3}: compiled layer {compiled}")
         print(f"  batch {batch:>3}: layer {layer_s * 1e6:6.0f} us ({routed:4.1f} experts); around the products "
               f"{around_s * 1e6:5.0f} us = {around_s / layer_s:4.0%} of the layer ({small_routed:4.1f} experts, "
               f"{around_s / small_routed * 1e6:3.0f} us each); products alone {products_s * 1e6:6.0f} us; "

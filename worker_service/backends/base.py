@@ -18,6 +18,9 @@ What models call (the same calls on every backend, the same results within the d
   enters: a quantized or differently laid out weight is a new `PackedLinear`, not a new branch
   in the layers. A quantized weight (`worker_service.quant.QuantizedWeight`) is packed by the
   backend's `quantized` (`linear_quant.QuantizedLinears`), chosen with the backend.
+- `pack_experts(gate_up, down)`, once after loading, by a mixture-of-experts layer: its experts'
+  weights (this rank's slices) as one `PackedExperts` computing the whole grouped product in one
+  call, or None where this backend has no such call (the layer then multiplies expert by expert).
 - `rope(rotary, positions)`, once per step: what `attention` takes as its `rope` argument.
 - `attention(qkv, num_q_heads, k_slots, v_slots, step, rope, options)`: RoPE on q and k, the new
   K/V written into the pool at `step.write_slots`, then attention of every token over its
@@ -124,6 +127,22 @@ class PackedLinear(ABC):
         (or float32 where `pack` was asked for `float32_out`)."""
 
 
+class PackedExperts(ABC):
+    """A mixture-of-experts layer's experts packed for one call over a step's rows."""
+
+    @abstractmethod
+    def __call__(self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
+        """Rows `hidden` `[T, H]` routed to `expert_ids` `[T, top_k]` with `weights` `[T, top_k]`
+        -> `[T, H]` in hidden's dtype: each row's sum over its choices of weight * the expert's
+        SwiGLU MLP (this rank's partial sum under TP); None where this product does not take
+        `T` rows (the caller computes them itself)."""
+
+    @abstractmethod
+    def linears(self) -> list[tuple[PackedLinear, PackedLinear]]:
+        """Each expert's (gate/up, down) as linear layers over the same packed weights, for the
+        steps `__call__` does not take."""
+
+
 class RowKernels(Protocol):
     """Row-wise ops as one kernel each (the compiled ones, Triton's): what `row_kernels.py` calls."""
 
@@ -204,6 +223,11 @@ class Backend(ABC):
     @abstractmethod
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """GELU (tanh approximation) gating: gelu_tanh(gate) * up of `[T, 2 I]` -> `[T, I]`."""
+
+    def pack_experts(self, gate_up: list[torch.Tensor], down: list[torch.Tensor]) -> PackedExperts | None:
+        """Experts' gate/up `[2 I, H]` (gate features first) and down `[H, I]` weights as one
+        `PackedExperts`, or None (module doc)."""
+        return None
 
     def fused_layers(self, model: torch.nn.Module, pool: KVPool) -> FusedLayers | None:
         return None

@@ -18,6 +18,7 @@ import torch
 from worker_service.attention.decode_plan import shared_prefixes
 from worker_service.backends.base import FusedLayers, PackedLinear, StepBatch, StepContext
 from worker_service.backends.fused_llama import FusedLlamaLayers
+from worker_service.backends.grouped_experts import ExpertProducts
 from worker_service.backends.linear_native import NativeLinear
 from worker_service.backends.linear_quant import QuantizedLinears
 from worker_service.backends.linear_torch import TorchLinear
@@ -35,8 +36,8 @@ class NativeBackend(RowKernelBackend):
     name = "native"
 
     def __init__(self, kernels: NativeKernels, dtype: torch.dtype, world_size: int = 1,
-                 quantized: QuantizedLinears | None = None) -> None:
-        super().__init__(torch.device("cpu"), dtype, kernels, quantized)
+                 quantized: QuantizedLinears | None = None, experts: ExpertProducts | None = None) -> None:
+        super().__init__(torch.device("cpu"), dtype, kernels, quantized, experts)
         self.kernels = kernels
         self.world_size = world_size
 

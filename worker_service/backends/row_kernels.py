@@ -15,6 +15,7 @@ import torch
 
 from worker_service.attention.windowed import windowed_attention
 from worker_service.backends.base import AttentionOptions, Rope, RowKernels, StepContext
+from worker_service.backends.grouped_experts import ExpertProducts
 from worker_service.backends.linear_quant import QuantizedLinears
 from worker_service.backends.torch_backend import TorchBackend
 from worker_service.layers.rotary import RotaryEmbedding
@@ -24,8 +25,8 @@ class RowKernelBackend(TorchBackend):
     """A backend whose row-wise ops are `rows`' kernels (PyTorch's for what they do not take)."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype, rows: RowKernels,
-                 quantized: QuantizedLinears | None = None) -> None:
-        super().__init__(device, dtype, quantized)
+                 quantized: QuantizedLinears | None = None, experts: ExpertProducts | None = None) -> None:
+        super().__init__(device, dtype, quantized, experts)
         self.rows = rows
 
     def rope(self, rotary: RotaryEmbedding, positions: torch.Tensor) -> Rope:

@@ -16,6 +16,11 @@ backend (`linear_quant.QuantizedLinears`): by the compiled AVX2 kernels on CPU w
 (their own library: they need no AVX-512), else, and always with `torch` (the reference),
 dequantized for each product by PyTorch. The reason the worker logs says which.
 
+A mixture-of-experts model's experts are computed the way chosen here too (`grouped_experts.py`):
+by the compiled grouped product on CPU where it builds (its own AVX2 library) for steps of up to
+`COMPILED_MAX_ROWS` rows, else, and always with `torch` (the reference), with quantized weights
+(their products are the quantized layers') and under `deterministic`, by one product per expert.
+
 `deterministic` (`--deterministic`) takes PyTorch's ops in their batch- and cache-invariant form
 (`invariant_backend.py`) whatever `auto` would have chosen, and refuses what cannot keep that
 promise: `native` and `triton` insisted on, CUDA (its Triton kernels split rows by the batch's
@@ -32,11 +37,13 @@ import torch
 from worker_service import native, triton_support
 from worker_service.attention import triton_decode
 from worker_service.backends.base import Backend
+from worker_service.backends.grouped_experts import ExpertProducts
 from worker_service.backends.invariant_backend import InvariantTorchBackend
 from worker_service.backends.linear_quant import QuantizedLinears
 from worker_service.backends.native_backend import NativeBackend
 from worker_service.backends.torch_backend import TorchBackend
 from worker_service.backends.triton_backend import TritonBackend
+from worker_service.native import moe_kernels
 from worker_service.quant import kernels as quant_kernels
 
 KERNEL_CHOICES = ("auto", "native", "torch", "triton")
@@ -87,6 +94,18 @@ def select_quantized(choice: str, device: torch.device, quantization: str) -> tu
     return linears, f"; {quantization}: {linears.description}" + ("" if why is None else f" ({why})")
 
 
+def select_experts(choice: str, device: torch.device, quantization: str) -> tuple[ExpertProducts, str]:
+    """How this worker computes MoE experts (module doc), and what to log about it: the compiled
+    product where taken, why not where it could not be built; nothing where it was not asked for."""
+    if choice == "torch" or quantization != "none" or device.type != "cpu":
+        return ExpertProducts(), ""
+    kernels = moe_kernels.load()
+    if kernels is None:
+        return ExpertProducts(), f"; MoE experts by per-expert products ({moe_kernels.failure()})"
+    experts = ExpertProducts(kernels)
+    return experts, f"; {experts.description}"
+
+
 def select_backend(choice: str, device: torch.device | str, dtype: torch.dtype, head_dim: int,
                    world_size: int = 1, cuda_graph_max_batch: int = 0,
                    ops_without_kernels: tuple[str, ...] = (), quantization: str = "none",
@@ -100,12 +119,13 @@ def select_backend(choice: str, device: torch.device | str, dtype: torch.dtype, 
     if deterministic:
         return Selection(InvariantTorchBackend(device, dtype), _deterministic_reason(choice, device, quantization))
     quantized, quantized_reason = select_quantized(choice, device, quantization)
+    experts, experts_reason = select_experts(choice, device, quantization)
     selection = _select(choice, device, dtype, head_dim, world_size,
-                        0 if ops_without_kernels else cuda_graph_max_batch, quantized)
+                        0 if ops_without_kernels else cuda_graph_max_batch, quantized, experts)
     reason = selection.reason
     if ops_without_kernels and selection.backend.name != "torch":
         reason += f"; {', '.join(ops_without_kernels)} in PyTorch's ops (no kernel of this backend has them)"
-    return Selection(selection.backend, reason + quantized_reason)
+    return Selection(selection.backend, reason + quantized_reason + experts_reason)
 
 
 def deterministic_refusal(choice: str, device: torch.device, quantization: str) -> str | None:
@@ -128,12 +148,12 @@ def _deterministic_reason(choice: str, device: torch.device, quantization: str) 
 
 
 def _select(choice: str, device: torch.device, dtype: torch.dtype, head_dim: int, world_size: int,
-            cuda_graph_max_batch: int, quantized: QuantizedLinears) -> Selection:
+            cuda_graph_max_batch: int, quantized: QuantizedLinears, experts: ExpertProducts) -> Selection:
     refusals = []
     if choice in ("auto", "native"):
         why = native_refusal(device, dtype, head_dim)
         if why is None:
-            return Selection(NativeBackend(native.load(), dtype, world_size, quantized),
+            return Selection(NativeBackend(native.load(), dtype, world_size, quantized, experts),
                              f"compiled kernels for head_dim {head_dim} in {dtype} ({choice})")
         if choice == "native":
             raise RuntimeError(f"--attention-kernel native: {why}")
@@ -149,4 +169,4 @@ def _select(choice: str, device: torch.device, dtype: torch.dtype, head_dim: int
             raise RuntimeError(f"--attention-kernel triton: {why}")
         refusals.append(f"triton: {why}")
     reason = "asked for (torch)" if choice == "torch" else "no other backend runs here: " + "; ".join(refusals)
-    return Selection(TorchBackend(device, dtype, quantized), reason)
+    return Selection(TorchBackend(device, dtype, quantized, experts), reason)

@@ -16,7 +16,9 @@ from worker_service.attention import (AttentionBatch, CascadeDecode, GatherSpace
                                       paged_attention, plan_decode)
 from worker_service.attention.paged import DecodeAttention
 from worker_service.attention.windowed import windowed_attention
-from worker_service.backends.base import AttentionOptions, Backend, PackedLinear, PrefillChunk, Rope, StepBatch, StepContext
+from worker_service.backends.base import (AttentionOptions, Backend, PackedExperts, PackedLinear, PrefillChunk, Rope,
+                                          StepBatch, StepContext)
+from worker_service.backends.grouped_experts import ExpertProducts
 from worker_service.backends.linear_quant import QuantizedLinears
 from worker_service.backends.linear_torch import TorchLinear
 from worker_service.kv_pool import KVPool
@@ -27,10 +29,13 @@ from worker_service.quant.format import QuantizedWeight
 class TorchBackend(Backend):
     name = "torch"
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, quantized: QuantizedLinears | None = None) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype, quantized: QuantizedLinears | None = None,
+                 experts: ExpertProducts | None = None) -> None:
         super().__init__(device, dtype)
         # How quantized weights are multiplied (`linear_quant.py`): dequantizing unless told.
         self.quantized = quantized or QuantizedLinears()
+        # How MoE experts are computed (`grouped_experts.py`): per expert unless told.
+        self.experts = experts or ExpertProducts()
         self.space = GatherSpace()  # page gathers' buffers, reused by every layer and step
 
     def plan(self, batch: StepBatch, pool: KVPool) -> StepContext:
@@ -60,6 +65,9 @@ class TorchBackend(Backend):
         if isinstance(weight, QuantizedWeight):
             return self.quantized.pack(weight, bias, float32_out)
         return TorchLinear(weight, bias, float32_out)
+
+    def pack_experts(self, gate_up: list[torch.Tensor], down: list[torch.Tensor]) -> PackedExperts | None:
+        return self.experts.pack(gate_up, down)
 
     def rope(self, rotary: RotaryEmbedding, positions: torch.Tensor) -> Rope:
         """The tables' rows at the step's positions, `[T, 1, head_dim]` (looked up once per step)."""

@@ -50,10 +50,15 @@ class PackableLinear(torch.nn.Module):
         elif quantize is not None:
             if backend is None:
                 raise ValueError("a quantized weight is packed by a backend (Backend.pack)")
-            self.packed = backend.pack(quantize(weight), bias)
+            self.adopt(backend.pack(quantize(weight), bias))
         else:
-            self.packed = TorchLinear(weight, bias) if backend is None else backend.pack(weight, bias)
-        self.weight = torch.nn.Parameter(self.packed.weight, requires_grad=False)
+            self.adopt(TorchLinear(weight, bias) if backend is None else backend.pack(weight, bias))
+
+    def adopt(self, packed: PackedLinear) -> None:
+        """Multiply with `packed` (this layer's weight packed elsewhere, e.g. as a view of a
+        layer's stacked experts) from now on; the layer's parameter becomes its weight."""
+        self.packed = packed
+        self.weight = torch.nn.Parameter(packed.weight, requires_grad=False)
 
 
 class Linear(PackableLinear):

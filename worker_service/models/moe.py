@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker_service.backends.base import Backend
+from worker_service.backends.base import Backend, PackedExperts
 from worker_service.distributed import TPGroup, all_reduce_sum
 from worker_service.layers.linear import ColumnParallelLinear, RowParallelLinear
 from worker_service.layers.sharding import balanced_range
@@ -63,6 +63,7 @@ class SparseMoE(torch.nn.Module):
             RowParallelLinear(f"{prefix}.experts.{e}.{layout.down}", features, hidden_size, group, dtype, device,
                               reduce=False)
             for e in range(routing.num_experts))
+        self.experts: PackedExperts | None = None  # the backend's grouped product, where it has one (`pack`)
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights `[T, top_k]` in the dtype, expert ids `[T, top_k]`) of every token."""
@@ -72,8 +73,28 @@ class SparseMoE(torch.nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(hidden.dtype), expert_ids
 
+    def pack(self, backend: Backend) -> None:
+        """Offer the experts to `backend` as one grouped product (`Backend.pack_experts`), before
+        their linear layers are packed one by one; where it takes them, those layers multiply
+        views of its weights (kept once) for the steps it leaves to them."""
+        if self.experts is not None or self.gate_up[0].packed is not None:
+            return
+        self.experts = backend.pack_experts([linear.weight.detach() for linear in self.gate_up],
+                                            [linear.weight.detach() for linear in self.down])
+        if self.experts is not None:
+            for (gate_up, down), expert_gate_up, expert_down in zip(self.experts.linears(), self.gate_up, self.down):
+                expert_gate_up.adopt(gate_up)
+                expert_down.adopt(down)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weights, expert_ids = self.route(hidden)
+        out = None if self.experts is None else self.experts(hidden, expert_ids, weights)
+        if out is None:
+            out = self.per_expert(hidden, expert_ids, weights)
+        return all_reduce_sum(out, self.group)
+
+    def per_expert(self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The grouped product in PyTorch: one gate/up and one down product per routed expert."""
         choices = expert_ids.flatten()
         order = choices.argsort(stable=True)  # (token, choice) pairs grouped by expert
         counts = torch.bincount(choices, minlength=self.routing.num_experts).tolist()
@@ -88,4 +109,4 @@ class SparseMoE(torch.nn.Module):
             rows = pairs // self.routing.top_k
             expert_out = self.down[expert](self.backend.silu_mul(self.gate_up[expert](hidden.index_select(0, rows))))
             out.index_add_(0, rows, expert_out * flat_weights.index_select(0, pairs).unsqueeze(-1))
-        return all_reduce_sum(out, self.group)
+        return out

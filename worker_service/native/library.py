@@ -16,7 +16,9 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Generic, TypeVar
 
 from worker_service.native.signatures import bind
 
@@ -85,6 +87,39 @@ def build(compiler: str | None = None, sources: list[Path] | None = None, name: 
         raise RuntimeError(f"compiling the kernels failed: {result.stderr.strip()[-2000:]}")
     os.replace(partial, library)
     return library
+
+
+Kernels = TypeVar("Kernels")
+
+
+class LazyLibrary(Generic[Kernels]):
+    """A library of its own (`sources` built with `flags` as `name`), built and wrapped by `wrap`
+    on the first `load()`; None where it cannot be (a CPU without `required_cpu_flags`, no
+    compiler, a failed build), and then `failure()` says why."""
+
+    def __init__(self, name: str, sources: list[Path], flags: list[str], required_cpu_flags: tuple[str, ...],
+                 wrap: Callable[[Path], Kernels]) -> None:
+        self.name, self.sources, self.flags = name, sources, flags
+        self.required_cpu_flags, self.wrap = required_cpu_flags, wrap
+        self._loaded: Kernels | None = None
+        self._failure: str | None = None
+
+    def load(self) -> Kernels | None:
+        if self._loaded is None and self._failure is None:
+            flags = cpu_flags().split()
+            missing = [flag for flag in self.required_cpu_flags if flag not in flags]
+            if missing:
+                self._failure = f"this CPU lacks {', '.join(missing)}"
+                return None
+            try:
+                self._loaded = self.wrap(build(sources=self.sources, name=self.name, flags=self.flags))
+            except (RuntimeError, OSError, subprocess.SubprocessError) as error:
+                self._failure = str(error)
+        return self._loaded
+
+    def failure(self) -> str | None:
+        """Why `load()` returned None (None before it was called or where it succeeded)."""
+        return self._failure
 
 
 def open_library(path: Path) -> ctypes.CDLL:

@@ -9,12 +9,11 @@ cannot be built: no compiler, no AVX2/FMA; `failure()` says why).
 from __future__ import annotations
 
 import ctypes
-import subprocess
 from pathlib import Path
 
 import torch
 
-from worker_service.native.library import CSRC, build, cpu_flags
+from worker_service.native.library import CSRC, LazyLibrary
 from worker_service.native.signatures import Signature, bind
 from worker_service.quant.format import QuantizedWeight
 
@@ -69,26 +68,7 @@ def _address(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
-_loaded: QuantKernels | None = None
-_failure: str | None = None
-
-
-def load() -> QuantKernels | None:
-    """The library, built on first use; None where it cannot be (then `failure()` says why)."""
-    global _loaded, _failure
-    if _loaded is None and _failure is None:
-        flags = cpu_flags().split()
-        missing = [flag for flag in REQUIRED_CPU_FLAGS if flag not in flags]
-        if missing:
-            _failure = f"this CPU lacks {', '.join(missing)}"
-            return None
-        try:
-            _loaded = QuantKernels(build(sources=SOURCES, name="radixserve-quant", flags=COMPILE_FLAGS))
-        except (RuntimeError, OSError, subprocess.SubprocessError) as error:
-            _failure = str(error)
-    return _loaded
-
-
-def failure() -> str | None:
-    """Why `load()` returned None (None before it was called or where it succeeded)."""
-    return _failure
+_library = LazyLibrary("radixserve-quant", SOURCES, COMPILE_FLAGS, REQUIRED_CPU_FLAGS, QuantKernels)
+# The library, built on first use; None where it cannot be (then `failure()` says why).
+load = _library.load
+failure = _library.failure

@@ -1,0 +1,139 @@
+"""The compiled grouped-expert product (`csrc/moe_experts.cpp` through
+`backends/grouped_experts.py`) equals the layer's PyTorch grouped product (`SparseMoE.per_expert`)
+on the same weights, and a backend offering it is what a MoE model takes on `auto`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from worker.families import make_family
+from worker_service.backends.grouped_experts import CompiledExperts, ExpertProducts
+from worker_service.backends.selection import select_backend
+from worker_service.backends.torch_backend import TorchBackend
+from worker_service.distributed import TPGroup
+from worker_service.model_runner import ModelRunner, RunnerConfig
+from worker_service.models.moe import ExpertLayout, Routing, SparseMoE
+from worker_service.native import library, moe_kernels
+
+CPU = torch.device("cpu")
+LAYOUT = ExpertLayout("mlp", "gate_proj", "up_proj", "down_proj")
+
+KERNELS = moe_kernels.load()
+needs_kernel = pytest.mark.skipif(KERNELS is None, reason=f"the grouped-expert kernel: {moe_kernels.failure()}")
+
+
+def test_the_kernel_builds_wherever_avx2_and_fma_and_a_compiler_are() -> None:
+    flags = library.cpu_flags().split()
+    if shutil.which(os.environ.get("CXX") or "g++") is None or not {"avx2", "fma"} <= set(flags):
+        pytest.skip("no C++ compiler or no AVX2/FMA here")
+    assert KERNELS is not None, moe_kernels.failure()  # a source that stopped compiling fails here
+
+
+def test_a_cpu_without_avx2_is_refused_without_asking_the_compiler(monkeypatch) -> None:
+    def no_compiler(*args, **kwargs):
+        raise AssertionError("the compiler was asked although the CPU has no AVX2")
+
+    monkeypatch.setattr(library, "cpu_flags", lambda: "flags\t\t: fpu sse2 avx")
+    monkeypatch.setattr(library, "build", no_compiler)
+    fresh = library.LazyLibrary("radixserve-moe", moe_kernels.SOURCES, moe_kernels.COMPILE_FLAGS,
+                                moe_kernels.REQUIRED_CPU_FLAGS, moe_kernels.MoEKernels)
+    assert fresh.load() is None
+    assert fresh.failure() == "this CPU lacks avx2, fma"
+
+
+def random_block(hidden: int, inter: int, num_experts: int, top_k: int, dtype: torch.dtype,
+                 group: TPGroup = TPGroup()) -> SparseMoE:
+    """A SparseMoE of random weights, packed by a backend offering the compiled product."""
+    block = SparseMoE(0, hidden, inter, Routing(num_experts, top_k, normalize=True), LAYOUT, group, dtype, CPU,
+                      TorchBackend(CPU, dtype))
+    generator = torch.Generator().manual_seed(hidden * 1000 + inter)
+    for param in block.parameters():
+        param.copy_(torch.randn(param.shape, generator=generator) / param.shape[-1] ** 0.5)
+    block.pack(TorchBackend(CPU, dtype, experts=ExpertProducts(KERNELS)))
+    assert isinstance(block.experts, CompiledExperts)
+    return block
+
+
+def routed(rows: int, num_experts: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random routing of `rows` rows that leaves expert 0 without rows (weights, ids)."""
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.rand(rows, num_experts, generator=generator)
+    scores[:, 0] = -1.0
+    weights, ids = scores.topk(top_k, dim=-1)
+    return weights.softmax(dim=-1), ids
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny products on one thread: a second one only waits on a shared machine's other load."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@needs_kernel
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_compiled_product_equals_the_per_expert_products(top_k, one_thread) -> None:
+    # Odd sizes: neither hidden nor the intermediate size a multiple of the kernel's 8 lanes or
+    # its 16-feature chunks; 7 experts, expert 0 never routed to, rows 1 .. 64.
+    block = random_block(hidden=37, inter=19, num_experts=7, top_k=top_k, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(top_k)
+    with torch.inference_mode():
+        for rows in range(1, 65):
+            hidden = torch.randn(rows, 37, generator=generator)
+            weights, ids = routed(rows, 7, top_k, rows)
+            expected = block.per_expert(hidden, ids, weights)
+            torch.testing.assert_close(block.experts(hidden, ids, weights), expected, atol=1e-5, rtol=1e-5,
+                                       msg=lambda m, rows=rows: f"{rows} rows: {m}")
+
+
+@needs_kernel
+def test_bfloat16_weights_match_the_float32_product_of_the_same_weights() -> None:
+    block = random_block(hidden=64, inter=40, num_experts=4, top_k=2, dtype=torch.bfloat16)
+    hidden = torch.randn(9, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    weights, ids = routed(9, 4, 2, 0)
+    experts = block.experts
+    reference = CompiledExperts(KERNELS, list(experts.gate_up.float()), list(experts.down.float()), 64)
+    with torch.inference_mode():
+        expected = reference(hidden.float(), ids, weights)
+        # The float32 product over the bfloat16 weights, rounded once to bfloat16 at the end.
+        torch.testing.assert_close(experts(hidden, ids, weights).float(), expected, atol=1e-2, rtol=1e-2)
+        assert experts(hidden, ids, weights).dtype == torch.bfloat16
+
+
+@needs_kernel
+def test_steps_past_max_rows_are_left_to_the_per_expert_products() -> None:
+    block = random_block(hidden=16, inter=8, num_experts=4, top_k=2, dtype=torch.float32)
+    hidden = torch.randn(block.experts.max_rows + 1, 16)
+    weights, ids = routed(hidden.shape[0], 4, 2, 0)
+    assert block.experts(hidden, ids, weights) is None
+    # The per-expert layers multiply views of the stacked experts: the weights are held once.
+    assert block.gate_up[1].weight.untyped_storage().data_ptr() == block.experts.gate_up.untyped_storage().data_ptr()
+
+
+@needs_kernel
+def test_each_rank_multiplies_its_intermediate_slice() -> None:
+    ranks = [random_block(hidden=24, inter=21, num_experts=3, top_k=2, dtype=torch.float32,
+                          group=TPGroup(rank, 2)) for rank in range(2)]
+    assert [block.experts.down.shape[2] for block in ranks] == [11, 10]
+    hidden = torch.randn(5, 24)
+    weights, ids = routed(5, 3, 2, 1)
+    with torch.inference_mode():
+        for block in ranks:
+            torch.testing.assert_close(block.experts(hidden, ids, weights), block.per_expert(hidden, ids, weights),
+                                       atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+def test_auto_takes_the_compiled_product_for_a_moe_model(tmp_path) -> None:
+    assert "MoE experts by the compiled grouped product" in select_backend("auto", "cpu", torch.float32, 16).reason
+    assert "MoE" not in select_backend("torch", "cpu", torch.float32, 16).reason
+    runner = ModelRunner(RunnerConfig(model_dir=make_family("qwen3_moe", tmp_path / "moe"), page_size=4,
+                                      kv_cache_bytes=1 << 20, attention_kernel="auto"))
+    blocks = [module for module in runner.model.modules() if isinstance(module, SparseMoE)]
+    assert blocks and all(isinstance(block.experts, CompiledExperts) for block in blocks)

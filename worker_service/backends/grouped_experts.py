@@ -1,0 +1,73 @@
+"""A mixture-of-experts layer's experts as one compiled call: what `Backend.pack_experts` returns
+where the grouped-expert kernel (`native/moe_kernels.py`) builds and was chosen
+(`selection.select_experts`).
+
+`CompiledExperts` holds a layer's experts stacked once at load in the layout the kernel reads
+(`gate_up` `[E, 2 I, H]`, `down` `[E, H, I]`, this rank's intermediate slice `I`) and computes
+steps of up to `max_rows` rows in one call; larger steps (prefill) are left to the layer's own
+products per expert (the call returns None), which multiply views of the same stacked weights
+(`linears()`), so the experts are held once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from worker_service.backends.base import PackedExperts, PackedLinear
+from worker_service.native.moe_kernels import WEIGHT_DTYPES, MoEKernels
+
+# Steps of at most this many rows take the compiled call (docs/models.md has the measurement).
+COMPILED_MAX_ROWS = 128
+
+
+class ExpertSlice(PackedLinear):
+    """x @ weight.T of one expert's weight, a view of the stacked experts (plain layout)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class CompiledExperts(PackedExperts):
+    """One layer's experts for the compiled grouped product (module doc)."""
+
+    def __init__(self, kernels: MoEKernels, gate_up: list[torch.Tensor], down: list[torch.Tensor],
+                 max_rows: int) -> None:
+        self._kernels = kernels
+        self.gate_up = torch.stack(gate_up).contiguous()
+        self.down = torch.stack(down).contiguous()
+        self.max_rows = max_rows
+
+    def __call__(self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
+        if hidden.shape[0] > self.max_rows:
+            return None
+        return self._kernels.experts(hidden, expert_ids, weights, self.gate_up, self.down).to(hidden.dtype)
+
+    def linears(self) -> list[tuple[PackedLinear, PackedLinear]]:
+        return [(ExpertSlice(self.gate_up[e]), ExpertSlice(self.down[e])) for e in range(self.gate_up.shape[0])]
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertProducts:
+    """How this worker computes MoE experts: by `kernels` where given, else each layer's own
+    per-expert products (`pack` returns None)."""
+
+    kernels: MoEKernels | None = None
+    max_rows: int = COMPILED_MAX_ROWS
+
+    def pack(self, gate_up: list[torch.Tensor], down: list[torch.Tensor]) -> CompiledExperts | None:
+        weight = gate_up[0]
+        if self.kernels is None or weight.device.type != "cpu" or weight.dtype not in WEIGHT_DTYPES:
+            return None
+        return CompiledExperts(self.kernels, gate_up, down, self.max_rows)
+
+    @property
+    def description(self) -> str:
+        if self.kernels is None:
+            return "MoE experts by per-expert products"
+        return f"MoE experts by the compiled grouped product (AVX2, up to {self.max_rows} rows)"

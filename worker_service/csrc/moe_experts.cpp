@@ -1,0 +1,204 @@
+// A mixture-of-experts layer's experts in one call, for AVX2 + FMA (see native/moe_kernels.py).
+//
+// radix_moe_experts: for rows x [T, H] routed to experts_ids [T, top_k] with route weights
+// [T, top_k], out[t] = sum_j weight[t, j] * down_e (silu(gate_e x[t]) * up_e x[t]), e = ids[t, j],
+// over the experts' stacked weights gate_up [E, 2I, H] (the gate's I features, then the up's) and
+// down [E, H, I], float32 or bfloat16, in float32 arithmetic. The (row, choice) pairs are grouped
+// by expert (a counting sort, stable: the order PyTorch's grouped path takes) and each expert
+// multiplies its rows a tile of up to kTile at a time, so a weight byte is read once per tile.
+// Two phases over the threads: the SwiGLU middle [pairs, I] split by (expert, feature chunk),
+// then the down products split by output features, each thread adding every routed expert's
+// weighted products into its own features of out (no two threads write one float).
+// Like quant_gemv.cpp this is a library of its own: it needs AVX2 and FMA only.
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int kFloat32 = 0;
+constexpr int kBFloat16 = 1;
+constexpr int kTile = 4;        // rows sharing one pass over an expert's weight
+constexpr int64_t kChunk = 16;  // features a thread takes at a time
+// Weight bytes read per thread at least: a thread more than that costs more in its start and
+// barriers than it saves (and, on a loaded machine, a descheduled thread stalls the others).
+constexpr int64_t kBytesPerThread = int64_t(1) << 20;
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline float to_float(float v) { return v; }
+inline float to_float(uint16_t v) {
+  const uint32_t bits = uint32_t(v) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// dot[f][r] = w[f] . x[r] over k, for NF weight rows (stride w_stride) and R activation rows.
+template <typename W, int NF, int R>
+void dots(const W* w, int64_t w_stride, const float* const* x, int64_t k, float (*dot)[kTile]) {
+  __m256 acc[NF][R];
+  for (int f = 0; f < NF; ++f)
+    for (int r = 0; r < R; ++r) acc[f][r] = _mm256_setzero_ps();
+  int64_t c = 0;
+  for (; c + 8 <= k; c += 8) {
+    __m256 xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(x[r] + c);
+    for (int f = 0; f < NF; ++f) {
+      // The next NF rows' line at this column: the rows of a few-row product come from memory,
+      // and the hardware prefetcher alone leaves the reads well under the bandwidth.
+      _mm_prefetch(reinterpret_cast<const char*>(w + (f + NF) * w_stride + c), _MM_HINT_T0);
+      const __m256 wv = load8(w + f * w_stride + c);
+      for (int r = 0; r < R; ++r) acc[f][r] = _mm256_fmadd_ps(wv, xv[r], acc[f][r]);
+    }
+  }
+  for (int f = 0; f < NF; ++f)
+    for (int r = 0; r < R; ++r) {
+      float sum = hsum(acc[f][r]);
+      for (int64_t i = c; i < k; ++i) sum += to_float(w[f * w_stride + i]) * x[r][i];
+      dot[f][r] = sum;
+    }
+}
+
+// dot[n - n0][r] for the weight rows n0 .. n1 - 1, `count` (1..kTile) activation rows.
+template <typename W, int R>
+void tile_dots(const W* w, int64_t k, int64_t n0, int64_t n1, const float* const* x, float (*dot)[kTile]) {
+  constexpr int NF = R <= 2 ? 4 : 2;  // accumulators that fit the 16 registers with the loads
+  int64_t n = n0;
+  for (; n + NF <= n1; n += NF) dots<W, NF, R>(w + n * k, k, x, k, dot + (n - n0));
+  for (; n < n1; ++n) dots<W, 1, R>(w + n * k, k, x, k, dot + (n - n0));
+}
+
+template <typename W>
+void rows_dots(const W* w, int64_t k, int64_t n0, int64_t n1, const float* const* x, int count,
+               float (*dot)[kTile]) {
+  switch (count) {
+    case 1: tile_dots<W, 1>(w, k, n0, n1, x, dot); break;
+    case 2: tile_dots<W, 2>(w, k, n0, n1, x, dot); break;
+    case 3: tile_dots<W, 3>(w, k, n0, n1, x, dot); break;
+    default: tile_dots<W, 4>(w, k, n0, n1, x, dot); break;
+  }
+}
+
+struct Routed {
+  std::vector<int64_t> experts;  // the experts with rows, ascending
+  std::vector<int64_t> starts;   // experts[i]'s pairs: order[starts[i] .. starts[i + 1])
+  std::vector<int64_t> order;    // (row * top_k + choice) pairs grouped by expert
+};
+
+template <typename W>
+void run(const float* x, int64_t rows, int64_t hidden, const float* route_weights,
+         int64_t top_k, const W* gate_up, const W* down, int64_t inter, const Routed& routed, float* out,
+         int threads) {
+  const int64_t num_routed = int64_t(routed.experts.size());
+  const int64_t inter_chunks = (inter + kChunk - 1) / kChunk;
+  const int64_t hidden_chunks = (hidden + kChunk - 1) / kChunk;
+  std::vector<float> middle(rows * top_k * inter);  // by pair index (row * top_k + choice)
+  std::fill(out, out + rows * hidden, 0.f);
+  const int64_t bytes = num_routed * 3 * inter * hidden * int64_t(sizeof(W));
+  threads = int(std::max<int64_t>(1, std::min<int64_t>(threads, bytes / kBytesPerThread)));
+#pragma omp parallel num_threads(threads)
+  {
+    float gate[kChunk][kTile], up[kChunk][kTile], dot[kChunk][kTile];
+    const float* xs[kTile];
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < num_routed * inter_chunks; ++item) {
+      const int64_t i = item / inter_chunks, f0 = item % inter_chunks * kChunk;
+      const int64_t f1 = std::min(inter, f0 + kChunk);
+      const W* w = gate_up + routed.experts[i] * 2 * inter * hidden;
+      for (int64_t p = routed.starts[i]; p < routed.starts[i + 1]; p += kTile) {
+        const int count = int(std::min<int64_t>(kTile, routed.starts[i + 1] - p));
+        for (int r = 0; r < count; ++r) xs[r] = x + routed.order[p + r] / top_k * hidden;
+        rows_dots(w, hidden, f0, f1, xs, count, gate);
+        rows_dots(w, hidden, inter + f0, inter + f1, xs, count, up);
+        for (int r = 0; r < count; ++r) {
+          float* m = middle.data() + routed.order[p + r] * inter;
+          for (int64_t f = f0; f < f1; ++f) {
+            const float g = gate[f - f0][r];
+            m[f] = g / (1.f + std::exp(-g)) * up[f - f0][r];
+          }
+        }
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t chunk = 0; chunk < hidden_chunks; ++chunk) {
+      const int64_t n0 = chunk * kChunk, n1 = std::min(hidden, n0 + kChunk);
+      for (int64_t i = 0; i < num_routed; ++i) {
+        const W* w = down + routed.experts[i] * hidden * inter;
+        for (int64_t p = routed.starts[i]; p < routed.starts[i + 1]; p += kTile) {
+          const int count = int(std::min<int64_t>(kTile, routed.starts[i + 1] - p));
+          for (int r = 0; r < count; ++r) xs[r] = middle.data() + routed.order[p + r] * inter;
+          rows_dots(w, inter, n0, n1, xs, count, dot);
+          for (int r = 0; r < count; ++r) {
+            const int64_t pair = routed.order[p + r];
+            float* o = out + pair / top_k * hidden;
+            const float weight = route_weights[pair];
+            for (int64_t n = n0; n < n1; ++n) o[n] += weight * dot[n - n0][r];
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int radix_moe_supported() {
+#if defined(__AVX2__) && defined(__FMA__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// Status: 0 done; 1 a bad shape or dtype; 2 an expert id outside 0 .. num_experts - 1.
+int radix_moe_experts(int dtype, const float* x, int64_t rows, int64_t hidden, const int64_t* expert_ids,
+                      const float* route_weights, int64_t top_k, int64_t num_experts, const void* gate_up,
+                      const void* down, int64_t inter, float* out, int threads) {
+  if ((dtype != kFloat32 && dtype != kBFloat16) || rows < 0 || hidden <= 0 || top_k <= 0 || num_experts <= 0 ||
+      inter <= 0)
+    return 1;
+  const int64_t pairs = rows * top_k;
+  std::vector<int64_t> counts(num_experts + 1, 0);
+  for (int64_t p = 0; p < pairs; ++p) {
+    if (expert_ids[p] < 0 || expert_ids[p] >= num_experts) return 2;
+    ++counts[expert_ids[p] + 1];
+  }
+  Routed routed;
+  routed.order.resize(pairs);
+  routed.starts.push_back(0);
+  for (int64_t e = 0; e < num_experts; ++e) {
+    if (counts[e + 1] > 0) {
+      routed.experts.push_back(e);
+      routed.starts.push_back(routed.starts.back() + counts[e + 1]);
+    }
+    counts[e + 1] += counts[e];  // counts[e]: where expert e's pairs start
+  }
+  for (int64_t p = 0; p < pairs; ++p) routed.order[counts[expert_ids[p]]++] = p;
+  if (dtype == kFloat32)
+    run(x, rows, hidden, route_weights, top_k, static_cast<const float*>(gate_up),
+        static_cast<const float*>(down), inter, routed, out, threads);
+  else
+    run(x, rows, hidden, route_weights, top_k, static_cast<const uint16_t*>(gate_up),
+        static_cast<const uint16_t*>(down), inter, routed, out, threads);
+  return 0;
+}
+
+}  // extern "C"
