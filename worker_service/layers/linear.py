@@ -45,7 +45,7 @@ class PackableLinear(torch.nn.Module):
         if self.checkpoint_quantized is not None:
             if backend is None:
                 raise ValueError("a quantized weight is packed by a backend (Backend.pack)")
-            self.packed = pack_row_blocks(backend.pack, self.checkpoint_quantized, bias)
+            self.adopt(pack_row_blocks(backend.pack, self.checkpoint_quantized, bias))
             self.checkpoint_quantized = None
         elif quantize is not None:
             if backend is None:
