@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 _DEADLINE = object()  # what a request's deadline timer puts in its inbox
+# How long a failed write waits for the call's own status from the reader.
+WRITE_FAILURE_WAIT_S = 5.0
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -137,10 +139,16 @@ class RouterStream:
                 raise self.failed
             try:
                 await self._call.write(message)
-            except (grpc.aio.UsageError, asyncio.InvalidStateError) as exc:
-                # The call ended meanwhile; its status is what the reader reports.
-                await asyncio.shield(self._reader)
-                raise self.failed or rpc_error(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+            except (grpc.aio.UsageError, asyncio.InvalidStateError, grpc.aio.AioRpcError) as exc:
+                # The call ended meanwhile; its status is what the reader reports (a write that
+                # lost the race to the router's answer, say UNIMPLEMENTED from a router without
+                # Stream, can fail with grpc's own "Internal error from Core" instead).
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(self._reader), WRITE_FAILURE_WAIT_S)
+                if self.failed is not None:
+                    raise self.failed from None
+                raise exc if isinstance(exc, grpc.aio.AioRpcError) else rpc_error(
+                    grpc.StatusCode.UNAVAILABLE, str(exc)) from None
 
     async def _cancel(self, request_id: str) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
