@@ -45,7 +45,9 @@ class PackableLinear(torch.nn.Module):
         if self.checkpoint_quantized is not None:
             if backend is None:
                 raise ValueError("a quantized weight is packed by a backend (Backend.pack)")
-            self.adopt(pack_row_blocks(backend.pack, self.checkpoint_quantized, bias))
+            # A loader reads them on the CPU; the layer's weight was made on the model's device.
+            blocks = [block.to(weight.device) for block in self.checkpoint_quantized]
+            self.adopt(pack_row_blocks(backend.pack, blocks, bias))
             self.checkpoint_quantized = None
         elif quantize is not None:
             if backend is None:

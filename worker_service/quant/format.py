@@ -73,6 +73,14 @@ class QuantizedWeight:
             weight += self.offsets.repeat_interleave(self.group_size, dim=1)[:, : self.in_features]
         return weight.to(dtype)
 
+    def to(self, device: torch.device) -> QuantizedWeight:
+        """The same weight with its tensors on `device` (itself where they are there already)."""
+        if self.values.device == device:
+            return self
+        return QuantizedWeight(self.format, self.values.to(device), self.scales.to(device),
+                               None if self.offsets is None else self.offsets.to(device),
+                               self.group_size, self.in_features)
+
     def rows(self, selection: range) -> QuantizedWeight:
         """Output rows `selection` (a column-parallel shard)."""
         part = slice(selection.start, selection.stop)
