@@ -217,6 +217,19 @@ def test_selection_names_what_runs_in_pytorch_ops() -> None:
     assert "GELU-tanh gating, sliding-window attention in PyTorch's ops" in selection.reason
 
 
+def test_moe_families_name_their_routing_among_ops_without_kernels(checkpoints) -> None:
+    """Their routing reads per-expert counts back to the host: named, so that the selection
+    leaves CUDA graphs out for them (a capture of such a step fails)."""
+    from transformers import AutoConfig
+
+    from worker_service.models import model_class
+    from worker_service.models.moe import MOE_ROUTING
+
+    for name in sorted(FAMILIES):
+        config = AutoConfig.from_pretrained(checkpoints.get(name)[0])
+        assert (MOE_ROUTING in model_class(config).ops_without_kernels(config)) == (name in MOE_FAMILIES), name
+
+
 def test_the_registry_is_the_launchers_list_of_architectures():
     """`radixserve up` refuses a folder by `radixserve.architectures` before starting a worker:
     the worker's registry must be exactly that list."""

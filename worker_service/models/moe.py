@@ -16,6 +16,7 @@ The router is replicated (every rank routes the same).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -23,6 +24,17 @@ from worker_service.backends.base import Backend, PackedExperts
 from worker_service.distributed import TPGroup, all_reduce_sum
 from worker_service.layers.linear import ColumnParallelLinear, RowParallelLinear
 from worker_service.layers.sharding import balanced_range
+
+
+# What a model with sparse MoE layers names in `CausalLM.ops_without_kernels`: the routing (top-k,
+# the per-expert row counts read back to the host to group rows) runs in PyTorch's ops on every
+# backend, and that read-back is also why such steps are never captured as CUDA graphs.
+MOE_ROUTING = "mixture-of-experts routing"
+
+
+def moe_ops_without_kernels(model_class: type, config: Any) -> tuple[str, ...]:
+    """`model_class`'s parent's ops without kernels and the MoE routing (`MOE_ROUTING`)."""
+    return super(model_class, model_class).ops_without_kernels(config) + (MOE_ROUTING,)
 
 
 @dataclass(frozen=True, slots=True)

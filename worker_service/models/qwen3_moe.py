@@ -13,7 +13,7 @@ import torch
 from worker_service.backends.base import Backend
 from worker_service.distributed import TPGroup
 from worker_service.models.llama import LlamaDecoderLayer, LlamaMLP
-from worker_service.models.moe import ExpertLayout, Routing, SparseMoE
+from worker_service.models.moe import ExpertLayout, Routing, SparseMoE, moe_ops_without_kernels
 from worker_service.models.qwen3 import Qwen3Attention, Qwen3ForCausalLM
 
 LAYOUT = ExpertLayout("mlp", "gate_proj", "up_proj", "down_proj")
@@ -40,3 +40,7 @@ class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
 
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     layer_class = Qwen3MoeDecoderLayer
+
+    @classmethod
+    def ops_without_kernels(cls, config: Any) -> tuple[str, ...]:
+        return moe_ops_without_kernels(Qwen3MoeForCausalLM, config)
