@@ -11,6 +11,7 @@ import torch
 from radixserve.sampling import SamplingParams
 from worker.sampling_helpers import assert_logprobs, row
 from worker_service.sampling import Sampler
+from worker_service.sampling.ops import TorchSampling
 
 DEVICE = "cuda"
 VOCAB = 49152
@@ -42,10 +43,11 @@ def test_cuda_draws_the_cpu_torch_paths_tokens_for_the_same_random_numbers(param
     for device in ("cpu", DEVICE):
         sampler = Sampler(device, seed=0)
         penalised = sampler._penalise(logits.to(device), rows)
+        ops = TorchSampling()  # the PyTorch ops the sampler runs on either device without the CPU kernels
         if params.temperature > 0:
-            chosen.append(sampler._sample_torch(penalised, rows, is_random, uniform.to(device)).tolist())
+            chosen.append(ops.sample(penalised, rows, is_random, uniform.to(device)).tolist())
         else:
-            chosen.append(sampler._argmax(penalised).tolist())
+            chosen.append(ops.argmax(penalised).tolist())
     assert chosen[0] == chosen[1]
 
 

@@ -1,0 +1,150 @@
+"""The model families, quantized weights and GGUF files on CUDA, against transformers on the CPU.
+
+What the CPU suite checks of each on the CPU backends, here on every backend the selection takes
+on CUDA (PyTorch's ops; Triton's decode kernel with and without CUDA graphs where it supports the
+heads): tiny random checkpoints in float32, the prompt's logits and greedy decode steps against
+transformers over the same tokens, and the greedy tokens against transformers' `generate`.
+Quantized weights on CUDA run the dequantizing path (no compiled kernel there), so their
+reference is transformers over the quantized-then-dequantized weights, as on the CPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from worker.families import FAMILIES, VOCAB_SIZE, make_family
+from worker.test_quant_model import dequantized_reference
+from worker.tiny_gguf import TYPES, write_tiny_gguf
+from worker.tiny_models import make_tiny_llama, reference_greedy
+from worker_service.backends.linear_quant import DequantizingLinear
+from worker_service.forward_batch import ForwardEntry
+from worker_service.model_runner import ModelRunner, RunnerConfig
+
+DEVICE = "cuda"
+# float32 on 2-3 layers: the GPU's reductions run in another order than the CPU's; a misplaced
+# norm, scale, window or RoPE moves the logits by more than 1e-2.
+ATOL = 1e-3
+PAGE_SIZE = 4
+KV_BYTES = 4 << 20
+PROMPT_LEN = 37  # not a multiple of the page size
+NUM_STEPS = 12
+# Every backend the selection could take on CUDA, Triton with and without CUDA graphs (graphs run
+# on one rank of the Triton backend only); each test skips the ones refused for its heads.
+PATHS = [("torch", 0), ("triton", 0), ("triton", 16)]
+IDS = ["torch", "triton", "triton-graphs"]
+# Heads of 64 (Triton's kernel has none of 16), except where the family's layers assume
+# heads x head size = hidden size (OLMoE's q/k norms span the hidden size).
+HEAD_DIM = 64
+HIDDEN_SIZED_HEADS = {"olmoe"}
+
+
+def prompt(seed: int = 1) -> list[int]:
+    return torch.randint(3, VOCAB_SIZE, (PROMPT_LEN,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def runner_for(model_dir, kernel: str, graphs: int, device: str = DEVICE, **settings) -> ModelRunner:
+    """The runner, or a skip naming why the selection refuses `kernel` for this model on `device`."""
+    try:
+        runner = ModelRunner(RunnerConfig(model_dir=model_dir, device=device, dtype="float32", page_size=PAGE_SIZE,
+                                          kv_cache_bytes=KV_BYTES, attention_kernel=kernel,
+                                          cuda_graph_max_batch=graphs, **settings))
+    except RuntimeError as refusal:
+        if f"--attention-kernel {kernel}:" not in str(refusal):
+            raise
+        pytest.skip(str(refusal).splitlines()[0])
+    assert runner.backend.name == kernel
+    if graphs and runner.graphs is None:
+        # The selection leaves out graphs for a model with ops no kernel has (its reason names them).
+        assert "CUDA graphs up to 0 rows" in runner.backend_reason, runner.backend_reason
+        pytest.skip(f"no CUDA graphs for this model: {runner.backend_reason}")
+    assert (runner.graphs is not None) == (graphs > 0)
+    return runner
+
+
+def greedy_steps(runner: ModelRunner, token_ids: list[int], fed: list[int] | None = None
+                 ) -> tuple[list[int], torch.Tensor]:
+    """The prompt's logits and NUM_STEPS decode steps' (pages out of order), each step fed our
+    own argmax, or `fed`'s tokens where given; returns the argmaxes and the logits."""
+    pages = list(range(3, 3 + (len(token_ids) + NUM_STEPS) // PAGE_SIZE + 1))[::-1]
+    logits = [runner.forward([ForwardEntry(token_ids, 0, pages, True)])[0].float().cpu()]
+    tokens = [int(logits[0].argmax())]
+    for step in range(NUM_STEPS):
+        feed = tokens[-1] if fed is None else fed[step]
+        row = runner.forward([ForwardEntry([feed], len(token_ids) + step, pages, True)])[0]
+        logits.append(row.float().cpu())
+        tokens.append(int(logits[-1].argmax()))
+    return tokens, torch.stack(logits)
+
+
+def check_against(runner: ModelRunner, reference: torch.nn.Module, token_ids: list[int]
+                  ) -> tuple[list[int], torch.Tensor]:
+    """The prompt's logits and NUM_STEPS greedy decode steps against `reference` over the same
+    tokens, and the greedy tokens against its `generate`; returns the tokens and logits."""
+    tokens, logits = greedy_steps(runner, token_ids)
+    with torch.no_grad():
+        expected = reference(torch.tensor([token_ids + tokens[:-1]])).logits[0, len(token_ids) - 1:]
+    scale = max(1.0, float(expected.abs().max()))
+    torch.testing.assert_close(logits, expected, atol=ATOL * scale, rtol=0)
+    assert tokens == reference_greedy(reference, token_ids, NUM_STEPS + 1)
+    return tokens, logits
+
+
+@pytest.fixture(scope="module")
+def family_checkpoints(tmp_path_factory) -> dict:
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            heads = {} if name in HIDDEN_SIZED_HEADS else {"head_dim": HEAD_DIM}
+            out_dir = make_family(name, tmp_path_factory.mktemp(name), **heads)
+            # Eager: transformers' reference attention (soft-capping and windows included).
+            made[name] = out_dir, AutoModelForCausalLM.from_pretrained(
+                out_dir, dtype=torch.float32, attn_implementation="eager").eval()
+        return made[name]
+    return get
+
+
+@pytest.mark.parametrize(("kernel", "graphs"), PATHS, ids=IDS)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_matches_transformers_on_cuda(family, kernel, graphs, family_checkpoints) -> None:
+    """Against transformers, and against our own PyTorch path on the CPU fed the same tokens
+    (which the CPU suite holds to transformers: a second reference that no version of
+    transformers on the GPU machine can move)."""
+    model_dir, reference = family_checkpoints(family)
+    tokens, on_cuda = check_against(runner_for(model_dir, kernel, graphs), reference, prompt())
+    _, on_cpu = greedy_steps(runner_for(model_dir, "torch", 0, device="cpu"), prompt(), fed=tokens)
+    torch.testing.assert_close(on_cuda, on_cpu, atol=ATOL * max(1.0, float(on_cpu.abs().max())), rtol=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.mark.parametrize(("kernel", "graphs"), PATHS, ids=IDS)
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_weights_dequantize_on_cuda(tiny_llama, quantization, kernel, graphs) -> None:
+    runner = runner_for(tiny_llama, kernel, graphs, quantization=quantization)
+    packed = runner.model.layers[0].mlp.down_proj.packed
+    assert type(packed) is DequantizingLinear
+    assert packed.quantized.values.device.type == DEVICE  # kept quantized on the GPU
+    check_against(runner, dequantized_reference(tiny_llama, quantization), prompt(2)[:21])
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory) -> dict:
+    folder = tmp_path_factory.mktemp("gguf")
+    return {qtype: write_tiny_gguf(folder / f"tiny-{qtype}.gguf", qtype) for qtype in TYPES}
+
+
+@pytest.mark.parametrize(("kernel", "graphs"), PATHS, ids=IDS)
+@pytest.mark.parametrize("qtype", TYPES)
+def test_gguf_files_as_they_are_on_cuda(gguf_files, qtype, kernel, graphs) -> None:
+    path = gguf_files[qtype]
+    reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                     dtype=torch.float32).eval()
+    runner = runner_for(path, kernel, graphs)
+    assert runner.info.quantization.startswith("gguf:")
+    check_against(runner, reference, list(range(3, 40)))
