@@ -24,7 +24,6 @@ import logging
 from pathlib import Path
 
 import llguidance
-import llguidance.torch
 import numpy as np
 import torch
 
@@ -33,6 +32,15 @@ from radixserve.grammar_compiler import GrammarCompiler
 from radixserve.model_source import load_tokenizer, resolve_model
 
 log = logging.getLogger(__name__)
+
+
+def fill_row(matcher: llguidance.LLMatcher, bitmask: torch.Tensor, slot: int) -> None:
+    """`matcher`'s allowed tokens as bits into row `slot` of the contiguous int32 CPU `bitmask`.
+    (What `llguidance.torch` does, called directly: importing that module compiles a function
+    with `torch.compile` at import, which loads TorchDynamo and Inductor into every worker
+    process, seconds of start-up for a function we never call.)"""
+    row = bitmask[slot]
+    matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
 
 BITS_PER_WORD = 32
 # The bit pattern of float32 -inf: AND-ed with (allowed - 1), it gives 0.0 for an allowed token
@@ -118,11 +126,12 @@ class ConstraintMasks:
                 matcher.sync(output_ids)
             if self._executor is None:
                 for slot, (_, row, _) in enumerate(rows):
-                    llguidance.torch.fill_next_token_bitmask(row.matcher, bitmask, slot)
+                    fill_row(row.matcher, bitmask, slot)
             else:
-                llguidance.torch.fill_next_token_bitmask_par(
-                    self._executor, [(row.matcher, slot) for slot, (_, row, _) in enumerate(rows)], bitmask
-                )
+                # The rows' masks filled on the executor's threads, straight into the bitmask.
+                self._executor.unsafe_compute_mask_ptr(
+                    [(row.matcher, slot) for slot, (_, row, _) in enumerate(rows)],
+                    bitmask.data_ptr(), self._num_words * 4, len(rows))
         self._allow_eos_where_empty(bitmask)
         allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")
         allowed = torch.from_numpy(allowed[:, : self.vocab_size]).to(torch.int32)
@@ -142,7 +151,7 @@ class ConstraintMasks:
                 walking = False
                 continue
             matcher.sync(output_ids)
-            llguidance.torch.fill_next_token_bitmask(matcher.matcher, bitmask, slot)
+            fill_row(matcher.matcher, bitmask, slot)
             walking = True
 
     @staticmethod
