@@ -12,6 +12,8 @@ GGUF_FILE := $(GGUF_CACHE)/SmolLM2-135M-Instruct.Q4_1.gguf
 PORT ?= 50051
 TP ?= 1
 PYTEST_ARGS ?=
+# Test processes (pytest-xdist, whole files each); 0 runs every test in one process.
+PYTEST_WORKERS ?= 2
 BENCH_ARGS ?=
 # The torch pin is declared once, in pyproject.toml (the Dockerfile reads it from there too).
 TORCH_PIN := $(shell grep -o '"torch==[^"]*"' pyproject.toml | tr -d '"')
@@ -54,7 +56,7 @@ model: setup
 	$(PY) -m radixserve.prepare_model --out $(MODEL_DIR)
 
 test: model
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 run: model
 	$(VENV)/bin/radixserve up --model $(MODEL_DIR) --tp $(TP) --port $(PORT)
