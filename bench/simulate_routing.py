@@ -38,7 +38,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bench.routing_policies import POLICIES, BoundedLoad, Loads, PrefixAffinity, RoundRobin
+from bench.routing_policies import MEMORY_HOLDERS, POLICIES, BoundedLoad, Loads, PrefixAffinity, RoundRobin
 from bench.routing_trace import TraceConfig, TraceSource, Turn
 from router_service.core.admission import Policy
 from router_service.core.request import Request
@@ -247,9 +247,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--decision-prompts", type=int, default=500, help="prompts timed per policy and scale")
     args = parser.parse_args(argv)
     replica = ReplicaConfig(num_pages=args.pages)
+    bounded = BoundedLoad(1, bound=args.bound).bounds
     print(f"step model: {STEP_FIXED_S * 1e3:.3f} ms + {DECODE_ROW_S * 1e6:.2f} us per decode row + "
           f"{PREFILL_TOKEN_S * 1e6:.2f} us per prefill token (bench_worker, H100); "
-          f"{replica.num_pages} pages of {PAGE_SIZE} per replica; bounded-load c = {args.bound}")
+          f"{replica.num_pages} pages of {PAGE_SIZE} per replica; bounded-load c = {args.bound} (prefix "
+          f"memory: {MEMORY_HOLDERS} replicas per prefix, bound {bounded.memory} for a shared prefix's, "
+          f"{bounded.session} for a conversation's history)")
     started = time.perf_counter()
     for num_replicas in (int(part) for part in args.replicas.split(",")):
         per_replica = args.requests_per_replica or DEFAULT_SCALES.get(num_replicas, 60)
