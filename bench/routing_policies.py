@@ -8,9 +8,9 @@ running plus waiting), as a gateway would from the figures routers report:
   exactly as the gateway routes today (`gateway_service.router_choice`);
 - bounded-load affinity, as the gateway routes (`gateway_service.bounded_load.choose_remembered`,
   the same code): the replicas its prefix memory names for the prompt's longest known prefix if
-  within their bound of the mean load (1.4 for a conversation's history, 1.35 for a shared
-  prefix), else the first in rendezvous order within the bound (1.25); else the next in that
-  order that is; and the same without the prefix memory;
+  within their bound of the mean load (the gateway's defaults: 1.35, for a conversation's
+  history and for a shared prefix alike), else the first in rendezvous order within the bound
+  (1.1); else the next in that order that is; and the same without the prefix memory;
 - cache aware: SGLang's `cache_aware` policy as its documentation describes it, written here
   from that description (`CacheAware`).
 """

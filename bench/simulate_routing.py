@@ -59,6 +59,7 @@ PREFILL_TOKEN_S = (2048 / PREFILL_2048_TOKENS_PER_S - STEP_FIXED_S) / 2048
 PAGE_SIZE = 16
 DEFAULT_SCALES = {8: 250, 64: 60, 512: 16}  # replicas: requests per replica
 CALIBRATION_REQUESTS = 300
+BUSIEST_GOAL = 1.25  # the issue's: busiest replica's load over the mean, whatever the bounds
 
 
 def step_seconds(plan: StepPlan) -> float:
@@ -216,7 +217,7 @@ def decision_microseconds(policy_class, num_replicas: int, prompts: Sequence[lis
     return best
 
 
-def _print_goals(results: dict[str, RunResult], bound: float) -> None:
+def _print_goals(results: dict[str, RunResult]) -> None:
     """The issue's goals for bounded-load affinity, as ratios from this run."""
     mine, affinity, aware = results["bounded load"], results["prefix affinity"], results["cache aware"]
 
@@ -227,7 +228,7 @@ def _print_goals(results: dict[str, RunResult], bound: float) -> None:
     p99 = mine.ttft_p99_s / affinity.ttft_p99_s
     print(f"      bounded load vs prefix affinity: hit rate {hit:.2f}x (goal >= 0.95x: {verdict(hit >= 0.95)}), "
           f"TTFT p99 {p99:.2f}x (goal <= 0.5x: {verdict(p99 <= 0.5)}); busiest/mean {mine.busiest_over_mean:.2f} "
-          f"(goal <= {bound}: {verdict(mine.busiest_over_mean <= bound)})")
+          f"(goal <= {BUSIEST_GOAL}: {verdict(mine.busiest_over_mean <= BUSIEST_GOAL)})")
     p99 = mine.ttft_p99_s / aware.ttft_p99_s
     hit = mine.hit_rate / aware.hit_rate
     print(f"      bounded load vs cache aware: TTFT p99 {p99:.2f}x at hit rate {hit:.2f}x "
@@ -276,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{load:>5.0%} {result.policy:<16} {result.hit_rate:>8.1%} {result.ttft_p50_s * 1e3:>11.1f} "
                       f"{result.ttft_p99_s * 1e3:>11.1f} {result.busiest_over_mean:>12.2f} "
                       f"{result.mean_load:>9.1f} {result.continued_share:>9.0%}", flush=True)
-            _print_goals(results, args.bound)
+            _print_goals(results)
     source = TraceSource(trace_for(512), 1.0, args.seed)
     prompts = [source.take().prompt_ids for _ in range(args.decision_prompts)]
     print(f"\nmicroseconds per routing decision (no memo; mean over {len(prompts)} prompts, best of 3):")

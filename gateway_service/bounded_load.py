@@ -40,9 +40,6 @@ import numpy as np
 from gateway_service.prefix_memory import PrefixMemory
 from gateway_service.rendezvous import ranked
 
-DEFAULT_BOUND = 1.25
-DEFAULT_MEMORY_BOUND = 1.35
-DEFAULT_SESSION_BOUND = 1.4
 
 Replica = TypeVar("Replica", bound=Hashable)  # an address, or an index in a simulation
 
@@ -57,7 +54,7 @@ def capacity(total_load: int, num_replicas: int, bound: float) -> int:
 
 
 def choose_bounded(
-    order: Sequence[Replica], loads: Mapping[Replica, int], bound: float = DEFAULT_BOUND,
+    order: Sequence[Replica], loads: Mapping[Replica, int], bound: float,
     total_load: int | None = None,
 ) -> Replica:
     """The first of `order` (a rendezvous order, most preferred first) whose load plus this
@@ -77,7 +74,7 @@ def choose_bounded(
 
 def choose_ranked(
     replicas: Sequence[Replica], weights: np.ndarray, loads: Mapping[Replica, int],
-    bound: float = DEFAULT_BOUND, total_load: int | None = None, preferred: Sequence[Replica] = (),
+    bound: float, total_load: int | None = None, preferred: Sequence[Replica] = (),
     preferred_bound: float | None = None,
 ) -> Replica:
     """As `choose_bounded` over `replicas` in the order of their rendezvous `weights`
@@ -101,11 +98,12 @@ def choose_ranked(
 
 @dataclass(frozen=True, slots=True)
 class Bounds:
-    """The load bounds of one decision, each a multiple of the mean (`capacity`)."""
+    """The load bounds of one decision, each a multiple of the mean (`capacity`); the gateway's
+    come from its flags (`GatewayConfig.bounds`)."""
 
-    load: float = DEFAULT_BOUND  # the rendezvous order's
-    memory: float = DEFAULT_MEMORY_BOUND  # replicas holding the request's longest known shared prefix
-    session: float = DEFAULT_SESSION_BOUND  # replicas holding a conversation's history
+    load: float  # the rendezvous order's
+    memory: float  # replicas holding the request's longest known shared prefix (never below `load`)
+    session: float  # the replica holding a conversation's history (never below `load`)
 
 
 def choose_remembered(

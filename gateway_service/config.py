@@ -36,17 +36,19 @@ class GatewayConfig:
                               "replica), added to --routers and re-resolved every --router-dns-interval-s: "
                               "new ones join, removed ones are drained")
     router_dns_interval_s: float = setting(5.0, "seconds between resolutions of --router-dns", above=0)
-    load_bound: float = setting(1.25, "bounded-load prefix affinity: a request goes to the first router in its "
+    load_bound: float = setting(1.1, "bounded-load prefix affinity: a request goes to the first router in its "
                                 "order whose outstanding requests, with it, stay within this many times the "
-                                "mean (1: even load; large: pure prefix affinity)", min=1)
+                                "mean, rounded down but never below the mean rounded up (1: even load; large: "
+                                "pure prefix affinity)", min=1)
     memory_load_bound: float = setting(1.35, "the bound for the routers the prefix memory names as holding a "
                                        "request's longest known shared prefix (a system prompt spilled over a "
                                        "few routers stays on those): taken while their outstanding requests, "
                                        "with this one, stay within this many times the mean (never less than "
                                        "--load-bound)",
                                        min=1)
-    session_load_bound: float = setting(1.4, "as --memory-load-bound, for the router holding a conversation's "
-                                        "history (the request's longest known prefix ended an earlier prompt)",
+    session_load_bound: float = setting(1.35, "as --memory-load-bound, for the router holding a conversation's "
+                                        "history (the request's longest known prefix ended an earlier prompt; "
+                                        "never less than --load-bound)",
                                         min=1)
     prefix_memory_entries: int = setting(65536, "prompt prefixes remembered with the routers they went to, so a "
                                          "conversation's next turn meets its cached history (0: none)", min=0)
@@ -105,7 +107,8 @@ class GatewayConfig:
 
     @property
     def bounds(self) -> Bounds:
-        return Bounds(self.load_bound, self.memory_load_bound, self.session_load_bound)
+        load = self.load_bound
+        return Bounds(load, max(load, self.memory_load_bound), max(load, self.session_load_bound))
 
     def __post_init__(self) -> None:
         flags.check(self)

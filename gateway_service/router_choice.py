@@ -60,7 +60,7 @@ class RouterPool:
 
     def __init__(
         self, addresses: Sequence[str], affinity_tokens: int, probe_timeout_s: float,
-        security: Security = NO_SECURITY, *, bounds: Bounds = Bounds(),
+        security: Security = NO_SECURITY, *, bounds: Bounds,
         memory: PrefixMemory[str] | None = None, tls_name: Callable[[str], str | None] = lambda address: None,
     ) -> None:
         """`tls_name`: the name a router's certificate is checked for where it is not the host of

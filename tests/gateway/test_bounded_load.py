@@ -14,7 +14,7 @@ ADDRESSES = [f"10.0.0.{i}:50052" for i in range(8)]
 
 def test_takes_the_first_choice_while_it_is_within_the_bound() -> None:
     order = rendezvous_order(ADDRESSES, affinity_key([1, 2, 3], 64))
-    assert choose_bounded(order, {}) == order[0]
+    assert choose_bounded(order, {}, 1.25) == order[0]
     loads = dict.fromkeys(ADDRESSES, 4)
     # 32 outstanding over 8: capacity floor(1.25 * 33 / 8) = 5, the first choice has 4 (+1).
     assert capacity(32, 8, 1.25) == 5
@@ -67,7 +67,7 @@ def test_a_huge_bound_is_pure_affinity_and_bad_input_is_refused() -> None:
     with pytest.raises(ValueError):
         choose_bounded(order, loads, 0.5)
     with pytest.raises(ValueError):
-        choose_bounded([], loads)
+        choose_bounded([], loads, 1.25)
 
 
 def test_choose_ranked_is_choose_bounded_over_the_rendezvous_order_after_the_preferred() -> None:
