@@ -52,7 +52,8 @@ class PrefixMemory(Generic[Replica]):
         self.num_entries = num_entries
         self.stride = stride
         self.holders = holders
-        self._entries: OrderedDict[bytes, Recalled[Replica]] = OrderedDict()
+        # (holders, ended a prompt) per checkpoint: plain tuples, a `Recalled` only when asked.
+        self._entries: OrderedDict[bytes, tuple[tuple[Replica, ...], bool]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -71,10 +72,10 @@ class PrefixMemory(Generic[Replica]):
     def recall_all(self, checkpoints: Sequence[bytes]) -> Recalled[Replica]:
         """The replicas that took the longest of these prefixes lately (none: empty holders)."""
         for checkpoint in reversed(checkpoints):
-            recalled = self._entries.get(checkpoint)
-            if recalled is not None:
+            known = self._entries.get(checkpoint)
+            if known is not None:
                 self._entries.move_to_end(checkpoint)
-                return recalled
+                return Recalled(*known)
         return _NOTHING
 
     def recall(self, checkpoints: Sequence[bytes]) -> Replica | None:
@@ -87,20 +88,27 @@ class PrefixMemory(Generic[Replica]):
         entries = self._entries
         last = len(checkpoints) - 1
         for index, checkpoint in enumerate(checkpoints):
-            known = entries.get(checkpoint, _NOTHING)
-            others = tuple(r for r in known.holders if r != replica)[: self.holders - 1]
-            entries[checkpoint] = Recalled((replica, *others), known.ended_a_prompt or index == last)
+            known = entries.get(checkpoint)
+            if known is None:
+                entries[checkpoint] = ((replica,), index == last)
+                continue
             entries.move_to_end(checkpoint)
+            holders, ended = known
+            if holders[0] != replica:
+                holders = (replica, *[r for r in holders if r != replica][: self.holders - 1])
+            elif ended or index != last:
+                continue  # unchanged: the same replica again
+            entries[checkpoint] = (holders, ended or index == last)
         while len(entries) > self.num_entries:
             entries.popitem(last=False)
 
     def forget(self, replica: Replica) -> None:
         """A replica left: it holds nothing any more (prefixes it alone held fall back to the
         rendezvous order)."""
-        for checkpoint, known in list(self._entries.items()):
-            if replica in known.holders:
-                holders = tuple(r for r in known.holders if r != replica)
+        for checkpoint, (holders, ended) in list(self._entries.items()):
+            if replica in holders:
+                holders = tuple(r for r in holders if r != replica)
                 if holders:
-                    self._entries[checkpoint] = Recalled(holders, known.ended_a_prompt)
+                    self._entries[checkpoint] = (holders, ended)
                 else:
                     del self._entries[checkpoint]
