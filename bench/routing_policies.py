@@ -6,10 +6,11 @@ running plus waiting), as a gateway would from the figures routers report:
 - least loaded (ties: the lowest index);
 - prefix affinity: the first replica in the rendezvous order of the prompt's first 64 tokens,
   exactly as the gateway routes today (`gateway_service.router_choice`);
-- bounded-load affinity, as the gateway routes: the replica its prefix memory names for the
-  prompt's longest known prefix if within the memory's bound of the mean load (1.35), else the
-  first in rendezvous order within the bound (1.25); else the next in that order that is (`gateway_service.bounded_load`,
-  `gateway_service.prefix_memory`); and the same without the prefix memory;
+- bounded-load affinity, as the gateway routes (`gateway_service.bounded_load.choose_remembered`,
+  the same code): the replicas its prefix memory names for the prompt's longest known prefix if
+  within their bound of the mean load (the gateway's defaults: 1.35, for a conversation's
+  history and for a shared prefix alike), else the first in rendezvous order within the bound
+  (1.1); else the next in that order that is; and the same without the prefix memory;
 - cache aware: SGLang's `cache_aware` policy as its documentation describes it, written here
   from that description (`CacheAware`).
 """
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from gateway_service.bounded_load import DEFAULT_BOUND, choose_ranked
+from gateway_service.bounded_load import Bounds, choose_remembered
 from gateway_service.config import GatewayConfig
 from gateway_service.prefix_memory import PrefixMemory
 from gateway_service.rendezvous import Ranking, affinity_key
@@ -30,7 +31,7 @@ _GATEWAY = GatewayConfig()  # the gateway's defaults
 AFFINITY_TOKENS = _GATEWAY.affinity_tokens
 MEMORY_ENTRIES = _GATEWAY.prefix_memory_entries
 MEMORY_STRIDE = _GATEWAY.prefix_memory_stride
-MEMORY_BOUND = _GATEWAY.memory_load_bound
+MEMORY_HOLDERS = _GATEWAY.prefix_memory_holders
 
 
 class Loads(dict[int, int]):
@@ -92,37 +93,38 @@ class PrefixAffinity:
 
 class BoundedLoad(PrefixAffinity):
     """The gateway's choice (`gateway_service.router_choice.RouterPool.order`): bounded load over
-    the rendezvous order, the prefix memory's replica first (`prefix_memory=False`: without)."""
+    the rendezvous order, the prefix memory's replicas first (`prefix_memory=False`: without).
+    `bound` replaces the gateway's load bound, `memory_bound` (None: the gateway's) its memory
+    and session bounds."""
 
     name = "bounded load"
 
     def __init__(
-        self, num_replicas: int, memo: bool = True, bound: float = DEFAULT_BOUND, prefix_memory: bool = True,
-        memory_bound: float = MEMORY_BOUND,
+        self, num_replicas: int, memo: bool = True, bound: float | None = None, prefix_memory: bool = True,
+        memory_bound: float | None = None,
     ) -> None:
         super().__init__(num_replicas, memo)
-        self.bound = bound
-        self.memory_bound = max(bound, memory_bound)
+        bounds = _GATEWAY.bounds
+        if bound is not None:
+            bounds = Bounds(bound, max(bound, bounds.memory), max(bound, bounds.session))
+        if memory_bound is not None:
+            bounds = Bounds(bounds.load, max(bounds.load, memory_bound), max(bounds.load, memory_bound))
+        self.bounds = bounds
+        self.bound = bounds.load
         self._memory: PrefixMemory[int] | None = (
-            PrefixMemory(MEMORY_ENTRIES, MEMORY_STRIDE) if prefix_memory else None)
+            PrefixMemory(MEMORY_ENTRIES, MEMORY_STRIDE, MEMORY_HOLDERS) if prefix_memory else None)
         if not prefix_memory:
             self.name = "bounded, no memory"
 
     def choose(self, prompt_ids: Sequence[int], loads: Loads) -> int:
-        memory = self._memory
-        checkpoints = memory.checkpoints(prompt_ids) if memory is not None else []
-        preferred = memory.recall(checkpoints) if memory is not None else None
-        chosen = choose_ranked(self._indices, self.weights(prompt_ids), loads, self.bound, loads.total, preferred,
-                               self.memory_bound)
-        if memory is not None:
-            memory.remember(checkpoints, chosen)
-        return chosen
+        return choose_remembered(self._indices, self.weights(prompt_ids), loads, self.bounds, self._memory,
+                                 prompt_ids, loads.total)
 
 
 class BoundedLoadNoMemory(BoundedLoad):
     name = "bounded, no memory"
 
-    def __init__(self, num_replicas: int, memo: bool = True, bound: float = DEFAULT_BOUND) -> None:
+    def __init__(self, num_replicas: int, memo: bool = True, bound: float | None = None) -> None:
         super().__init__(num_replicas, memo, bound, prefix_memory=False)
 
 

@@ -14,11 +14,16 @@ loaded replica is always within (it holds at most `floor(total / n)`): some repl
 take the request. Requests that finish between decisions can leave a replica above the capacity
 for a while: nothing is ever moved. `bound` >= 1; a large bound is pure affinity, 1 is even load.
 
-`choose_ranked` is the gateway's form: the replica a prompt prefix memory remembers for the
-request's longest known prefix (`prefix_memory`) is tried first, within a bound of its own
-(larger: a conversation's history on that replica is worth more than a system prompt elsewhere),
-so a conversation's next turn meets the replica holding its history even after its prefix
-spilled; then the rendezvous order, sorted only when the first choice is full.
+`choose_ranked` is the gateway's form: the replicas a prompt prefix memory remembers for the
+request's longest known prefix (`prefix_memory`) are tried first, most recent first, within a
+bound of their own (larger: a cached prefix there is worth more than a request's share of load
+elsewhere), then the rendezvous order, sorted only when the first choice is full.
+`choose_remembered` is the whole decision, memory included, that the gateway makes and the
+simulator replays (`bench/routing_policies.py`): a conversation's next turn (its longest known
+prefix ended an earlier prompt: its history) gets `Bounds.session`, so it meets the replica
+holding its history even after its system prompt spilled; a new session of a known system prompt
+gets `Bounds.memory` over the replicas holding that prompt, so a spilled hot prefix stays on the
+few replicas it warmed instead of warming more.
 
 Plain functions over addresses and counts (and the rendezvous weights), no I/O.
 """
@@ -27,13 +32,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
 
+from gateway_service.prefix_memory import PrefixMemory
 from gateway_service.rendezvous import ranked
 
-DEFAULT_BOUND = 1.25
 
 Replica = TypeVar("Replica", bound=Hashable)  # an address, or an index in a simulation
 
@@ -48,7 +54,7 @@ def capacity(total_load: int, num_replicas: int, bound: float) -> int:
 
 
 def choose_bounded(
-    order: Sequence[Replica], loads: Mapping[Replica, int], bound: float = DEFAULT_BOUND,
+    order: Sequence[Replica], loads: Mapping[Replica, int], bound: float,
     total_load: int | None = None,
 ) -> Replica:
     """The first of `order` (a rendezvous order, most preferred first) whose load plus this
@@ -68,21 +74,51 @@ def choose_bounded(
 
 def choose_ranked(
     replicas: Sequence[Replica], weights: np.ndarray, loads: Mapping[Replica, int],
-    bound: float = DEFAULT_BOUND, total_load: int | None = None, preferred: Replica | None = None,
+    bound: float, total_load: int | None = None, preferred: Sequence[Replica] = (),
     preferred_bound: float | None = None,
 ) -> Replica:
     """As `choose_bounded` over `replicas` in the order of their rendezvous `weights`
-    (`rendezvous.Ranking.weights`, highest first), with `preferred` (None, or one of
-    `replicas`) tried before that order, within `preferred_bound` (never less than `bound`)."""
+    (`rendezvous.Ranking.weights`, highest first), with `preferred` (each one of `replicas`)
+    tried first, in their order, within `preferred_bound` (never less than `bound`)."""
     if not replicas:
         raise ValueError("no replica to choose from")
     if total_load is None:
         total_load = sum(loads.get(replica, 0) for replica in replicas)
-    if preferred is not None:
-        if loads.get(preferred, 0) + 1 <= capacity(total_load, len(replicas), max(bound, preferred_bound or bound)):
-            return preferred
+    if preferred:
+        limit = capacity(total_load, len(replicas), max(bound, preferred_bound or bound))
+        for replica in preferred:
+            if loads.get(replica, 0) + 1 <= limit:
+                return replica
     limit = capacity(total_load, len(replicas), bound)
     first = replicas[int(weights.argmax())]
     if loads.get(first, 0) + 1 <= limit:
         return first
     return choose_bounded([replicas[i] for i in ranked(weights)], loads, bound, total_load)
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """The load bounds of one decision, each a multiple of the mean (`capacity`); the gateway's
+    come from its flags (`GatewayConfig.bounds`)."""
+
+    load: float  # the rendezvous order's
+    memory: float  # replicas holding the request's longest known shared prefix (never below `load`)
+    session: float  # the replica holding a conversation's history (never below `load`)
+
+
+def choose_remembered(
+    replicas: Sequence[Replica], weights: np.ndarray, loads: Mapping[Replica, int], bounds: Bounds,
+    memory: PrefixMemory[Replica] | None, prompt_token_ids: Sequence[int], total_load: int | None = None,
+) -> Replica:
+    """The replica for a prompt (see the module's docstring), remembered in `memory` (None:
+    `choose_ranked` over the rendezvous order alone). Holders the memory names that are not
+    in `loads` (down, or gone) are skipped."""
+    if memory is None:
+        return choose_ranked(replicas, weights, loads, bounds.load, total_load)
+    checkpoints = memory.checkpoints(prompt_token_ids)
+    recalled = memory.recall_all(checkpoints)
+    holders = [replica for replica in recalled.holders if replica in loads]
+    chosen = choose_ranked(replicas, weights, loads, bounds.load, total_load, holders,
+                           bounds.session if recalled.ended_a_prompt else bounds.memory)
+    memory.remember(checkpoints, chosen)
+    return chosen

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway_service.bounded_load import Bounds
 from gateway_service.reasoning import REASONING_PARSERS
 from gateway_service.tool_parsers import TOOL_CALL_PARSERS
 from gateway_service.validation import RequestLimits
@@ -35,17 +36,25 @@ class GatewayConfig:
                               "replica), added to --routers and re-resolved every --router-dns-interval-s: "
                               "new ones join, removed ones are drained")
     router_dns_interval_s: float = setting(5.0, "seconds between resolutions of --router-dns", above=0)
-    load_bound: float = setting(1.25, "bounded-load prefix affinity: a request goes to the first router in its "
+    load_bound: float = setting(1.1, "bounded-load prefix affinity: a request goes to the first router in its "
                                 "order whose outstanding requests, with it, stay within this many times the "
-                                "mean (1: even load; large: pure prefix affinity)", min=1)
-    memory_load_bound: float = setting(1.35, "the bound for the router the prefix memory names (a conversation's "
-                                       "history is cached there): taken while its outstanding requests, with "
-                                       "this one, stay within this many times the mean (never less than "
+                                "mean, rounded down but never below the mean rounded up (1: even load; large: "
+                                "pure prefix affinity)", min=1)
+    memory_load_bound: float = setting(1.35, "the bound for the routers the prefix memory names as holding a "
+                                       "request's longest known shared prefix (a system prompt spilled over a "
+                                       "few routers stays on those): taken while their outstanding requests, "
+                                       "with this one, stay within this many times the mean (never less than "
                                        "--load-bound)",
                                        min=1)
-    prefix_memory_entries: int = setting(65536, "prompt prefixes remembered with the router they went to, so a "
+    session_load_bound: float = setting(1.35, "as --memory-load-bound, for the router holding a conversation's "
+                                        "history (the request's longest known prefix ended an earlier prompt; "
+                                        "never less than --load-bound)",
+                                        min=1)
+    prefix_memory_entries: int = setting(65536, "prompt prefixes remembered with the routers they went to, so a "
                                          "conversation's next turn meets its cached history (0: none)", min=0)
     prefix_memory_stride: int = setting(64, "tokens between the prefixes remembered of one prompt", min=1)
+    prefix_memory_holders: int = setting(4, "routers remembered per prefix, most recent first (a hot prefix "
+                                         "spilled over several routers is held by each)", min=1)
     default_max_tokens: int = setting(256, "max_tokens when a request leaves it unset (capped by what the "
                                       "context leaves)", min=1)
     affinity_tokens: int = setting(64, "leading prompt tokens hashed to choose a router, so shared prefixes "
@@ -95,6 +104,11 @@ class GatewayConfig:
                                     choices=REASONING_PARSERS)
     limits: RequestLimits = nested(RequestLimits)
     security: SecurityConfig = security_settings(public=True)
+
+    @property
+    def bounds(self) -> Bounds:
+        load = self.load_bound
+        return Bounds(load, max(load, self.memory_load_bound), max(load, self.session_load_bound))
 
     def __post_init__(self) -> None:
         flags.check(self)

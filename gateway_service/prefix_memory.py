@@ -1,15 +1,18 @@
-"""Which replica each recently routed prompt went to, by its prefix: so that a conversation's next
-turn (which resends the whole history) goes where that history is cached.
+"""Which replicas recently routed prompts went to, by their prefixes: so that a conversation's next
+turn (which resends the whole history) goes where that history is cached, and a new session of a
+spilled system prompt goes to a replica that already holds it.
 
 Rendezvous order keys on a prompt's first tokens (the system prompt, shared by every session of
 one agent), so it cannot tell two sessions apart; when bounded load spills a hot prefix, turns
 of one session would land on whichever replica had room at the time, and each would recompute
 the history. Here each routed prompt leaves the hashes of its prefixes at every whole multiple of
-`stride` tokens, each mapped to the replica chosen (the longer ones tell sessions apart, the
-shorter ones send a new session of a spilled system prompt where that prompt was last cached). A
-later prompt looks up its own prefixes at those multiples, longest first; the replica of the
-longest one found is its preferred replica (still subject to the load bound,
-`bounded_load.choose_ranked`).
+`stride` tokens, each mapped to the replicas that took it, most recent first (at most `holders`
+of them: a hot system prompt spilled over several replicas is held by each). A later prompt
+looks up its own prefixes at those multiples, longest first; the replicas of the longest one
+found are its preferred replicas (still subject to a load bound, `bounded_load.choose_remembered`),
+and whether that prefix was the whole-stride end of an earlier prompt tells a conversation's
+next turn (its history is the earlier turn's prompt and answer) from a new session that only
+shares a system prompt.
 
 Soft state, bounded by `num_entries` (least recently used out first) and local to one gateway:
 a turn that reaches another gateway falls back to the rendezvous order, which is the same on
@@ -25,20 +28,32 @@ import array
 import hashlib
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
-from typing import Generic, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 Replica = TypeVar("Replica", bound=Hashable)
 
 _BYTES_PER_TOKEN = 4
 
 
+class Recalled(NamedTuple, Generic[Replica]):
+    """What the memory knows of a prompt's longest remembered prefix."""
+
+    holders: tuple[Replica, ...]  # the replicas that took it, most recent first (empty: none known)
+    ended_a_prompt: bool  # it was the last whole stride of an earlier prompt (a conversation's history)
+
+
+_NOTHING: Recalled = Recalled((), False)
+
+
 class PrefixMemory(Generic[Replica]):
-    def __init__(self, num_entries: int, stride: int) -> None:
-        if num_entries < 1 or stride < 1:
-            raise ValueError("a prefix memory needs at least one entry and a stride of one token")
+    def __init__(self, num_entries: int, stride: int, holders: int = 1) -> None:
+        if num_entries < 1 or stride < 1 or holders < 1:
+            raise ValueError("a prefix memory needs at least one entry, one holder and a stride of one token")
         self.num_entries = num_entries
         self.stride = stride
-        self._entries: OrderedDict[bytes, Replica] = OrderedDict()
+        self.holders = holders
+        # (holders, ended a prompt) per checkpoint: plain tuples, a `Recalled` only when asked.
+        self._entries: OrderedDict[bytes, tuple[tuple[Replica, ...], bool]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -54,25 +69,46 @@ class PrefixMemory(Generic[Replica]):
             hashes.append(digest.digest())
         return hashes
 
-    def recall(self, checkpoints: Sequence[bytes]) -> Replica | None:
-        """The replica that took the longest of these prefixes lately, None if none did."""
+    def recall_all(self, checkpoints: Sequence[bytes]) -> Recalled[Replica]:
+        """The replicas that took the longest of these prefixes lately (none: empty holders)."""
         for checkpoint in reversed(checkpoints):
-            replica = self._entries.get(checkpoint)
-            if replica is not None:
+            known = self._entries.get(checkpoint)
+            if known is not None:
                 self._entries.move_to_end(checkpoint)
-                return replica
-        return None
+                return Recalled(*known)
+        return _NOTHING
+
+    def recall(self, checkpoints: Sequence[bytes]) -> Replica | None:
+        """The replica that took the longest of these prefixes last, None if none did."""
+        holders = self.recall_all(checkpoints).holders
+        return holders[0] if holders else None
 
     def remember(self, checkpoints: Sequence[bytes], replica: Replica) -> None:
         """The prompt with these checkpoints went to `replica`."""
         entries = self._entries
-        for checkpoint in checkpoints:
-            entries[checkpoint] = replica
+        last = len(checkpoints) - 1
+        for index, checkpoint in enumerate(checkpoints):
+            known = entries.get(checkpoint)
+            if known is None:
+                entries[checkpoint] = ((replica,), index == last)
+                continue
             entries.move_to_end(checkpoint)
+            holders, ended = known
+            if holders[0] != replica:
+                holders = (replica, *[r for r in holders if r != replica][: self.holders - 1])
+            elif ended or index != last:
+                continue  # unchanged: the same replica again
+            entries[checkpoint] = (holders, ended or index == last)
         while len(entries) > self.num_entries:
             entries.popitem(last=False)
 
     def forget(self, replica: Replica) -> None:
-        """A replica left: its entries go (their prompts fall back to the rendezvous order)."""
-        for checkpoint in [c for c, r in self._entries.items() if r == replica]:
-            del self._entries[checkpoint]
+        """A replica left: it holds nothing any more (prefixes it alone held fall back to the
+        rendezvous order)."""
+        for checkpoint, (holders, ended) in list(self._entries.items()):
+            if replica in holders:
+                holders = tuple(r for r in holders if r != replica)
+                if holders:
+                    self._entries[checkpoint] = (holders, ended)
+                else:
+                    del self._entries[checkpoint]

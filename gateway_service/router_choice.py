@@ -2,10 +2,11 @@
 failover order, probing, the set of routers changing at run time; and the calls that carry
 requests to it (router_stream.py).
 
-A request goes to the replica a prefix memory names for its longest known prefix while that
-replica's load stays within `memory_load_bound` times the mean, else to the first in its
-rendezvous order (`rendezvous`) while its load stays within `load_bound` times the mean
-(`bounded_load`); otherwise to the next in rendezvous order that is.
+A request goes to a replica the prefix memory names for its longest known prefix while that
+replica's load stays within a bound of the mean (`Bounds.session` for a conversation's history,
+`Bounds.memory` for a shared prefix), else to the first in its rendezvous order (`rendezvous`)
+while its load stays within `Bounds.load` times the mean; otherwise to the next in rendezvous
+order that is (`bounded_load.choose_remembered`, which the simulator replays).
 The rest of the rendezvous order is the failover order, as before. A router's load is what it
 last reported on the gateway's Stream call to it (running plus waiting requests, every step and
 every load report interval), plus the requests this gateway opened there since that report.
@@ -21,7 +22,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 
 import grpc
 
-from gateway_service.bounded_load import DEFAULT_BOUND, choose_ranked
+from gateway_service.bounded_load import Bounds, choose_remembered
 from gateway_service.prefix_memory import PrefixMemory
 from gateway_service.rendezvous import Ranking, affinity_key, ranked
 from gateway_service.router_stream import RouterStream, rpc_error
@@ -59,15 +60,14 @@ class RouterPool:
 
     def __init__(
         self, addresses: Sequence[str], affinity_tokens: int, probe_timeout_s: float,
-        security: Security = NO_SECURITY, *, load_bound: float = DEFAULT_BOUND,
-        memory: PrefixMemory[str] | None = None, memory_load_bound: float | None = None, tls_name: Callable[[str], str | None] = lambda address: None,
+        security: Security = NO_SECURITY, *, bounds: Bounds,
+        memory: PrefixMemory[str] | None = None, tls_name: Callable[[str], str | None] = lambda address: None,
     ) -> None:
         """`tls_name`: the name a router's certificate is checked for where it is not the host of
         its address (routers found by DNS, see `router_discovery`)."""
         self._affinity_tokens = affinity_tokens
         self._probe_timeout_s = probe_timeout_s
-        self._load_bound = load_bound
-        self._memory_load_bound = memory_load_bound
+        self._bounds = bounds
         self._memory = memory
         self._security = security
         self._tls_name = tls_name
@@ -217,17 +217,9 @@ class RouterPool:
         up = [i for i, address in enumerate(addresses) if self._up[address]]
         chosen = None
         if up:
-            memory = self._memory
-            checkpoints = memory.checkpoints(prompt_token_ids) if memory is not None else []
-            preferred = memory.recall(checkpoints) if memory is not None else None
-            if preferred is not None and not self._up.get(preferred, False):
-                preferred = None
             replicas = [addresses[i] for i in up]
             loads = {address: self.load(address) for address in replicas}
-            chosen = choose_ranked(replicas, weights[up], loads, self._load_bound, preferred=preferred,
-                                   preferred_bound=self._memory_load_bound)
-            if memory is not None:
-                memory.remember(checkpoints, chosen)
+            chosen = choose_remembered(replicas, weights[up], loads, self._bounds, self._memory, prompt_token_ids)
             yield chosen
         rest = [addresses[i] for i in ranked(weights) if addresses[i] != chosen]
         yield from [a for a in rest if self._up.get(a, False)] + [a for a in rest if not self._up.get(a, False)]

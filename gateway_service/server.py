@@ -88,11 +88,10 @@ class Gateway:
             accepted = tuple(token.encode() for token in security.accepted_tokens)
             token_check = lambda presented: token_accepted(presented, accepted)  # noqa: E731
         discovery = RouterDiscovery(config.routers, config.router_dns, config.router_dns_interval_s)
-        memory = (PrefixMemory(config.prefix_memory_entries, config.prefix_memory_stride)
+        memory = (PrefixMemory(config.prefix_memory_entries, config.prefix_memory_stride, config.prefix_memory_holders)
                   if config.prefix_memory_entries else None)
         pool = RouterPool(await discovery.addresses(), config.affinity_tokens, config.probe_timeout_s, security,
-                          load_bound=config.load_bound, memory=memory,
-                          memory_load_bound=config.memory_load_bound, tls_name=discovery.tls_name)
+                          bounds=config.bounds, memory=memory, tls_name=discovery.tls_name)
         servicer = GenerationServicer(config, pool)
         server, health, port = await start_server(
             config.host,

@@ -36,6 +36,7 @@ def results() -> dict[str, simulate_routing.RunResult]:
 def test_every_request_is_routed_and_served(results) -> None:
     for result in results.values():
         assert result.num_requests == result.num_completed == NUM_REQUESTS
+        assert 0 < result.late_hit_rate < 1
         assert 0 < result.ttft_p50_s <= result.ttft_p99_s
         assert result.continued_share > 0.2  # sessions came back with their history
 
@@ -64,5 +65,5 @@ def test_main_prints_every_policy_and_the_decision_cost(monkeypatch, capsys) -> 
     simulate_routing.main()
     out = capsys.readouterr().out
     for name in ("round robin", "least loaded", "prefix affinity", "bounded, no memory", "bounded load", "cache aware"):
-        assert re.search(rf"70% {name} +\d+\.\d% +\d+\.\d +\d+\.\d +\d+\.\d\d +\d+\.\d +\d+%", out), out
+        assert re.search(rf"70% {name} +\d+\.\d% +\d+\.\d +\d+\.\d +\d+\.\d\d +\d+\.\d +\d+% +\d+\.\d%", out), out
         assert re.search(rf"{name} +8 replicas +\d+\.\d +512 replicas +\d+\.\d", out), out

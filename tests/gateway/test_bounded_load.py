@@ -14,7 +14,7 @@ ADDRESSES = [f"10.0.0.{i}:50052" for i in range(8)]
 
 def test_takes_the_first_choice_while_it_is_within_the_bound() -> None:
     order = rendezvous_order(ADDRESSES, affinity_key([1, 2, 3], 64))
-    assert choose_bounded(order, {}) == order[0]
+    assert choose_bounded(order, {}, 1.25) == order[0]
     loads = dict.fromkeys(ADDRESSES, 4)
     # 32 outstanding over 8: capacity floor(1.25 * 33 / 8) = 5, the first choice has 4 (+1).
     assert capacity(32, 8, 1.25) == 5
@@ -67,7 +67,7 @@ def test_a_huge_bound_is_pure_affinity_and_bad_input_is_refused() -> None:
     with pytest.raises(ValueError):
         choose_bounded(order, loads, 0.5)
     with pytest.raises(ValueError):
-        choose_bounded([], loads)
+        choose_bounded([], loads, 1.25)
 
 
 def test_choose_ranked_is_choose_bounded_over_the_rendezvous_order_after_the_preferred() -> None:
@@ -85,7 +85,7 @@ def test_choose_ranked_is_choose_bounded_over_the_rendezvous_order_after_the_pre
         assert choose_ranked(ranking.names, weights, loads, 1.25) == choose_bounded(order, loads, 1.25)
         preferred = rng.choice(ADDRESSES)
         expected = choose_bounded([preferred] + [a for a in order if a != preferred], loads, 1.25)
-        assert choose_ranked(ranking.names, weights, loads, 1.25, preferred=preferred) == expected
+        assert choose_ranked(ranking.names, weights, loads, 1.25, preferred=[preferred]) == expected
 
 
 def test_the_preferred_replica_has_a_bound_of_its_own() -> None:
@@ -98,12 +98,62 @@ def test_the_preferred_replica_has_a_bound_of_its_own() -> None:
     preferred = order[-1]
     loads = dict.fromkeys(ADDRESSES, 4)
     loads[preferred] = 5  # 33 outstanding: capacity 5 at 1.25, 6 at 1.5
-    assert choose_ranked(ranking.names, weights, loads, 1.25, preferred=preferred) == order[0]
-    assert choose_ranked(ranking.names, weights, loads, 1.25, preferred=preferred, preferred_bound=1.5) == preferred
+    assert choose_ranked(ranking.names, weights, loads, 1.25, preferred=[preferred]) == order[0]
+    assert choose_ranked(ranking.names, weights, loads, 1.25, preferred=[preferred], preferred_bound=1.5) == preferred
     loads[preferred] = 6
-    assert choose_ranked(ranking.names, weights, loads, 1.25, preferred=preferred, preferred_bound=1.5) == order[0]
+    assert choose_ranked(ranking.names, weights, loads, 1.25, preferred=[preferred], preferred_bound=1.5) == order[0]
     loads[preferred] = 4  # a preferred bound below the bound counts as the bound
-    assert choose_ranked(ranking.names, weights, loads, 1.25, preferred=preferred, preferred_bound=1.0) == preferred
+    assert choose_ranked(ranking.names, weights, loads, 1.25, preferred=[preferred], preferred_bound=1.0) == preferred
+
+
+def test_the_preferred_replicas_are_tried_in_their_order() -> None:
+    from gateway_service.bounded_load import choose_ranked
+    from gateway_service.rendezvous import Ranking
+
+    ranking = Ranking(ADDRESSES)
+    weights = ranking.weights(affinity_key([8], 64))
+    order = ranking.order(affinity_key([8], 64))
+    loads = dict.fromkeys(ADDRESSES, 4)  # 32 outstanding: capacity 5 at 1.25
+    loads[order[-1]] = 5
+    held = [order[-1], order[-2]]
+    assert choose_ranked(ranking.names, weights, loads, 1.25, preferred=held) == order[-2]  # the first is full
+    loads[order[-2]] = 5
+    assert choose_ranked(ranking.names, weights, loads, 1.25, preferred=held) == order[0]  # both are
+
+
+def test_a_conversation_and_a_shared_prefix_get_their_own_bounds() -> None:
+    from gateway_service.bounded_load import Bounds, choose_remembered
+    from gateway_service.prefix_memory import PrefixMemory
+    from gateway_service.rendezvous import Ranking
+
+    ranking = Ranking(ADDRESSES)
+    system = list(range(100, 132))  # two strides of 16
+    weights = ranking.weights(affinity_key(system, 64))
+    order = ranking.order(affinity_key(system, 64))
+    bounds = Bounds(load=1.25, memory=1.25, session=1.5)
+    memory: PrefixMemory[str] = PrefixMemory(100, stride=16, holders=2)
+    loads = dict.fromkeys(ADDRESSES, 4)
+    turn1 = system + list(range(16))
+    assert choose_remembered(ADDRESSES, weights, loads, bounds, memory, turn1) == order[0]
+    loads[order[0]] = 5  # 33 outstanding: capacity 5 at 1.25, 6 at 1.5
+    # The session's next turn: its history (turn 1's prompt) ends on order[0], within 1.5.
+    turn2 = turn1 + [7] * 20
+    assert choose_remembered(ADDRESSES, weights, loads, bounds, memory, turn2) == order[0]
+    # A new session of the same system prompt only shares it: 1.25 for order[0], so it spills.
+    loads[order[0]] = 6  # 34 outstanding: capacity 5 at 1.25
+    assert choose_remembered(ADDRESSES, weights, loads, bounds, memory, system + [9] * 16) == order[1]
+    # Both now hold the system prompt: a third session takes the most recent holder, a fourth
+    # (that one full) the other.
+    loads[order[0]], loads[order[1]] = 4, 0
+    assert choose_remembered(ADDRESSES, weights, loads, bounds, memory, system + [8] * 16) == order[1]
+    loads[order[1]] = 6
+    assert choose_remembered(ADDRESSES, weights, loads, bounds, memory, system + [6] * 16) == order[0]
+    assert memory.recall_all(memory.checkpoints(system)).holders == (order[0], order[1])
+    # A holder that is down (not in `loads`) is skipped; no memory is the rendezvous order.
+    up = {a: n for a, n in loads.items() if a != order[1]}
+    assert choose_remembered([a for a in ADDRESSES if a != order[1]], weights[[a != order[1] for a in ADDRESSES]],
+                             up, bounds, memory, system + [5] * 16) != order[1]
+    assert choose_remembered(ADDRESSES, weights, dict.fromkeys(ADDRESSES, 0), bounds, None, turn2) == order[0]
 
 
 def test_the_gateway_needs_a_router_address_or_a_dns_name() -> None:

@@ -41,3 +41,25 @@ def test_it_stays_within_its_entries_and_forgets_a_replica() -> None:
     assert memory.recall(memory.checkpoints([50, 60])) is None
     with pytest.raises(ValueError):
         PrefixMemory(0, 4)
+    with pytest.raises(ValueError):
+        PrefixMemory(4, 4, holders=0)
+
+
+def test_a_prefix_keeps_its_recent_holders_and_whether_it_ended_a_prompt() -> None:
+    memory: PrefixMemory[str] = PrefixMemory(100, stride=4, holders=2)
+    system = list(range(10, 18))
+    for replica in ("a", "b", "c", "b"):
+        memory.remember(memory.checkpoints(system + [replica.encode()[0]] * 6), replica)
+    new_session = memory.recall_all(memory.checkpoints(system + [1, 1, 1, 1]))
+    assert new_session.holders == ("b", "c")  # most recent first, at most two, no repeats
+    assert not new_session.ended_a_prompt  # the system prompt never ended a prompt
+    turn1 = system + [5] * 4  # 12 tokens: three whole strides, the last one ends the prompt
+    memory.remember(memory.checkpoints(turn1), "a")
+    next_turn = memory.recall_all(memory.checkpoints(turn1 + [6] * 9))
+    assert next_turn.holders == ("a",) and next_turn.ended_a_prompt
+    assert memory.recall_all(memory.checkpoints(system)).holders == ("a", "b")  # "c" dropped out
+    memory.forget("b")
+    assert memory.recall_all(memory.checkpoints(system + [1, 1, 1, 1])).holders == ("a",)
+    memory.forget("a")  # the prefixes "a" alone held go
+    assert memory.recall(memory.checkpoints(turn1)) is None
+    assert memory.recall_all(memory.checkpoints(system + [3] * 4)) == ((), False)

@@ -39,7 +39,7 @@ PAGE_SIZE = 16
 NUM_PAGES = 2048
 MAX_RUNNING = 8
 STEP_DELAY_S = 0.01
-# One bound for the memory's router too (the default lets a conversation's router reach 1.35x the
+# One bound for the memory's routers too (the defaults let a conversation's router reach 1.4x the
 # mean), so that the busiest router stays near it.
 BOUND = 1.25
 
@@ -160,6 +160,7 @@ def test_three_replicas_behind_two_gateways(tokenizer, monkeypatch) -> None:
                 config = GatewayConfig(host="127.0.0.1", port=0, routers=(), router_dns=f"{DNS_NAME}:{port}",
                                        router_dns_interval_s=0.2, probe_interval_s=0.2, metrics_port=0, http_port=0,
                                        constraint_processes=1, load_bound=BOUND, memory_load_bound=BOUND,
+                                       session_load_bound=BOUND,
                                        shutdown_grace_s=1.0)
                 gateway = await Gateway.start(config, tokenizer=tokenizer)
                 stack.push_async_callback(gateway.stop)
