@@ -90,17 +90,3 @@ def test_model_source_finds_the_gguf_file(gguf_files, tmp_path) -> None:
     with pytest.raises(ModelNotFound, match="not a .gguf file"):
         resolve_model(tmp_path / "weights.bin")
 
-
-def test_a_prequantized_checkpoint_is_refused_naming_its_method(tmp_path) -> None:
-    import json
-
-    from worker.tiny_models import make_tiny_llama
-    from worker_service.model_runner import ModelRunner, RunnerConfig
-    from worker_service.models.config_checks import UnsupportedModel
-
-    model_dir = make_tiny_llama(tmp_path / "awq")
-    config = json.loads((model_dir / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
-    (model_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModel, match=r"pre-quantized checkpoints \(awq\) are not supported"):
-        ModelRunner(RunnerConfig(model_dir=model_dir, kv_cache_bytes=1 << 20))
