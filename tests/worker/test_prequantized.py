@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from worker.tiny_models import greedy_tokens, reference_greedy
+from worker.tiny_models import assert_matches_reference
 from worker.tiny_prequantized import dequantize, pack, quantize, write_prequantized
 from worker_service.models.config_checks import UnsupportedModel
 from worker_service.quant.prequantized import awq_weight, gptq_weight, prequantized_scheme
@@ -82,7 +82,6 @@ def checkpoints(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
 def test_tiny_checkpoint_matches_transformers_on_its_dequantized_weights(checkpoints, case) -> None:
     from transformers import AutoModelForCausalLM
 
-    from worker_service.forward_batch import ForwardEntry
     from worker_service.model_runner import ModelRunner, RunnerConfig
 
     method, group = CASES[case][:2]
@@ -90,13 +89,7 @@ def test_tiny_checkpoint_matches_transformers_on_its_dequantized_weights(checkpo
     reference = AutoModelForCausalLM.from_pretrained(str(plain), dtype=torch.float32).eval()
     runner = ModelRunner(RunnerConfig(model_dir=quantized, kv_cache_bytes=16 << 20))
     assert runner.info.quantization == f"{method}:int4-g{group}"
-    page_table = list(range((len(PROMPT_IDS) + NUM_NEW_TOKENS) // runner.info.page_size + 1))
-    logits = runner.forward([ForwardEntry(PROMPT_IDS, 0, page_table, True)])[0]
-    with torch.no_grad():
-        expected = reference(torch.tensor([PROMPT_IDS])).logits[0, -1]
-    torch.testing.assert_close(logits, expected, atol=1e-4 * float(expected.abs().max()), rtol=0)
-    assert greedy_tokens(runner, PROMPT_IDS, NUM_NEW_TOKENS, page_table) == \
-        reference_greedy(reference, PROMPT_IDS, NUM_NEW_TOKENS)
+    assert_matches_reference(runner, reference, PROMPT_IDS, NUM_NEW_TOKENS)
     # The linear weights stayed int4: the model holds well under its float32 bytes.
     cfg = reference.config
     linear_params = cfg.num_hidden_layers * (
