@@ -38,9 +38,11 @@ WARMUP_MAX_TOKENS = 4
 
 def server_command(binary: Path, gguf: Path, port: int, slots: int, slot_context: int, threads: int) -> list[str]:
     """`llama-server` serving `gguf` on 127.0.0.1:`port` with `slots` parallel slots of
-    `slot_context` tokens each in one KV buffer, on `threads` threads."""
+    `slot_context` tokens each, on `threads` threads. Each slot keeps its own KV stream (no
+    `--kv-unified`): in one unified buffer every token's attention spans every slot's cells,
+    which handicaps llama.cpp on many concurrent requests (docs/quantization.md has the figures)."""
     return [str(binary), "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-            "--parallel", str(slots), "--ctx-size", str(slots * slot_context), "--kv-unified",
+            "--parallel", str(slots), "--ctx-size", str(slots * slot_context), "--no-kv-unified",
             "--threads", str(threads), "--threads-batch", str(threads), "--jinja", "--no-webui"]
 
 
