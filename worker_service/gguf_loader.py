@@ -28,7 +28,7 @@ from gguf.quants import dequantize
 
 from worker_service.layers.linear import PackableLinear
 from worker_service.layers.weights import WeightSlice
-from worker_service.quant.format import QuantizedWeight, concat_rows
+from worker_service.quant.format import QuantizedWeight, merge_row_blocks
 from worker_service.quant.gguf_types import KEPT_TYPES, to_quantized
 
 log = logging.getLogger(__name__)
@@ -95,15 +95,6 @@ def _bounds(selection: range | None) -> slice:
     return slice(None) if selection is None else slice(selection.start, selection.stop)
 
 
-def _row_blocks(weights: list[QuantizedWeight]) -> list[QuantizedWeight]:
-    """Consecutive row blocks merged wherever they share a layout (q, k and v of one type: one)."""
-    merged = [weights[0]]
-    for weight in weights[1:]:
-        joined = concat_rows([merged[-1], weight])
-        merged[-1:] = [joined] if joined is not None else [merged[-1], weight]
-    return merged
-
-
 @torch.inference_mode()
 def load_gguf_weights(model: torch.nn.Module, path: Path, hf_config: Any) -> str:
     """Fill `model` from the GGUF file at `path` (module doc). Returns how the quantization is
@@ -117,7 +108,7 @@ def load_gguf_weights(model: torch.nn.Module, path: Path, hf_config: Any) -> str
         pieces = getattr(module.weight, "weight_slices", None)
         if not pieces or not all(tensors.is_kept(piece) for piece in pieces):
             continue
-        module.checkpoint_quantized = _row_blocks([tensors.quantized(piece) for piece in pieces])
+        module.checkpoint_quantized = merge_row_blocks([tensors.quantized(piece) for piece in pieces])
         kept.update(tensors.tensor(piece.name).tensor_type.name for piece in pieces)
         done.add(id(module.weight))
     dequantized: Counter[str] = Counter()

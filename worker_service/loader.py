@@ -45,12 +45,15 @@ def read_slice(handle, piece: WeightSlice) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def load_weights(model: torch.nn.Module, model_dir: Path) -> None:
-    """Copy every parameter's slices into it; KeyError names a tensor the checkpoint lacks."""
+def load_weights(model: torch.nn.Module, model_dir: Path, skip: set[int] | None = None) -> None:
+    """Copy every parameter's slices into it, but those whose `id` is in `skip` (read by another
+    loader); KeyError names a tensor the checkpoint lacks."""
     files = checkpoint_files(model_dir)
     with ExitStack() as stack:
         handles = {}
         for param in model.parameters():  # tied parameters appear once
+            if skip and id(param) in skip:
+                continue
             pieces = getattr(param, "weight_slices", None)
             if pieces is None:
                 raise ValueError(f"parameter of shape {tuple(param.shape)} has no weight_slices")

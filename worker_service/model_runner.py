@@ -33,9 +33,10 @@ from worker_service.gguf_loader import load_gguf_weights
 from worker_service.kv_pool import KVPool
 from worker_service.layers.linear import pack_linear_weights
 from worker_service.loader import load_weights
+from worker_service.prequantized_loader import load_prequantized_weights
+from worker_service.quant.prequantized import prequantized_scheme
 from worker_service.quant.scheme import quantizer, served_name
 from worker_service.models import model_class
-from worker_service.models.config_checks import refuse_prequantized
 from worker_service.models.llama import head_dim_of
 
 log = logging.getLogger(__name__)
@@ -109,14 +110,15 @@ class ModelRunner:
         source = resolve_model(config.model_dir)
         self.hf_config = load_config(source)
         gguf_path = source.gguf_path
-        if gguf_path is None:
-            refuse_prequantized(self.hf_config)
+        # A GPTQ/AWQ checkpoint (`quantization_config`); an unsupported one is refused here.
+        prequantized = None if gguf_path is not None else prequantized_scheme(self.hf_config)
         group = TPGroup(config.rank, config.world_size)
         head_dim = head_dim_of(self.hf_config)
         selection = select_backend(config.attention_kernel, self.device, self.dtype, head_dim,
                                    config.world_size, config.cuda_graph_max_batch,
                                    model_class(self.hf_config).ops_without_kernels(self.hf_config),
-                                   "gguf" if gguf_path is not None else config.quantization,
+                                   "gguf" if gguf_path is not None else
+                                   prequantized.method if prequantized is not None else config.quantization,
                                    config.deterministic)
         self.backend, self.backend_reason = selection.backend, selection.reason
         log.info("rank %d runs the %s backend: %s", config.rank, self.backend.name, self.backend_reason)
@@ -126,6 +128,10 @@ class ModelRunner:
         if gguf_path is not None:
             # The file's quantized linear weights are kept; `--quantization` applies to its plain ones.
             kept = load_gguf_weights(self.model, gguf_path, self.hf_config)
+            quantization = kept if config.quantization == "none" else f"{kept}+{quantization}"
+        elif prequantized is not None:
+            # As for GGUF: the checkpoint's int4 layers are kept, `--quantization` applies to its plain ones.
+            kept = load_prequantized_weights(self.model, source.folder, prequantized)
             quantization = kept if config.quantization == "none" else f"{kept}+{quantization}"
         else:
             load_weights(self.model, source.folder)

@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as T
 from radixserve.model_source import ModelNotFound, resolve_model
 from worker.tiny_gguf import (HEAD_DIM, HIDDEN, INTERMEDIATE, KV_HEADS, LAYERS, MIXED, RANDOM_BLOCK_HALVES, TYPES,
                               random_blocks, write_tiny_gguf)
-from worker.tiny_models import greedy_tokens, reference_greedy
+from worker.tiny_models import assert_matches_reference
 from worker_service.quant.gguf_types import KEPT_TYPES, to_quantized
 
 PROMPT_IDS = list(range(3, 40))
@@ -54,7 +54,6 @@ def test_tiny_gguf_matches_transformers_reading_the_same_file(gguf_files, qtype)
     from transformers import AutoModelForCausalLM
 
     from worker_service.model_runner import ModelRunner, RunnerConfig
-    from worker_service.forward_batch import ForwardEntry
 
     path = gguf_files[qtype]
     reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
@@ -63,13 +62,7 @@ def test_tiny_gguf_matches_transformers_reading_the_same_file(gguf_files, qtype)
     kept = sorted({"Q4_K", "Q6_K"} if qtype == MIXED else {qtype})
     assert runner.info.quantization == "gguf:" + "+".join(kept)
     assert runner.info.model_name == path.stem
-    page_table = list(range((len(PROMPT_IDS) + NUM_NEW_TOKENS) // runner.info.page_size + 1))
-    logits = runner.forward([ForwardEntry(PROMPT_IDS, 0, page_table, True)])[0]
-    with torch.no_grad():
-        expected = reference(torch.tensor([PROMPT_IDS])).logits[0, -1]
-    torch.testing.assert_close(logits, expected, atol=1e-4 * float(expected.abs().max()), rtol=0)
-    assert greedy_tokens(runner, PROMPT_IDS, NUM_NEW_TOKENS, page_table) == \
-        reference_greedy(reference, PROMPT_IDS, NUM_NEW_TOKENS)
+    assert_matches_reference(runner, reference, PROMPT_IDS, NUM_NEW_TOKENS)
     # The decoder's linear weights stayed quantized: well under their float32 bytes.
     linear_params = LAYERS * ((2 * HIDDEN + 2 * KV_HEADS * HEAD_DIM) * HIDDEN + 3 * HIDDEN * INTERMEDIATE)
     dense_bytes = sum(p.numel() * p.element_size() for p in reference.parameters())
@@ -90,17 +83,3 @@ def test_model_source_finds_the_gguf_file(gguf_files, tmp_path) -> None:
     with pytest.raises(ModelNotFound, match="not a .gguf file"):
         resolve_model(tmp_path / "weights.bin")
 
-
-def test_a_prequantized_checkpoint_is_refused_naming_its_method(tmp_path) -> None:
-    import json
-
-    from worker.tiny_models import make_tiny_llama
-    from worker_service.model_runner import ModelRunner, RunnerConfig
-    from worker_service.models.config_checks import UnsupportedModel
-
-    model_dir = make_tiny_llama(tmp_path / "awq")
-    config = json.loads((model_dir / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
-    (model_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModel, match=r"pre-quantized checkpoints \(awq\) are not supported"):
-        ModelRunner(RunnerConfig(model_dir=model_dir, kv_cache_bytes=1 << 20))

@@ -100,3 +100,17 @@ def reference_greedy(model, prompt_ids: list[int], num_tokens: int) -> list[int]
         max_new_tokens=num_tokens, do_sample=False, pad_token_id=0,
     )
     return output[0, len(prompt_ids):].tolist()
+
+
+def assert_matches_reference(runner, reference, prompt_ids: list[int], num_tokens: int) -> None:
+    """`runner`'s (TP=1) last-position logits of `prompt_ids` equal transformers' `reference`
+    within 1e-4 of their largest magnitude, and its `num_tokens` greedy tokens are the same."""
+    from worker_service.forward_batch import ForwardEntry
+
+    page_table = list(range((len(prompt_ids) + num_tokens) // runner.info.page_size + 1))
+    logits = runner.forward([ForwardEntry(list(prompt_ids), 0, page_table, True)])[0]
+    with torch.no_grad():
+        expected = reference(torch.tensor([prompt_ids])).logits[0, -1]
+    torch.testing.assert_close(logits, expected, atol=1e-4 * float(expected.abs().max()), rtol=0)
+    assert greedy_tokens(runner, prompt_ids, num_tokens, page_table) == reference_greedy(reference, prompt_ids,
+                                                                                         num_tokens)

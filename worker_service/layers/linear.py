@@ -30,8 +30,9 @@ class PackableLinear(torch.nn.Module):
     weight: torch.nn.Parameter
     bias: torch.nn.Parameter | None
     packed: PackedLinear | None = None
-    # Set by a loader that read the weight already quantized (a GGUF file, `gguf_loader.py`): its
-    # consecutive row blocks, each in one layout, packed as they are in place of `weight`.
+    # Set by a loader that read the weight already quantized (a GGUF file, `gguf_loader.py`; a
+    # GPTQ/AWQ checkpoint, `prequantized_loader.py`): its consecutive row blocks, each in one
+    # layout, packed as they are in place of `weight`.
     checkpoint_quantized: list[QuantizedWeight] | None = None
 
     def pack(self, backend: Backend | None = None, quantize: Quantizer | None = None) -> None:

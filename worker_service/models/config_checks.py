@@ -23,15 +23,3 @@ def refuse_sliding_window(config: Any, family: str) -> None:
     if used and window is not None and window < config.max_position_embeddings:
         raise UnsupportedModel(f"{family} with sliding-window attention (sliding_window={window} < "
                          f"max_position_embeddings={config.max_position_embeddings}) is not supported")
-
-
-def refuse_prequantized(config: Any) -> None:
-    """Refuse a checkpoint quantized before it was saved (`quantization_config`: AWQ, GPTQ, ...):
-    its packed tensors are not read here, and reading it as plain weights would fail or be wrong.
-    (GGUF files are read by their own loader; `--quantization` quantizes plain checkpoints.)"""
-    quantization = getattr(config, "quantization_config", None)
-    if quantization:
-        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else \
-            getattr(quantization, "quant_method", "?")
-        raise UnsupportedModel(f"pre-quantized checkpoints ({method}) are not supported: serve the unquantized "
-                               "checkpoint with --quantization int8|int4, or a GGUF file")

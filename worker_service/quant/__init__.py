@@ -1,5 +1,6 @@
 """Quantized weights: the value type and load-time quantizers (`format.py`), `--quantization`
-(`scheme.py`) and the compiled AVX2 products (`kernels.py`, `csrc/quant_gemv.cpp`). The packed
+(`scheme.py`), GGUF's and GPTQ/AWQ's layouts mapped onto ours (`gguf_types.py`,
+`prequantized.py`) and the compiled AVX2 products (`kernels.py`, `csrc/quant_gemv.cpp`). The packed
 linear layers backends return for them are `backends/linear_quant.py`."""
 
 from worker_service.quant.format import QuantizedWeight, quantize_int4, quantize_int8

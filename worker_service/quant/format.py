@@ -116,6 +116,15 @@ def concat_rows(weights: list[QuantizedWeight]) -> QuantizedWeight | None:
                            torch.cat([w.scales for w in weights]), offsets, first.group_size, first.in_features)
 
 
+def merge_row_blocks(weights: list[QuantizedWeight]) -> list[QuantizedWeight]:
+    """Consecutive row blocks merged wherever they share a layout (q, k and v of one layout: one)."""
+    merged = [weights[0]]
+    for weight in weights[1:]:
+        joined = concat_rows([merged[-1], weight])
+        merged[-1:] = [joined] if joined is not None else [merged[-1], weight]
+    return merged
+
+
 def num_groups(in_features: int, group_size: int) -> int:
     return -(-in_features // group_size)
 
