@@ -1,4 +1,4 @@
-"""The model families, quantized weights and GGUF files on CUDA, against transformers on the CPU.
+"""The model families, quantized weights, GGUF files and GPTQ/AWQ checkpoints on CUDA, against transformers on the CPU.
 
 What the CPU suite checks of each on the CPU backends, here on every backend the selection takes
 on CUDA (PyTorch's ops; Triton's decode kernel with and without CUDA graphs where it supports the
@@ -15,9 +15,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from worker.families import FAMILIES, VOCAB_SIZE, make_family
+from worker.test_prequantized import CASES as PREQUANTIZED
 from worker.test_quant_model import dequantized_reference
 from worker.tiny_gguf import TYPES, write_tiny_gguf
 from worker.tiny_models import make_tiny_llama, reference_greedy
+from worker.tiny_prequantized import write_prequantized
 from worker_service.backends.linear_quant import DequantizingLinear
 from worker_service.forward_batch import ForwardEntry
 from worker_service.model_runner import ModelRunner, RunnerConfig
@@ -147,4 +149,21 @@ def test_gguf_files_as_they_are_on_cuda(gguf_files, qtype, kernel, graphs) -> No
                                                      dtype=torch.float32).eval()
     runner = runner_for(path, kernel, graphs)
     assert runner.info.quantization.startswith("gguf:")
+    check_against(runner, reference, list(range(3, 40)))
+
+
+@pytest.fixture(scope="module")
+def prequantized(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("prequantized")
+    return {case: write_prequantized(root / case, *PREQUANTIZED[case]) for case in PREQUANTIZED}
+
+
+@pytest.mark.parametrize("case", sorted(PREQUANTIZED))
+def test_gptq_and_awq_checkpoints_on_cuda(prequantized, case) -> None:
+    """Their int4 weights kept, on the dequantizing path (heads of 16: PyTorch's attention),
+    against transformers on the same weights dequantized into a plain checkpoint."""
+    quantized, plain = prequantized[case]
+    reference = AutoModelForCausalLM.from_pretrained(str(plain), dtype=torch.float32).eval()
+    runner = runner_for(quantized, "torch", 0)
+    assert runner.info.quantization == f"{PREQUANTIZED[case][0]}:int4-g{PREQUANTIZED[case][1]}"
     check_against(runner, reference, list(range(3, 40)))
