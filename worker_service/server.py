@@ -67,6 +67,7 @@ def load_executor(
             cuda_graph_max_batch=config.cuda_graph_max_batch,
             quantization=config.quantization,
             quantization_group_size=config.quantization_group_size,
+            lm_head_quantization=config.lm_head_quantization,
             deterministic=config.deterministic,
         )
     )

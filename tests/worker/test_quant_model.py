@@ -85,6 +85,37 @@ def test_int8_gives_float32s_greedy_tokens(model_dir) -> None:
         reference_greedy(float32, token_ids, NUM_TOKENS)
 
 
+@pytest.mark.parametrize("kernel", ["torch", "auto"])
+def test_an_int8_lm_head_gives_transformers_logits_over_its_dequantized_copy(model_dir, kernel) -> None:
+    """--lm-head-quantization int8 beside int4 decoder weights: transformers' model with both
+    quantized and dequantized in place (its head untied: the embeddings stay as they were)."""
+    if kernel == "auto" and quant_kernels.load() is None:
+        pytest.skip(f"the quantized kernels do not build here: {quant_kernels.failure()}")
+    runner = ModelRunner(RunnerConfig(model_dir=model_dir, page_size=PAGE_SIZE, kv_cache_bytes=KV_BYTES,
+                                      attention_kernel=kernel, quantization="int4", lm_head_quantization="int8"))
+    assert isinstance(runner.model.lm_head.packed, DequantizingLinear)  # the compiled kernel's class too
+    assert runner.info.quantization == "int4-g32+lm_head:int8"
+    head = runner.model.lm_head
+    assert head.copy_bytes == head.weight.numel()  # one byte per weight, counted in weight_bytes()
+    reference = dequantized_reference(model_dir, "int4")
+    with torch.no_grad():
+        head = quantizer("int8")(reference.lm_head.weight.detach()).dequantize()
+        reference.lm_head.weight = torch.nn.Parameter(head, requires_grad=False)
+    token_ids = prompt()
+    with torch.no_grad():
+        expected = reference(torch.tensor([token_ids])).logits[0]
+    prefill = runner.forward([ForwardEntry(token_ids[:-3], 0, list(range(20, 30)), True)])
+    torch.testing.assert_close(prefill[0], expected[-4], atol=ATOL, rtol=0)
+    assert greedy_tokens(runner, token_ids, NUM_TOKENS, list(range(40, 50))) == \
+        reference_greedy(reference, token_ids, NUM_TOKENS)
+
+
+def test_an_int8_lm_head_needs_quantized_decoder_weights(model_dir) -> None:
+    with pytest.raises(ValueError, match="--lm-head-quantization int8 needs quantized decoder weights"):
+        ModelRunner(RunnerConfig(model_dir=model_dir, page_size=PAGE_SIZE, kv_cache_bytes=KV_BYTES,
+                                 lm_head_quantization="int8"))
+
+
 def test_embedding_and_lm_head_stay_in_the_model_dtype(model_dir) -> None:
     runner = ModelRunner(RunnerConfig(model_dir=model_dir, page_size=PAGE_SIZE, kv_cache_bytes=KV_BYTES,
                                       quantization="int4"))

@@ -17,6 +17,7 @@ from worker_service.backends.base import Backend, PackedLinear
 from worker_service.distributed import TPGroup, all_reduce_sum, gather_last_dim
 from worker_service.layers.sharding import balanced_range
 from worker_service.layers.weights import WeightSlice, make_param
+from worker_service.quant.scheme import Quantizer
 
 
 class VocabShard(torch.nn.Module):
@@ -57,12 +58,20 @@ class ParallelLMHead(VocabShard):
     """Logits over the full vocabulary, assembled on rank 0 only (None elsewhere)."""
 
     packed: PackedLinear | None = None  # set by `pack`, beside the plain weight
+    copy_bytes: int = 0  # what a quantized copy holds beside the plain weight (its values)
 
-    def pack(self, backend: Backend) -> None:
-        """Multiply with `backend`'s packed copy of the (loaded) weight from now on; logits may
+    def pack(self, backend: Backend, quantize: Quantizer | None = None) -> None:
+        """Multiply with `backend`'s packed copy of the (loaded) weight, quantized by `quantize`
+        where given, from now on (the plain weight stays: a tied embedding reads it); logits may
         come back in float32 where the backend widens the product."""
         if self.packed is None:
-            self.packed = backend.pack(self.weight.detach(), None, float32_out=True)
+            weight = self.weight.detach()
+            if quantize is None:
+                self.packed = backend.pack(weight, None, float32_out=True)
+                return
+            quantized = quantize(weight)
+            self.packed = backend.pack(quantized, None, float32_out=True)
+            self.copy_bytes = quantized.values.numel() * quantized.values.element_size()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return gather_last_dim(self.packed(hidden), self.shard_sizes, self.group)

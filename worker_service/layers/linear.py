@@ -19,6 +19,7 @@ from worker_service.backends.base import Backend, PackedLinear
 from worker_service.backends.linear_quant import pack_row_blocks
 from worker_service.backends.linear_torch import TorchLinear
 from worker_service.distributed import TPGroup, all_reduce_sum
+from worker_service.layers.embedding import ParallelLMHead
 from worker_service.layers.weights import WeightSlice, make_param
 from worker_service.quant.format import QuantizedWeight
 from worker_service.quant.scheme import Quantizer
@@ -77,12 +78,16 @@ class Linear(PackableLinear):
         return self.packed(x)
 
 
-def pack_linear_weights(model: torch.nn.Module, backend: Backend, quantize: Quantizer | None = None) -> None:
+def pack_linear_weights(model: torch.nn.Module, backend: Backend, quantize: Quantizer | None = None,
+                        quantize_head: Quantizer | None = None) -> None:
     """Pack every layer of `model` that has a `pack(backend)` method (linear layers, the LM head),
-    the decoder layers' linear weights quantized by `quantize` where given (the LM head is not)."""
+    the decoder layers' linear weights quantized by `quantize` and the LM head by `quantize_head`
+    where given."""
     for module in model.modules():
         if isinstance(module, PackableLinear):
             module.pack(backend, quantize)
+        elif isinstance(module, ParallelLMHead):
+            module.pack(backend, quantize_head)
         elif module is not model and callable(getattr(module, "pack", None)):
             module.pack(backend)
 
