@@ -14,7 +14,7 @@ from worker_service.backends.base import Backend
 from worker_service.distributed import TPGroup
 from worker_service.models.config_checks import UnsupportedModel, refuse_sliding_window
 from worker_service.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-from worker_service.models.moe import ExpertLayout, Routing, SparseMoE, moe_ops_without_kernels
+from worker_service.models.moe import ExpertLayout, Routing, RoutesExperts, SparseMoE
 
 LAYOUT = ExpertLayout("block_sparse_moe", "w1", "w3", "w2")
 
@@ -32,13 +32,9 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
     mlp_class = staticmethod(mixtral_moe)
 
 
-class MixtralForCausalLM(LlamaForCausalLM):
+class MixtralForCausalLM(RoutesExperts, LlamaForCausalLM):
     fusable_layer = None
     layer_class = MixtralDecoderLayer
-
-    @classmethod
-    def ops_without_kernels(cls, config: Any) -> tuple[str, ...]:
-        return moe_ops_without_kernels(MixtralForCausalLM, config)
 
     def __init__(self, config: Any, group: TPGroup, dtype: torch.dtype, device: torch.device,
                  backend: Backend) -> None:

@@ -32,9 +32,13 @@ from worker_service.layers.sharding import balanced_range
 MOE_ROUTING = "mixture-of-experts routing"
 
 
-def moe_ops_without_kernels(model_class: type, config: Any) -> tuple[str, ...]:
-    """`model_class`'s parent's ops without kernels and the MoE routing (`MOE_ROUTING`)."""
-    return super(model_class, model_class).ops_without_kernels(config) + (MOE_ROUTING,)
+class RoutesExperts:
+    """Mixed in before a `CausalLM` whose MLPs are `SparseMoE`s: its parent's ops without kernels
+    and `MOE_ROUTING`."""
+
+    @classmethod
+    def ops_without_kernels(cls, config: Any) -> tuple[str, ...]:
+        return super().ops_without_kernels(config) + (MOE_ROUTING,)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ from worker_service.backends.base import Backend
 from worker_service.distributed import TPGroup
 from worker_service.models.config_checks import UnsupportedModel
 from worker_service.models.llama import LlamaDecoderLayer, LlamaForCausalLM
-from worker_service.models.moe import ExpertLayout, Routing, SparseMoE, moe_ops_without_kernels
+from worker_service.models.moe import ExpertLayout, Routing, RoutesExperts, SparseMoE
 from worker_service.models.olmo2 import WidthNormAttention
 
 LAYOUT = ExpertLayout("mlp", "gate_proj", "up_proj", "down_proj")
@@ -32,13 +32,9 @@ class OlmoeDecoderLayer(LlamaDecoderLayer):
     mlp_class = staticmethod(olmoe_moe)
 
 
-class OlmoeForCausalLM(LlamaForCausalLM):
+class OlmoeForCausalLM(RoutesExperts, LlamaForCausalLM):
     fusable_layer = None
     layer_class = OlmoeDecoderLayer
-
-    @classmethod
-    def ops_without_kernels(cls, config: Any) -> tuple[str, ...]:
-        return moe_ops_without_kernels(OlmoeForCausalLM, config)
 
     def __init__(self, config: Any, group: TPGroup, dtype: torch.dtype, device: torch.device,
                  backend: Backend) -> None:

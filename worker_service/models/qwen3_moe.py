@@ -13,7 +13,7 @@ import torch
 from worker_service.backends.base import Backend
 from worker_service.distributed import TPGroup
 from worker_service.models.llama import LlamaDecoderLayer, LlamaMLP
-from worker_service.models.moe import ExpertLayout, Routing, SparseMoE, moe_ops_without_kernels
+from worker_service.models.moe import ExpertLayout, Routing, RoutesExperts, SparseMoE
 from worker_service.models.qwen3 import Qwen3Attention, Qwen3ForCausalLM
 
 LAYOUT = ExpertLayout("mlp", "gate_proj", "up_proj", "down_proj")
@@ -38,9 +38,5 @@ class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
     mlp_class = staticmethod(qwen3_moe_mlp)
 
 
-class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
+class Qwen3MoeForCausalLM(RoutesExperts, Qwen3ForCausalLM):
     layer_class = Qwen3MoeDecoderLayer
-
-    @classmethod
-    def ops_without_kernels(cls, config: Any) -> tuple[str, ...]:
-        return moe_ops_without_kernels(Qwen3MoeForCausalLM, config)
