@@ -166,16 +166,27 @@ class RouterPool:
     ) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
         if address not in self._no_stream:
             stream = self._stream(address)
+            yielded = False
             try:
                 async with contextlib.aclosing(stream.generate(request, deadline)) as responses:
                     async for response in responses:
+                        yielded = True
                         yield response
                 return
             except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    log.info("router %s has no Stream: one Generate call per request", address)
+                    self._no_stream.add(address)
+                # A router without Stream refuses the call at once; a write racing that refusal
+                # can end the call with grpc's own INTERNAL ("Internal error from Core") instead
+                # of UNIMPLEMENTED. A call the router never answered, for a request that got
+                # nothing yet, is that race: this request goes by Generate (the next call finds
+                # out which it was).
+                elif exc.code() != grpc.StatusCode.INTERNAL or yielded or stream.answered:
                     raise
-                log.info("router %s has no Stream: one Generate call per request", address)
-                self._no_stream.add(address)
+                else:
+                    log.info("router %s ended a Stream call unanswered (%s): this request by Generate",
+                             address, exc.details())
         timeout = None if deadline is None else max(deadline - time.monotonic(), 0.0)
         call = self._stubs[address].Generate(request, timeout=timeout, metadata=self.call_metadata)
         try:

@@ -47,6 +47,7 @@ class RouterStream:
         self._inboxes: dict[str, _Inbox] = {}
         self._write_lock = asyncio.Lock()
         self.failed: grpc.aio.AioRpcError | None = None
+        self.answered = False  # the router sent a message on this call
         self._abandoned = ""  # why `abandon` ended the call
         self._cancels: set[asyncio.Future] = set()
         self._reader = asyncio.ensure_future(self._read())
@@ -115,6 +116,7 @@ class RouterStream:
     async def _read(self) -> None:
         try:
             async for message in self._call:
+                self.answered = True
                 if self._on_load is not None and message.HasField("load"):
                     self._on_load(message.load)
                 inboxes = self._inboxes
