@@ -33,7 +33,7 @@ from radixserve.launcher_config import UpConfig, config_from_args
 from radixserve.launcher_token import launch_security
 from radixserve.model_source import HF_CONFIG, ModelNotFound, resolve_model
 from radixserve.security import Security, SecurityConfig, SecurityError, load_security
-from radixserve.stack_plan import ChildSpec, StackPlan, plan_stack, plan_workers, replica_suffix
+from radixserve.stack_plan import ChildSpec, StackPlan, plan_stack, plan_workers, port_problem, replica_suffix
 
 # How often the launcher looks at its children and their health.
 POLL_INTERVAL_S = 0.25
@@ -60,6 +60,9 @@ def run_up(config: UpConfig) -> int:
 def unusable_input(config: UpConfig) -> str | None:
     """What makes the stack unable to start, found before anything starts (one line for the
     user, where the workers would end in a traceback), or None."""
+    problem = port_problem(config)
+    if problem is not None:
+        return problem
     try:
         source = resolve_model(config.model)
     except ModelNotFound as exc:

@@ -20,7 +20,7 @@ import socket
 import sys
 from dataclasses import dataclass, field
 
-from radixserve.flags import env_name
+from radixserve.flags import MAX_PORT, env_name
 from radixserve.launcher_config import UpConfig
 from radixserve.model_source import GGUF_SUFFIX
 from radixserve.security import security_args
@@ -67,6 +67,51 @@ def metrics_ports(metrics_port: int, tp: int, replica: int = 0) -> tuple[int, in
             [metrics_port + WORKER_PORT_OFFSET + replica * tp + rank for rank in range(tp)])
 
 
+def port_problem(config: UpConfig) -> str | None:
+    """Why the ports `config` derives cannot all be listened on (one line naming the flag), or
+    None: a derived port past 65535, or two services on one port."""
+    if config.port == 0:
+        return ("--port 0: the router's and the workers' ports are derived from the gateway's "
+                f"(P+{ROUTER_PORT_OFFSET}, P+{WORKER_PORT_OFFSET}+r): give a port")
+    owners: dict[int, str] = {}
+    for port, owner in _listening_ports(config):
+        if port > MAX_PORT:
+            return f"{owner} would be port {port}, above {MAX_PORT}: give a lower port"
+        if port in owners:
+            return f"{owner} and {owners[port]} would both be port {port}: give ports that do not overlap"
+        owners[port] = owner
+    return None
+
+
+def _listening_ports(config: UpConfig) -> list[tuple[int, str]]:
+    """Every fixed port of the stack, with the flag it derives from (in plan order)."""
+    found = [(config.port, f"--port {config.port} (the gateway)")]
+    if config.http_port:
+        found.append((config.http_port, f"--http-port {config.http_port}"))
+    for replica in range(config.replicas):
+        found.append((config.port + ROUTER_PORT_OFFSET + replica, f"--port {config.port}'s router {replica}"))
+        found += [(config.port + WORKER_PORT_OFFSET + replica * config.tp + rank,
+                   f"--port {config.port}'s worker rank {rank} of replica {replica}") for rank in range(config.tp)]
+    if config.metrics_port:
+        for replica in range(config.replicas):
+            gateway, router, ranks = metrics_ports(config.metrics_port, config.tp, replica)
+            if not replica:
+                found.append((gateway, f"--metrics-port {config.metrics_port} (the gateway's)"))
+            found.append((router, f"--metrics-port {config.metrics_port}'s router {replica}"))
+            found += [(port, f"--metrics-port {config.metrics_port}'s worker rank {rank} of replica {replica}")
+                      for rank, port in enumerate(ranks)]
+        found += [(_gateway_metrics_port(config, index), f"--metrics-port {config.metrics_port}'s gateway {index}")
+                  for index in range(1, config.gateways)]
+    return found
+
+
+def _gateway_metrics_port(config: UpConfig, index: int) -> int:
+    """Gateway `index`'s /metrics port (0: off): the first's M, the others' after every rank's."""
+    if not index or not config.metrics_port:
+        return config.metrics_port
+    return config.metrics_port + WORKER_PORT_OFFSET + config.replicas * config.tp + index - 1
+
+
 def replica_suffix(replica: int) -> str:
     """How a replica's children are named: the first as without replicas, `_k` after it."""
     return f"_{replica}" if replica else ""
@@ -100,9 +145,7 @@ def plan_gateway(config: UpConfig, index: int, routers: list[ChildSpec], python:
     """Gateway `index` of `config.gateways`, knowing every replica's router: each on the same
     gRPC and HTTP ports (they bind them with SO_REUSEPORT); its own /metrics port. (Their health
     is the shared port's: the launcher learns that one of them serves, not which.)"""
-    metrics_port = config.metrics_port
-    if index and metrics_port:
-        metrics_port += WORKER_PORT_OFFSET + config.replicas * config.tp + index - 1
+    metrics_port = _gateway_metrics_port(config, index)
     api_token_file = config.security.api_token_file
     return ChildSpec(
         f"gateway{index}" if index else "gateway",

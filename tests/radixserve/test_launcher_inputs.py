@@ -1,5 +1,6 @@
-"""`radixserve up` with a model folder that is not there, or a device this torch cannot use:
-one line naming the flag, exit status 1, no traceback, nothing started."""
+"""`radixserve up` with a model folder that is not there, a device this torch cannot use, or ports
+that cannot all be listened on: one line naming the flag, exit status 1, no traceback, nothing
+started."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 import torch
 
 from procs import ROOT
+from radixserve.launcher_config import config_from_args
+from radixserve.stack_plan import port_problem
 
 
 def _up(*args: str) -> subprocess.CompletedProcess:
@@ -38,3 +41,27 @@ def test_a_missing_model_folder_is_one_line(tmp_path):
 def test_cuda_on_a_torch_without_it_is_one_line(smollm2_dir):
     line = _one_line_error(_up("--model", str(smollm2_dir), "--device", "cuda"))
     assert line.startswith("radixserve up: --device cuda, but this torch")
+
+
+def test_ports_that_cannot_all_be_listened_on_are_one_line(smollm2_dir):
+    line = _one_line_error(_up("--model", str(smollm2_dir), "--device", "cpu", "--port", "0"))
+    assert line.startswith("radixserve up: --port 0: ") and "give a port" in line
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--port", "65530"], "--port 65530's worker rank 0 of replica 0 would be port 65539, above 65535"),
+    (["--port", "60000", "--http-port", "60001"], "--port 60000's router 0 and --http-port 60001"),
+    (["--port", "60000", "--metrics-port", "60010", "--tp", "2"],
+     "--metrics-port 60010 (the gateway's) and --port 60000's worker rank 1 of replica 0"),
+    (["--port", "60000", "--metrics-port", "61000", "--replicas", "2", "--gateways", "2", "--http-port", "61011"],
+     "--metrics-port 61000's gateway 1 and --http-port 61011"),
+])
+def test_each_derived_port_is_checked_against_the_others(args, expected):
+    problem = port_problem(config_from_args(["up", "--model", "m", *args]))
+    assert problem is not None and problem.startswith(expected), problem
+
+
+def test_the_default_ports_and_spread_replicas_pass():
+    assert port_problem(config_from_args(["up", "--model", "m"])) is None
+    assert port_problem(config_from_args(["up", "--model", "m", "--replicas", "8", "--tp", "4",
+                                          "--gateways", "4", "--http-port", "8000"])) is None
