@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway_service.errors import InvalidRequest
 from gateway_service.openai_api import tool_protocol
+from gateway_service.openai_api.unsupported import CHAT, COMPLETIONS, refuse_unsupported
 from radixserve import constraints
 from radixserve.constraints import Constraint, ConstraintKind
 from radixserve.sampling import seed_problem
@@ -68,7 +69,10 @@ class ChatMessage(_Body):
 
 
 class _Common(_Body):
-    """Fields both endpoints share, with the extras other servers accept at the top level."""
+    """Fields both endpoints share, with the extras other servers accept at the top level. The
+    fields it does not declare are kept (`model_extra`) for `unsupported.refuse_unsupported`."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str
     max_tokens: int | None = None
@@ -94,8 +98,6 @@ class _Common(_Body):
     guided_grammar: str | None = None
     # Token id (as a string, OpenAI's shape) -> bias in [-100, 100].
     logit_bias: dict[str, float] | None = None
-    # Not supported: a 400 naming it when it would change the output.
-    best_of: int | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -119,15 +121,14 @@ class CompletionRequest(_Common):
     # Completions take the number of alternatives per token here (0 to 20).
     logprobs: int | None = None
     echo: bool = False
-    suffix: str | None = None
 
 
-Endpoint = Literal["chat", "completions"]
+Endpoint = Literal["chat", "completions"]  # unsupported.CHAT, unsupported.COMPLETIONS
 
 
 def chat_input(body: ChatCompletionRequest, max_choices: int) -> generation_pb2.GenerateRequest:
     check_choices(body.n, max_choices)
-    tool_protocol.check_unsupported(body.best_of, None)
+    refuse_unsupported(body.model_extra, CHAT)
     turns = [
         generation_pb2.ChatMessage(role=ROLE_ALIASES.get(m.role, m.role), content=_text(m.content, index),
                                    **tool_protocol.history_fields(m))
@@ -145,7 +146,7 @@ def chat_input(body: ChatCompletionRequest, max_choices: int) -> generation_pb2.
 
 def completion_inputs(body: CompletionRequest, max_choices: int) -> list[generation_pb2.GenerateRequest]:
     """One input per prompt (a list of prompts is a batch; choices come prompt by prompt)."""
-    tool_protocol.check_unsupported(body.best_of, body.suffix)
+    refuse_unsupported(body.model_extra, COMPLETIONS)
     if body.echo and body.logprobs is not None:
         raise InvalidRequest("echo with logprobs is not supported (this server has no prompt logprobs); "
                              "send echo or logprobs alone")

@@ -12,7 +12,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from gateway_service.errors import InvalidRequest
 from radixserve.v1 import generation_pb2
 
 MODES = {
@@ -100,12 +99,3 @@ def history_fields(message: Any) -> dict:
 
 def template_kwargs_text(kwargs: dict[str, Any] | None) -> str:
     return "" if not kwargs else json.dumps(kwargs)
-
-
-def check_unsupported(best_of: int | None, suffix: str | None) -> None:
-    """Fields that would change the output but are not implemented: a 400 naming each, never
-    an answer that silently ignores them."""
-    if best_of is not None and best_of > 1:
-        raise InvalidRequest(f"best_of > 1 is not supported by this server (got {best_of}); use n")
-    if suffix:
-        raise InvalidRequest("suffix is not supported by this server")

@@ -210,6 +210,13 @@ UNSUPPORTED = [
     ("chat", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]},
      "tools: "),
     ("chat", {"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs.add_generation_prompt"),
+    ("chat", {"functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
+    ("chat", {"modalities": ["text", "audio"]}, "modalities"),
+    ("chat", {"continue_final_message": True}, "continue_final_message"),
+    ("chat", {"structured_outputs": {"json": {"type": "object"}}}, "structured_outputs"),
+    ("completions", {"min_tokens": 5}, "min_tokens"),
+    ("completions", {"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ("completions", {"skip_special_tokens": False}, "skip_special_tokens"),
     ("chat", {"messages": [{"role": "user", "content": "x", "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls"),
 ]
@@ -224,6 +231,16 @@ def test_fields_that_would_be_ignored_are_a_400_naming_them(harness, endpoint, f
     assert reply.status_code == 400, reply.text
     assert named in reply.json()["error"]["message"]
     assert len(harness.all_requests()) == before  # refused before any router saw it
+
+
+def test_fields_asking_what_the_server_does_anyway_and_unknown_ones_pass(harness, tokenizer) -> None:
+    _say(harness, tokenizer, "Fine.")
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 4, "modalities": ["text"], "best_of": 1,
+            "skip_special_tokens": True, "store": True, "metadata": {"a": "b"}, "service_tier": "auto",
+            "prediction": {"type": "content", "content": "Fine."}, "not_a_field": 1}
+    reply = httpx.post(f"{_base(harness)}/v1/chat/completions", json=body, timeout=TIMEOUT_S)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["message"]["content"] == "Fine."
 
 
 def test_logit_bias_reaches_the_router_as_token_ids(harness) -> None:

@@ -1,0 +1,85 @@
+"""OpenAI and vLLM request fields this server does not implement, refused where they would
+change the answer.
+
+A client that sends one of these expects something we would not do (call legacy `functions`,
+speak audio, keep the stop string, continue the last assistant message, at least N tokens...):
+answering 200 without it would be a silent wrong answer, so each is a 400 naming the field and,
+where there is one, what to send instead. A value that asks for what the server does anyway
+(`modalities: ["text"]`, `skip_special_tokens: true`, `best_of: 1`) passes. Fields that change
+nothing in the output (`store`, `metadata`, `service_tier`, `prediction`, `user`) and fields no
+API defines are ignored, as OpenAI ignores what it does not know.
+
+The request bodies keep the fields they do not declare (`model_extra`); `refuse_unsupported`
+reads them there, so this table is the one place a field is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from gateway_service.errors import InvalidRequest
+
+CHAT, COMPLETIONS = "chat", "completions"
+BOTH = (CHAT, COMPLETIONS)
+
+
+@dataclass(frozen=True, slots=True)
+class Unsupported:
+    name: str
+    endpoints: tuple[str, ...]
+    # Whether the value asks for something this server does not do (None never does).
+    asks: Callable[[Any], bool]
+    instead: str = ""
+
+
+def _set(value: Any) -> bool:
+    return value not in (None, False, "", [], {})
+
+
+def _not(default: Any) -> Callable[[Any], bool]:
+    return lambda value: value is not None and value != default
+
+
+FIELDS = (
+    Unsupported("functions", (CHAT,), _set, "send them as tools"),
+    Unsupported("function_call", (CHAT,), _set, "use tool_choice"),
+    Unsupported("audio", (CHAT,), _set, "this server answers in text only"),
+    Unsupported("modalities", (CHAT,), lambda value: value is not None and value != ["text"],
+                "this server answers in text only"),
+    Unsupported("web_search_options", (CHAT,), lambda value: value is not None),
+    Unsupported("continue_final_message", (CHAT,), _set),
+    Unsupported("add_generation_prompt", (CHAT,), _not(True)),
+    Unsupported("echo", (CHAT,), _set),
+    Unsupported("documents", (CHAT,), _set),
+    Unsupported("suffix", (COMPLETIONS,), _set),
+    Unsupported("best_of", BOTH, _not(1), "use n"),
+    Unsupported("use_beam_search", BOTH, _set),
+    Unsupported("length_penalty", BOTH, _not(1)),
+    Unsupported("min_tokens", BOTH, _not(0)),
+    Unsupported("prompt_logprobs", BOTH, lambda value: value is not None),
+    Unsupported("include_stop_str_in_output", BOTH, _set),
+    Unsupported("skip_special_tokens", BOTH, _not(True)),
+    Unsupported("spaces_between_special_tokens", BOTH, _not(True)),
+    Unsupported("allowed_token_ids", BOTH, _set, "use logit_bias"),
+    Unsupported("bad_words", BOTH, _set, "use logit_bias"),
+    Unsupported("truncate_prompt_tokens", BOTH, lambda value: value is not None),
+    Unsupported("structured_outputs", BOTH, _set, "use response_format or guided_json, guided_regex, "
+                "guided_choice, guided_grammar"),
+    Unsupported("guided_whitespace_pattern", BOTH, _set),
+    Unsupported("return_tokens_as_token_ids", BOTH, _set),
+)
+_BY_NAME = {field.name: field for field in FIELDS}
+
+
+def refuse_unsupported(extra: Mapping[str, Any] | None, endpoint: str) -> None:
+    """`InvalidRequest` naming the first field of `extra` (a body's undeclared fields) that asks
+    for something this server does not do on `endpoint`."""
+    for name, value in (extra or {}).items():
+        field = _BY_NAME.get(name)
+        if field is None or endpoint not in field.endpoints or not field.asks(value):
+            continue
+        shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:37]}..."
+        hint = f"; {field.instead}" if field.instead else ""
+        raise InvalidRequest(f"{name} ({shown}) is not supported by this server{hint}")
