@@ -16,10 +16,14 @@ that fixed cost, gives a cost per prefill token.
 Capacity: the requests per second one replica completes on the scale's trace when requests
 arrive faster than it serves them (`capacity_per_replica`); a run at load L offers
 L x capacity x replicas. For each policy, scale and load it prints the prompt tokens served from
-the cache, TTFT p50 / p99 (from arrival to the step that samples the first token), the busiest
-replica's time-averaged outstanding requests over the mean (while requests arrive), the mean
-itself, the share of turns that continued a session, and the hit rate over the second half of
-the arrivals (the replicas' caches warm); then the issue's goals for bounded-load affinity as
+the cache, TTFT p50 / p99 (from arrival to the step that samples the first token), busiest/mean
+(each replica's outstanding requests, running plus waiting, integrated over time from the start
+to the last arrival, the same code for every policy; the largest of those integrals over their
+mean), the mean itself (per replica, over that time), the share of turns that continued a
+session, the hit rate over the second half of the arrivals (the replicas' caches warm), copies
+(the (replica, system prompt) pairs the policy made, over the system prompts seen: each pair is
+one replica computing that prompt once) and moved (the continued turns sent to another replica
+than the session's turn before, which recomputes the history there); then the issue's goals for bounded-load affinity as
 ratios, which count the whole trace, and the second half's hit-rate ratios beside them. Last,
 the cost of one routing decision at 8 and 512 replicas (no memo: every affinity decision hashes
 the prompt's key and mixes it with every replica's own hash; the bounded-load policy also hashes
@@ -62,6 +66,8 @@ STEP_FIXED_S = _DECODE_X1_S - DECODE_ROW_S
 PREFILL_TOKEN_S = (2048 / PREFILL_2048_TOKENS_PER_S - STEP_FIXED_S) / 2048
 
 PAGE_SIZE = 16
+# Leading tokens that name a turn's system prompt (the trace's are longer, and random).
+SYSTEM_KEY_TOKENS = 64
 DEFAULT_SCALES = {8: 250, 64: 60, 512: 16}  # replicas: requests per replica
 CALIBRATION_REQUESTS = 300
 BUSIEST_GOAL = 1.25  # the issue's: busiest replica's load over the mean, whatever the bounds
@@ -105,6 +111,8 @@ class RunResult:
     num_completed: int
     mean_load: float  # outstanding requests per replica, averaged while requests arrive
     late_hit_rate: float  # over the second half of the arrivals: the replicas' caches warm
+    prompt_copies: float  # (replica, system prompt) pairs routed over system prompts seen
+    moved_share: float  # of continued turns, those sent to another replica than the turn before
 
     @property
     def completed_per_s(self) -> float:
@@ -129,6 +137,10 @@ def simulate(policy, num_replicas: int, num_requests: int, rate_per_s: float, tr
     turns: dict[str, Turn] = {}
     ttft: list[float] = []
     late: list[Request] = []  # the second half of the arrivals
+    # Where each system prompt (its first tokens) and each session's last turn went.
+    prompt_replicas: set[tuple[tuple[int, ...], int]] = set()
+    last_replica: dict[int, int] = {}
+    num_moved = 0
     steps: list[tuple[float, int]] = []  # (finish time, replica) of the steps running
     num_arrived = num_continued = num_completed = 0
     now = makespan_s = last_arrival_s = 0.0
@@ -174,6 +186,9 @@ def simulate(policy, num_replicas: int, num_requests: int, rate_per_s: float, tr
         turns[request_id] = turn
         num_continued += turn.continues_session
         index = policy.choose(turn.prompt_ids, loads)
+        prompt_replicas.add((tuple(turn.prompt_ids[:SYSTEM_KEY_TOKENS]), index))
+        num_moved += turn.continues_session and last_replica[id(turn.session)] != index
+        last_replica[id(turn.session)] = index
         request = Request(request_id, turn.prompt_ids, max_tokens=len(turn.output_ids))
         schedulers[index].add(request)
         if num_arrived >= num_requests // 2:
@@ -187,11 +202,13 @@ def simulate(policy, num_replicas: int, num_requests: int, rate_per_s: float, tr
             start_step(index)
     prompt_tokens = sum(s.stats.prompt_tokens for s in schedulers)
     hit_tokens = sum(s.stats.cache_hit_tokens for s in schedulers)
+    num_prompts_seen = len({key for key, _ in prompt_replicas})
     return RunResult(
         policy.name, num_requests, hit_tokens / prompt_tokens, _percentile(ttft, 0.5),
         _percentile(ttft, 0.99), max(load_area) / statistics.mean(load_area), makespan_s,
         num_continued / num_requests, num_completed, statistics.mean(load_area) / last_arrival_s,
         sum(r.num_cached_tokens for r in late) / sum(r.num_prompt for r in late),
+        len(prompt_replicas) / num_prompts_seen, num_moved / max(num_continued, 1),
     )
 
 
@@ -275,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n{num_replicas} replicas, {per_replica * num_replicas} requests, "
               f"{trace.num_system_prompts} system prompts; capacity {capacity:.1f} requests/s per replica")
         print(f"{'load':>5} {'policy':<16} {'hit rate':>8} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} "
-              f"{'busiest/mean':>12} {'mean load':>9} {'continued':>9} {'2nd half hit':>12}")
+              f"{'busiest/mean':>12} {'mean load':>9} {'continued':>9} {'2nd half hit':>12} {'copies':>6} {'moved':>5}")
         for load in (float(part) for part in args.loads.split(",")):
             results = {}
             for policy_class in POLICIES:
@@ -289,7 +306,8 @@ def main(argv: list[str] | None = None) -> None:
                 )
                 print(f"{load:>5.0%} {result.policy:<16} {result.hit_rate:>8.1%} {result.ttft_p50_s * 1e3:>11.1f} "
                       f"{result.ttft_p99_s * 1e3:>11.1f} {result.busiest_over_mean:>12.2f} "
-                      f"{result.mean_load:>9.1f} {result.continued_share:>9.0%} {result.late_hit_rate:>12.1%}",
+                      f"{result.mean_load:>9.1f} {result.continued_share:>9.0%} {result.late_hit_rate:>12.1%} "
+                      f"{result.prompt_copies:>6.2f} {result.moved_share:>5.0%}",
                       flush=True)
             _print_goals(results)
     source = TraceSource(trace_for(512), 1.0, args.seed)

@@ -67,3 +67,14 @@ def test_main_prints_every_policy_and_the_decision_cost(monkeypatch, capsys) -> 
     for name in ("round robin", "least loaded", "prefix affinity", "bounded, no memory", "bounded load", "cache aware"):
         assert re.search(rf"70% {name} +\d+\.\d% +\d+\.\d +\d+\.\d +\d+\.\d\d +\d+\.\d +\d+% +\d+\.\d%", out), out
         assert re.search(rf"{name} +8 replicas +\d+\.\d +512 replicas +\d+\.\d", out), out
+
+
+@pytest.mark.timeout(300)
+def test_copies_and_moved_turns_count_what_each_policy_spreads(results) -> None:
+    # Pure affinity keys on the system prompt: one replica per prompt, a session never moves.
+    affinity = results["prefix affinity"]
+    assert affinity.prompt_copies == 1.0 and affinity.moved_share == 0.0
+    # Round robin puts every prompt on every replica and moves most turns; bounded load spills
+    # the hot prompt over a few replicas.
+    assert results["round robin"].prompt_copies > results["bounded load"].prompt_copies > 1.0
+    assert results["round robin"].moved_share > 0.5
