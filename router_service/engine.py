@@ -8,8 +8,9 @@ and sent while the workers run the current one (see `lookahead`). When any rank 
 the step deadline (`step_timeout_s`, counted for each step from when the engine starts waiting
 for it: after the step before it), every request ends with UNAVAILABLE, health goes NOT_SERVING
 and the engine reconnects every `reconnect_interval_s`; a new connection starts with
-`reset=True` and an empty cache (the workers' K/V can no longer be trusted). A task that every rank rejected (nothing
-applied) fails only its own requests (and those of the step sent on top of it).
+`reset=True` and an empty cache (the workers' K/V can no longer be trusted). A task that every
+rank rejected (nothing applied) fails only its own requests (and those of the step sent on top
+of it).
 """
 
 from __future__ import annotations
