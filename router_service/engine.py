@@ -3,13 +3,14 @@
 Each step the scheduler plans a batch; the engine turns it into one `DecodeTask` that carries
 only what changed (new tokens, new pages, `new_request` on a request's first entry, releases),
 sends it to every rank, applies rank 0's sampled tokens and streams them to the requests'
-callers. With `overlap` on (the default) the next step is planned and sent while the workers
-run the current one (see `lookahead`). When any rank fails or misses the step deadline
-(`step_timeout_s`, counted for each step from when the engine starts waiting for it: after the
-step before it), every request ends with UNAVAILABLE, health goes NOT_SERVING and the engine
-reconnects every `reconnect_interval_s`; a new connection starts with `reset=True` and an empty
-cache (the workers' K/V can no longer be trusted). A task that every rank rejected (nothing
-applied) fails only its own requests (and those of the step sent on top of it).
+callers. With `overlap` on (off by default, see `RouterConfig.overlap`) the next step is planned
+and sent while the workers run the current one (see `lookahead`). When any rank fails or misses
+the step deadline (`step_timeout_s`, counted for each step from when the engine starts waiting
+for it: after the step before it), every request ends with UNAVAILABLE, health goes NOT_SERVING
+and the engine reconnects every `reconnect_interval_s`; a new connection starts with
+`reset=True` and an empty cache (the workers' K/V can no longer be trusted). A task that every
+rank rejected (nothing applied) fails only its own requests (and those of the step sent on top
+of it).
 """
 
 from __future__ import annotations
@@ -227,10 +228,12 @@ class Engine:
             return
         task = convert.task_to_proto(plan, next(self._task_ids), self._last_task_id)
         flight = InFlightStep(plan, task, started, time.thread_time() - cpu_started, self._busy)
-        await self.group.send(task, self.config.step_timeout_s)
-        # Only now the last step's tokens go to their callers: the task is on its way to the
-        # workers first, and its wait does not include 32 streams' writes to the gateway.
+        # The last step's tokens go to their callers now, but their writes run only once the
+        # send below has handed the task to grpc (awaiting it runs it up to there): the task goes
+        # to the workers first, and the callers' writes fill the wait for its send to complete,
+        # instead of the loop sleeping through it and waking again (a thread switch per step).
         self._flush()
+        await self.group.send(task, self.config.step_timeout_s)
         self._last_task_id = task.task_id
         self._in_flight.append(flight)
         self._busy = True
@@ -279,8 +282,11 @@ class Engine:
         cpu_started = time.thread_time()
         self._in_flight.pop(0)
         plan = flight.plan
-        sampling_ids = [entry.request.request_id for entry in plan.entries if entry.sample]
-        if sampling_ids != [token.request_id for token in result.tokens]:
+        sampling = [entry for entry in plan.entries if entry.sample]
+        tokens = result.tokens
+        if len(tokens) != len(sampling) or any(
+            entry.request.request_id != token.request_id for entry, token in zip(sampling, tokens)
+        ):
             raise WorkerFault(
                 f"rank 0 sampled for other requests than task {flight.task.task_id} asked"
             )
@@ -288,23 +294,23 @@ class Engine:
         now = time.monotonic()
         self.costs.step_time(now - max(flight.started, self._last_result_at))
         self._last_result_at = now
-        sampled = {token.request_id: token for token in result.tokens}
-        num_outputs = {entry.request.request_id: entry.request.num_output for entry in plan.entries}
-        updated = scheduler.complete(
-            plan, [token.token_id for token in result.tokens],
-            [token.num_accepted_drafts for token in result.tokens],
+        num_outputs = [entry.request.num_output for entry in sampling]
+        scheduler.complete(
+            plan, [token.token_id for token in tokens], [token.num_accepted_drafts for token in tokens],
         )
-        for request in updated:
-            # A step yields the accepted drafts and the sampled token, up to a stop.
-            num_new = request.num_output - num_outputs[request.request_id]
-            token = sampled[request.request_id]
-            logprobs = convert.step_logprobs(token, num_new) if request.sampling.logprobs else []
+        for entry, token, num_output in zip(sampling, tokens, num_outputs):
+            request = entry.request
+            # A step yields the accepted drafts and the sampled token, up to a stop; a stale
+            # entry (`complete` skipped it) yields nothing.
+            num_new = request.num_output - num_output
+            if not num_new:
+                continue
             if request.pooling is not None:  # its one "token" is the vector
                 self._send(request, StreamEvent(finished=True, embedding=list(token.embedding)))
                 continue
+            logprobs = convert.step_logprobs(token, num_new) if request.sampling.logprobs else []
             self._send(request, StreamEvent(
-                request.token_ids[len(request.token_ids) - num_new:], logprobs,
-                finished=request.finish_reason is not None,
+                request.token_ids[-num_new:], logprobs, finished=request.finish_reason is not None,
             ))
         cpu_s = flight.plan_cpu_s + time.thread_time() - cpu_started
         idle_s = result.idle_before_s if flight.back_to_back else None
@@ -331,8 +337,9 @@ class Engine:
 
     def _flush(self) -> None:
         """Hand the queued events to their callers, in order. Each wakes a caller's stream, which
-        writes to the gateway when the loop next runs it: the step loop flushes right after a task
-        is sent, or before it waits with none sent."""
+        writes to the gateway when the loop next runs it: the step loop flushes as it sends a
+        task, or before it waits with none sent. Callers only take the event here (a Stream
+        call builds its message when it writes): this runs before a task's send."""
         outbox, self._outbox = self._outbox, []
         for queue, event in outbox:
             queue.put_nowait(event)

@@ -76,9 +76,12 @@ class RouterMetrics:
         now = time.monotonic()
         self.step_duration.labels(model).observe(now - started)
         self.batch_requests.labels(model).observe(len(plan.entries))
-        self.batch_tokens.labels(model).observe(sum(e.num_tokens for e in plan.entries))
+        self.batch_tokens.labels(model).observe(plan.num_tokens)
+        arrivals = self._arrivals
         for entry in plan.entries:
-            arrival = self._arrivals.pop(entry.request.request_id, None)
+            if not entry.new_request:
+                continue  # a request's first step is always one with `new_request`
+            arrival = arrivals.pop(entry.request.request_id, None)
             if arrival is not None:  # the request's first step (a retracted one counts once)
                 self.queue_time.labels(model).observe(started - arrival)
 

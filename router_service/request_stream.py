@@ -18,8 +18,9 @@ statuses (as an error update); it is cancelled when the caller says so or when t
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from radixserve.v1 import router_pb2
 from router_service import convert
@@ -29,6 +30,11 @@ from router_service.errors import InvalidRequest, RouterError
 
 log = logging.getLogger(__name__)
 
+# An update not yet built: the caller's request id, the request (None for a refusal), the event,
+# and the request's `usage_counts` when the event came (None with an error).
+_Pending = tuple[str, Request | None, StreamEvent, convert.UsageCounts | None]
+
+
 
 class RequestStream:
     """The requests open on one Stream call and the updates not yet written to it."""
@@ -36,8 +42,11 @@ class RequestStream:
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self._open: dict[str, Request] = {}  # by the caller's request id
-        # The next message, its updates written in place as events come (no copy when sent).
-        self._pending = router_pb2.RouterStreamResponse()
+        # The next message's updates, in order, as the events came: built into the message when
+        # it is written (`_message`), so that handing a step's events over costs the engine
+        # little (it does so before it awaits its task's send). An update of tokens carries the
+        # request's `usage_counts` as they were then; a refusal or failure, the error.
+        self._pending: list[_Pending] = []
         self._ready = asyncio.Event()
         self._caller_done = False
         self._report_due = True  # the first message: the load, before any request opens
@@ -88,20 +97,36 @@ class RequestStream:
         while True:
             await self._ready.wait()
             self._ready.clear()
-            has_updates = bool(self._pending.updates)
+            has_updates = bool(self._pending)
             if has_updates or self._report_due:
                 load = self._engine.load()
                 if has_updates or load != self._last_load:
                     self._last_load = load
-                    message, self._pending = self._pending, router_pb2.RouterStreamResponse()
+                    message = self._message()
                     message.load.CopyFrom(load)
                     yield message
                 if self._report_due:
                     self._report_due = False
                     self._report_timer = asyncio.get_running_loop().call_later(
                         self._engine.config.load_report_interval_s, self._report)
-            if self._caller_done and not self._open and not self._pending.updates:
+            if self._caller_done and not self._open and not self._pending:
                 return
+
+    def _message(self) -> router_pb2.RouterStreamResponse:
+        """The pending updates as one message (and none pending)."""
+        pending, self._pending = self._pending, []
+        message = router_pb2.RouterStreamResponse()
+        add = message.updates.add
+        for caller_id, request, event, counts in pending:
+            update = add()
+            update.request_id = caller_id  # set, not a keyword argument of `add`: half the cost
+            if event.error is not None:
+                code, text = convert.status_of(event.error)
+                update.error_code, update.error_message = code.value[0], text
+            else:
+                convert.response_to_proto(event.token_ids, event.logprobs, request, event.finished,
+                                          into=update.response, counts=counts)
+        return message
 
     def _report(self) -> None:
         self._report_due = True
@@ -113,28 +138,20 @@ class RequestStream:
             return  # cancelled by the caller while the event waited in the engine's outbox
         if event.error is not None or event.finished:
             self._open.pop(caller_id, None)
-        if event.error is not None:
-            self._add_error(caller_id, event.error)
-            return
-        update = self._pending.updates.add(request_id=caller_id)
-        convert.response_to_proto(event.token_ids, event.logprobs, request, event.finished, into=update.response)
+        self._pending.append((caller_id, request, event, convert.usage_counts(request)))
         self._ready.set()
 
     def _add_error(self, caller_id: str, error: RouterError) -> None:
-        code, message = convert.status_of(error)
-        self._pending.updates.add(request_id=caller_id, error_code=code.value[0], error_message=message)
+        self._pending.append((caller_id, None, StreamEvent(error=error), None))
         self._ready.set()
 
 
 class _Sink:
     """Where the engine puts one request's events (in place of Generate's queue)."""
 
-    __slots__ = ("_stream", "_caller_id", "_request")
+    __slots__ = ("put_nowait",)
 
     def __init__(self, stream: RequestStream, caller_id: str, request: Request) -> None:
-        self._stream = stream
-        self._caller_id = caller_id
-        self._request = request
-
-    def put_nowait(self, event: StreamEvent) -> None:
-        self._stream.event(self._caller_id, self._request, event)
+        # `RequestStream.event` bound to the request, without a Python frame of its own: the
+        # engine calls it for every request in every step.
+        self.put_nowait: Callable[[StreamEvent], None] = functools.partial(stream.event, caller_id, request)

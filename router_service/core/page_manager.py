@@ -60,7 +60,8 @@ class PageManager:
     def grow(self, request: Request, num_tokens: int) -> bool:
         """Extend `request`'s page table to hold its next `num_tokens` tokens; False (taking
         nothing) when the pages cannot be had even after eviction."""
-        need = self.pages_for(request.num_computed + num_tokens) - len(request.page_table)
+        # `pages_for`, inline: most calls are a decode whose page has room, on every step.
+        need = -(-(request.num_computed + num_tokens) // self.page_size) - len(request.page_table)
         if need <= 0:
             return True
         if not self.reserve(need):

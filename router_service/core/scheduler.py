@@ -138,9 +138,10 @@ class Scheduler:
         if num_accepted is None:
             num_accepted = [0] * len(sampling)
         self.stats.num_steps += 1
-        for entry in plan.entries:
-            if not entry.is_stale:
-                entry.request.num_in_flight -= entry.num_tokens
+        fresh = [entry for entry in plan.entries if not entry.is_stale]
+        for entry in fresh:
+            entry.request.num_in_flight -= entry.num_tokens
+        eos_token_ids, context_len = self.limits.eos_token_ids, self.limits.context_len
         updated: list[Request] = []
         for entry, token_id, accepted in zip(sampling, token_ids, num_accepted):
             if entry.is_stale:
@@ -150,20 +151,23 @@ class Scheduler:
             if entry.num_draft_tokens:
                 self._append_verified(entry, token_id, accepted)
             else:
-                request.append_token(token_id, self.limits.eos_token_ids, self.limits.context_len)
+                request.append_token(token_id, eos_token_ids, context_len)
             updated.append(request)
             if request.finish_reason is not None:
                 self.lifecycle.end(request)
         size = self.page_size
-        for entry in plan.entries:
-            if entry.is_stale:
-                continue  # ended (its pages are given back) or retracted
+        for entry in fresh:
+            request = entry.request
+            if request.finish_reason is not None:
+                continue  # ended just now: its pages are given back
             # Only when this step filled a page: most decode steps cost one comparison here.
-            end = entry.start_position + entry.num_tokens
+            start = entry.start_position
             if entry.num_draft_tokens:
-                end = entry.request.num_computed  # the kept positions only
-            if end // size > entry.start_position // size:
-                self.pages.cache_written(entry.request)
+                end = request.num_computed  # the kept positions only
+            else:
+                end = start + len(entry.token_ids) + entry.after_sampled  # + `num_tokens`
+            if end // size > start // size:
+                self.pages.cache_written(request)
         return updated
 
     def _append_verified(self, entry: ScheduledEntry, token_id: int, num_accepted: int) -> None:

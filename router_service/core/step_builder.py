@@ -72,35 +72,47 @@ class StepBuilder:
 
     def build(self) -> StepPlan:
         running = self.lifecycle.running
-        # Requests whose prefill runs in this step or later, or in the step in flight (overlap):
-        # their pages are not cached yet.
-        prefilling = [
-            request for request in running if request.num_pending > 1 or request.num_in_flight > 1
-        ]
-        self._add_decodes()
-        self._add_prefill_chunks()
+        # One pass sorts the running requests (their state before this plan): those that
+        # decode (one pending token), those in the middle of a prefill, and those whose prefill
+        # runs in this step or later, or in the step in flight (overlap): their pages are not
+        # cached yet.
+        decoding: list[Request] = []
+        chunked: list[Request] = []
+        prefilling: list[Request] = []
+        for request in running:
+            num_pending = request.num_pending
+            if num_pending == 1:
+                decoding.append(request)
+            elif num_pending > 1:
+                chunked.append(request)
+            if num_pending > 1 or request.num_in_flight > 1:
+                prefilling.append(request)
+        self._add_decodes(decoding)
+        self._add_prefill_chunks(chunked)
         if self._admit_waiting(prefilling) and not self.plan.entries:
             self._admit_waiting(None)
         if not self.plan.entries and any(self._has_work(request) for request in running):
             self.lifecycle.retract(running[-1])
         return self.plan
 
-    def _add_decodes(self) -> None:
-        running = self.lifecycle.running
+    def _add_decodes(self, decoding: list[Request]) -> None:
+        """`decoding`: the running requests with one pending token, in admission order."""
         speculator = self.speculator
-        num_decoding = sum(1 for request in running if request.num_pending == 1)
-        self.speculate = speculate = speculator is not None and speculator.wants_drafts(num_decoding)
-        spare = self.budget - num_decoding  # budget left once every decode has its token
-        for request in list(running):
+        self.speculate = speculate = speculator is not None and speculator.wants_drafts(len(decoding))
+        spare = self.budget - len(decoding)  # budget left once every decode has its token
+        context_len = self.limits.context_len
+        page_size = self.pages.page_size
+        for request in decoding:
             if self.budget == 0:
                 break
-            # Skip requests retracted just now, those still prefilling, and those whose token in
-            # flight (overlap) is certainly their last: nothing more to compute.
+            # Skip requests retracted just now (while planning the ones before them), and those
+            # whose token in flight (overlap) is certainly their last: nothing more to compute.
+            # Most decodes have room for their next token in their last page already.
             if (
                 request.admitted_at >= 0
-                and request.num_pending == 1
-                and not request.ends_when_resolved(self.limits.context_len)
-                and self._grow_for_decode(request)
+                and not (request.num_unresolved and request.ends_when_resolved(context_len))
+                and (request.num_computed < len(request.page_table) * page_size
+                     or self._grow_for_decode(request))
             ):
                 # A request whose token is still in flight (overlap) has no known suffix to look up.
                 drafting = speculate and not request.num_unresolved
@@ -129,12 +141,13 @@ class StepBuilder:
                 self.pages.grow(request, 1 + len(drafts))  # fits: within `room`
         return drafts
 
-    def _add_prefill_chunks(self) -> None:
-        for request in list(self.lifecycle.running):
+    def _add_prefill_chunks(self, chunked: list[Request]) -> None:
+        """`chunked`: the running requests with more than one pending token, in admission order."""
+        for request in chunked:
             if self.budget == 0:
                 break
-            if request.num_pending <= 1:
-                continue  # its decode is in the plan already
+            if request.admitted_at < 0:
+                continue  # retracted while the decodes were planned
             num_tokens = min(request.num_pending, self.budget, self.pages.room(request))
             if num_tokens > 0:
                 self.pages.grow(request, num_tokens)  # fits: within `room`
@@ -203,29 +216,37 @@ class StepBuilder:
         """Put `request`'s next `num_tokens` tokens, then `drafts`, in the plan (its pages
         already hold them)."""
         start = request.num_computed
-        num_known = len(request.token_ids)
+        known_ids = request.token_ids
+        num_known = len(known_ids)
+        token_ids = known_ids[start : start + num_tokens]
+        if drafts:
+            token_ids += drafts
+        sample = start + num_tokens == num_known + request.num_unresolved
         entry = ScheduledEntry(
             request=request,
-            token_ids=[*request.token_ids[start : start + num_tokens], *drafts],
+            token_ids=token_ids,
             start_position=start,
             new_page_ids=request.page_table[request.num_pages_sent :],
-            sample=start + num_tokens == num_known + request.num_unresolved,
+            sample=sample,
             new_request=new_request,
-            cached_token_ids=request.token_ids[:start] if new_request else [],
+            cached_token_ids=known_ids[:start] if new_request else [],
             # A token sampled in the step in flight is referred to, not carried (`lookahead`).
             after_sampled=start == num_known,
             admitted_at=request.admitted_at,
             num_draft_tokens=len(drafts),
+            # A request that samples now may draft next step, if drafts are on for this kind of
+            # step and it is not pausing: that step must then wait for this one's tokens
+            # (`lookahead`).
+            may_draft_next=sample and self.speculate and request.draft.cooldown == 0,
         )
-        # A request that samples now may draft next step, if drafts are on for this kind of step
-        # and it is not pausing: that step must then wait for this one's tokens (`lookahead`).
-        entry.may_draft_next = entry.sample and self.speculate and request.draft.cooldown == 0
-        self.plan.entries.append(entry)
+        plan = self.plan
+        plan.entries.append(entry)
+        plan.num_tokens += num_tokens + len(drafts)  # the entry's `num_tokens`
         request.num_pages_sent = len(request.page_table)
         # Drafts count as computed while the step is in flight (a step with drafts never has a
         # step planned behind it); `Scheduler.complete` then counts only what was kept.
         request.num_computed = start + num_tokens + len(drafts)
         request.num_in_flight += num_tokens + len(drafts)
-        request.num_unresolved += entry.sample
+        request.num_unresolved += sample
         request.on_workers = True
         self.budget -= num_tokens + len(drafts)

@@ -61,6 +61,8 @@ class StepPlan:
     # Requests that ended while planning, with `finish_reason` FAILED: the scheduler found
     # its own bookkeeping broken (a request running alone found no page for its next token).
     ended: list[Request] = field(default_factory=list)
+    # Positions the entries compute, in all (the sum of their `num_tokens`, kept as they are added).
+    num_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:

@@ -17,6 +17,9 @@ from radixserve.v1 import generation_pb2, router_pb2
 from router.fake_model import EOS_TOKEN_ID, expected_tokens
 from router.harness import generate_request, running_router, settled
 from router_service.config import RouterConfig
+from router_service.core.request import FinishReason, Request
+from router_service.engine import EventSink, StreamEvent
+from router_service.request_stream import RequestStream
 
 EOS_EVERY = 40
 
@@ -211,3 +214,53 @@ def test_gateway_side_tokens_deadline_early_close_and_router_loss() -> None:
                 await stream.close()
 
     asyncio.run(scenario())
+
+
+class _OneRequestEngine:
+    """What a `RequestStream` uses of the engine, keeping the request and sink it is given."""
+
+    config = RouterConfig()
+
+    def submit(self, request: Request, sink: EventSink) -> None:
+        self.request, self.sink = request, sink
+
+    def cancel(self, request: Request) -> None:
+        raise AssertionError("nothing is cancelled here")
+
+    def load(self) -> router_pb2.RouterLoad:
+        return router_pb2.RouterLoad(num_running=1)
+
+
+@pytest.mark.timeout(10)
+def test_updates_built_at_write_time_report_usage_as_of_their_step() -> None:
+    """The call builds its message when it writes, possibly after further steps: each update
+    still reports the completion tokens (and finish) of the step that produced it, in order,
+    and a refusal keeps its place among the updates."""
+
+    async def scenario() -> router_pb2.RouterStreamResponse:
+        engine = _OneRequestEngine()
+        stream = RequestStream(engine)  # type: ignore[arg-type]
+        stream.open(generate_request([5, 6, 7], 2, request_id="a"))
+        request = engine.request
+        for token, finish in ((9, None), (10, FinishReason.LENGTH)):  # two steps before a write
+            request.token_ids.append(token)
+            request.num_output += 1
+            request.finish_reason = finish
+            engine.sink.put_nowait(StreamEvent([token], finished=finish is not None))
+        stream.open(generate_request([5], 2, request_id=""))  # refused: no request_id
+        stream.caller_done()
+        messages = [message async for message in stream.responses()]
+        stream.close()
+        assert len(messages) == 1
+        return messages[0]
+
+    message = asyncio.run(scenario())
+    assert [update.request_id for update in message.updates] == ["a", "a", ""]
+    first, last, refused = message.updates
+    assert list(first.response.token_ids) == [9] and first.response.usage.completion_tokens == 1
+    assert first.response.finish_reason == generation_pb2.FINISH_REASON_UNSPECIFIED
+    assert list(last.response.token_ids) == [10] and last.response.usage.completion_tokens == 2
+    assert last.response.finish_reason == generation_pb2.FINISH_REASON_LENGTH
+    assert all(update.response.usage.prompt_tokens == 3 for update in (first, last))
+    assert refused.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert message.load.num_running == 1
