@@ -9,10 +9,11 @@ of --context tokens) for every config, first on the module path and then on the 
 (the same runner, the same sequence continued), so a slow moment of the shared machine falls on
 both. Each figure is printed as the median and the best of its rounds, with the best's fraction
 of the bandwidth bound for the run's own bytes (weights as stored, K/V at --context; the read
-bandwidth of `bench.bounds`, measured at the start and the end, the larger counting), and the quantized figures over `none:bfloat16`'s (the issue's
-goals: int8 1.7x, int4 2.5x). `gguf` runs the GGUF file --gguf as it is. The layer runs only
-where the selection takes it (a CPU without AVX-512); elsewhere a config has no compiled-layer
-figure and says so.
+bandwidth of `bench.bounds`, measured at the start and the end, the larger counting), and the
+quantized figures over `none:bfloat16`'s (the issue's goals: int8 1.7x, int4 2.5x). `gguf` runs
+the GGUF file --gguf as it is; `+head8` after one gives the LM head an int8 copy too
+(`--lm-head-quantization int8`). The layer runs only where the selection takes it (a CPU without
+AVX-512); elsewhere a config has only its module-path figure.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from bench import bounds as machine  # noqa: E402
 from bench.bench_worker import DEFAULT_GGUF, DEFAULT_MODEL, GGUF, PAGE_SIZE, DecodeBench, runner_shape, \
     tokens_each  # noqa: E402
 from bench.bench_worker import QUANTIZED_SINGLE_GOALS  # noqa: E402
+from bench.quant_configs import split_config  # noqa: E402
 from worker_service.kv_pool import KVPool  # noqa: E402
 from worker_service.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 
@@ -40,12 +42,14 @@ PATHS = ("module", "layer")  # the PyTorch module path, the compiled quantized l
 
 
 def build(quantization: str, dtype: str, args: argparse.Namespace) -> tuple[ModelRunner, DecodeBench]:
-    model = args.gguf if quantization == GGUF else args.model
+    weights, head = split_config(quantization)
+    model = args.gguf if weights == GGUF else args.model
     num_layers, num_kv_heads, head_dim = runner_shape(model)
     pages = -(-tokens_each(args.context, args.steps, 2 * args.rounds + 1) // PAGE_SIZE) + 1
     budget = pages * KVPool.bytes_per_page(num_layers, PAGE_SIZE, num_kv_heads, head_dim, getattr(torch, dtype))
     runner = ModelRunner(RunnerConfig(model_dir=model, dtype=dtype, page_size=PAGE_SIZE, kv_cache_bytes=budget,
-                                      quantization="none" if quantization == GGUF else quantization))
+                                      quantization="none" if weights == GGUF else weights,
+                                      lm_head_quantization=head))
     bench = DecodeBench(runner, 1, args.context, args.steps, 2 * args.rounds + 1)
     bench.run()  # warm-up
     return runner, bench
@@ -57,7 +61,8 @@ def main() -> None:
     parser.add_argument("--gguf", type=Path, default=DEFAULT_GGUF)
     parser.add_argument("--configs", default="none:bfloat16,none:float32,int8:bfloat16,int8:float32,"
                                              "int4:bfloat16,int4:float32,gguf:bfloat16,gguf:float32",
-                        help="comma-separated quantization:dtype pairs (quantization: none, int8, int4, gguf)")
+                        help="comma-separated quantization:dtype pairs (quantization: none, int8, int4, gguf; "
+                             "+head8 after one: the LM head in int8 too)")
     parser.add_argument("--num-threads", type=int, default=2)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=16)
@@ -81,7 +86,8 @@ def main() -> None:
             runner.fused = fused
     bounds = machine.best_of(first_bounds, machine.measure(dtypes))
     print(f"read bandwidth {bounds.bandwidth_bytes_per_s / 1e9:.1f} GB/s; decode x1 at {args.context} positions, "
-          f"{args.steps} steps, {args.rounds} rounds: tokens/s median / best (best's fraction of the bandwidth bound, of tokens/s)")
+          f"{args.steps} steps, {args.rounds} rounds: tokens/s median / best (best's fraction of the bandwidth "
+          "bound, of tokens/s)")
     best: dict[tuple[str, str, str], float] = {}
     for (quantization, dtype, path), values in times.items():
         runner = built[(quantization, dtype)][0]
@@ -98,8 +104,9 @@ def main() -> None:
             print(f"{quantization} {dtype}: compiled layer {value / module:.2f}x the module path (best of each)")
     base = best.get(("none", "bfloat16", "module"))
     for (quantization, dtype, path), value in best.items():
-        goal = QUANTIZED_SINGLE_GOALS.get(quantization)
-        if base is not None and quantization != "none" and (path == "layer" or (quantization, dtype, "layer") not in best):
+        goal = QUANTIZED_SINGLE_GOALS.get(split_config(quantization)[0])
+        only_module = (quantization, dtype, "layer") not in best
+        if base is not None and quantization != "none" and (path == "layer" or only_module):
             print(f"{quantization} {dtype} ({path}): {value / base:.2f}x bfloat16's single stream"
                   + ("" if goal is None else f" (goal {goal}x)"))
     print(f"load average {os.getloadavg()[0]:.2f} at end")

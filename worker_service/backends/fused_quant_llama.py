@@ -126,7 +126,8 @@ class FusedQuantLlamaLayers:
         args.page_tables = page_tables.data_ptr()
         state = hidden.to(torch.float32, copy=True).contiguous()
         residual = torch.empty_like(state)
-        state_ptr, residual_ptr, args_address, call = state.data_ptr(), residual.data_ptr(), self._args_address, self._call
+        state_ptr, residual_ptr = state.data_ptr(), residual.data_ptr()
+        args_address, call = self._args_address, self._call
         for index, layer in enumerate(self._layer_addresses):
             call(layer, args_address, state_ptr, residual_ptr, index == 0)  # raises KernelError on failure
         return state.to(self._dtype), residual.to(self._dtype)

@@ -167,7 +167,8 @@ void attend_head(const QuantLayerWeights& w, const QuantStepArgs& s, int32_t row
       total += p;
       const __m256 pv = _mm256_set1_ps(p);
       const char* value = v_head + (slot0 + t) * d * value_bytes;
-      for (int32_t j = 0; j < lanes; ++j) acc[j] = _mm256_fmadd_ps(pv, load8(value + 8 * j * value_bytes, dtype), acc[j]);
+      for (int32_t j = 0; j < lanes; ++j)
+        acc[j] = _mm256_fmadd_ps(pv, load8(value + 8 * j * value_bytes, dtype), acc[j]);
     }
   }
   const __m256 inv = _mm256_set1_ps(1.f / total);
