@@ -177,6 +177,6 @@ def _select(choice: str, device: torch.device, dtype: torch.dtype, head_dim: int
         layer_kernels = quant_layer_kernels.load()
         if layer_kernels is not None:
             return Selection(QuantLayersBackend(layer_kernels, dtype, world_size, quantized, experts),
-                             reason + "; decode steps of quantized Llama layers by the compiled AVX2 layer")
+                             reason + "; decode steps of a Llama layer on one rank by the compiled AVX2 layer")
         reason += f"; no compiled quantized layer ({quant_layer_kernels.failure()})"
     return Selection(TorchBackend(device, dtype, quantized, experts), reason)
