@@ -32,6 +32,9 @@ from worker_service.native.quant_layer_kernels import (QuantLayerKernels, QuantL
 from worker_service.quant.kernels import FORMAT_CODES
 
 POOL_DTYPES = {torch.float32: layer_kernels.POOL_FLOAT32, torch.bfloat16: layer_kernels.POOL_BFLOAT16}
+# Attention over fewer positions x query heads than this runs on one thread: starting the others
+# costs more than it saves (docs/quantization.md has the measurement).
+PARALLEL_ATTENTION_MIN = 16384
 
 
 def _address(tensor: torch.Tensor | None) -> int | None:
@@ -80,6 +83,7 @@ class FusedQuantLlamaLayers:
         args = self._args = QuantStepArgs()
         args.cos, args.sin = self._float(model.rotary.cos), self._float(model.rotary.sin)
         args.page_size, args.softmax_scale = pool.page_size, 1.0 / math.sqrt(head_dim)
+        self.parallel_attention_min = PARALLEL_ATTENTION_MIN
         # Room for the largest step; a step of fewer rows uses the start of each buffer.
         widths = [hidden, (num_q + 2 * num_kv) * head_dim, num_q * head_dim, 2 * intermediate, intermediate]
         self._scratch = [torch.empty(GEMV_MAX_ROWS, width, dtype=torch.float32) for width in widths]
@@ -90,6 +94,16 @@ class FusedQuantLlamaLayers:
         copy = tensor.detach().float().contiguous()
         self._keep.append(copy)
         return copy.data_ptr()
+
+    @property
+    def parallel_attention_min(self) -> int:
+        """Positions times query heads of a step from which attention runs on torch's threads
+        (below, on the calling thread alone)."""
+        return self._args.parallel_attention_min
+
+    @parallel_attention_min.setter
+    def parallel_attention_min(self, value: int) -> None:
+        self._args.parallel_attention_min = value
 
     @classmethod
     def build(cls, kernels: QuantLayerKernels, model: torch.nn.Module, pool: KVPool) -> FusedQuantLlamaLayers | None:

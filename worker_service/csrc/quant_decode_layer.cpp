@@ -85,6 +85,7 @@ struct QuantStepArgs {
   const float* cos;             // RoPE tables [positions, D], signed sin (layers/rotary.py)
   const float* sin;
   float softmax_scale;
+  int64_t parallel_attention_min;  // positions x query heads of a step from which attention is threaded
   float* normed;    // [rows, hidden]
   float* qkv;       // [rows, (Hq + 2 Hk) D]
   float* attended;  // [rows, Hq D]
@@ -221,8 +222,12 @@ int radix_quant_decode_layer(const QuantLayerWeights* wp, const QuantStepArgs* s
       store(w.v_pool, w.pool_dtype, offset, row + int64_t(hq + hk + head) * d, d);
     }
   }
+  // Attention over a short context is less work than starting the other threads for it.
+  int64_t positions_read = 0;
+  for (int32_t r = 0; r < rows; ++r) positions_read += (s.positions[r] + 1) * hq;
   const int32_t tasks = rows * hq;
-#pragma omp parallel for num_threads(std::min(threads, tasks)) schedule(dynamic, 1)
+  const bool parallel = threads > 1 && positions_read >= s.parallel_attention_min;
+#pragma omp parallel for if (parallel) num_threads(std::min(threads, tasks)) schedule(dynamic, 1)
   for (int32_t task = 0; task < tasks; ++task) {
     const int32_t r = task / hq, head = task % hq;
     attend_head(w, s, r, head, s.attended + int64_t(r) * hq * d + int64_t(head) * d);

@@ -49,7 +49,7 @@ class QuantStepArgs(ctypes.Structure):
 
     _fields_ = [("rows", _i32), ("num_threads", _i32), ("page_size", _i32), ("max_pages", _i32),
                 ("positions", _ptr), ("write_slots", _ptr), ("page_tables", _ptr),
-                ("cos", _ptr), ("sin", _ptr), ("softmax_scale", _f32),
+                ("cos", _ptr), ("sin", _ptr), ("softmax_scale", _f32), ("parallel_attention_min", _i64),
                 ("normed", _ptr), ("qkv", _ptr), ("attended", _ptr), ("gate_up", _ptr), ("act", _ptr)]
 
 
