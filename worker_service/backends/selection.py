@@ -14,7 +14,10 @@ which, and such a model gets no CUDA graphs (a replayed step does not carry what
 Quantized weights (`--quantization`) are multiplied the way chosen here too, once, with the
 backend (`linear_quant.QuantizedLinears`): by the compiled AVX2 kernels on CPU where they build
 (their own library: they need no AVX-512), else, and always with `torch` (the reference),
-dequantized for each product by PyTorch. The reason the worker logs says which.
+dequantized for each product by PyTorch. The reason the worker logs says which. Where `auto`
+falls to PyTorch's ops on CPU (the compiled kernels do not build: no AVX-512) and the quantized
+products are compiled, decode steps of a fusable Llama layer run each layer as one compiled call
+(`quant_layers_backend.py`: its own AVX2 library); `torch` never does (the reference).
 
 A mixture-of-experts model's experts are computed the way chosen here too (`grouped_experts.py`):
 by the compiled grouped product on CPU where it builds (its own AVX2 library) for steps of up to
@@ -41,9 +44,10 @@ from worker_service.backends.grouped_experts import ExpertProducts
 from worker_service.backends.invariant_backend import InvariantTorchBackend
 from worker_service.backends.linear_quant import QuantizedLinears
 from worker_service.backends.native_backend import NativeBackend
+from worker_service.backends.quant_layers_backend import QuantLayersBackend
 from worker_service.backends.torch_backend import TorchBackend
 from worker_service.backends.triton_backend import TritonBackend
-from worker_service.native import moe_kernels
+from worker_service.native import moe_kernels, quant_layer_kernels
 from worker_service.quant import kernels as quant_kernels
 
 KERNEL_CHOICES = ("auto", "native", "torch", "triton")
@@ -169,4 +173,10 @@ def _select(choice: str, device: torch.device, dtype: torch.dtype, head_dim: int
             raise RuntimeError(f"--attention-kernel triton: {why}")
         refusals.append(f"triton: {why}")
     reason = "asked for (torch)" if choice == "torch" else "no other backend runs here: " + "; ".join(refusals)
+    if choice == "auto" and device.type == "cpu" and quantized.kernels is not None:
+        layer_kernels = quant_layer_kernels.load()
+        if layer_kernels is not None:
+            return Selection(QuantLayersBackend(layer_kernels, dtype, world_size, quantized, experts),
+                             reason + "; decode steps of a Llama layer on one rank by the compiled AVX2 layer")
+        reason += f"; no compiled quantized layer ({quant_layer_kernels.failure()})"
     return Selection(TorchBackend(device, dtype, quantized, experts), reason)

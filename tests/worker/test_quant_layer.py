@@ -1,0 +1,118 @@
+"""The compiled decoder layer for quantized weights (`backends/fused_quant_llama.py`) against the
+PyTorch backend's module path over the same quantized weights: logits of decode steps (one row and
+several rows of different lengths and scattered pages) within float32 rounding and the same greedy
+tokens in float32, within bfloat16's rounding in bfloat16; and where the selection takes it.
+
+The layer is chosen where the main compiled library does not run (no AVX-512); on a machine where
+it does, the tests make the selection see it refused, as on such a CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from worker.tiny_models import VOCAB_SIZE, make_tiny_llama, make_tiny_qwen2
+from worker_service.backends import selection
+from worker_service.backends.fused_quant_llama import FusedQuantLlamaLayers
+from worker_service.backends.quant_layers_backend import QuantLayersBackend
+from worker_service.backends.torch_backend import TorchBackend
+from worker_service.forward_batch import ForwardEntry
+from worker_service.model_runner import ModelRunner, RunnerConfig
+from worker_service.native import quant_layer_kernels
+from worker_service.quant import kernels as quant_kernels
+
+PAGE_SIZE = 4
+KV_BYTES = 1 << 20
+NUM_TOKENS = 4
+# Relative to the largest logit: float32 sums in another order over 2 layers; in bfloat16 the
+# PyTorch path rounds between its ops and the compiled layer does not.
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 5e-2}
+
+pytestmark = pytest.mark.skipif(
+    quant_kernels.load() is None or quant_layer_kernels.load() is None,
+    reason=f"the compiled quantized kernels do not build here: "
+           f"{quant_kernels.failure() or quant_layer_kernels.failure()}")
+
+
+@pytest.fixture(autouse=True)
+def without_main_library(monkeypatch) -> None:
+    """The selection sees the main compiled library refused, as on a CPU without AVX-512."""
+    monkeypatch.setattr(selection, "native_refusal", lambda *args: "refused by the test (as without AVX-512)")
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def model_dir(request, tmp_path_factory) -> Path:
+    out_dir = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    return (make_tiny_llama if request.param == "llama" else make_tiny_qwen2)(out_dir)
+
+
+def runners(model_dir: Path, quantization: str, dtype: str) -> tuple[ModelRunner, ModelRunner]:
+    """(a runner taking the compiled layer, one of the same backend taking the module path)."""
+    made = []
+    for _ in range(2):
+        made.append(ModelRunner(RunnerConfig(model_dir=model_dir, dtype=dtype, page_size=PAGE_SIZE,
+                                             kv_cache_bytes=KV_BYTES, quantization=quantization)))
+    fused, module = made
+    assert isinstance(fused.backend, QuantLayersBackend) and isinstance(fused.fused, FusedQuantLlamaLayers)
+    assert "compiled AVX2 layer" in fused.backend_reason
+    module.fused = None
+    return fused, module
+
+
+def assert_close(fused: torch.Tensor, module: torch.Tensor, dtype: torch.dtype) -> None:
+    scale = float(module.abs().max())
+    torch.testing.assert_close(fused, module, atol=TOLERANCE[dtype] * scale, rtol=0)
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(3, VOCAB_SIZE, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# Each model in both formats in float32; bfloat16 (the pool's K/V rounded on write) in int4 alone;
+# the layer's threaded parts (attention's heads, the products' features) on 2 threads once.
+@pytest.mark.parametrize(("quantization", "dtype", "num_threads"), [("int4", "float32", 2), ("int8", "float32", 1),
+                                                                    ("int4", "bfloat16", 1)])
+def test_compiled_layer_matches_module_path(model_dir, quantization, dtype, num_threads) -> None:
+    saved = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        compare_decode_steps(model_dir, quantization, dtype)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def compare_decode_steps(model_dir: Path, quantization: str, dtype: str) -> None:
+    fused, module = runners(model_dir, quantization, dtype)
+    fused.fused.parallel_attention_min = 0  # threaded attention too, on a tiny model's short contexts
+    torch_dtype = getattr(torch, dtype)
+    # Three sequences of different lengths on scattered pages (page ids out of order).
+    tables = [[9, 3, 17, 5, 12, 30], [2, 25, 8, 14, 40, 1], [33, 6, 21, 11, 35, 28]]
+    prompts = [prompt(length, seed) for seed, length in enumerate((9, 14, 5))]
+    tokens = [[], [], []]
+    for runner in (fused, module):
+        logits = runner.forward([ForwardEntry(p, 0, t, True) for p, t in zip(prompts, tables)])
+        if runner is module:
+            tokens = [[int(row.argmax())] for row in logits]
+    for _ in range(NUM_TOKENS):
+        # One row alone (the first sequence), then all three together.
+        for rows in ([0], [0, 1, 2]):
+            entries = [ForwardEntry([tokens[i][-1]], len(prompts[i]) + len(tokens[i]) - 1, tables[i], True)
+                       for i in rows]
+            expected = module.forward(entries)
+            got = fused.forward(entries)
+            assert_close(got, expected, torch_dtype)
+            if torch_dtype == torch.float32:
+                assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
+            for i, row in zip(rows, expected):
+                tokens[i].append(int(row.argmax()))
+
+
+def test_selection_takes_the_layer_only_for_auto_with_quantized_weights(model_dir) -> None:
+    """`torch` is the reference (no compiled layer); unquantized weights keep the plain PyTorch backend."""
+    for kernel, quantization in (("torch", "int4"), ("auto", "none")):
+        runner = ModelRunner(RunnerConfig(model_dir=model_dir, page_size=PAGE_SIZE, kv_cache_bytes=KV_BYTES,
+                                          attention_kernel=kernel, quantization=quantization))
+        assert "compiled AVX2 layer" not in runner.backend_reason
+        assert type(runner.backend) is TorchBackend and runner.fused is None, (kernel, quantization)
