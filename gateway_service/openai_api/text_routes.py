@@ -18,6 +18,7 @@ from gateway_service.openai_api import tool_protocol
 from gateway_service.openai_api.body import parse_body
 from gateway_service.openai_api.errors import ModelNotFound
 from gateway_service.service import GenerationServicer
+from gateway_service.validation import RequestLimits
 from radixserve.v1 import generation_pb2
 
 
@@ -57,7 +58,7 @@ def model_card(info: generation_pb2.GetModelInfoResponse) -> dict:
 
 def add_text_routes(
     app: FastAPI, servicer: GenerationServicer, authenticated: Callable[..., Awaitable[None]],
-    answers_errors: Callable[[Callable[..., Awaitable]], Callable[..., Awaitable]], max_request_bytes: int,
+    answers_errors: Callable[[Callable[..., Awaitable]], Callable[..., Awaitable]], limits: RequestLimits,
 ) -> None:
     """Adds the routes, each behind `authenticated` (checked before the body is read), bodies
     bounded and strictly parsed as the generation routes' are, errors answered as OpenAI bodies."""
@@ -76,7 +77,7 @@ def add_text_routes(
     @app.post("/tokenize", dependencies=[Depends(authenticated)])
     @answers_errors
     async def tokenize(request: Request) -> dict:
-        body = await parse_body(request, TokenizeBody, max_request_bytes)
+        body = await parse_body(request, TokenizeBody, limits)
         info = await check_model(body.model)
         request = generation_pb2.TokenizeRequest(
             prompt=body.prompt or "",
@@ -96,6 +97,6 @@ def add_text_routes(
     @app.post("/detokenize", dependencies=[Depends(authenticated)])
     @answers_errors
     async def detokenize(request: Request) -> dict:
-        body = await parse_body(request, DetokenizeBody, max_request_bytes)
+        body = await parse_body(request, DetokenizeBody, limits)
         await check_model(body.model)
         return {"prompt": await servicer.detokenize(body.tokens)}
