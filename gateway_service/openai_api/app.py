@@ -125,7 +125,7 @@ def build_app(
             raise ModelNotFound(f"the model {model!r} does not exist; this server serves {info.model_name!r}")
         return info.model_name
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: probes that read only the status
     async def health() -> Response:
         return Response(status_code=200 if is_serving() else 503)
 

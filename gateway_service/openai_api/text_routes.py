@@ -41,7 +41,8 @@ class TokenizeBody(_Body):
     # Prompt: the tokenizer's own special tokens. Messages: the template holds its own, so
     # vLLM's default for them is false; true adds them once more.
     add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
+    # Messages only (default true).
+    add_generation_prompt: bool | None = None
     tools: list[tool_protocol.ToolDefinition] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -87,8 +88,9 @@ def add_text_routes(
             ],
             tools=tool_protocol.tool_messages(body.tools),
             chat_template_kwargs=tool_protocol.template_kwargs_text(body.chat_template_kwargs),
-            add_generation_prompt=body.add_generation_prompt,
         )
+        if body.add_generation_prompt is not None:
+            request.add_generation_prompt = body.add_generation_prompt
         if body.add_special_tokens is not None:
             request.add_special_tokens = body.add_special_tokens
         token_ids = list((await servicer.tokenize(request)).token_ids)
