@@ -128,7 +128,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self._refuse_if_draining()
         tokenizer = self._require_tokenizer()
         info = self._pool.info
-        check_prompt_tokens(len(token_ids), info.model.context_len if info else None, self._limits)
+        check_prompt_tokens(len(token_ids), info.model.context_len if info else None, self._limits,
+                            "token_ids")
         check_prompt_token_ids(token_ids, (info.vocab_size if info else 0) or tokenizer.vocab_size, "token_ids")
         return await self._text.decode(tokenizer.decode_all, token_ids)
 

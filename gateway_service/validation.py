@@ -96,12 +96,13 @@ def check_user(user: str, limits: RequestLimits) -> None:
         raise InvalidRequest(f"user is longer than {limits.max_user_chars} characters")
 
 
-def check_prompt_tokens(num_tokens: int, context_len: int | None, limits: RequestLimits) -> None:
-    """The tokenized prompt (or Tokenize input) within --max-prompt-tokens, else the context
-    (when known)."""
+def check_prompt_tokens(num_tokens: int, context_len: int | None, limits: RequestLimits,
+                        what: str = "the prompt") -> None:
+    """The tokenized prompt (or Tokenize input, or Detokenize's `token_ids`: `what` names it)
+    within --max-prompt-tokens, else the context (when known)."""
     limit = limits.max_prompt_tokens or context_len
     if limit is not None and num_tokens > limit:
-        raise InvalidRequest(f"the prompt has {num_tokens} tokens, more than the limit of {limit}")
+        raise InvalidRequest(f"{what} has {num_tokens} tokens, more than the limit of {limit}")
 
 
 def check_prompt_token_ids(token_ids, vocab_size: int, name: str = "prompt_token_ids") -> None:

@@ -65,6 +65,9 @@ def test_bad_agent_fields_are_invalid_argument_naming_them(harness, fields, name
     with pytest.raises(grpc.RpcError) as caught:
         harness.stub.Detokenize(pb.DetokenizeRequest(token_ids=[10 ** 9]), timeout=TIMEOUT_S)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_ids[0]" in caught.value.details()
+    with pytest.raises(grpc.RpcError) as caught:
+        harness.stub.Detokenize(pb.DetokenizeRequest(token_ids=[1] * 600), timeout=TIMEOUT_S)
+    assert caught.value.details() == "token_ids has 600 tokens, more than the limit of 512"
 
 
 def test_tokenize_checks_the_tool_history_too(harness) -> None:
