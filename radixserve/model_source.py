@@ -104,5 +104,6 @@ def _reading(source: ModelSource, load: Callable[[], Loaded]) -> Loaded:
     except Exception as exc:
         from radixserve.gguf_check import gguf_problem  # the gguf package, only on this path
 
-        cause = gguf_problem(path) or f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        first_line = next(iter(str(exc).strip().splitlines()), "")
+        cause = gguf_problem(path) or f"{type(exc).__name__}: {first_line}"
         raise ModelUnreadable(f"cannot read the GGUF file {path}: {cause}") from exc

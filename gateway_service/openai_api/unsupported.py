@@ -5,10 +5,11 @@ A client that sends one of these expects something we would not do (call legacy 
 speak audio, keep the stop string, continue the last assistant message, at least N tokens...),
 or sends one endpoint's field to the other (`tools` or `chat_template_kwargs` to
 /v1/completions, `prompt` to /v1/chat/completions): answering 200 without it would be a silent
-wrong answer, so each is a 400 naming the field and, where there is one, what to send instead. A value that asks for what the server does anyway
-(`modalities: ["text"]`, `skip_special_tokens: true`, `best_of: 1`) passes. Fields that change
-nothing in the output (`store`, `metadata`, `service_tier`, `prediction`, `user`) and fields no
-API defines are ignored, as OpenAI ignores what it does not know.
+wrong answer, so each is a 400 naming the field and, where there is one, what to send instead.
+A value that asks for what the server does anyway (`modalities: ["text"]`,
+`skip_special_tokens: true`, `best_of: 1`) passes. Fields that change nothing in the output
+(`store`, `metadata`, `service_tier`, `prediction`, `user`) and fields no API defines are
+ignored, as OpenAI ignores what it does not know.
 
 The request bodies keep the fields they do not declare (`model_extra`); `refuse_unsupported`
 reads them there, so this table is the one place a field is refused.
