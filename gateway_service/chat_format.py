@@ -30,6 +30,10 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "tokenize", "return_dict", "return_tensors", "chat_template", "padding", "truncation",
 })
 ENABLE_THINKING = "enable_thinking"
+# GenerateRequest's and TokenizeRequest's fields that only a chat uses.
+CHAT_ONLY_FIELDS = ("tools", "tool_choice", "chat_template_kwargs", "add_generation_prompt")
+# How a Jinja chat template reads a message's `name` (a participant's name on a user turn).
+READS_MESSAGE_NAME = re.compile(r"message\s*(\.\s*name\b|\[\s*['\"]name['\"]\s*\])")
 Mode = generation_pb2.ToolChoiceMode
 
 
@@ -43,6 +47,9 @@ class ChatFormat:
     renders_tools: bool
     reasoning: bool
     marker_token: int | None = None
+    # Whether a turn's `name` reaches the model: the template reads it, and gets the messages
+    # as they are (`renders_tools`; otherwise chat_render rewrites them without it).
+    renders_names: bool = False
 
     @classmethod
     def detect(cls, tokenizer: Tokenizer, tool_parser_name: str, reasoning_parser_name: str) -> "ChatFormat":
@@ -54,7 +61,9 @@ class ChatFormat:
         if reasoning:
             for tag in (OPEN, CLOSE):
                 tokenizer.keep_special(tag)
-        return cls(parser, "tools" in template, reasoning, tokenizer.keep_special(parser.marker))
+        renders_tools = "tools" in template
+        return cls(parser, renders_tools, reasoning, tokenizer.keep_special(parser.marker),
+                   renders_tools and READS_MESSAGE_NAME.search(template) is not None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +127,8 @@ def check_history(messages, max_chars: int) -> None:
     for index, turn in enumerate(messages):
         if turn.tool_calls and turn.role != "assistant":
             raise InvalidRequest(f"messages[{index}].tool_calls: only assistant messages have tool calls")
+        if turn.tool_call_id and turn.role != "tool":
+            raise InvalidRequest(f"messages[{index}].tool_call_id: only tool messages answer a call")
         for number, call in enumerate(turn.tool_calls):
             where = f"messages[{index}].tool_calls[{number}]"
             if not call.name:
@@ -130,14 +141,36 @@ def check_history(messages, max_chars: int) -> None:
                 raise InvalidRequest(f"{where}.function.arguments must be a JSON object")
 
 
+def check_chat_only(request: generation_pb2.GenerateRequest | generation_pb2.TokenizeRequest) -> None:
+    """The fields that shape a chat's rendering, given with a prompt (which is not rendered):
+    refused, where they would be dropped."""
+    if request.messages:
+        return
+    given = [described.name for described, _ in request.ListFields() if described.name in CHAT_ONLY_FIELDS]
+    if given:
+        raise InvalidRequest(f"{given[0]} needs messages (a chat), not a prompt: a prompt is not "
+                             "rendered by the chat template")
+
+
+def check_names(messages, chat: ChatFormat) -> None:
+    """A participant's `name` on a system, user or assistant turn only where the template shows
+    it to the model (a tool turn's name is the function's, which tool results carry anyway)."""
+    if chat.renders_names:
+        return
+    for index, turn in enumerate(messages):
+        if turn.name and turn.role != "tool":
+            raise InvalidRequest(f"messages[{index}].name: this model's chat template does not show "
+                                 "participants' names; put the name in the content")
+
+
 def plan_chat(request: generation_pb2.GenerateRequest, chat: ChatFormat, max_chars: int) -> ChatPlan:
     """Check the request's tool and template fields and decide what to do with them."""
     tools = tuple(request.tools)
     choice = request.tool_choice.WhichOneof("choice")
-    if (tools or choice) and not request.messages:
-        raise InvalidRequest("tools and tool_choice need messages (a chat), not a prompt")
+    check_chat_only(request)
     check_tools(tools, max_chars)
     check_history(request.messages, max_chars)
+    check_names(request.messages, chat)
     kwargs = template_kwargs(request.chat_template_kwargs)
     split_reasoning = chat.reasoning and bool(request.messages) and kwargs.get(ENABLE_THINKING, True) is not False
     named = request.tool_choice.function_name if choice == "function_name" else None

@@ -32,7 +32,8 @@ class RequestLimits:
     """Bounds on what one public request may hold (the gateway's flags, named after the fields).
 
     `max_request_bytes` is enforced by gRPC itself (its maximum receive size) and by the HTTP API
-    while the body streams in; the others here.
+    while the body streams in, as `http_body_timeout_s` is (gRPC's own deadline and keepalive
+    bound a stalled message there); the others here.
     """
 
     max_request_bytes: int = setting(4 * 1024 * 1024, "largest request accepted: gRPC's receive limit "
@@ -48,6 +49,9 @@ class RequestLimits:
                                       min=1)
     max_user_chars: int = setting(256, "characters of OpenAI's `user` field (an end-user id, any "
                                   "Unicode, logged with the request)", min=1)
+    http_body_timeout_s: float = setting(30.0, "seconds an HTTP request's body may take to arrive whole "
+                                         "once its head has (a body that stalls, or dribbles, is 408 and "
+                                         "its connection is closed)", above=0)
 
     def __post_init__(self) -> None:
         check(self)
@@ -92,12 +96,13 @@ def check_user(user: str, limits: RequestLimits) -> None:
         raise InvalidRequest(f"user is longer than {limits.max_user_chars} characters")
 
 
-def check_prompt_tokens(num_tokens: int, context_len: int | None, limits: RequestLimits) -> None:
-    """The tokenized prompt (or Tokenize input) within --max-prompt-tokens, else the context
-    (when known)."""
+def check_prompt_tokens(num_tokens: int, context_len: int | None, limits: RequestLimits,
+                        what: str = "the prompt") -> None:
+    """The tokenized prompt (or Tokenize input, or Detokenize's `token_ids`: `what` names it)
+    within --max-prompt-tokens, else the context (when known)."""
     limit = limits.max_prompt_tokens or context_len
     if limit is not None and num_tokens > limit:
-        raise InvalidRequest(f"the prompt has {num_tokens} tokens, more than the limit of {limit}")
+        raise InvalidRequest(f"{what} has {num_tokens} tokens, more than the limit of {limit}")
 
 
 def check_prompt_token_ids(token_ids, vocab_size: int, name: str = "prompt_token_ids") -> None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from radixserve.architectures import unsupported
 from radixserve.child_processes import Children
+from radixserve.gguf_check import gguf_header_problem
 from radixserve.health import CHECK_TIMEOUT_S, is_serving, probe
 from radixserve.health_tls import handshake_error
 from radixserve.launcher_config import UpConfig, config_from_args
@@ -68,7 +69,11 @@ def unusable_input(config: UpConfig) -> str | None:
     except ModelNotFound as exc:
         return (f"--model {exc}: give a model folder (config.json, safetensors, tokenizer), e.g. the "
                 "one `make model` prepares, or a GGUF file")
-    if source.gguf_file is None:  # a GGUF file's architecture is checked by the workers
+    if source.gguf_path is not None:  # its architecture is checked by the workers
+        problem = gguf_header_problem(source.gguf_path)
+        if problem is not None:
+            return f"--model {config.model}: {problem}"
+    else:
         try:
             declared = json.loads((source.folder / HF_CONFIG).read_text()).get("architectures") or []
         except (OSError, ValueError) as exc:

@@ -9,9 +9,10 @@ transformers is imported only inside the functions that need it: the router impo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 GGUF_SUFFIX = ".gguf"
 HF_CONFIG = "config.json"
@@ -21,6 +22,11 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 class ModelNotFound(ValueError):
     """`--model` names neither a model folder nor a GGUF file (the message says which and why)."""
+
+
+class ModelUnreadable(ValueError):
+    """The model's files are there but cannot be read (a GGUF file that is empty, not GGUF, or
+    cut short): one line naming the file and the cause."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,19 +70,40 @@ def resolve_model(path: str | Path) -> ModelSource:
 
 
 def load_tokenizer(source: ModelSource):
-    """The model's Hugging Face tokenizer (with its chat template)."""
+    """The model's Hugging Face tokenizer (with its chat template); `ModelUnreadable` for a GGUF
+    file that cannot be read."""
     from transformers import AutoTokenizer  # heavy import, done once at startup
 
-    return AutoTokenizer.from_pretrained(str(source.folder), **source.hf_kwargs())
+    return _reading(source, lambda: AutoTokenizer.from_pretrained(str(source.folder), **source.hf_kwargs()))
 
 
 def load_config(source: ModelSource) -> Any:
     """The model's transformers config; a GGUF file's names the architecture we serve it with
-    (`GGUF_ARCHITECTURES`; an architecture we lack keeps none, and the worker says so)."""
+    (`GGUF_ARCHITECTURES`; an architecture we lack keeps none, and the worker says so).
+    `ModelUnreadable` for a GGUF file that cannot be read."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(str(source.folder), **source.hf_kwargs())
+    config = _reading(source, lambda: AutoConfig.from_pretrained(str(source.folder), **source.hf_kwargs()))
     if source.gguf_file is not None and not getattr(config, "architectures", None):
         architecture = GGUF_ARCHITECTURES.get(config.model_type)
         config.architectures = [architecture] if architecture else [f"gguf:{config.model_type}"]
     return config
+
+
+Loaded = TypeVar("Loaded")
+
+
+def _reading(source: ModelSource, load: Callable[[], Loaded]) -> Loaded:
+    """`load()`, where a GGUF file that fails to load becomes `ModelUnreadable` saying why (its
+    first line: transformers' and gguf's own messages are tracebacks' last lines)."""
+    path = source.gguf_path
+    if path is None:
+        return load()
+    try:
+        return load()
+    except Exception as exc:
+        from radixserve.gguf_check import gguf_problem  # the gguf package, only on this path
+
+        first_line = next(iter(str(exc).strip().splitlines()), "")
+        cause = gguf_problem(path) or f"{type(exc).__name__}: {first_line}"
+        raise ModelUnreadable(f"cannot read the GGUF file {path}: {cause}") from exc

@@ -8,7 +8,8 @@ guard for TLS, tokens and strict decoding, keepalive, message limits).
 service's `start(config)` (which builds its core and starts its servers, health NOT_SERVING
 until ready) and waits for SIGINT/SIGTERM, then calls `stop()` (each service drains in its own
 way) and exits 0; a service whose background task dies sets `crashed`, which stops it too and
-exits 1.
+exits 1. A start refused for its input (credentials, a model that is missing or unreadable)
+exits with that one line, not a traceback.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from radixserve.flags import Program
 from radixserve.guard import Guard
 from radixserve.health import Health
 from radixserve.log_format import setup_logging
+from radixserve.model_source import ModelNotFound, ModelUnreadable
 from radixserve.security import NO_SECURITY, Security, SecurityError
 
 log = logging.getLogger(__name__)
@@ -103,7 +105,7 @@ def run_service(program: Program, start: Start, argv: list[str] | None = None) -
     setup_logging(config.log_level, config.log_format)
     try:
         status = asyncio.run(serve_until_signal(start, config))
-    except SecurityError as exc:
+    except (SecurityError, ModelNotFound, ModelUnreadable) as exc:  # the input, not the code
         raise SystemExit(f"{program.prog}: {exc}") from None
     raise SystemExit(status)
 

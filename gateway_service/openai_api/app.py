@@ -110,7 +110,7 @@ def build_app(
         started = time.monotonic()
         caller = caller_of(request)
         try:
-            body = await parse_body(request, model, limits.max_request_bytes)
+            body = await parse_body(request, model, limits)
             if body.user is not None:
                 check_user(body.user, limits)
                 caller = caller_of(request, body.user)
@@ -125,7 +125,7 @@ def build_app(
             raise ModelNotFound(f"the model {model!r} does not exist; this server serves {info.model_name!r}")
         return info.model_name
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: probes that read only the status
     async def health() -> Response:
         return Response(status_code=200 if is_serving() else 503)
 
@@ -173,7 +173,7 @@ def build_app(
             usage=bodies.usage_body([out.usage for out in outputs], len(prompts)),
         ))
 
-    add_text_routes(app, servicer, authenticated, _answers_errors, limits.max_request_bytes)
+    add_text_routes(app, servicer, authenticated, _answers_errors, limits)
     add_embedding_routes(app, servicer, authenticated, _answers_errors, limits, caller_of)
 
     return app

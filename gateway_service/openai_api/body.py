@@ -3,6 +3,8 @@
 The order is the point: the route's token check has run on the headers alone (the body is
 not read for a caller without a token); then `Content-Length` over `--max-request-bytes` is 413
 before any byte is read, and a body that streams past it (chunked) is 413 as soon as it does;
+a body that has not arrived whole `--http-body-timeout-s` after its head is 408 (`BodyTimeout`),
+and a client that disconnects while sending it is `ClientGone`, not a failure of ours;
 then the bytes must be UTF-8 JSON, nested at most `MAX_DEPTH` deep, with no string that cannot
 be encoded (a lone surrogate escape such as `"\\ud800"`), and the JSON must fit the route's
 model with strict types (`"stream": "yes"` is not a boolean). Every failure is an
@@ -19,8 +21,11 @@ from typing import Any, TypeVar
 import pydantic
 from fastapi import Request
 
+from starlette.requests import ClientDisconnect
+
 from gateway_service.errors import InvalidRequest
-from gateway_service.openai_api.errors import PayloadTooLarge
+from gateway_service.openai_api.errors import BodyTimeout, ClientGone, PayloadTooLarge
+from gateway_service.validation import RequestLimits
 
 Model = TypeVar("Model", bound=pydantic.BaseModel)
 # Deeper than any OpenAI body or sensible JSON schema; a deeper one is refused before pydantic
@@ -30,8 +35,9 @@ MAX_DEPTH = 64
 PARSE_ON_LOOP_BYTES = 64 * 1024
 
 
-async def read_body(request: Request, max_bytes: int) -> bytes:
-    """The whole body, refused with `PayloadTooLarge` as soon as it passes `max_bytes`."""
+async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes:
+    """The whole body, refused with `PayloadTooLarge` as soon as it passes `max_bytes`, with
+    `BodyTimeout` when it is not whole `timeout_s` from now."""
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():
@@ -39,16 +45,22 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
         if int(declared) > max_bytes:
             raise PayloadTooLarge(f"the body has {declared} bytes, more than the limit of {max_bytes}")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise PayloadTooLarge(f"the body is longer than the limit of {max_bytes} bytes")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise PayloadTooLarge(f"the body is longer than the limit of {max_bytes} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise BodyTimeout(f"the body did not arrive within {timeout_s:g} s ({size} bytes came)") from None
+    except ClientDisconnect:
+        raise ClientGone("the client disconnected while sending the body") from None
     return b"".join(chunks)
 
 
-async def parse_body(request: Request, model: type[Model], max_bytes: int) -> Model:
-    body = await read_body(request, max_bytes)
+async def parse_body(request: Request, model: type[Model], limits: RequestLimits) -> Model:
+    body = await read_body(request, limits.max_request_bytes, limits.http_body_timeout_s)
     if len(body) > PARSE_ON_LOOP_BYTES:
         return await asyncio.to_thread(parse, body, model)
     return parse(body, model)

@@ -81,7 +81,7 @@ def add_embedding_routes(
     async def embeddings(request: Request) -> dict:
         started, caller = time.monotonic(), caller_of(request)
         try:
-            body = await parse_body(request, EmbeddingRequest, limits.max_request_bytes)
+            body = await parse_body(request, EmbeddingRequest, limits)
             if body.user is not None:
                 check_user(body.user, limits)
                 caller = caller_of(request, body.user)

@@ -40,6 +40,14 @@ class PayloadTooLarge(HttpError):
     http_status = 413
 
 
+class BodyTimeout(HttpError):
+    """The body did not arrive whole within `--http-body-timeout-s` (a stalled or dribbling
+    client holds a connection and a task for no more than that)."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    http_status = 408
+
+
 class RouteNotFound(HttpError):
     code = grpc.StatusCode.NOT_FOUND
     http_status = 404

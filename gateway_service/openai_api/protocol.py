@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway_service.errors import InvalidRequest
 from gateway_service.openai_api import tool_protocol
-from gateway_service.openai_api.unsupported import CHAT, COMPLETIONS, refuse_unsupported
+from gateway_service.openai_api.unsupported import CHAT, COMPLETIONS, MESSAGE, refuse_unsupported
 from radixserve import constraints
 from radixserve.constraints import Constraint, ConstraintKind
 from radixserve.sampling import seed_problem
@@ -61,6 +61,9 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
+    # Undeclared fields are kept for `unsupported.refuse_unsupported` (MESSAGE).
+    model_config = ConfigDict(extra="allow")
+
     role: str
     content: str | list[TextPart] | None = None
     tool_calls: list[tool_protocol.ToolCallIn] | None = None
@@ -129,6 +132,8 @@ Endpoint = Literal["chat", "completions"]  # unsupported.CHAT, unsupported.COMPL
 def chat_input(body: ChatCompletionRequest, max_choices: int) -> generation_pb2.GenerateRequest:
     check_choices(body.n, max_choices)
     refuse_unsupported(body.model_extra, CHAT)
+    for index, message in enumerate(body.messages):
+        refuse_unsupported(message.model_extra, MESSAGE, f"messages[{index}].")
     turns = [
         generation_pb2.ChatMessage(role=ROLE_ALIASES.get(m.role, m.role), content=_text(m.content, index),
                                    **tool_protocol.history_fields(m))
@@ -176,6 +181,8 @@ def check_choices(num_choices: int, max_choices: int) -> None:
 
 
 def _input(body: _Common, max_tokens: int | None, *, top_logprobs: int, **text) -> generation_pb2.GenerateRequest:
+    if body.stream_options is not None and not body.stream:
+        raise InvalidRequest("stream_options needs stream: true (it shapes a streamed answer)")
     stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
     if (problem := seed_problem(body.seed)) is not None:
         raise InvalidRequest(f"sampling.{problem}")

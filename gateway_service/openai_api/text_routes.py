@@ -18,6 +18,7 @@ from gateway_service.openai_api import tool_protocol
 from gateway_service.openai_api.body import parse_body
 from gateway_service.openai_api.errors import ModelNotFound
 from gateway_service.service import GenerationServicer
+from gateway_service.validation import RequestLimits
 from radixserve.v1 import generation_pb2
 
 
@@ -40,7 +41,8 @@ class TokenizeBody(_Body):
     # Prompt: the tokenizer's own special tokens. Messages: the template holds its own, so
     # vLLM's default for them is false; true adds them once more.
     add_special_tokens: bool | None = None
-    add_generation_prompt: bool = True
+    # Messages only (default true).
+    add_generation_prompt: bool | None = None
     tools: list[tool_protocol.ToolDefinition] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -57,7 +59,7 @@ def model_card(info: generation_pb2.GetModelInfoResponse) -> dict:
 
 def add_text_routes(
     app: FastAPI, servicer: GenerationServicer, authenticated: Callable[..., Awaitable[None]],
-    answers_errors: Callable[[Callable[..., Awaitable]], Callable[..., Awaitable]], max_request_bytes: int,
+    answers_errors: Callable[[Callable[..., Awaitable]], Callable[..., Awaitable]], limits: RequestLimits,
 ) -> None:
     """Adds the routes, each behind `authenticated` (checked before the body is read), bodies
     bounded and strictly parsed as the generation routes' are, errors answered as OpenAI bodies."""
@@ -76,7 +78,7 @@ def add_text_routes(
     @app.post("/tokenize", dependencies=[Depends(authenticated)])
     @answers_errors
     async def tokenize(request: Request) -> dict:
-        body = await parse_body(request, TokenizeBody, max_request_bytes)
+        body = await parse_body(request, TokenizeBody, limits)
         info = await check_model(body.model)
         request = generation_pb2.TokenizeRequest(
             prompt=body.prompt or "",
@@ -86,8 +88,9 @@ def add_text_routes(
             ],
             tools=tool_protocol.tool_messages(body.tools),
             chat_template_kwargs=tool_protocol.template_kwargs_text(body.chat_template_kwargs),
-            add_generation_prompt=body.add_generation_prompt,
         )
+        if body.add_generation_prompt is not None:
+            request.add_generation_prompt = body.add_generation_prompt
         if body.add_special_tokens is not None:
             request.add_special_tokens = body.add_special_tokens
         token_ids = list((await servicer.tokenize(request)).token_ids)
@@ -96,6 +99,6 @@ def add_text_routes(
     @app.post("/detokenize", dependencies=[Depends(authenticated)])
     @answers_errors
     async def detokenize(request: Request) -> dict:
-        body = await parse_body(request, DetokenizeBody, max_request_bytes)
+        body = await parse_body(request, DetokenizeBody, limits)
         await check_model(body.model)
         return {"prompt": await servicer.detokenize(body.tokens)}

@@ -2,12 +2,14 @@
 change the answer.
 
 A client that sends one of these expects something we would not do (call legacy `functions`,
-speak audio, keep the stop string, continue the last assistant message, at least N tokens...):
-answering 200 without it would be a silent wrong answer, so each is a 400 naming the field and,
-where there is one, what to send instead. A value that asks for what the server does anyway
-(`modalities: ["text"]`, `skip_special_tokens: true`, `best_of: 1`) passes. Fields that change
-nothing in the output (`store`, `metadata`, `service_tier`, `prediction`, `user`) and fields no
-API defines are ignored, as OpenAI ignores what it does not know.
+speak audio, keep the stop string, continue the last assistant message, at least N tokens...),
+or sends one endpoint's field to the other (`tools` or `chat_template_kwargs` to
+/v1/completions, `prompt` to /v1/chat/completions): answering 200 without it would be a silent
+wrong answer, so each is a 400 naming the field and, where there is one, what to send instead.
+A value that asks for what the server does anyway (`modalities: ["text"]`,
+`skip_special_tokens: true`, `best_of: 1`) passes. Fields that change nothing in the output
+(`store`, `metadata`, `service_tier`, `prediction`, `user`) and fields no API defines are
+ignored, as OpenAI ignores what it does not know.
 
 The request bodies keep the fields they do not declare (`model_extra`); `refuse_unsupported`
 reads them there, so this table is the one place a field is refused.
@@ -23,6 +25,8 @@ from gateway_service.errors import InvalidRequest
 
 CHAT, COMPLETIONS = "chat", "completions"
 BOTH = (CHAT, COMPLETIONS)
+# A chat message's own fields (`messages[i].<field>`).
+MESSAGE = "message"
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +46,8 @@ def _not(default: Any) -> Callable[[Any], bool]:
     return lambda value: value is not None and value != default
 
 
+_CHAT_ROUTE = "it is a field of /v1/chat/completions"
+
 FIELDS = (
     Unsupported("functions", (CHAT,), _set, "send them as tools"),
     Unsupported("function_call", (CHAT,), _set, "use tool_choice"),
@@ -53,7 +59,7 @@ FIELDS = (
     Unsupported("add_generation_prompt", (CHAT,), _not(True)),
     Unsupported("echo", (CHAT,), _set),
     Unsupported("documents", (CHAT,), _set),
-    Unsupported("suffix", (COMPLETIONS,), _set),
+    Unsupported("suffix", BOTH, _set),
     Unsupported("best_of", BOTH, _not(1), "use n"),
     Unsupported("use_beam_search", BOTH, _set),
     Unsupported("length_penalty", BOTH, _not(1)),
@@ -69,17 +75,32 @@ FIELDS = (
                 "guided_choice, guided_grammar"),
     Unsupported("guided_whitespace_pattern", BOTH, _set),
     Unsupported("return_tokens_as_token_ids", BOTH, _set),
+    Unsupported("add_special_tokens", (CHAT,), _not(False), "the rendered template holds its special tokens"),
+    Unsupported("add_special_tokens", (COMPLETIONS,), _not(True)),
+    Unsupported("function_call", (MESSAGE,), _set, "send tool_calls"),
+    Unsupported("audio", (MESSAGE,), _set, "this server reads text only"),
+    Unsupported("refusal", (MESSAGE,), _set, "put it in content"),
+    # One endpoint's fields sent to the other.
+    Unsupported("prompt", (CHAT,), lambda value: value is not None, "a chat takes messages"),
+    Unsupported("messages", (COMPLETIONS,), lambda value: value is not None, _CHAT_ROUTE),
+    Unsupported("tools", (COMPLETIONS,), _set, _CHAT_ROUTE),
+    Unsupported("tool_choice", (COMPLETIONS,), _set, _CHAT_ROUTE),
+    Unsupported("chat_template_kwargs", (COMPLETIONS,), _set, f"a prompt has no chat template; {_CHAT_ROUTE}"),
+    Unsupported("max_completion_tokens", (COMPLETIONS,), lambda value: value is not None, "use max_tokens"),
+    Unsupported("top_logprobs", (COMPLETIONS,), lambda value: value is not None,
+                "completions take the number of alternatives in logprobs"),
 )
-_BY_NAME = {field.name: field for field in FIELDS}
+_BY_NAME = {(field.name, endpoint): field for field in FIELDS for endpoint in field.endpoints}
 
 
-def refuse_unsupported(extra: Mapping[str, Any] | None, endpoint: str) -> None:
-    """`InvalidRequest` naming the first field of `extra` (a body's undeclared fields) that asks
-    for something this server does not do on `endpoint`."""
+def refuse_unsupported(extra: Mapping[str, Any] | None, endpoint: str, where: str = "") -> None:
+    """`InvalidRequest` naming the first field of `extra` (a body's or, for `MESSAGE`, a chat
+    message's undeclared fields) that asks for something this server does not do on `endpoint`;
+    `where` goes before the field's name (`messages[2].`)."""
     for name, value in (extra or {}).items():
-        field = _BY_NAME.get(name)
-        if field is None or endpoint not in field.endpoints or not field.asks(value):
+        field = _BY_NAME.get((name, endpoint))
+        if field is None or not field.asks(value):
             continue
         shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:37]}..."
         hint = f"; {field.instead}" if field.instead else ""
-        raise InvalidRequest(f"{name} ({shown}) is not supported by this server{hint}")
+        raise InvalidRequest(f"{where}{name} ({shown}) is not supported by this server{hint}")

@@ -45,7 +45,10 @@ def test_token_id_prompt_and_detokenize(harness, tokenizer) -> None:
 
 
 @pytest.mark.parametrize("fields, named", [
-    (dict(prompt="hi", tools=[TOOL]), "need messages"),
+    (dict(prompt="hi", tools=[TOOL]), "tools needs messages"),
+    (dict(prompt="hi", chat_template_kwargs='{"enable_thinking": false}'), "chat_template_kwargs needs messages"),
+    (dict(messages=[pb.ChatMessage(role="user", content="hi", tool_call_id="call_1")]), "messages[0].tool_call_id"),
+    (dict(messages=[pb.ChatMessage(role="user", content="hi", name="bob")]), "messages[0].name"),
     (dict(messages=CHAT, tool_choice=pb.ToolChoice(function_name="get_time")), "no tools"),
     (dict(messages=CHAT, tools=[TOOL, TOOL]), "tools[1].function.name 'get_time' is given twice"),
     (dict(messages=CHAT, tools=[pb.Tool(name="f", parameters="[1]")]), "tools[0].function.parameters"),
@@ -62,6 +65,9 @@ def test_bad_agent_fields_are_invalid_argument_naming_them(harness, fields, name
     with pytest.raises(grpc.RpcError) as caught:
         harness.stub.Detokenize(pb.DetokenizeRequest(token_ids=[10 ** 9]), timeout=TIMEOUT_S)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_ids[0]" in caught.value.details()
+    with pytest.raises(grpc.RpcError) as caught:
+        harness.stub.Detokenize(pb.DetokenizeRequest(token_ids=[1] * 600), timeout=TIMEOUT_S)
+    assert caught.value.details() == "token_ids has 600 tokens, more than the limit of 512"
 
 
 def test_tokenize_checks_the_tool_history_too(harness) -> None:

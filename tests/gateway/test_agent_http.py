@@ -219,6 +219,23 @@ UNSUPPORTED = [
     ("completions", {"skip_special_tokens": False}, "skip_special_tokens"),
     ("chat", {"messages": [{"role": "user", "content": "x", "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls"),
+    # Found by sending them to a running stack: each was a 200 that dropped it.
+    ("chat", {"stream_options": {"include_usage": True}}, "stream_options needs stream: true"),
+    ("completions", {"stream_options": {"include_usage": True}}, "stream_options needs stream: true"),
+    ("completions", {"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs ("),
+    ("completions", {"tools": [WEATHER]}, "tools ("),
+    ("completions", {"tool_choice": "auto"}, "tool_choice ("),
+    ("completions", {"max_completion_tokens": 3}, "max_completion_tokens (3)"),
+    ("completions", {"top_logprobs": 2}, "top_logprobs (2)"),
+    ("completions", {"add_special_tokens": False}, "add_special_tokens"),
+    ("chat", {"add_special_tokens": True}, "add_special_tokens"),
+    ("chat", {"prompt": "also this"}, "prompt ('also this')"),
+    ("chat", {"suffix": "end."}, "suffix"),
+    ("chat", {"messages": [{"role": "user", "content": "x", "function_call": {"name": "f"}}]},
+     "messages[0].function_call"),
+    ("chat", {"messages": [{"role": "assistant", "content": "", "refusal": "no"}, *CHAT]}, "messages[0].refusal"),
+    ("chat", {"messages": [{"role": "user", "content": "x", "tool_call_id": "call_1"}]}, "messages[0].tool_call_id"),
+    ("chat", {"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages[0].name"),
 ]
 
 
@@ -237,7 +254,10 @@ def test_fields_asking_what_the_server_does_anyway_and_unknown_ones_pass(harness
     _say(harness, tokenizer, "Fine.")
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 4, "modalities": ["text"], "best_of": 1,
             "skip_special_tokens": True, "store": True, "metadata": {"a": "b"}, "service_tier": "auto",
-            "prediction": {"type": "content", "content": "Fine."}, "not_a_field": 1}
+            "prediction": {"type": "content", "content": "Fine."}, "not_a_field": 1,
+            "add_special_tokens": False, "messages": [
+                {"role": "assistant", "content": "Hi.", "refusal": None, "audio": None, "function_call": None},
+                *CHAT]}
     reply = httpx.post(f"{_base(harness)}/v1/chat/completions", json=body, timeout=TIMEOUT_S)
     assert reply.status_code == 200, reply.text
     assert reply.json()["choices"][0]["message"]["content"] == "Fine."

@@ -6,6 +6,9 @@
 - connections that never finish their request head, idle new connections and idle keep-alive
   connections are closed within their timeouts (short here), and so is a gRPC connection that
   never starts its handshake; a stream longer than all those timeouts is unaffected;
+- a body that stalls or dribbles (declared length or chunked) is 408 within its timeout and its
+  connection closed; a client that leaves in the middle of its body is logged as cancelled, not
+  as an internal error;
 - with `--log-format json` the access log line of that stream is one JSON object carrying the
   caller's X-Request-Id, its route, status and token counts.
 """
@@ -33,6 +36,7 @@ MAX_TOKEN_GAP_S = 0.5
 STREAM_TOKENS = 150
 TOKEN_DELAY_S = 0.02
 HEAD_TIMEOUT_S = 1.0
+BODY_TIMEOUT_S = 1.0
 KEEP_ALIVE_S = 1.0
 # A closed connection is noticed by a blocking read with this much slack over its timeout.
 CLOSE_SLACK_S = 1.5
@@ -42,7 +46,8 @@ CALL_TIMEOUT_S = 30.0
 @pytest.fixture(scope="module")
 def gateway(smollm2_dir):
     with gateway_process(smollm2_dir, "--api-tokens", TOKEN, "--http-header-timeout-s", str(HEAD_TIMEOUT_S),
-                         "--http-keep-alive-s", str(KEEP_ALIVE_S), "--log-format", "json") as running:
+                         "--http-keep-alive-s", str(KEEP_ALIVE_S), "--http-body-timeout-s", str(BODY_TIMEOUT_S),
+                         "--log-format", "json") as running:
         yield running
 
 
@@ -200,3 +205,50 @@ def test_slow_and_idle_connections_are_closed_and_streams_unaffected(gateway) ->
     assert access["logger"] == "radixserve.access" and access["route"] == "/v1/completions"
     assert access["status"] == "ok" and access["output_tokens"] == STREAM_TOKENS
     assert access["prompt_tokens"] > 0 and 0 < access["ttft_s"] <= access["total_s"]
+
+
+def test_bodies_that_stall_or_dribble_are_408_and_a_client_gone_mid_body_is_no_error(gateway) -> None:
+    head = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + TOKEN.encode() + b"\r\n")
+    answers: dict[str, tuple[bytes, float]] = {}
+
+    def send(name: str, start: bytes, dribble: bytes = b"") -> None:
+        with socket.create_connection(("127.0.0.1", gateway.http_port), timeout=CALL_TIMEOUT_S) as sock:
+            sock.sendall(start)
+            began = time.monotonic()
+            sock.settimeout(0.2)
+            reply = b""
+            while time.monotonic() - began < CALL_TIMEOUT_S:
+                try:
+                    piece = sock.recv(65536)
+                except TimeoutError:
+                    if dribble:  # a byte every 0.2 s: never whole, never idle
+                        sock.send(dribble[:1])
+                        dribble = dribble[1:]
+                    continue
+                if not piece:
+                    break
+                reply += piece
+            answers[name] = (reply, time.monotonic() - began)
+
+    checks = [
+        ("stalled", head + b"Content-Length: 100\r\n\r\n{"),
+        ("dribbled", head + b"Content-Length: 100\r\n\r\n{", b" " * 60),
+        ("stalled chunked", head + b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":\r\n"),
+    ]
+    threads = [threading.Thread(target=send, args=check) for check in checks]
+    for thread in threads:
+        thread.start()
+    with socket.create_connection(("127.0.0.1", gateway.http_port), timeout=CALL_TIMEOUT_S) as sock:
+        sock.sendall(head + b"Content-Length: 100\r\n\r\n{\"model\": ")  # and leaves
+    for thread in threads:
+        thread.join(timeout=CALL_TIMEOUT_S * 2)
+    assert set(answers) == {name for name, *_ in checks}
+    for name, (reply, seconds) in answers.items():
+        assert reply.startswith(b"HTTP/1.1 408 "), (name, reply)
+        assert b"did not arrive within 1 s" in reply, (name, reply)
+        assert seconds < BODY_TIMEOUT_S + CLOSE_SLACK_S, (name, seconds)  # answered, then closed
+    log = gateway.log()
+    assert "Traceback" not in log and "unexpected gateway failure" not in log
+    statuses = [json.loads(line).get("status") for line in log.splitlines() if line.startswith("{")]
+    assert statuses.count("DEADLINE_EXCEEDED") >= len(checks) and "CANCELLED" in statuses

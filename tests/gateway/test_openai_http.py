@@ -45,6 +45,7 @@ def test_bearer_token_is_checked_before_anything_else(harness) -> None:
     assert reply.json()["error"]["type"] == "authentication_error"
     assert harness.all_requests() == []
     assert httpx.get(f"{base_url(harness)[:-3]}/health", timeout=TIMEOUT_S).status_code == 200
+    assert httpx.head(f"{base_url(harness)[:-3]}/health", timeout=TIMEOUT_S).status_code == 200
     done = client(harness).completions.create(model=MODEL, prompt="hello", max_tokens=5)
     assert done.choices[0].finish_reason == "stop" and done.usage.completion_tokens == 3
 

@@ -65,3 +65,12 @@ def test_the_default_ports_and_spread_replicas_pass():
     assert port_problem(config_from_args(["up", "--model", "m"])) is None
     assert port_problem(config_from_args(["up", "--model", "m", "--replicas", "8", "--tp", "4",
                                           "--gateways", "4", "--http-port", "8000"])) is None
+
+
+def test_an_empty_or_foreign_gguf_file_is_one_line(tmp_path):
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    line = _one_line_error(_up("--model", str(tmp_path / "empty.gguf"), "--device", "cpu"))
+    assert line == f"radixserve up: --model {tmp_path / 'empty.gguf'}: the file is empty"
+    (tmp_path / "random.gguf").write_bytes(bytes(range(256)) * 4)
+    line = _one_line_error(_up("--model", str(tmp_path / "random.gguf"), "--device", "cpu"))
+    assert line.endswith("it is not a GGUF file (it starts with b'\\x00\\x01\\x02\\x03', not b'GGUF')")
