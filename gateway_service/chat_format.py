@@ -32,8 +32,6 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 ENABLE_THINKING = "enable_thinking"
 # GenerateRequest's and TokenizeRequest's fields that only a chat uses.
 CHAT_ONLY_FIELDS = ("tools", "tool_choice", "chat_template_kwargs", "add_generation_prompt")
-# How a Jinja chat template reads a message's `name` (a participant's name on a user turn).
-READS_MESSAGE_NAME = re.compile(r"message\s*(\.\s*name\b|\[\s*['\"]name['\"]\s*\])")
 Mode = generation_pb2.ToolChoiceMode
 
 
@@ -47,9 +45,6 @@ class ChatFormat:
     renders_tools: bool
     reasoning: bool
     marker_token: int | None = None
-    # Whether a turn's `name` reaches the model: the template reads it, and gets the messages
-    # as they are (`renders_tools`; otherwise chat_render rewrites them without it).
-    renders_names: bool = False
 
     @classmethod
     def detect(cls, tokenizer: Tokenizer, tool_parser_name: str, reasoning_parser_name: str) -> "ChatFormat":
@@ -61,9 +56,7 @@ class ChatFormat:
         if reasoning:
             for tag in (OPEN, CLOSE):
                 tokenizer.keep_special(tag)
-        renders_tools = "tools" in template
-        return cls(parser, renders_tools, reasoning, tokenizer.keep_special(parser.marker),
-                   renders_tools and READS_MESSAGE_NAME.search(template) is not None)
+        return cls(parser, "tools" in template, reasoning, tokenizer.keep_special(parser.marker))
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,17 +145,6 @@ def check_chat_only(request: generation_pb2.GenerateRequest | generation_pb2.Tok
                              "rendered by the chat template")
 
 
-def check_names(messages, chat: ChatFormat) -> None:
-    """A participant's `name` on a system, user or assistant turn only where the template shows
-    it to the model (a tool turn's name is the function's, which tool results carry anyway)."""
-    if chat.renders_names:
-        return
-    for index, turn in enumerate(messages):
-        if turn.name and turn.role != "tool":
-            raise InvalidRequest(f"messages[{index}].name: this model's chat template does not show "
-                                 "participants' names; put the name in the content")
-
-
 def plan_chat(request: generation_pb2.GenerateRequest, chat: ChatFormat, max_chars: int) -> ChatPlan:
     """Check the request's tool and template fields and decide what to do with them."""
     tools = tuple(request.tools)
@@ -170,7 +152,6 @@ def plan_chat(request: generation_pb2.GenerateRequest, chat: ChatFormat, max_cha
     check_chat_only(request)
     check_tools(tools, max_chars)
     check_history(request.messages, max_chars)
-    check_names(request.messages, chat)
     kwargs = template_kwargs(request.chat_template_kwargs)
     split_reasoning = chat.reasoning and bool(request.messages) and kwargs.get(ENABLE_THINKING, True) is not False
     named = request.tool_choice.function_name if choice == "function_name" else None

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Awaitable
 import grpc
 
 from gateway_service.caller import REQUEST_ID_HEADER, Caller, client_key, peer_host, request_id_from
-from gateway_service.chat_format import (ChatFormat, ChatPlan, check_chat_only, check_history, check_names,
+from gateway_service.chat_format import (ChatFormat, ChatPlan, check_chat_only, check_history,
                                          check_tools, plan_chat, template_kwargs)
 from gateway_service.chat_output import ChatOutputSplitter, ToolCallSplitter
 from gateway_service.chat_render import template_input
@@ -111,7 +111,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         check_tools(request.tools, self._limits.max_prompt_chars)
         check_history(request.messages, self._limits.max_prompt_chars)
         check_chat_only(request)
-        check_names(request.messages, self._require_chat())
         token_ids = await self._text.encode(self._encode_tokenize, request)
         info = self._pool.info  # without a router yet, the character limit bounds the cost
         check_prompt_tokens(len(token_ids), info.model.context_len if info else None, self._limits)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 
 from radixserve.metrics import serve_metrics
+from radixserve.model_source import ModelUnreadable
 from radixserve.security import load_security
 from radixserve.serving import start_server
 from radixserve.v1 import worker_pb2_grpc
@@ -150,7 +151,8 @@ class Worker:
             executor = await self._loading
         except asyncio.CancelledError:
             raise
-        except UnsupportedModel as exc:  # the checkpoint, not the code: its reason is the whole story
+        # The checkpoint, not the code: its reason is the whole story.
+        except (UnsupportedModel, ModelUnreadable) as exc:
             log.error("rank %d cannot serve %s: %s", config.rank, config.model, exc)
             self.crashed.set()
             return

@@ -48,7 +48,6 @@ def test_token_id_prompt_and_detokenize(harness, tokenizer) -> None:
     (dict(prompt="hi", tools=[TOOL]), "tools needs messages"),
     (dict(prompt="hi", chat_template_kwargs='{"enable_thinking": false}'), "chat_template_kwargs needs messages"),
     (dict(messages=[pb.ChatMessage(role="user", content="hi", tool_call_id="call_1")]), "messages[0].tool_call_id"),
-    (dict(messages=[pb.ChatMessage(role="user", content="hi", name="bob")]), "messages[0].name"),
     (dict(messages=CHAT, tool_choice=pb.ToolChoice(function_name="get_time")), "no tools"),
     (dict(messages=CHAT, tools=[TOOL, TOOL]), "tools[1].function.name 'get_time' is given twice"),
     (dict(messages=CHAT, tools=[pb.Tool(name="f", parameters="[1]")]), "tools[0].function.parameters"),
