@@ -24,6 +24,7 @@ constexpr int kInt4 = 1;
 constexpr int kTile = 4;        // activation rows sharing one pass over the weight
 constexpr int64_t kChunk = 16;  // output features a thread takes at a time
 constexpr int kBlock = 32;      // int4 columns per packed block
+constexpr int kSpan = 2 * kBlock;  // int4 columns one 256-bit load of packed values holds
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -38,6 +39,19 @@ inline int int4_at(const uint8_t* row, int64_t col) {
   return in < kBlock / 2 ? (byte & 0x0F) : (byte >> 4);
 }
 
+// The int4 product reads a span of two packed blocks (64 columns, 32 bytes) as eight 32-bit
+// lanes of eight nibbles each, and takes nibble t of every lane at once: `bits & (15 << 4t)`
+// is value * 16^t, which converts to float exactly (4 significant bits; t = 7 is shifted down
+// instead, as its mask would set the sign). Lane j, nibble t holds column
+// span_column(j, t) of the span, so the activations are laid out once per call in that order,
+// each scaled by 16^-t (exact: a power of two), and every product is value * x exactly as the
+// plain order would compute it; only the order of the sums differs.
+inline int span_column(int lane, int t) {
+  return (lane / 4) * kBlock + 4 * (lane % 4) + t / 2 + (t % 2) * (kBlock / 2);
+}
+
+inline float nibble_weight(int t) { return t == 7 ? 1.f : 1.f / float(1 << (4 * t)); }
+
 struct Problem {
   int format;
   const float* x;
@@ -49,67 +63,112 @@ struct Problem {
   const float* bias;
   float* out;
   int64_t out_stride;
-  const float* x_sums;  // [rows, num_groups]: each group's sum of x (int4's offsets)
+  const float* x_sums;     // [rows, num_groups]: each group's sum of x (int4's offsets)
+  const float* x_spans;    // int4: [rows, spans * kSpan], x in span order (see span_column)
+  const int32_t* span_groups;  // int4: [spans * 2], the group of each packed block
+  int64_t spans, full_spans, row_bytes;
 };
 
+inline float dot(const float* a, const float* b, int64_t count) {
+  __m256 s = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s);
+  float rest = hsum(s);
+  for (; i < count; ++i) rest += a[i] * b[i];
+  return rest;
+}
+
 template <int R>
-void row_product(const Problem& p, int64_t r0, int64_t n) {
+void int8_product(const Problem& p, int64_t r0, int64_t n) {
   const float* x[R];
   for (int r = 0; r < R; ++r) x[r] = p.x + (r0 + r) * p.x_stride;
   __m256 acc[R];
   float rest[R];
   for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); rest[r] = 0.f; }
   const float* scales = p.scales + n * p.num_groups;
+  const int8_t* v = static_cast<const int8_t*>(p.values) + n * p.k;
   for (int64_t g = 0; g < p.num_groups; ++g) {
     const int64_t c0 = g * p.group_size, c1 = std::min(c0 + p.group_size, p.k);
     __m256 part[R];
     float tail[R];
     for (int r = 0; r < R; ++r) { part[r] = _mm256_setzero_ps(); tail[r] = 0.f; }
     int64_t c = c0;
-    if (p.format == kInt8) {
-      const int8_t* v = static_cast<const int8_t*>(p.values) + n * p.k;
-      for (; c + 8 <= c1; c += 8) {
-        const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(v + c))));
-        for (int r = 0; r < R; ++r) part[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x[r] + c), part[r]);
-      }
-      for (; c < c1; ++c)
-        for (int r = 0; r < R; ++r) tail[r] += float(v[c]) * x[r][c];
-    } else {
-      const int64_t row_bytes = (p.k + kBlock - 1) / kBlock * (kBlock / 2);
-      const uint8_t* v = static_cast<const uint8_t*>(p.values) + n * row_bytes;
-      const __m128i mask = _mm_set1_epi8(0x0F);
-      for (; c + kBlock <= c1; c += kBlock) {
-        const __m128i bytes = _mm_loadu_si128((const __m128i*)(v + c / 2));
-        const __m128i lo = _mm_and_si128(bytes, mask);
-        const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-        const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-        const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-        const __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-        const __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-        for (int r = 0; r < R; ++r) {
-          __m256 s = _mm256_mul_ps(w0, _mm256_loadu_ps(x[r] + c));
-          s = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[r] + c + 8), s);
-          s = _mm256_fmadd_ps(w2, _mm256_loadu_ps(x[r] + c + 16), s);
-          s = _mm256_fmadd_ps(w3, _mm256_loadu_ps(x[r] + c + 24), s);
-          part[r] = _mm256_add_ps(part[r], s);
-        }
-      }
-      for (; c < c1; ++c)
-        for (int r = 0; r < R; ++r) tail[r] += float(int4_at(v, c)) * x[r][c];
+    for (; c + 8 <= c1; c += 8) {
+      const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(v + c))));
+      for (int r = 0; r < R; ++r) part[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x[r] + c), part[r]);
     }
+    for (; c < c1; ++c)
+      for (int r = 0; r < R; ++r) tail[r] += float(v[c]) * x[r][c];
     const float scale = scales[g];
     const __m256 scale8 = _mm256_set1_ps(scale);
     for (int r = 0; r < R; ++r) {
       acc[r] = _mm256_fmadd_ps(part[r], scale8, acc[r]);
       rest[r] += scale * tail[r];
     }
-    if (p.offsets != nullptr) {
-      const float offset = p.offsets[n * p.num_groups + g];
-      for (int r = 0; r < R; ++r) rest[r] += offset * p.x_sums[(r0 + r) * p.num_groups + g];
+  }
+  const float bias = p.bias == nullptr ? 0.f : p.bias[n];
+  for (int r = 0; r < R; ++r) {
+    const float offset = p.offsets == nullptr ? 0.f : dot(p.offsets + n * p.num_groups, p.x_sums + (r0 + r) * p.num_groups,
+                                                          p.num_groups);
+    p.out[(r0 + r) * p.out_stride + n] = hsum(acc[r]) + rest[r] + offset + bias;
+  }
+}
+
+// One span of R rows: part[r] += the span's values times x (R = 1 keeps two chains of sums).
+template <int R>
+inline void int4_span(__m256i bits, const float* const* xs, __m256 (&part)[R][2]) {
+  constexpr int kChains = R == 1 ? 2 : 1;
+#pragma GCC unroll 8
+  for (int t = 0; t < 8; ++t) {
+    const __m256i q = t == 7 ? _mm256_srli_epi32(bits, 28)
+                             : _mm256_and_si256(bits, _mm256_set1_epi32(0xF << (4 * t)));
+    const __m256 w = _mm256_cvtepi32_ps(q);
+    for (int r = 0; r < R; ++r) {
+      __m256& sum = part[r][t % kChains];
+      const __m256 xv = _mm256_loadu_ps(xs[r] + 8 * t);
+      sum = t < kChains ? _mm256_mul_ps(w, xv) : _mm256_fmadd_ps(w, xv, sum);
+    }
+  }
+}
+
+template <int R>
+void int4_product(const Problem& p, int64_t r0, int64_t n) {
+  constexpr int kChains = R == 1 ? 2 : 1;
+  const int64_t x_span_stride = p.spans * kSpan;
+  const float* xs[R];
+  for (int r = 0; r < R; ++r) xs[r] = p.x_spans + (r0 + r) * x_span_stride;
+  const uint8_t* v = static_cast<const uint8_t*>(p.values) + n * p.row_bytes;
+  const float* scales = p.scales + n * p.num_groups;
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < p.spans; ++s) {
+    // The last span of an odd number of blocks has one block: its other half reads as zeros.
+    const __m256i bits = s < p.full_spans
+                             ? _mm256_loadu_si256((const __m256i*)(v + s * kBlock))
+                             : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i*)(v + s * kBlock)));
+    __m256 part[R][2];
+    int4_span<R>(bits, xs, part);
+    const __m256 scale = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(scales + p.span_groups[2 * s])),
+                                              _mm_broadcast_ss(scales + p.span_groups[2 * s + 1]), 1);
+    for (int r = 0; r < R; ++r) {
+      const __m256 sum = kChains == 2 ? _mm256_add_ps(part[r][0], part[r][1]) : part[r][0];
+      acc[r] = _mm256_fmadd_ps(sum, scale, acc[r]);
+      xs[r] += kSpan;
     }
   }
   const float bias = p.bias == nullptr ? 0.f : p.bias[n];
-  for (int r = 0; r < R; ++r) p.out[(r0 + r) * p.out_stride + n] = hsum(acc[r]) + rest[r] + bias;
+  const float* offsets = p.offsets + n * p.num_groups;
+  for (int r = 0; r < R; ++r)
+    p.out[(r0 + r) * p.out_stride + n] =
+        hsum(acc[r]) + dot(offsets, p.x_sums + (r0 + r) * p.num_groups, p.num_groups) + bias;
+}
+
+template <int R>
+void row_product(const Problem& p, int64_t r0, int64_t n) {
+  if (p.format == kInt8)
+    int8_product<R>(p, r0, n);
+  else
+    int4_product<R>(p, r0, n);
 }
 
 void rows_product(const Problem& p, int64_t r0, int64_t count, int64_t n) {
@@ -139,14 +198,29 @@ int radix_quant_gemv(int format, const float* x, int64_t rows, int64_t x_stride,
   if ((format != kInt8 && format != kInt4) || rows < 0 || n < 0 || k <= 0 || group_size <= 0) return 1;
   if (format == kInt4 && (offsets == nullptr || group_size % kBlock != 0)) return 2;
   const int64_t num_groups = (k + group_size - 1) / group_size;
-  std::vector<float> x_sums;
+  std::vector<float> x_sums, x_spans;
+  std::vector<int32_t> span_groups;
+  const int64_t blocks = (k + kBlock - 1) / kBlock, spans = (blocks + 1) / 2;
   if (offsets != nullptr) {
     x_sums.assign(rows * num_groups, 0.f);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t c = 0; c < k; ++c) x_sums[r * num_groups + c / group_size] += x[r * x_stride + c];
   }
+  if (format == kInt4) {
+    x_spans.assign(rows * spans * kSpan, 0.f);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t s = 0; s < spans; ++s)
+        for (int t = 0; t < 8; ++t)
+          for (int lane = 0; lane < 8; ++lane) {
+            const int64_t c = s * kSpan + span_column(lane, t);
+            if (c < k) x_spans[(r * spans + s) * kSpan + 8 * t + lane] = x[r * x_stride + c] * nibble_weight(t);
+          }
+    span_groups.resize(2 * spans);
+    for (int64_t b = 0; b < 2 * spans; ++b) span_groups[b] = int32_t(std::min(b * kBlock / group_size, num_groups - 1));
+  }
   const Problem p{format, x, x_stride, values, scales, offsets, k, group_size, num_groups,
-                  bias, out, out_stride, x_sums.data()};
+                  bias, out, out_stride, x_sums.data(), x_spans.data(), span_groups.data(),
+                  spans, blocks / 2, blocks * (kBlock / 2)};
   const int64_t chunks = (n + kChunk - 1) / kChunk;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t chunk = 0; chunk < chunks; ++chunk) {
