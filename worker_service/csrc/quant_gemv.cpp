@@ -114,47 +114,63 @@ void int8_product(const Problem& p, int64_t r0, int64_t n) {
   }
 }
 
-// One span of R rows: part[r] += the span's values times x (R = 1 keeps two chains of sums).
+// One span of R rows added to sum[r] (R = 1 keeps two chains of sums).
 template <int R>
-inline void int4_span(__m256i bits, const float* const* xs, __m256 (&part)[R][2]) {
+inline void int4_span(__m256i bits, const float* const* xs, __m256 (&sum)[R][2]) {
   constexpr int kChains = R == 1 ? 2 : 1;
 #pragma GCC unroll 8
   for (int t = 0; t < 8; ++t) {
     const __m256i q = t == 7 ? _mm256_srli_epi32(bits, 28)
                              : _mm256_and_si256(bits, _mm256_set1_epi32(0xF << (4 * t)));
     const __m256 w = _mm256_cvtepi32_ps(q);
-    for (int r = 0; r < R; ++r) {
-      __m256& sum = part[r][t % kChains];
-      const __m256 xv = _mm256_loadu_ps(xs[r] + 8 * t);
-      sum = t < kChains ? _mm256_mul_ps(w, xv) : _mm256_fmadd_ps(w, xv, sum);
-    }
+    for (int r = 0; r < R; ++r) sum[r][t % kChains] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xs[r] + 8 * t), sum[r][t % kChains]);
   }
 }
 
-template <int R>
+// How a span's lanes find their scales: groups of 32 (a span's two blocks, two scales), groups
+// of a multiple of 64 (spans share one scale: summed first, scaled once), any other multiple of
+// 32 (each block's group looked up).
+enum class Groups { kPair, kWhole, kTable };
+
+template <Groups kGroups>
+inline __m256 span_scale(const Problem& p, const float* scales, int64_t s) {
+  if constexpr (kGroups == Groups::kPair) {
+    const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(scales + 2 * s)));
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+  } else if constexpr (kGroups == Groups::kWhole) {
+    return _mm256_set1_ps(scales[s * kSpan / p.group_size]);
+  } else {
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(scales + p.span_groups[2 * s])),
+                                _mm_broadcast_ss(scales + p.span_groups[2 * s + 1]), 1);
+  }
+}
+
+template <int R, Groups kGroups>
 void int4_product(const Problem& p, int64_t r0, int64_t n) {
   constexpr int kChains = R == 1 ? 2 : 1;
-  const int64_t x_span_stride = p.spans * kSpan;
+  const int64_t spans = p.spans, full_spans = p.full_spans;
+  const int64_t step = kGroups == Groups::kWhole ? p.group_size / kSpan : 1;  // spans sharing a scale
   const float* xs[R];
-  for (int r = 0; r < R; ++r) xs[r] = p.x_spans + (r0 + r) * x_span_stride;
+  for (int r = 0; r < R; ++r) xs[r] = p.x_spans + (r0 + r) * spans * kSpan;
   const uint8_t* v = static_cast<const uint8_t*>(p.values) + n * p.row_bytes;
   const float* scales = p.scales + n * p.num_groups;
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t s = 0; s < p.spans; ++s) {
-    // The last span of an odd number of blocks has one block: its other half reads as zeros.
-    const __m256i bits = s < p.full_spans
-                             ? _mm256_loadu_si256((const __m256i*)(v + s * kBlock))
-                             : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i*)(v + s * kBlock)));
-    __m256 part[R][2];
-    int4_span<R>(bits, xs, part);
-    const __m256 scale = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(scales + p.span_groups[2 * s])),
-                                              _mm_broadcast_ss(scales + p.span_groups[2 * s + 1]), 1);
-    for (int r = 0; r < R; ++r) {
-      const __m256 sum = kChains == 2 ? _mm256_add_ps(part[r][0], part[r][1]) : part[r][0];
-      acc[r] = _mm256_fmadd_ps(sum, scale, acc[r]);
-      xs[r] += kSpan;
+  for (int64_t s0 = 0; s0 < spans; s0 += step) {
+    __m256 sum[R][2];
+    for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_ps();
+    const int64_t s1 = kGroups == Groups::kWhole ? std::min(s0 + step, spans) : s0 + 1;
+    for (int64_t s = s0; s < s1; ++s) {
+      // The last span of an odd number of blocks has one block: its other half reads as zeros.
+      const __m256i bits = s < full_spans
+                               ? _mm256_loadu_si256((const __m256i*)(v + s * kBlock))
+                               : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i*)(v + s * kBlock)));
+      int4_span<R>(bits, xs, sum);
+      for (int r = 0; r < R; ++r) xs[r] += kSpan;
     }
+    const __m256 scale = span_scale<kGroups>(p, scales, s0);
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm256_fmadd_ps(kChains == 2 ? _mm256_add_ps(sum[r][0], sum[r][1]) : sum[r][0], scale, acc[r]);
   }
   const float bias = p.bias == nullptr ? 0.f : p.bias[n];
   const float* offsets = p.offsets + n * p.num_groups;
@@ -167,8 +183,12 @@ template <int R>
 void row_product(const Problem& p, int64_t r0, int64_t n) {
   if (p.format == kInt8)
     int8_product<R>(p, r0, n);
+  else if (p.group_size == kBlock)
+    int4_product<R, Groups::kPair>(p, r0, n);
+  else if (p.group_size % kSpan == 0)
+    int4_product<R, Groups::kWhole>(p, r0, n);
   else
-    int4_product<R>(p, r0, n);
+    int4_product<R, Groups::kTable>(p, r0, n);
 }
 
 void rows_product(const Problem& p, int64_t r0, int64_t count, int64_t n) {
