@@ -1,10 +1,14 @@
 // Products with quantized weights (worker_service/quant/format.py's layouts), for AVX2 + FMA.
 //
 // radix_quant_gemv: out[r, n] = sum_k x[r, k] * w[n, k] (+ bias[n]) for a few rows of float32
-// activations, the weight dequantized in registers: int8 or unpacked int4 values widened to
-// float and multiplied with FMA into per-group partial sums, each group's sum scaled once (and,
-// for int4, its offset times the group's sum of x added), so a weight byte is read once per
-// tile of up to kTile rows. Threads split the output features.
+// activations, the weight dequantized in registers, so a weight byte is read once per tile of up
+// to kTile rows; threads split the output features. int8: 8 values widened to float and
+// multiplied with FMA into per-group partial sums, each group's sum scaled once. int4: 64 values
+// (two packed blocks) from one 256-bit load, each nibble position masked in place and converted
+// (see span_column) against activations laid out once per call to match, so no value is moved
+// between lanes; a span's sum scaled per group, the offsets added once per output as their dot
+// product with the groups' sums of x. Every product is value * x in float32 as the plain order
+// would compute it; the sums run in another order.
 // radix_quant_dequantize: the plain float32 weight, for products too large for the above
 // (prefill), which the caller hands to a GEMM.
 // This file is its own library (see quant/kernels.py): it needs AVX2 and FMA only, so it
@@ -51,6 +55,42 @@ inline int span_column(int lane, int t) {
 }
 
 inline float nibble_weight(int t) { return t == 7 ? 1.f : 1.f / float(1 << (4 * t)); }
+
+// x[0, k) in span order (see span_column), each value scaled by its nibble_weight, into `to`
+// [spans * kSpan] (zeros past k, which the caller has written).
+void lay_out_spans(const float* x, int64_t k, int64_t spans, float* to) {
+  for (int64_t s = 0; s < spans; ++s, x += kSpan, to += kSpan) {
+    if ((s + 1) * kSpan > k) {  // the last span, cut short
+      for (int t = 0; t < 8; ++t)
+        for (int lane = 0; lane < 8; ++lane)
+          if (s * kSpan + span_column(lane, t) < k) to[8 * t + lane] = x[span_column(lane, t)] * nibble_weight(t);
+      continue;
+    }
+    // Lanes 4 h .. 4 h + 3 of nibble t = 2 j + n hold columns 32 h + 16 n + 4 i + j, i = 0..3:
+    // a 4 x 4 transpose of those 16 columns.
+    for (int h = 0; h < 2; ++h)
+      for (int n = 0; n < 2; ++n) {
+        const float* from = x + h * kBlock + n * (kBlock / 2);
+        __m128 c0 = _mm_loadu_ps(from), c1 = _mm_loadu_ps(from + 4), c2 = _mm_loadu_ps(from + 8),
+               c3 = _mm_loadu_ps(from + 12);
+        _MM_TRANSPOSE4_PS(c0, c1, c2, c3);
+        const __m128 columns[4] = {c0, c1, c2, c3};
+        for (int j = 0; j < 4; ++j) {
+          const int t = 2 * j + n;
+          _mm_storeu_ps(to + 8 * t + 4 * h, _mm_mul_ps(columns[j], _mm_set1_ps(nibble_weight(t))));
+        }
+      }
+  }
+}
+
+inline float sum_of(const float* x, int64_t count) {
+  __m256 s = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) s = _mm256_add_ps(_mm256_loadu_ps(x + i), s);
+  float rest = hsum(s);
+  for (; i < count; ++i) rest += x[i];
+  return rest;
+}
 
 struct Problem {
   int format;
@@ -108,8 +148,8 @@ void int8_product(const Problem& p, int64_t r0, int64_t n) {
   }
   const float bias = p.bias == nullptr ? 0.f : p.bias[n];
   for (int r = 0; r < R; ++r) {
-    const float offset = p.offsets == nullptr ? 0.f : dot(p.offsets + n * p.num_groups, p.x_sums + (r0 + r) * p.num_groups,
-                                                          p.num_groups);
+    const float offset =
+        p.offsets == nullptr ? 0.f : dot(p.offsets + n * p.num_groups, p.x_sums + (r0 + r) * p.num_groups, p.num_groups);
     p.out[(r0 + r) * p.out_stride + n] = hsum(acc[r]) + rest[r] + offset + bias;
   }
 }
@@ -123,7 +163,8 @@ inline void int4_span(__m256i bits, const float* const* xs, __m256 (&sum)[R][2])
     const __m256i q = t == 7 ? _mm256_srli_epi32(bits, 28)
                              : _mm256_and_si256(bits, _mm256_set1_epi32(0xF << (4 * t)));
     const __m256 w = _mm256_cvtepi32_ps(q);
-    for (int r = 0; r < R; ++r) sum[r][t % kChains] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xs[r] + 8 * t), sum[r][t % kChains]);
+    for (int r = 0; r < R; ++r)
+      sum[r][t % kChains] = _mm256_fmadd_ps(w, _mm256_loadu_ps(xs[r] + 8 * t), sum[r][t % kChains]);
   }
 }
 
@@ -140,8 +181,8 @@ inline __m256 span_scale(const Problem& p, const float* scales, int64_t s) {
   } else if constexpr (kGroups == Groups::kWhole) {
     return _mm256_set1_ps(scales[s * kSpan / p.group_size]);
   } else {
-    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(scales + p.span_groups[2 * s])),
-                                _mm_broadcast_ss(scales + p.span_groups[2 * s + 1]), 1);
+    const __m128 first = _mm_broadcast_ss(scales + p.span_groups[2 * s]);
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(first), _mm_broadcast_ss(scales + p.span_groups[2 * s + 1]), 1);
   }
 }
 
@@ -222,19 +263,15 @@ int radix_quant_gemv(int format, const float* x, int64_t rows, int64_t x_stride,
   std::vector<int32_t> span_groups;
   const int64_t blocks = (k + kBlock - 1) / kBlock, spans = (blocks + 1) / 2;
   if (offsets != nullptr) {
-    x_sums.assign(rows * num_groups, 0.f);
+    x_sums.resize(rows * num_groups);
     for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < k; ++c) x_sums[r * num_groups + c / group_size] += x[r * x_stride + c];
+      for (int64_t g = 0; g < num_groups; ++g)
+        x_sums[r * num_groups + g] =
+            sum_of(x + r * x_stride + g * group_size, std::min(group_size, k - g * group_size));
   }
   if (format == kInt4) {
     x_spans.assign(rows * spans * kSpan, 0.f);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t s = 0; s < spans; ++s)
-        for (int t = 0; t < 8; ++t)
-          for (int lane = 0; lane < 8; ++lane) {
-            const int64_t c = s * kSpan + span_column(lane, t);
-            if (c < k) x_spans[(r * spans + s) * kSpan + 8 * t + lane] = x[r * x_stride + c] * nibble_weight(t);
-          }
+    for (int64_t r = 0; r < rows; ++r) lay_out_spans(x + r * x_stride, k, spans, x_spans.data() + r * spans * kSpan);
     span_groups.resize(2 * spans);
     for (int64_t b = 0; b < 2 * spans; ++b) span_groups[b] = int32_t(std::min(b * kBlock / group_size, num_groups - 1));
   }
