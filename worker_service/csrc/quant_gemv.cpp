@@ -148,8 +148,8 @@ void int8_product(const Problem& p, int64_t r0, int64_t n) {
   }
   const float bias = p.bias == nullptr ? 0.f : p.bias[n];
   for (int r = 0; r < R; ++r) {
-    const float offset =
-        p.offsets == nullptr ? 0.f : dot(p.offsets + n * p.num_groups, p.x_sums + (r0 + r) * p.num_groups, p.num_groups);
+    const float* x_sums = p.x_sums + (r0 + r) * p.num_groups;
+    const float offset = p.offsets == nullptr ? 0.f : dot(p.offsets + n * p.num_groups, x_sums, p.num_groups);
     p.out[(r0 + r) * p.out_stride + n] = hsum(acc[r]) + rest[r] + offset + bias;
   }
 }
