@@ -24,6 +24,8 @@ FORMATS = {
     "int8-g32": lambda w: quantize_int8(w, 32),
     "int4-g32": lambda w: quantize_int4(w, 32),
     "int4-g64": lambda w: quantize_int4(w, 64),
+    "int4-g96": lambda w: quantize_int4(w, 96),  # groups that cut the kernel's 64-column spans
+    "int4-g128": lambda w: quantize_int4(w, 128),  # groups of two spans
 }
 SHAPES = [(1, 40), (37, 100), (130, 576), (77, 257)]  # (N, K): K not a multiple of 8 / 32 / 64 too
 ROWS = [1, 3, 5, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 300]
