@@ -217,10 +217,17 @@ def test_default_launch_refuses_internal_callers_without_its_token(stack):
     launch's own token, and the cached answer stays what it was."""
     before = greedy(stack.gateway, prompt=CACHED_PROMPT)
     assert wait_for(lambda: nothing_locked(router_stats(stack)))
-    # The request's last step may still be counted after its pages are freed: settled stats
-    # are two reads in a row that agree.
+    # The request's last steps (its final one, the one that releases it on the workers) may
+    # still be counted after its caller has the answer and its pages are free: settled stats
+    # are two reads a second apart that agree.
     reads = [router_stats(stack)]
-    assert wait_for(lambda: reads.append(router_stats(stack)) or reads[-1] == reads[-2])
+
+    def unchanged_for_a_second() -> bool:
+        time.sleep(1.0)
+        reads.append(router_stats(stack))
+        return reads[-1] == reads[-2]
+
+    assert wait_for(unchanged_for_a_second)
     stats_before = reads[-1]
     worker = f"127.0.0.1:{stack.port + WORKER_PORT_OFFSET}"
     with grpc.insecure_channel(worker) as channel:
