@@ -19,6 +19,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "avx2_sum.h"
+
 namespace {
 
 constexpr int kFloat32 = 0;
@@ -29,12 +31,7 @@ constexpr int64_t kChunk = 16;  // features a thread takes at a time
 // barriers than it saves (and, on a loaded machine, a descheduled thread stalls the others).
 constexpr int64_t kBytesPerThread = int64_t(1) << 20;
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using radix_avx2::hsum;
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {

@@ -22,18 +22,15 @@ extern "C" int radix_quant_gemv(int format, const float* x, int64_t rows, int64_
                                 int64_t group_size, const float* bias, float* out, int64_t out_stride,
                                 int threads);
 
+#include "avx2_sum.h"
+
 namespace {
 
 constexpr int32_t kPoolFloat32 = 0;
 constexpr int32_t kPoolBFloat16 = 1;
 constexpr int32_t kMaxHeadDim = 256;
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using radix_avx2::hsum;
 
 // 8 pool values at `p` (float32 or bfloat16) as float32.
 inline __m256 load8(const void* p, int32_t dtype) {

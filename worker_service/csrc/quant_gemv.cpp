@@ -21,6 +21,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "avx2_sum.h"
+
 namespace {
 
 constexpr int kInt8 = 0;
@@ -30,12 +32,7 @@ constexpr int64_t kChunk = 16;  // output features a thread takes at a time
 constexpr int kBlock = 32;      // int4 columns per packed block
 constexpr int kSpan = 2 * kBlock;  // int4 columns one 256-bit load of packed values holds
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using radix_avx2::hsum;
 
 inline int int4_at(const uint8_t* row, int64_t col) {
   const int64_t block = col / kBlock, in = col % kBlock;
