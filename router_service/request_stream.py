@@ -35,7 +35,6 @@ log = logging.getLogger(__name__)
 _Pending = tuple[str, Request | None, StreamEvent, convert.UsageCounts | None]
 
 
-
 class RequestStream:
     """The requests open on one Stream call and the updates not yet written to it."""
 
