@@ -42,6 +42,10 @@ def _set(value: Any) -> bool:
     return value not in (None, False, "", [], {})
 
 
+def _given(value: Any) -> bool:
+    return value is not None
+
+
 def _not(default: Any) -> Callable[[Any], bool]:
     return lambda value: value is not None and value != default
 
@@ -54,7 +58,7 @@ FIELDS = (
     Unsupported("audio", (CHAT,), _set, "this server answers in text only"),
     Unsupported("modalities", (CHAT,), lambda value: value is not None and value != ["text"],
                 "this server answers in text only"),
-    Unsupported("web_search_options", (CHAT,), lambda value: value is not None),
+    Unsupported("web_search_options", (CHAT,), _given),
     Unsupported("continue_final_message", (CHAT,), _set),
     Unsupported("add_generation_prompt", (CHAT,), _not(True)),
     Unsupported("echo", (CHAT,), _set),
@@ -64,13 +68,13 @@ FIELDS = (
     Unsupported("use_beam_search", BOTH, _set),
     Unsupported("length_penalty", BOTH, _not(1)),
     Unsupported("min_tokens", BOTH, _not(0)),
-    Unsupported("prompt_logprobs", BOTH, lambda value: value is not None),
+    Unsupported("prompt_logprobs", BOTH, _given),
     Unsupported("include_stop_str_in_output", BOTH, _set),
     Unsupported("skip_special_tokens", BOTH, _not(True)),
     Unsupported("spaces_between_special_tokens", BOTH, _not(True)),
     Unsupported("allowed_token_ids", BOTH, _set, "use logit_bias"),
     Unsupported("bad_words", BOTH, _set, "use logit_bias"),
-    Unsupported("truncate_prompt_tokens", BOTH, lambda value: value is not None),
+    Unsupported("truncate_prompt_tokens", BOTH, _given),
     Unsupported("structured_outputs", BOTH, _set, "use response_format or guided_json, guided_regex, "
                 "guided_choice, guided_grammar"),
     Unsupported("guided_whitespace_pattern", BOTH, _set),
@@ -81,13 +85,13 @@ FIELDS = (
     Unsupported("audio", (MESSAGE,), _set, "this server reads text only"),
     Unsupported("refusal", (MESSAGE,), _set, "put it in content"),
     # One endpoint's fields sent to the other.
-    Unsupported("prompt", (CHAT,), lambda value: value is not None, "a chat takes messages"),
-    Unsupported("messages", (COMPLETIONS,), lambda value: value is not None, _CHAT_ROUTE),
+    Unsupported("prompt", (CHAT,), _given, "a chat takes messages"),
+    Unsupported("messages", (COMPLETIONS,), _given, _CHAT_ROUTE),
     Unsupported("tools", (COMPLETIONS,), _set, _CHAT_ROUTE),
     Unsupported("tool_choice", (COMPLETIONS,), _set, _CHAT_ROUTE),
     Unsupported("chat_template_kwargs", (COMPLETIONS,), _set, f"a prompt has no chat template; {_CHAT_ROUTE}"),
-    Unsupported("max_completion_tokens", (COMPLETIONS,), lambda value: value is not None, "use max_tokens"),
-    Unsupported("top_logprobs", (COMPLETIONS,), lambda value: value is not None,
+    Unsupported("max_completion_tokens", (COMPLETIONS,), _given, "use max_tokens"),
+    Unsupported("top_logprobs", (COMPLETIONS,), _given,
                 "completions take the number of alternatives in logprobs"),
 )
 _BY_NAME = {(field.name, endpoint): field for field in FIELDS for endpoint in field.endpoints}
