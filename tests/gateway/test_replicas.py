@@ -2,13 +2,14 @@
 found through a DNS name (stubbed: the routers listen on 127.0.0.1-3 at one port, as pods of a
 headless Service would), driven by the routing simulator's skewed trace: every request served,
 the load within the bound, the cache hit rate near what the simulator predicts for the same
-trace; then one router stops mid-run: only its in-flight requests are lost, the gateways drop
-it from the set and the other two take the rest."""
+trace; then one router stops mid-run: only requests on it are lost, the gateways drop it from
+the set and the other two take the rest."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import socket
 import statistics
 
@@ -42,6 +43,7 @@ STEP_DELAY_S = 0.01
 # One bound for the memory's routers too (the defaults let a conversation's router reach 1.4x the
 # mean), so that the busiest router stays near it.
 BOUND = 1.25
+TURN_IDS = itertools.count()
 
 
 class Dns:
@@ -77,10 +79,26 @@ class LoadSampler:
         return max(self.area.values()) / statistics.mean(self.area.values())
 
 
-async def _send(stub, turn: Turn, source: TraceSource) -> bool:
-    """One turn through a gateway; its answer becomes the session's history. False: failed."""
+class RouterLog:
+    """Which router each request (by the caller's id) was last sent to by the gateways."""
+
+    def __init__(self, gateways: list[Gateway]) -> None:
+        self.router_of: dict[str, str] = {}
+        for gateway in gateways:
+            generate = gateway.pool.generate
+
+            def logged(address, request, deadline, generate=generate):
+                self.router_of[request.request_id.rsplit("-", 1)[0]] = address
+                return generate(address, request, deadline)
+
+            gateway.pool.generate = logged
+
+
+async def _send(stub, turn: Turn, source: TraceSource, request_id: str, lost: list[str]) -> bool:
+    """One turn through a gateway; its answer becomes the session's history. False: failed
+    (its id added to `lost`)."""
     request = generation_pb2.GenerateRequest(
-        prompt_token_ids=turn.prompt_ids, max_tokens=len(turn.output_ids), ignore_eos=True,
+        prompt_token_ids=turn.prompt_ids, max_tokens=len(turn.output_ids), ignore_eos=True, request_id=request_id,
         sampling=generation_pb2.SamplingParams(temperature=0.0))
     output = []
     try:
@@ -88,7 +106,8 @@ async def _send(stub, turn: Turn, source: TraceSource) -> bool:
             output.extend(response.token_ids)
     except grpc.aio.AioRpcError as exc:
         assert exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), exc
-        print("lost:", exc.code(), exc.details())
+        print("lost:", request_id, exc.code(), exc.details())
+        lost.append(request_id)
         return False
     assert len(output) == len(turn.output_ids)
     turn.session.history = turn.prompt_ids + output
@@ -96,8 +115,10 @@ async def _send(stub, turn: Turn, source: TraceSource) -> bool:
     return True
 
 
-async def _drive(source: TraceSource, stubs: list, count: int, sessions: dict[int, int]) -> list[asyncio.Task]:
-    """`count` turns at the trace's Poisson arrivals, each session through one gateway."""
+async def _drive(source: TraceSource, stubs: list, count: int, sessions: dict[int, int],
+                 lost: list[str]) -> list[asyncio.Task]:
+    """`count` turns at the trace's Poisson arrivals, each session through one gateway; the
+    ids of the failed ones go to `lost`."""
     loop = asyncio.get_running_loop()
     started = loop.time() - source.next_arrival_s
     tasks = []
@@ -105,7 +126,8 @@ async def _drive(source: TraceSource, stubs: list, count: int, sessions: dict[in
         await asyncio.sleep(max(0.0, started + source.next_arrival_s - loop.time()))
         turn = source.take()
         gateway = sessions.setdefault(id(turn.session), len(sessions) % len(stubs))  # as `GatewayPerSession`
-        tasks.append(asyncio.create_task(_send(stubs[gateway], turn, source)))
+        request_id = f"turn{next(TURN_IDS)}"
+        tasks.append(asyncio.create_task(_send(stubs[gateway], turn, source, request_id, lost)))
     return tasks
 
 
@@ -172,12 +194,14 @@ def test_three_replicas_behind_two_gateways(tokenizer, monkeypatch) -> None:
             stubs = [generation_pb2_grpc.GenerationServiceStub(c) for c in channels]
             source = TraceSource(TRACE, RATE_PER_S, SEED)
             sessions: dict[int, int] = {}
+            lost: list[str] = []
+            log = RouterLog(gateways)
 
             # Three replicas: every request served, the load within the bound, the hit rate as
             # the simulator predicts.
             sampler = LoadSampler({h: r.stub for h, r in routers.items()})
             sampling = asyncio.create_task(sampler.run())
-            first = await _drive(source, stubs, NUM_FIRST, sessions)
+            first = await _drive(source, stubs, NUM_FIRST, sessions, lost)
             sampling.cancel()
             assert all(await asyncio.gather(*first)), "a request failed with every router up"
             stats = [await r.stub.GetStats(router_pb2.GetStatsRequest()) for r in routers.values()]
@@ -194,17 +218,18 @@ def test_three_replicas_behind_two_gateways(tokenizer, monkeypatch) -> None:
             # One router stops while requests run on it.
             before = {h: (await r.stub.GetStats(router_pb2.GetStatsRequest())).prompt_tokens
                       for h, r in routers.items()}
-            second = await _drive(source, stubs, STOP_AFTER, sessions)
+            second = await _drive(source, stubs, STOP_AFTER, sessions, lost)
             stopped = HOSTS[2]
             stats = await routers[stopped].stub.GetStats(router_pb2.GetStatsRequest())
             in_flight = stats.num_running + stats.num_waiting
             dns.hosts.remove(stopped)
             await routers.pop(stopped).close()
-            second += await _drive(source, stubs, NUM_SECOND - STOP_AFTER, sessions)
+            second += await _drive(source, stubs, NUM_SECOND - STOP_AFTER, sessions, lost)
             served = await asyncio.gather(*second)
-            lost = served.count(False)
-            print(f"stopped {stopped} with {in_flight} request(s) on it: {lost} lost")
-            assert lost <= in_flight
+            print(f"stopped {stopped} with {in_flight} request(s) on it by its last report: {len(lost)} lost")
+            # Requests the gateways sent it after that report count too: a lost request is one
+            # whose last router was the stopped one.
+            assert all(log.router_of[request_id] == f"{stopped}:{port}" for request_id in lost), (lost, log.router_of)
             assert all(served[STOP_AFTER:]), "a request sent after the stop failed"
             after = {h: (await r.stub.GetStats(router_pb2.GetStatsRequest())).prompt_tokens - before[h]
                      for h, r in routers.items()}
