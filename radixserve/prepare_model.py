@@ -12,6 +12,8 @@ make sure every file is readable by all (see `make_readable`).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import shutil
 import stat
@@ -97,10 +99,11 @@ def convert(gguf: Path, out: Path) -> None:
     except ImportError as exc:
         raise SystemExit(f"[model] error: {exc}; install the `model` extra (gguf, accelerate)")
     print(f"[model] dequantizing {gguf.name} (Q4_1 -> float32) ...", flush=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
+    with _gguf_parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
     partial = out.with_name(out.name + ".partial")
     partial.mkdir(parents=True, exist_ok=True)
     # transformers marks a GGUF-loaded model as quantized and refuses save_pretrained, although
@@ -117,6 +120,24 @@ def convert(gguf: Path, out: Path) -> None:
     model.generation_config.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     publish(partial, out)
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """While converting, the gguf package parses each file once and builds each tensor-name
+    map once: transformers reads the file three times (tokenizer, config, weights; the 49,152
+    token vocabulary field by field each time) and builds the name map for every module of the
+    model, which was most of the conversion's time. Both are read-only results of their
+    arguments, so sharing them changes nothing that is written."""
+    import gguf
+
+    saved = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = functools.lru_cache(maxsize=None)(saved[0])
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(saved[1])
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = saved
 
 
 def publish(partial: Path, out: Path) -> None:
