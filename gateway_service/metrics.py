@@ -131,16 +131,17 @@ class GatewayMetrics:
         try:
             async for chunk in stream:
                 now = time.monotonic()
-                if chunk.token_ids:
+                num_chunk_tokens = len(chunk.token_ids)
+                if num_chunk_tokens:
                     if num_tokens == 0:
                         record.ttft_s = now - start
                         self.ttft.labels(model, api).observe(record.ttft_s)
                     else:
                         # Tokens that arrive together share the gap since the previous ones.
-                        gap = (now - last) / len(chunk.token_ids)
-                        for _ in chunk.token_ids:
+                        gap = (now - last) / num_chunk_tokens
+                        for _ in range(num_chunk_tokens):
                             itl.observe(gap)
-                    num_tokens += len(chunk.token_ids)
+                    num_tokens += num_chunk_tokens
                     last = now
                 if chunk.HasField("usage"):
                     self.prompt_tokens.labels(model, api).inc(chunk.usage.prompt_tokens)

@@ -36,6 +36,7 @@ class OutputAssembler:
         self._tokenizer = tokenizer
         self._detokenizer = IncrementalDetokenizer(tokenizer.decode)
         self._matcher = StopStringMatcher(stop)
+        self._has_stops = bool(stop)
         self._prompt_len = prompt_len
         self.num_completion_tokens = 0
         self.num_cached_tokens = 0
@@ -49,6 +50,8 @@ class OutputAssembler:
         tokens, many top logprobs) goes to the decode threads."""
         if len(token_ids) > CHEAP_TOKENS or self._detokenizer.window > CHEAP_WINDOW:
             return False
+        if not logprobs:
+            return True
         return sum(1 + len(logprob.top_logprobs) for logprob in logprobs[:len(token_ids)]) <= CHEAP_TEXTS
 
     def add(
@@ -63,20 +66,30 @@ class OutputAssembler:
         drafted and accepted draft token counts so far (speculative decoding)."""
         if self.finished:
             raise RuntimeError("output already finished")
-        self.num_cached_tokens = max(self.num_cached_tokens, cached_tokens)
-        self.drafts = max(self.drafts, drafts)
+        if cached_tokens > self.num_cached_tokens:
+            self.num_cached_tokens = cached_tokens
+        if drafts > self.drafts:
+            self.drafts = drafts
         pieces: list[str] = []
-        taken: list[int] = []
+        num_taken = 0
+        detokenize = self._detokenizer.add
         for token_id in token_ids:
-            taken.append(token_id)
-            result = self._matcher.feed(self._detokenizer.add(token_id))
+            num_taken += 1
+            if not self._has_stops:  # nothing to hold back or cut: the text as it is final
+                pieces.append(detokenize(token_id))
+                continue
+            result = self._matcher.feed(detokenize(token_id))
             pieces.append(result.text)
             if result.stopped:
                 finish_reason = STOP
                 break
-        self.num_completion_tokens += len(taken)
-        chunk = generation_pb2.GenerateResponse(token_ids=taken, logprobs=logprobs[:len(taken)])
-        self._add_token_text(chunk.logprobs)
+        self.num_completion_tokens += num_taken
+        # Fields are filled in place, which is cheaper than keyword arguments to the constructor.
+        chunk = generation_pb2.GenerateResponse()
+        chunk.token_ids.extend(token_ids if num_taken == len(token_ids) else token_ids[:num_taken])
+        if logprobs:
+            chunk.logprobs.extend(logprobs[:num_taken])
+            self._add_token_text(chunk.logprobs)
         if finish_reason:
             if not self._matcher.stopped:
                 tail = self._matcher.feed(self._detokenizer.flush())
@@ -88,17 +101,19 @@ class OutputAssembler:
                     finish_reason = STOP
             self.finished = True
             chunk.text, chunk.finish_reason = "".join(pieces), finish_reason
-            chunk.usage.prompt_tokens = self._prompt_len
-            chunk.usage.completion_tokens = self.num_completion_tokens
-            chunk.usage.cached_tokens = self.num_cached_tokens
-            chunk.usage.draft_tokens = self.drafts[0]
+            usage = chunk.usage
+            usage.prompt_tokens = self._prompt_len
+            usage.completion_tokens = self.num_completion_tokens
+            usage.cached_tokens = self.num_cached_tokens
+            usage.draft_tokens = self.drafts[0]
             # A stop string may cut the output inside an accepted run: count only the accepted
             # drafts that can be among the tokens passed on.
-            chunk.usage.accepted_draft_tokens = min(self.drafts[1], self.num_completion_tokens)
+            usage.accepted_draft_tokens = min(self.drafts[1], self.num_completion_tokens)
             return chunk
-        chunk.text = "".join(pieces)
-        if not taken and not chunk.text:
+        text = pieces[0] if len(pieces) == 1 else "".join(pieces)
+        if not num_taken and not text:
             return None
+        chunk.text = text
         return chunk
 
     def _add_token_text(self, logprobs: Sequence[generation_pb2.TokenLogprob]) -> None:

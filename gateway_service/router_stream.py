@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 
+from gateway_service.mailbox import Mailbox
 from radixserve.v1 import router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class RouterStream:
         """`on_load` gets the router's load from every message that carries one."""
         self._call = stub.Stream(metadata=metadata)
         self._on_load = on_load
-        self._inboxes: dict[str, _Inbox] = {}
+        self._inboxes: dict[str, Mailbox] = {}
         self._write_lock = asyncio.Lock()
         self.failed: grpc.aio.AioRpcError | None = None
         self.answered = False  # the router sent a message on this call
@@ -65,7 +66,7 @@ class RouterStream:
         if self.failed is not None:
             raise self.failed
         request_id = request.request_id
-        inbox = _Inbox()
+        inbox: Mailbox = Mailbox()  # the request's updates, and at most one failure after them
         self._inboxes[request_id] = inbox
         # The deadline is one timer that puts its error in the inbox, not a timeout per read.
         loop = asyncio.get_running_loop()
@@ -76,6 +77,11 @@ class RouterStream:
             await self._write(router_pb2.RouterStreamRequest(open=request))
             while not ended:
                 items = await inbox.take()
+                if len(items) == 1 and _is_update(items[0]):  # a caller that keeps up: one step's update
+                    response = items[0].response
+                    ended = response.finish_reason != 0
+                    yield response
+                    continue
                 end = next((i for i, item in enumerate(items) if not _is_update(item)), len(items))
                 updates = items[:end]
                 ended = any(update.response.finish_reason for update in updates)
@@ -155,28 +161,6 @@ class RouterStream:
     async def _cancel(self, request_id: str) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
             await self._write(router_pb2.RouterStreamRequest(cancel=request_id))
-
-
-class _Inbox:
-    """One request's updates (and at most one failure after them), taken all at once."""
-
-    __slots__ = ("_items", "_ready")
-
-    def __init__(self) -> None:
-        self._items: list = []
-        self._ready = asyncio.Event()
-
-    def put(self, item) -> None:
-        self._items.append(item)
-        self._ready.set()
-
-    async def take(self) -> list:
-        """Everything put since the last take (waits for at least one item)."""
-        while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
-        items, self._items = self._items, []
-        return items
 
 
 def _is_update(item) -> bool:

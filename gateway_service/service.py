@@ -257,10 +257,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         log.debug("request %s: %d prompt tokens, max_tokens %d", request_id, len(prompt_ids), max_tokens)
         async with contextlib.aclosing(self._router_stream(routed, deadline)) as stream:
             async for response in stream:
-                args = (response.token_ids, response.logprobs, response.finish_reason, response.usage.cached_tokens,
-                        (response.usage.draft_tokens, response.usage.accepted_draft_tokens))
+                token_ids, logprobs, usage = response.token_ids, response.logprobs, response.usage
+                args = (token_ids, logprobs, response.finish_reason, usage.cached_tokens,
+                        (usage.draft_tokens, usage.accepted_draft_tokens))
                 # A decode step's token is detokenized here: a thread hand-off would cost more.
-                if assembler.is_cheap(response.token_ids, response.logprobs):
+                if assembler.is_cheap(token_ids, logprobs):
                     chunk = assembler.add(*args)
                 else:
                     chunk = await self._text.decode(assembler.add, *args)

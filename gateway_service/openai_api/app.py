@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
@@ -42,6 +41,7 @@ from gateway_service.openai_api.errors import (
     error_body,
     error_response,
 )
+from gateway_service.openai_api import sse
 from gateway_service.openai_api.request_ids import STATE_KEY, RequestIds
 from gateway_service.openai_api.protocol import (
     ChatCompletionRequest,
@@ -57,7 +57,6 @@ from radixserve.v1 import generation_pb2
 
 # Checks a bearer token (None when the request sent none): True lets the request through.
 TokenCheck = Callable[[str | None], bool]
-SSE_MEDIA_TYPE = "text/event-stream"
 BEARER = "bearer "
 API_OF_ROUTE = {route: api for api, route in ROUTES.items()}
 
@@ -227,8 +226,8 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-# An event formatter turns (index, chunk) into SSE payloads; None marks the end of all choices.
-Events = Callable[[int | None, generation_pb2.GenerateResponse | None], list[dict]]
+# An event formatter turns (index, chunk) into SSE events; None marks the end of all choices.
+Events = Callable[[int | None, generation_pb2.GenerateResponse | None], list[bytes]]
 
 
 async def _event_stream(streams: ChoiceStreams, events: Events) -> Response:
@@ -240,29 +239,25 @@ async def _event_stream(streams: ChoiceStreams, events: Events) -> Response:
         await streams.aclose()
         return error_response(exc)
 
-    async def sse() -> AsyncIterator[bytes]:
+    async def stream() -> AsyncIterator[bytes]:
         try:
             if first is not None:
-                for payload in events(*first):
-                    yield _sse(payload)
+                for event in events(*first):
+                    yield event
             try:
                 async for index, chunk in chunks:
-                    for payload in events(index, chunk):
-                        yield _sse(payload)
-                for payload in events(None, None):
-                    yield _sse(payload)
+                    for event in events(index, chunk):
+                        yield event
+                for event in events(None, None):
+                    yield event
             except Exception as exc:  # the status line is sent: report the error in-stream
-                yield _sse(error_body(exc)[1])
-            yield b"data: [DONE]\n\n"
+                yield sse.event(error_body(exc)[1])
+            yield sse.DONE
         finally:
             await streams.aclose()
 
-    return StreamingResponse(sse(), media_type=SSE_MEDIA_TYPE,
+    return StreamingResponse(stream(), media_type=sse.MEDIA_TYPE,
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-def _sse(payload: dict) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
 class _UsageTotals:
@@ -282,15 +277,15 @@ class _UsageTotals:
 def _chat_events(header: bodies.ResponseHeader, body: ChatCompletionRequest, num_choices: int) -> Events:
     started: set[int] = set()
     totals = _UsageTotals(num_choices)
-    extra = {"usage": None} if body.include_usage else {}
+    chunks = sse.ChunkEvents(header, body.include_usage)
 
-    def events(index: int | None, chunk: generation_pb2.GenerateResponse | None) -> list[dict]:
+    def events(index: int | None, chunk: generation_pb2.GenerateResponse | None) -> list[bytes]:
         if index is None:
-            return [header.body(choices=[], usage=totals.body(1))] if body.include_usage else []
+            return [sse.event(header.body(choices=[], usage=totals.body(1)))] if body.include_usage else []
         totals.add(index, chunk)
         first = index not in started
         started.add(index)
-        return [header.body(choices=[bodies.chat_delta(index, chunk, body.logprobs, first)], **extra)]
+        return [chunks.chunk([bodies.chat_delta(index, chunk, body.logprobs, first)])]
 
     return events
 
@@ -306,17 +301,17 @@ def _completion_events(header: bodies.ResponseHeader, body: CompletionRequest,
     offsets = [0] * len(echoed)
     totals = _UsageTotals(len(echoed))
     unsent = dict(enumerate(echoed))
-    extra = {"usage": None} if body.include_usage else {}
+    chunks = sse.ChunkEvents(header, body.include_usage)
     with_logprobs = body.logprobs is not None
 
-    def events(index: int | None, chunk: generation_pb2.GenerateResponse | None) -> list[dict]:
+    def events(index: int | None, chunk: generation_pb2.GenerateResponse | None) -> list[bytes]:
         if index is None:
-            return [header.body(choices=[], usage=totals.body(num_prompts))] if body.include_usage else []
+            return [sse.event(header.body(choices=[], usage=totals.body(num_prompts)))] if body.include_usage else []
         totals.add(index, chunk)
         text = unsent.pop(index, "") + chunk.text
         choice = bodies.completion_choice(index, text, chunk.logprobs if with_logprobs else None,
                                           chunk.finish_reason, offsets[index])
         offsets[index] += len(text)
-        return [header.body(choices=[choice], **extra)]
+        return [chunks.chunk([choice])]
 
     return events

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 
+from gateway_service.mailbox import Mailbox
 from radixserve.sampling import SEED_MASK
 from radixserve.v1 import generation_pb2
 
@@ -38,14 +39,15 @@ def with_choice_seeds(inputs: Sequence[GenerateRequest], n: int) -> list[Generat
 class ChoiceStreams:
     """`(index, chunk)` pairs from every choice, in arrival order.
 
-    Each choice runs as its own task feeding one queue. The first failure of any choice is
+    Each choice runs as its own task (the one the servicer's drain cancels) feeding one
+    mailbox, which the reader empties at each wake-up. The first failure of any choice is
     raised to the reader; `aclose` (also on the reader's cancellation) cancels every choice,
     which cancels their router calls.
     """
 
     def __init__(self, start: Callable[[GenerateRequest], AsyncIterator[Chunk]],
                  inputs: Sequence[GenerateRequest]) -> None:
-        self._queue: asyncio.Queue[tuple[int, Chunk | None, BaseException | None]] = asyncio.Queue()
+        self._mailbox: Mailbox[tuple[int, Chunk | None, BaseException | None]] = Mailbox()
         self._tasks = [
             asyncio.create_task(self._pump(index, start(request)))
             for index, request in enumerate(inputs)
@@ -56,21 +58,21 @@ class ChoiceStreams:
         try:
             async with contextlib.aclosing(stream) as chunks:
                 async for chunk in chunks:
-                    self._queue.put_nowait((index, chunk, None))
+                    self._mailbox.put((index, chunk, None))
         except Exception as exc:
-            self._queue.put_nowait((index, None, exc))
+            self._mailbox.put((index, None, exc))
         else:
-            self._queue.put_nowait((index, None, None))
+            self._mailbox.put((index, None, None))
 
     async def __aiter__(self) -> AsyncIterator[tuple[int, Chunk]]:
         while self._num_running:
-            index, chunk, error = await self._queue.get()
-            if error is not None:
-                raise error
-            if chunk is None:
-                self._num_running -= 1
-                continue
-            yield index, chunk
+            for index, chunk, error in await self._mailbox.take():
+                if error is not None:
+                    raise error
+                if chunk is None:
+                    self._num_running -= 1
+                    continue
+                yield index, chunk
 
     async def aclose(self) -> None:
         for task in self._tasks:
