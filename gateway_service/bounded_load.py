@@ -23,7 +23,11 @@ simulator replays (`bench/routing_policies.py`): a conversation's next turn (its
 prefix ended an earlier prompt: its history) gets `Bounds.session`, so it meets the replica
 holding its history even after its system prompt spilled; a new session of a known system prompt
 gets `Bounds.memory` over the replicas holding that prompt, so a spilled hot prefix stays on the
-few replicas it warmed instead of warming more.
+few replicas it warmed instead of warming more. With `Bounds.recompute_tokens` set, the memory's
+replicas are weighed by work instead of taken in order (`choose_by_work`): what leaving a
+replica that holds a prefix costs (the tokens to recompute elsewhere: a conversation's whole
+history, or only the part of it past a system prompt that another replica holds) against the
+load staying there adds (its outstanding requests above the rendezvous order's bound).
 
 Plain functions over addresses and counts (and the rendezvous weights), no I/O.
 """
