@@ -2,6 +2,8 @@
 
     python -m bench.simulate_routing                    # 8, 64 and 512 replicas (a few minutes)
     python -m bench.simulate_routing --replicas 8 --requests-per-replica 50
+    RADIXSERVE_RECOMPUTE_TOKENS=0 python -m bench.simulate_routing --replicas 512 --loads 0.7 \
+        --policy "bounded load" --decision-prompts 0   # one policy, a gateway setting changed
 
 Each replica is the router's own `Scheduler` (radix cache, page allocator, step builder; no
 model): a step runs the plan the scheduler makes, for as long as the step-time model says, and
