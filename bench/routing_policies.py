@@ -10,7 +10,10 @@ running plus waiting), as a gateway would from the figures routers report:
   the same code): the replicas its prefix memory names for the prompt's longest known prefix if
   within their bound of the mean load (the gateway's defaults: 1.35, for a conversation's
   history and for a shared prefix alike), else the first in rendezvous order within the bound
-  (1.1); else the next in that order that is; and the same without the prefix memory;
+  (1.1); else the next in that order that is (with `--recompute-tokens` set: among the
+  replicas the memory names for any prefix of the prompt and the first in rendezvous order,
+  the one whose excess load and prompt tokens to recompute cost the least work); and the same
+  without the prefix memory;
 - cache aware: SGLang's `cache_aware` policy as its documentation describes it, written here
   from that description (`CacheAware`).
 """
@@ -29,9 +32,6 @@ from gateway_service.rendezvous import Ranking, affinity_key
 
 _GATEWAY = GatewayConfig()  # the gateway's defaults
 AFFINITY_TOKENS = _GATEWAY.affinity_tokens
-MEMORY_ENTRIES = _GATEWAY.prefix_memory_entries
-MEMORY_STRIDE = _GATEWAY.prefix_memory_stride
-MEMORY_HOLDERS = _GATEWAY.prefix_memory_holders
 
 
 class Loads(dict[int, int]):
@@ -93,26 +93,28 @@ class PrefixAffinity:
 
 class BoundedLoad(PrefixAffinity):
     """The gateway's choice (`gateway_service.router_choice.RouterPool.order`): bounded load over
-    the rendezvous order, the prefix memory's replicas first (`prefix_memory=False`: without).
-    `bound` replaces the gateway's load bound, `memory_bound` (None: the gateway's) its memory
-    and session bounds."""
+    the rendezvous order, the prefix memory's replicas first (`prefix_memory=False`: without),
+    with `gateway`'s settings (default: the gateway's defaults). `bound` replaces its load bound,
+    `memory_bound` (None: its own) its memory and session bounds."""
 
     name = "bounded load"
 
     def __init__(
         self, num_replicas: int, memo: bool = True, bound: float | None = None, prefix_memory: bool = True,
-        memory_bound: float | None = None,
+        memory_bound: float | None = None, gateway: GatewayConfig = _GATEWAY,
     ) -> None:
         super().__init__(num_replicas, memo)
-        bounds = _GATEWAY.bounds
+        bounds = gateway.bounds
         if bound is not None:
-            bounds = Bounds(bound, max(bound, bounds.memory), max(bound, bounds.session))
+            bounds = Bounds(bound, max(bound, bounds.memory), max(bound, bounds.session), bounds.recompute_tokens)
         if memory_bound is not None:
-            bounds = Bounds(bounds.load, max(bounds.load, memory_bound), max(bounds.load, memory_bound))
+            bounds = Bounds(bounds.load, max(bounds.load, memory_bound), max(bounds.load, memory_bound),
+                            bounds.recompute_tokens)
         self.bounds = bounds
         self.bound = bounds.load
         self._memory: PrefixMemory[int] | None = (
-            PrefixMemory(MEMORY_ENTRIES, MEMORY_STRIDE, MEMORY_HOLDERS) if prefix_memory else None)
+            PrefixMemory(gateway.prefix_memory_entries, gateway.prefix_memory_stride, gateway.prefix_memory_holders)
+            if prefix_memory else None)
         if not prefix_memory:
             self.name = "bounded, no memory"
 
@@ -124,8 +126,10 @@ class BoundedLoad(PrefixAffinity):
 class BoundedLoadNoMemory(BoundedLoad):
     name = "bounded, no memory"
 
-    def __init__(self, num_replicas: int, memo: bool = True, bound: float | None = None) -> None:
-        super().__init__(num_replicas, memo, bound, prefix_memory=False)
+    def __init__(
+        self, num_replicas: int, memo: bool = True, bound: float | None = None, gateway: GatewayConfig = _GATEWAY,
+    ) -> None:
+        super().__init__(num_replicas, memo, bound, prefix_memory=False, gateway=gateway)
 
 
 class _Node:

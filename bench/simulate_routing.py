@@ -2,6 +2,8 @@
 
     python -m bench.simulate_routing                    # 8, 64 and 512 replicas (a few minutes)
     python -m bench.simulate_routing --replicas 8 --requests-per-replica 50
+    RADIXSERVE_RECOMPUTE_TOKENS=0 python -m bench.simulate_routing --replicas 512 --loads 0.7 \
+        --policy "bounded load" --decision-prompts 0   # one policy, a gateway setting changed
 
 Each replica is the router's own `Scheduler` (radix cache, page allocator, step builder; no
 model): a step runs the plan the scheduler makes, for as long as the step-time model says, and
@@ -47,8 +49,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bench.routing_policies import MEMORY_HOLDERS, POLICIES, BoundedLoad, Loads, PrefixAffinity, RoundRobin
+from bench.routing_policies import POLICIES, BoundedLoad, Loads, PrefixAffinity, RoundRobin
 from bench.routing_trace import TraceConfig, TraceSource, Turn
+from gateway_service.config import config_from_args
 from router_service.core.admission import Policy
 from router_service.core.request import Request
 from router_service.core.scheduler import Scheduler
@@ -272,18 +275,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests-per-replica", type=int, default=0,
                         help="trace length per replica (0: 250 at 8, 60 at 64, 16 at 512)")
     parser.add_argument("--loads", default="0.7,0.9", help="offered load, as fractions of capacity")
-    parser.add_argument("--bound", type=float, default=BoundedLoad(1).bound, help="bounded-load c")
+    parser.add_argument("--bound", type=float, default=None,
+                        help="bounded-load c (default: the gateway's --load-bound)")
     parser.add_argument("--pages", type=int, default=ReplicaConfig().num_pages, help="KV pages per replica")
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--decision-prompts", type=int, default=500, help="prompts timed per policy and scale")
+    parser.add_argument("--policy", action="append", choices=[policy.name for policy in POLICIES],
+                        help="a policy to run, once per policy (default: all; the goals print when bounded load, "
+                             "prefix affinity and cache aware all run)")
+    parser.add_argument("--decision-prompts", type=int, default=500,
+                        help="prompts timed per policy and scale (0: no timing)")
     args = parser.parse_args(argv)
+    policies = [policy for policy in POLICIES if args.policy is None or policy.name in args.policy]
+    # The bounded-load policies route with the gateway's settings as a gateway would read them
+    # from its RADIXSERVE_* variables (its defaults where none is set), `--bound` over its load bound.
+    gateway = config_from_args([])
     replica = ReplicaConfig(num_pages=args.pages)
-    bounded = BoundedLoad(1, bound=args.bound).bounds
+    bounded = BoundedLoad(1, bound=args.bound, gateway=gateway).bounds
     print(f"step model: {STEP_FIXED_S * 1e3:.3f} ms + {DECODE_ROW_S * 1e6:.2f} us per decode row + "
           f"{PREFILL_TOKEN_S * 1e6:.2f} us per prefill token (bench_worker, H100); "
-          f"{replica.num_pages} pages of {PAGE_SIZE} per replica; bounded-load c = {args.bound} (prefix "
-          f"memory: {MEMORY_HOLDERS} replicas per prefix, bound {bounded.memory} for a shared prefix's, "
-          f"{bounded.session} for a conversation's history)")
+          f"{replica.num_pages} pages of {PAGE_SIZE} per replica; bounded-load c = {bounded.load} (prefix "
+          f"memory: {gateway.prefix_memory_holders} replicas per prefix, bound {bounded.memory} for a shared "
+          f"prefix's, {bounded.session} for a conversation's history; {bounded.recompute_tokens} prompt tokens to "
+          f"recompute per request of load, 0: none)")
     started = time.perf_counter()
     for num_replicas in (int(part) for part in args.replicas.split(",")):
         per_replica = args.requests_per_replica or DEFAULT_SCALES.get(num_replicas, 60)
@@ -295,9 +308,9 @@ def main(argv: list[str] | None = None) -> None:
               f"{'busiest/mean':>12} {'mean load':>9} {'continued':>9} {'2nd half hit':>12} {'copies':>6} {'moved':>5}")
         for load in (float(part) for part in args.loads.split(",")):
             results = {}
-            for policy_class in POLICIES:
+            for policy_class in policies:
                 if issubclass(policy_class, BoundedLoad):
-                    policy = policy_class(num_replicas, bound=args.bound)
+                    policy = policy_class(num_replicas, bound=args.bound, gateway=gateway)
                 else:
                     policy = policy_class(num_replicas)
                 result = results[policy.name] = simulate(
@@ -309,7 +322,10 @@ def main(argv: list[str] | None = None) -> None:
                       f"{result.mean_load:>9.1f} {result.continued_share:>9.0%} {result.late_hit_rate:>12.1%} "
                       f"{result.prompt_copies:>6.2f} {result.moved_share:>5.0%}",
                       flush=True)
-            _print_goals(results)
+            if {"bounded load", "prefix affinity", "cache aware"} <= results.keys():
+                _print_goals(results)
+    if not args.decision_prompts:
+        return
     source = TraceSource(trace_for(512), 1.0, args.seed)
     prompts = [source.take().prompt_ids for _ in range(args.decision_prompts)]
     print(f"\nmicroseconds per routing decision (no memo; mean over {len(prompts)} prompts, best of 3):")

@@ -23,7 +23,11 @@ simulator replays (`bench/routing_policies.py`): a conversation's next turn (its
 prefix ended an earlier prompt: its history) gets `Bounds.session`, so it meets the replica
 holding its history even after its system prompt spilled; a new session of a known system prompt
 gets `Bounds.memory` over the replicas holding that prompt, so a spilled hot prefix stays on the
-few replicas it warmed instead of warming more.
+few replicas it warmed instead of warming more. With `Bounds.recompute_tokens` set, the memory's
+replicas are weighed by work instead of taken in order (`choose_by_work`): what leaving a
+replica that holds a prefix costs (the tokens to recompute elsewhere: a conversation's whole
+history, or only the part of it past a system prompt that another replica holds) against the
+load staying there adds (its outstanding requests above the rendezvous order's bound).
 
 Plain functions over addresses and counts (and the rendezvous weights), no I/O.
 """
@@ -37,7 +41,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from gateway_service.prefix_memory import PrefixMemory
+from gateway_service.prefix_memory import Held, PrefixMemory
 from gateway_service.rendezvous import ranked
 
 
@@ -104,6 +108,10 @@ class Bounds:
     load: float  # the rendezvous order's
     memory: float  # replicas holding the request's longest known shared prefix (never below `load`)
     session: float  # the replica holding a conversation's history (never below `load`)
+    # Prompt tokens whose recomputation on another replica costs as much as one more outstanding
+    # request on a replica that holds them (`choose_by_work`); 0: the memory's replicas are
+    # taken in their order while within their bound.
+    recompute_tokens: int = 0
 
 
 def choose_remembered(
@@ -116,9 +124,49 @@ def choose_remembered(
     if memory is None:
         return choose_ranked(replicas, weights, loads, bounds.load, total_load)
     checkpoints = memory.checkpoints(prompt_token_ids)
+    if bounds.recompute_tokens:
+        chosen = choose_by_work(replicas, weights, loads, bounds, memory.recall_held(checkpoints), total_load)
+        memory.remember(checkpoints, chosen)
+        return chosen
     recalled = memory.recall_all(checkpoints)
     holders = [replica for replica in recalled.holders if replica in loads]
     chosen = choose_ranked(replicas, weights, loads, bounds.load, total_load, holders,
                            bounds.session if recalled.ended_a_prompt else bounds.memory)
     memory.remember(checkpoints, chosen)
     return chosen
+
+
+def choose_by_work(
+    replicas: Sequence[Replica], weights: np.ndarray, loads: Mapping[Replica, int], bounds: Bounds,
+    held: Held[Replica], total_load: int | None = None,
+) -> Replica:
+    """The replica that costs the least work for a prompt whose prefixes `held` names: each
+    replica the memory names, and the first in rendezvous order, costs the prompt tokens it does
+    not hold (to recompute there) plus `bounds.recompute_tokens` per outstanding request it has,
+    with this one, above `capacity` at `bounds.load`. So a request stays on the replica holding
+    its longest prefix until that replica's excess load outweighs recomputing what it holds
+    elsewhere: a long conversation's history holds it longer than a system prompt that other
+    replicas hold too. The memory's replicas are taken only within their own bound
+    (`bounds.session` for a conversation's history, `bounds.memory` for a shared prefix), the
+    first in rendezvous order within `bounds.load`; ties go to the longer held prefix, then the
+    more recent, then the rendezvous order. When none of them is within its bound:
+    `choose_ranked` over the rendezvous order."""
+    if not replicas:
+        raise ValueError("no replica to choose from")
+    if total_load is None:
+        total_load = sum(loads.get(replica, 0) for replica in replicas)
+    num_replicas = len(replicas)
+    base = capacity(total_load, num_replicas, bounds.load)
+    limit = capacity(total_load, num_replicas, bounds.session if held.ended_a_prompt else bounds.memory)
+    first = replicas[int(weights.argmax())]
+    best, best_cost = None, None
+    for replica, held_len in (*held.replicas, (first, 0)):
+        load = loads.get(replica)
+        if load is None or load + 1 > (base if held_len == 0 else limit):
+            continue  # down or gone, or over its bound
+        cost = max(load + 1 - base, 0) * bounds.recompute_tokens + held.prefix_len - held_len
+        if best_cost is None or cost < best_cost:
+            best, best_cost = replica, cost
+    if best is None:
+        return choose_ranked(replicas, weights, loads, bounds.load, total_load)
+    return best

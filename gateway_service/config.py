@@ -50,6 +50,12 @@ class GatewayConfig:
                                         "history (the request's longest known prefix ended an earlier prompt; "
                                         "never less than --load-bound)",
                                         min=1)
+    recompute_tokens: int = setting(0, "route by work: prompt tokens whose recomputation on another router "
+                                    "costs as much as one more outstanding request above --load-bound on a "
+                                    "router the prefix memory names as holding them; a request goes to "
+                                    "the router (among those the memory names within their bound, and the "
+                                    "first in its order) costing the least of the two (0: the memory's "
+                                    "routers in their order while within their bound)", min=0)
     prefix_memory_entries: int = setting(65536, "prompt prefixes remembered with the routers they went to, so a "
                                          "conversation's next turn meets its cached history (0: none)", min=0)
     prefix_memory_stride: int = setting(64, "tokens between the prefixes remembered of one prompt", min=1)
@@ -108,7 +114,8 @@ class GatewayConfig:
     @property
     def bounds(self) -> Bounds:
         load = self.load_bound
-        return Bounds(load, max(load, self.memory_load_bound), max(load, self.session_load_bound))
+        return Bounds(load, max(load, self.memory_load_bound), max(load, self.session_load_bound),
+                      self.recompute_tokens)
 
     def __post_init__(self) -> None:
         flags.check(self)

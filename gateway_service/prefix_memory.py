@@ -45,6 +45,18 @@ class Recalled(NamedTuple, Generic[Replica]):
 _NOTHING: Recalled = Recalled((), False)
 
 
+class Held(NamedTuple, Generic[Replica]):
+    """Every replica the memory names for some prefix of a prompt, with the longest such prefix."""
+
+    replicas: tuple[tuple[Replica, int], ...]  # (replica, tokens of the prompt it holds): longest first,
+    # most recent first among equals
+    prefix_len: int  # tokens of the longest remembered prefix (0: none)
+    ended_a_prompt: bool  # that prefix was the last whole stride of an earlier prompt
+
+
+_NONE_HELD: Held = Held((), 0, False)
+
+
 class PrefixMemory(Generic[Replica]):
     def __init__(self, num_entries: int, stride: int, holders: int = 1) -> None:
         if num_entries < 1 or stride < 1 or holders < 1:
@@ -77,6 +89,26 @@ class PrefixMemory(Generic[Replica]):
                 self._entries.move_to_end(checkpoint)
                 return Recalled(*known)
         return _NOTHING
+
+    def recall_held(self, checkpoints: Sequence[bytes]) -> Held[Replica]:
+        """Every replica that took one of these prefixes lately, with the longest it took (one
+        lookup per checkpoint: a conversation's replica holds its history, the replicas of its
+        system prompt only a shorter prefix)."""
+        entries = self._entries
+        found: dict[Replica, int] = {}
+        longest = None
+        for index in range(len(checkpoints) - 1, -1, -1):
+            known = entries.get(checkpoints[index])
+            if known is None:
+                continue
+            if longest is None:
+                entries.move_to_end(checkpoints[index])
+                longest = (index + 1) * self.stride, known[1]
+            for replica in known[0]:
+                found.setdefault(replica, (index + 1) * self.stride)
+        if longest is None:
+            return _NONE_HELD
+        return Held(tuple(found.items()), *longest)
 
     def recall(self, checkpoints: Sequence[bytes]) -> Replica | None:
         """The replica that took the longest of these prefixes last, None if none did."""

@@ -6,7 +6,9 @@ A request goes to a replica the prefix memory names for its longest known prefix
 replica's load stays within a bound of the mean (`Bounds.session` for a conversation's history,
 `Bounds.memory` for a shared prefix), else to the first in its rendezvous order (`rendezvous`)
 while its load stays within `Bounds.load` times the mean; otherwise to the next in rendezvous
-order that is (`bounded_load.choose_remembered`, which the simulator replays).
+order that is (`bounded_load.choose_remembered`, which the simulator replays); with
+`--recompute-tokens`, to the one of those replicas costing the least work, load above the bound
+against prompt tokens to recompute (`bounded_load.choose_by_work`).
 The rest of the rendezvous order is the failover order, as before. A router's load is what it
 last reported on the gateway's Stream call to it (running plus waiting requests, every step and
 every load report interval), plus the requests this gateway opened there since that report.

@@ -78,3 +78,18 @@ def test_copies_and_moved_turns_count_what_each_policy_spreads(results) -> None:
     # the hot prompt over a few replicas.
     assert results["round robin"].prompt_copies > results["bounded load"].prompt_copies > 1.0
     assert results["round robin"].moved_share > 0.5
+
+
+@pytest.mark.timeout(300)
+def test_main_runs_the_policies_asked_for_with_the_gateways_settings_from_its_environment(
+        monkeypatch, capsys) -> None:
+    monkeypatch.setattr(simulate_routing, "CALIBRATION_REQUESTS", 40)
+    monkeypatch.setenv("RADIXSERVE_RECOMPUTE_TOKENS", "0")
+    monkeypatch.setenv("RADIXSERVE_PREFIX_MEMORY_HOLDERS", "3")
+    simulate_routing.main(["--replicas", "2", "--requests-per-replica", "20", "--loads", "0.7",
+                           "--decision-prompts", "0", "--policy", "bounded load", "--policy", "prefix affinity"])
+    out = capsys.readouterr().out
+    assert "prefix memory: 3 replicas per prefix" in out and "0 prompt tokens to recompute" in out
+    assert re.search(r"70% bounded load +\d+\.\d%", out) and re.search(r"70% prefix affinity +\d+\.\d%", out)
+    assert "round robin" not in out and "cache aware" not in out and "goal" not in out
+    assert "microseconds per routing decision" not in out

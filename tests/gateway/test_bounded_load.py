@@ -162,3 +162,39 @@ def test_the_gateway_needs_a_router_address_or_a_dns_name() -> None:
     with pytest.raises(ValueError, match="--routers or --router-dns"):
         GatewayConfig(routers=())
     assert GatewayConfig(routers=(), router_dns="routers:50052").router_dns == "routers:50052"
+
+
+def test_by_work_a_request_stays_until_the_excess_load_outweighs_what_it_would_recompute() -> None:
+    from gateway_service.bounded_load import Bounds, capacity, choose_by_work
+    from gateway_service.prefix_memory import Held
+    from gateway_service.rendezvous import Ranking
+
+    ranking = Ranking(ADDRESSES)
+    weights = ranking.weights(affinity_key([8], 64))
+    order = ranking.order(affinity_key([8], 64))
+    holder, other = order[-1], order[-2]
+    bounds = Bounds(load=1.0, memory=2.0, session=2.0, recompute_tokens=100)
+    loads = dict.fromkeys(ADDRESSES, 4)  # 32 outstanding: capacity 5 at 1.0, 8 at 2.0
+    assert capacity(32, 8, 1.0) == 5
+    # A conversation whose 250-token history only `holder` has, its system prompt (50) `other` too.
+    history = Held(((holder, 250), (other, 50)), 250, True)
+    for load, expected in ((4, holder), (5, holder), (6, holder), (7, other)):
+        # Excess over the capacity at 1.0, with this request: 0, 1, 2, 3 requests (x 100 tokens)
+        # against 200 tokens to recompute on `other` (a tie goes to the longer held prefix).
+        loads[holder] = load
+        assert choose_by_work(ADDRESSES, weights, loads, bounds, history, 32 + load - 4) == expected
+    # A new session of a shared prompt held by two: the one within the load bound; once both
+    # are over it, the first in rendezvous order (50 tokens to recompute, under one request).
+    loads[holder], loads[other] = 6, 4
+    shared = Held(((holder, 50), (other, 50)), 50, False)
+    assert choose_by_work(ADDRESSES, weights, loads, bounds, shared) == other
+    loads[other] = 5
+    assert choose_by_work(ADDRESSES, weights, loads, bounds, shared) == order[0]
+    # Over their own bound (2.0 x the mean: 11 of 46), holders are never taken; nothing known: the
+    # rendezvous order within the load bound.
+    loads[holder] = loads[other] = 11
+    assert choose_by_work(ADDRESSES, weights, loads, Bounds(1.0, 2.0, 2.0, 1), shared) == order[0]
+    loads[order[0]] = 11
+    assert choose_by_work(ADDRESSES, weights, loads, bounds, Held((), 0, False)) == order[1]
+    up = {a: 4 for a in ADDRESSES if a != holder}  # a holder that is down is skipped
+    assert choose_by_work(ADDRESSES, weights, up, bounds, history) == other

@@ -63,3 +63,17 @@ def test_a_prefix_keeps_its_recent_holders_and_whether_it_ended_a_prompt() -> No
     memory.forget("a")  # the prefixes "a" alone held go
     assert memory.recall(memory.checkpoints(turn1)) is None
     assert memory.recall_all(memory.checkpoints(system + [3] * 4)) == ((), False)
+
+
+def test_it_names_every_replica_holding_a_prefix_with_the_longest_it_holds() -> None:
+    memory: PrefixMemory[str] = PrefixMemory(100, stride=4, holders=2)
+    system = list(range(10, 18))  # two strides
+    memory.remember(memory.checkpoints(system + [1] * 4), "a")
+    turn1 = system + [2] * 8  # four strides
+    memory.remember(memory.checkpoints(turn1), "b")
+    held = memory.recall_held(memory.checkpoints(turn1 + [3] * 6))
+    # "b" holds the whole history (16 tokens, the end of its prompt), "a" the system prompt.
+    assert held == (( ("b", 16), ("a", 8) ), 16, True)
+    held = memory.recall_held(memory.checkpoints(system + [1] * 4 + [5] * 4))
+    assert held.replicas == (("a", 12), ("b", 8)) and held.prefix_len == 12 and held.ended_a_prompt
+    assert memory.recall_held(memory.checkpoints([99] * 8)) == ((), 0, False)
