@@ -7,13 +7,11 @@ running plus waiting), as a gateway would from the figures routers report:
 - prefix affinity: the first replica in the rendezvous order of the prompt's first 64 tokens,
   exactly as the gateway routes today (`gateway_service.router_choice`);
 - bounded-load affinity, as the gateway routes (`gateway_service.bounded_load.choose_remembered`,
-  the same code): the replicas its prefix memory names for the prompt's longest known prefix if
-  within their bound of the mean load (the gateway's defaults: 1.35, for a conversation's
-  history and for a shared prefix alike), else the first in rendezvous order within the bound
-  (1.1); else the next in that order that is (with `--recompute-tokens` set: among the
-  replicas the memory names for any prefix of the prompt and the first in rendezvous order,
-  the one whose excess load and prompt tokens to recompute cost the least work); and the same
-  without the prefix memory;
+  the same code): among the replicas its prefix memory names for some prefix of the prompt,
+  within their bound of the mean load (the gateway's defaults: 1.4, for a conversation's history
+  and for a shared prefix alike), and the first in rendezvous order within its bound (1.1), the
+  one whose excess load and prompt tokens to recompute cost the least work (`--recompute-tokens`);
+  else the next in rendezvous order within the bound; and the same without the prefix memory;
 - cache aware: SGLang's `cache_aware` policy as its documentation describes it, written here
   from that description (`CacheAware`).
 """

@@ -40,17 +40,17 @@ class GatewayConfig:
                                 "order whose outstanding requests, with it, stay within this many times the "
                                 "mean, rounded down but never below the mean rounded up (1: even load; large: "
                                 "pure prefix affinity)", min=1)
-    memory_load_bound: float = setting(1.35, "the bound for the routers the prefix memory names as holding a "
+    memory_load_bound: float = setting(1.4, "the bound for the routers the prefix memory names as holding a "
                                        "request's longest known shared prefix (a system prompt spilled over a "
                                        "few routers stays on those): taken while their outstanding requests, "
                                        "with this one, stay within this many times the mean (never less than "
                                        "--load-bound)",
                                        min=1)
-    session_load_bound: float = setting(1.35, "as --memory-load-bound, for the router holding a conversation's "
+    session_load_bound: float = setting(1.4, "as --memory-load-bound, for the router holding a conversation's "
                                         "history (the request's longest known prefix ended an earlier prompt; "
                                         "never less than --load-bound)",
                                         min=1)
-    recompute_tokens: int = setting(0, "route by work: prompt tokens whose recomputation on another router "
+    recompute_tokens: int = setting(64, "route by work: prompt tokens whose recomputation on another router "
                                     "costs as much as one more outstanding request above --load-bound on a "
                                     "router the prefix memory names as holding them; a request goes to "
                                     "the router (among those the memory names within their bound, and the "
@@ -59,7 +59,7 @@ class GatewayConfig:
     prefix_memory_entries: int = setting(65536, "prompt prefixes remembered with the routers they went to, so a "
                                          "conversation's next turn meets its cached history (0: none)", min=0)
     prefix_memory_stride: int = setting(64, "tokens between the prefixes remembered of one prompt", min=1)
-    prefix_memory_holders: int = setting(4, "routers remembered per prefix, most recent first (a hot prefix "
+    prefix_memory_holders: int = setting(16, "routers remembered per prefix, most recent first (a hot prefix "
                                          "spilled over several routers is held by each)", min=1)
     default_max_tokens: int = setting(256, "max_tokens when a request leaves it unset (capped by what the "
                                       "context leaves)", min=1)

@@ -44,6 +44,8 @@ STEP_DELAY_S = 0.01
 # mean), so that the busiest router stays near it.
 BOUND = 1.25
 TURN_IDS = itertools.count()
+# Step times the simulator is run at, as multiples of the routers' mean step time.
+STEP_TIME_FACTORS = (0.8, 0.9, 1.0, 1.1, 1.25)
 
 
 class Dns:
@@ -207,13 +209,17 @@ def test_three_replicas_behind_two_gateways(tokenizer, monkeypatch) -> None:
             stats = [await r.stub.GetStats(router_pb2.GetStatsRequest()) for r in routers.values()]
             hit_rate = sum(s.cache_hit_tokens for s in stats) / sum(s.prompt_tokens for s in stats)
             step_s = statistics.mean(load.step_time_s for load in gateways[0].pool.loads.values())
-            predicted = _predicted_hit_rate(step_s, len(gateways))
+            # The simulated hit rate moves by several points, not monotonically, with the step
+            # time (0.64-0.73 between 12 and 22 ms steps: which router a turn finds loaded
+            # changes), and the real steps vary around their mean: the prediction is the
+            # simulator's range at step times near the measured one.
+            predicted = [_predicted_hit_rate(step_s * factor, len(gateways)) for factor in STEP_TIME_FACTORS]
             busiest = sampler.busiest_over_mean()
             print(f"three replicas: busiest/mean {busiest:.2f}, hit rate {hit_rate:.3f} (simulator, "
-                  f"{step_s * 1e3:.1f} ms steps: {predicted:.3f}), prompt tokens per router "
-                  f"{[s.prompt_tokens for s in stats]}")
+                  f"{step_s * 1e3:.1f} ms steps x {STEP_TIME_FACTORS}: {min(predicted):.3f}-{max(predicted):.3f}), "
+                  f"prompt tokens per router {[s.prompt_tokens for s in stats]}")
             assert busiest <= 1.3
-            assert abs(hit_rate - predicted) <= 0.1 * predicted
+            assert 0.9 * min(predicted) <= hit_rate <= 1.1 * max(predicted)
 
             # One router stops while requests run on it.
             before = {h: (await r.stub.GetStats(router_pb2.GetStatsRequest())).prompt_tokens
