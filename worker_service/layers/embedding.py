@@ -9,8 +9,8 @@ still reads: on CPU that packed copy makes a decode token's LM head several time
 
 Where the checkpoint holds the LM head already quantized (a GGUF file's Q8_0 or Q6_K
 `token_embd` / `output`), the loader hands it over as it is (`checkpoint_quantized`) and the head
-multiplies with those values: the weights the plain (dequantized) copy holds exactly, in a
-quarter of the bytes or less. A tied head keeps the plain weight for the embedding's lookups; an
+multiplies with those values: the weights the plain (dequantized) copy holds exactly, in under a
+third of float32's bytes. A tied head keeps the plain weight for the embedding's lookups; an
 untied one holds only the quantized values.
 """
 
