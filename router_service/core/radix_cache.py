@@ -211,9 +211,13 @@ class RadixCache:
             # Matched only partly at admission: find the end of the own pages from the root.
             num_cached, last = self._insert(token_ids, page_ids, own_len, self.root, 0)
             return last if num_cached == own_len else None
-        if not node.children:
-            # A running sequence's own leaf: grow it rather than hang one node per page below
-            # it, which would make every later walk and lock change over the sequence longer.
+        if not node.children and node.lock_ref == 1:
+            # A running sequence's own leaf, locked by it alone: grow it rather than hang one
+            # node per page below it, which would make every later walk and lock change over
+            # the sequence longer. A leaf others lock too (requests that matched it, or that
+            # computed the same tokens and hold their own copies) is not grown: their locks
+            # would then protect pages they do not use, which a request running alone may need
+            # (the new pages go in a child below it).
             new_page_ids = page_ids[num_own_pages:]
             node.key.extend(token_ids[own_len:])
             node.page_ids.extend(new_page_ids)

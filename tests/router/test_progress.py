@@ -82,6 +82,28 @@ def test_a_partly_matched_cache_node_does_not_stall_the_queue() -> None:
     check_no_leak(scheduler, num_pages)
 
 
+def test_a_leaf_another_request_grows_does_not_pin_pages_for_one_that_runs_alone() -> None:
+    """Found by the property test below (PAGE_SIZE 4, 14 pages): `twin` and `alone` have the
+    same one-token prompt, so they compute the same tokens; `twin` cached its pages first and
+    `alone` keeps its own copies, locking the leaf of the first page both hold. `twin` used to
+    grow that leaf in place, so `alone`'s lock protected `twin`'s pages too: once `long` and
+    `twin` ended, `alone` (11 pages at its end) ran alone with no page for position 40 and was
+    failed. A leaf locked by others too now gets a child instead."""
+    num_pages = 14
+    scheduler = scheduler_for(num_pages, context_len=64, max_batch_tokens=3, max_running_requests=4,
+                              policy=Policy.FCFS)
+    model = FakeModel(num_pages, PAGE_SIZE)
+    requests = [Request(request_id="long", prompt_ids=[3] * 38, max_tokens=6),
+                Request(request_id="twin", prompt_ids=[3], max_tokens=21),
+                Request(request_id="alone", prompt_ids=[3], max_tokens=41)]
+    drive(scheduler, model, [requests])
+    for request in requests:
+        assert request.finish_reason is FinishReason.LENGTH
+        assert request.token_ids[request.num_prompt :] == expected_tokens(
+            request.prompt_ids, request.max_tokens, eos_every=0, context_len=64)
+    check_no_leak(scheduler, num_pages)
+
+
 def test_request_beyond_the_pool_is_rejected_naming_the_sizes() -> None:
     scheduler = scheduler_for(11)
     prompt = list(range(3, 3 + 11 * PAGE_SIZE - 1))
