@@ -139,7 +139,7 @@ class Gateway:
             app = build_app(self.servicer, config.max_choices, lambda: bool(self._serving), config.limits,
                             token_check)
             limits = ConnectionLimits(config.http_header_timeout_s, config.http_keep_alive_s,
-                                      config.max_connections)
+                                      config.max_connections, config.limits.max_request_bytes)
             self.http = await HttpServer.start(
                 app, config.host, config.http_port, config.log_level, limits,
                 tls_cert=config.security.tls_cert, tls_key=config.security.tls_key)

@@ -17,6 +17,7 @@ import logging
 import socket
 from dataclasses import dataclass
 
+import h11
 import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -31,36 +32,60 @@ STARTUP_POLL_S = 0.01
 class ConnectionLimits:
     """`head_timeout_s`: time a connection gets to send a complete request head, from when it
     opens or its previous response ended; `keep_alive_s`: how long an idle connection stays;
-    `max_connections`: past it, requests are answered 503."""
+    `max_connections`: past it, requests are answered 503; `max_unread_body_bytes`: what is
+    read and dropped of a body that was answered without being read (a 401, a 503) before the
+    connection is closed."""
 
     head_timeout_s: float
     keep_alive_s: float
     max_connections: int
+    max_unread_body_bytes: int
 
 
 class _HeadTimedH11(H11Protocol):
     """uvicorn's h11 protocol with a deadline on each request head, which uvicorn lacks: its
     keep-alive timer stops at the first byte, so a connection that dribbles a head (or sends
-    nothing at all after connecting) would stay open for good."""
+    nothing at all after connecting) would stay open for good.
 
-    def __init__(self, *args, head_timeout_s: float, **kwargs) -> None:
+    And a bound on a body answered unread: uvicorn reads and drops the rest of it to keep the
+    connection (so that a client which sends its whole body before reading sees the answer);
+    past `max_unread_bytes` dropped, the connection is closed instead, so an unauthenticated
+    upload costs the gateway at most that much reading."""
+
+    def __init__(self, *args, head_timeout_s: float, max_unread_bytes: int, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._head_timeout_s = head_timeout_s
         self._head_timer: asyncio.TimerHandle | None = None
         self._waiting_after = None  # the cycle before the awaited head (None: the first)
+        self._max_unread_bytes = max_unread_bytes
+        self._unread_left: int | None = None  # while a body answered unread is still arriving
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._await_head()
+
+    def data_received(self, data: bytes) -> None:
+        if self._unread_left is not None:
+            self._unread_left -= len(data)
+            if self._unread_left < 0:
+                log.debug("closing an HTTP connection still sending a body answered unread after %d bytes",
+                          self._max_unread_bytes)
+                self.transport.close()
+                return
+        super().data_received(data)
 
     def handle_events(self) -> None:
         super().handle_events()
         if self.cycle is not self._waiting_after and self._head_timer is not None:
             self._head_timer.cancel()  # a head arrived: its request has started
             self._head_timer = None
+        if self._unread_left is not None and self.conn.their_state is not h11.SEND_BODY:
+            self._unread_left = None  # that body ended: what follows is the next request
 
     def on_response_complete(self) -> None:
         self._await_head()  # before uvicorn looks at pipelined requests, which may start one
+        if self.conn.their_state is h11.SEND_BODY:
+            self._unread_left = self._max_unread_bytes
         super().on_response_complete()
 
     def connection_lost(self, exc) -> None:
@@ -118,7 +143,8 @@ class HttpServer:
         sock.set_inheritable(True)
         config = uvicorn.Config(
             app, lifespan="off", log_level=log_level.lower(), access_log=False,
-            http=functools.partial(_HeadTimedH11, head_timeout_s=limits.head_timeout_s),
+            http=functools.partial(_HeadTimedH11, head_timeout_s=limits.head_timeout_s,
+                                   max_unread_bytes=limits.max_unread_body_bytes),
             timeout_keep_alive=limits.keep_alive_s, limit_concurrency=limits.max_connections,
             ssl_certfile=tls_cert or None, ssl_keyfile=tls_key or None,
         )
