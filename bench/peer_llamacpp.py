@@ -22,6 +22,8 @@ import os
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -62,16 +64,51 @@ def wait_healthy(base: str, proc: subprocess.Popen, timeout_s: float) -> None:
     raise TimeoutError(f"llama-server not ready after {timeout_s:.0f} s")
 
 
-def _run(base_url: str, model: str, workload: wl.Workload, concurrency: int, time_limit_s: float) -> dict:
+class LlamaServerFailed(RuntimeError):
+    """llama-server did not start or failed a request; the message ends with its log's tail."""
+
+
+def run_job(base_url: str, model: str, workload: wl.Workload, concurrency: int, time_limit_s: float,
+            label: str = "llama.cpp") -> dict:
+    """One job through the server at `base_url` (its `/v1`): the job's summary; raises if a request failed."""
     records, wall_s = asyncio.run(run_workload_http(base_url, model, workload, concurrency, time_limit_s))
     summary = summarize(records, wall_s)
     errors = [r.error for r in records if r.error]
     if errors:
-        raise RuntimeError(f"llama-server failed {len(errors)} requests, e.g. {errors[0]}")
-    print(f"[llama.cpp] {workload.name} c={concurrency}: {summary['output_tokens_per_s']} out tok/s, "
+        raise LlamaServerFailed(f"llama-server failed {len(errors)} requests, e.g. {errors[0]}")
+    print(f"[{label}] {workload.name} c={concurrency}: {summary['output_tokens_per_s']} out tok/s, "
           f"ttft p50 {summary['ttft_p50_ms']} ms, itl p50 {summary['itl_p50_ms']} ms, "
           f"hit rate {summary['cache_hit_rate']}", flush=True)
     return {"workload": workload.name, "concurrency": concurrency, **summary}
+
+
+@contextmanager
+def llamacpp_server(binary: Path, gguf: Path, slots: int, time_limit_s: float,
+                    threads: int = os.cpu_count() or 1, slot_context: int = 2048,
+                    startup_timeout_s: float = 300.0) -> Iterator[tuple[str, list[str]]]:
+    """`llama-server` on `gguf` (module doc), healthy and warmed by one short request (as radixserve
+    gets one): its `/v1` URL and command; killed, its whole group, on leaving. A failure to start
+    or a failed request inside the block raises `LlamaServerFailed` with the log's tail."""
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = Processes(Path(tmp))
+        port = free_port()
+        cmd = server_command(binary, gguf, port, slots, slot_context, threads)
+        print(f"[bench] starting: {' '.join(cmd)}", flush=True)
+        proc = procs.start("llama-server", cmd)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            try:
+                wait_healthy(base, proc, startup_timeout_s)
+                run_job(f"{base}/v1", gguf.name, wl.single_stream(WARMUP_MAX_TOKENS), 1, time_limit_s,
+                        "llama.cpp warm-up")
+            except (RuntimeError, TimeoutError) as failure:
+                raise LlamaServerFailed(str(failure)) from failure
+            yield f"{base}/v1", cmd
+        except LlamaServerFailed as failure:
+            log = (Path(tmp) / "llama-server.log").read_text(errors="replace")[-LOG_TAIL_CHARS:]
+            raise LlamaServerFailed(f"{failure}; the end of its log:\n{log}") from failure
+        finally:
+            procs.close()
 
 
 def run_llamacpp(binary: Path, gguf: Path, jobs: list[tuple[wl.Workload, int]], time_limit_s: float,
@@ -81,22 +118,11 @@ def run_llamacpp(binary: Path, gguf: Path, jobs: list[tuple[wl.Workload, int]], 
     if not binary.is_file():
         return None, f"no llama-server at {binary} (`make bench` builds it)"
     slots = max(concurrency for _, concurrency in jobs)
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = Processes(Path(tmp))
-        port = free_port()
-        cmd = server_command(binary, gguf, port, slots, slot_context, threads)
-        print(f"[bench] starting: {' '.join(cmd)}", flush=True)
-        proc = procs.start("llama-server", cmd)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            wait_healthy(base, proc, startup_timeout_s)
-            # One short request first, as radixserve gets one, so neither side's numbers include warm-up.
-            _run(f"{base}/v1", gguf.name, wl.single_stream(WARMUP_MAX_TOKENS), 1, time_limit_s)
-            results = [_run(f"{base}/v1", gguf.name, workload, concurrency, time_limit_s)
+    try:
+        with llamacpp_server(binary, gguf, slots, time_limit_s, threads, slot_context, startup_timeout_s
+                             ) as (base_url, cmd):
+            results = [run_job(base_url, gguf.name, workload, concurrency, time_limit_s)
                        for workload, concurrency in jobs]
-        except (RuntimeError, TimeoutError) as failure:
-            log = (Path(tmp) / "llama-server.log").read_text(errors="replace")[-LOG_TAIL_CHARS:]
-            return None, f"{failure}; the end of its log:\n{log}"
-        finally:
-            procs.close()
+    except LlamaServerFailed as failure:
+        return None, str(failure)
     return {"results": results, "command": cmd, "threads": threads}, None

@@ -30,7 +30,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, replace
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from bench import bench_determinism, bench_eviction
@@ -111,8 +113,32 @@ def _run_job(run, workload: wl.Workload, concurrency: int, label: str) -> dict:
     return {"workload": workload.name, "concurrency": concurrency, **summary}
 
 
-def run_server_side(args: argparse.Namespace, jobs: list[tuple[wl.Workload, int]],
-                    http_jobs: list[tuple[wl.Workload, int]]) -> dict:
+@dataclass
+class Stack:
+    """A running `radixserve up` (`radixserve_up`): where its APIs answer, the name it serves the
+    model under, and the launcher's process."""
+    address: str
+    base_url: str
+    model: str
+    proc: subprocess.Popen
+    time_limit_s: float
+
+    def grpc(self, workload: wl.Workload, concurrency: int, label: str = "radixserve") -> dict:
+        return _run_job(lambda w, c: run_workload(self.address, w, c, self.time_limit_s), workload, concurrency,
+                        label)
+
+    def http(self, workload: wl.Workload, concurrency: int, label: str = "radixserve http") -> dict:
+        return _run_job(lambda w, c: run_workload_http(self.base_url, self.model, w, c, self.time_limit_s),
+                        workload, concurrency, label)
+
+    def worker_peak_rss_mb(self) -> list[float]:
+        return [round(peak_rss_mb(pid), 1) for pid in worker_pids(self.proc.pid)]
+
+
+@contextmanager
+def radixserve_up(args: argparse.Namespace) -> Iterator[Stack]:
+    """`radixserve up` with `args`' model, TP, ports and dtype, serving and warmed by one short
+    request (as every peer gets one); stopped, its whole process group, on leaving."""
     cmd = [str(ROOT / ".venv" / "bin" / "radixserve"), "up", "--model", args.model,
            "--tp", str(args.tp), "--port", str(args.port), "--http-port", str(args.http_port),
            "--metrics-port", "0", "--dtype", args.dtype]
@@ -120,37 +146,37 @@ def run_server_side(args: argparse.Namespace, jobs: list[tuple[wl.Workload, int]
     proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True,
                             stdout=subprocess.DEVNULL if not args.verbose else None)
     address = f"127.0.0.1:{args.port}"
-    http_results: list[dict] = []
-    http_paired = None
     try:
         asyncio.run(wait_serving(address, proc, args.startup_timeout_s))
-        # One short request first, as the peer does, so neither side's numbers include warm-up.
         asyncio.run(run_workload(address, wl.single_stream(4), 1, args.time_limit_s))
-        base_url = f"http://127.0.0.1:{args.http_port}/v1"
-        model = resolve_model(args.model).name  # the name the workers serve it under (a GGUF file's stem)
-        results = []
-        # Each job through gRPC and then at once through HTTP, so that both see the same
-        # machine load (the comparison is between neighbours, not between halves of the run).
-        for index, (workload, concurrency) in enumerate(jobs):
-            results.append(_run_job(lambda w, c: run_workload(address, w, c, args.time_limit_s),
-                                    workload, concurrency, "radixserve"))
-            if http_jobs:
-                http_workload, _ = http_jobs[index]
-                http_results.append(_run_job(
-                    lambda w, c: run_workload_http(base_url, model, w, c, args.time_limit_s),
-                    http_workload, concurrency, "radixserve http"))
-        if http_jobs and args.paired_requests:
-            http_paired = asyncio.run(paired(address, base_url, model, args.paired_requests, args.max_tokens))
-            print(f"[radixserve http] paired: {http_paired}", flush=True)
-        peaks = {pid: round(peak_rss_mb(pid), 1) for pid in worker_pids(proc.pid)}
+        # The name the workers serve the model under (a GGUF file's stem).
+        yield Stack(address, f"http://127.0.0.1:{args.http_port}/v1", resolve_model(args.model).name, proc,
+                    args.time_limit_s)
     finally:
         try:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=30)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def run_server_side(args: argparse.Namespace, jobs: list[tuple[wl.Workload, int]],
+                    http_jobs: list[tuple[wl.Workload, int]]) -> dict:
+    with radixserve_up(args) as stack:
+        results, http_results, http_paired = [], [], None
+        # Each job through gRPC and then at once through HTTP, so that both see the same
+        # machine load (the comparison is between neighbours, not between halves of the run).
+        for index, (workload, concurrency) in enumerate(jobs):
+            results.append(stack.grpc(workload, concurrency))
+            if http_jobs:
+                http_results.append(stack.http(*http_jobs[index]))
+        if http_jobs and args.paired_requests:
+            http_paired = asyncio.run(paired(stack.address, stack.base_url, stack.model, args.paired_requests,
+                                             args.max_tokens))
+            print(f"[radixserve http] paired: {http_paired}", flush=True)
+        peaks = stack.worker_peak_rss_mb()
     return {"results": results, "http_results": http_results, "http_paired": http_paired,
-            "worker_peak_rss_mb": list(peaks.values())}
+            "worker_peak_rss_mb": peaks}
 
 
 def write_jobs(args: argparse.Namespace, jobs: list[tuple[wl.Workload, int]], path: Path) -> None:
