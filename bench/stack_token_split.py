@@ -142,7 +142,10 @@ def threads_cpu(pid: int) -> dict[int, tuple[str, float]]:
 
 def snapshot(variant: Variant) -> dict:
     time.sleep(PROBE_SETTLE_S)
-    probe = json.loads(next(variant.probe_dir.glob(f"{variant.pids['worker_service']}.json")).read_text())
+    probe_file = variant.probe_dir / f"{variant.pids['worker_service']}.json"
+    if not probe_file.exists():
+        raise SystemExit(f"[split] {variant.name}: the worker wrote no {probe_file} (is the probe on its PYTHONPATH?)")
+    probe = json.loads(probe_file.read_text())
     return {"probe": probe, "threads": {s: threads_cpu(pid) for s, pid in variant.pids.items()},
             "client": time.process_time(), "wall": time.perf_counter()}
 
@@ -179,7 +182,9 @@ def measure(variant: Variant, tokens: int, timeout_s: float) -> dict[str, float]
     worker_pid = variant.pids["worker_service"]
     team = sum(cpu for tid, (name, cpu) in worker.items() if name == TASK_THREAD and tid != task_tid)
     loop = worker[worker_pid][1]
-    task_thread = worker[task_thread_id(worker, task_tid)][1]
+    if task_tid not in worker:
+        raise SystemExit(f"[split] {variant.name}: the probe's task thread {task_tid} is not among the worker's threads")
+    task_thread = worker[task_tid][1]
     # The probe's own writer is not the worker's cost.
     worker_total = sum(cpu for name, cpu in worker.values() if name != PROBE_WRITER)
     ms = 1e3 / n
@@ -205,12 +210,6 @@ def measure(variant: Variant, tokens: int, timeout_s: float) -> dict[str, float]
         "client_cpu_ms": (after["client"] - before["client"]) * ms,
         "load_1m": os.getloadavg()[0],
     }
-
-
-def task_thread_id(threads: dict[int, tuple[str, float]], probed: int) -> int:
-    if probed not in threads:
-        raise SystemExit(f"[split] the probe's task thread {probed} is not among the worker's threads")
-    return probed
 
 
 def report(variants: list[Variant]) -> None:
