@@ -1,8 +1,8 @@
 """The worker executor's Python overhead per decode step, and whether it grows with the context.
 
-    .venv/bin/python -m bench.bench_step_overhead [--batch 32] [--contexts 500,16000] [--steps 200]
+    .venv/bin/python -m bench.bench_step_overhead [--batch 32] [--contexts 500,16000] [--steps 200] [--vocab 256]
 
-A fake runner (no model: zero logits over a small vocabulary) isolates what the executor itself
+A fake runner (no model: zero logits over a --vocab of tokens) isolates what the executor itself
 does in a step: parse the DecodeTask, validate it, grow the request states, build the forward
 batch, sample greedily, answer a TaskResult. For each context length, --batch requests are
 prefilled to it, then decode --steps steps; the median step time is printed, and the ratio of
@@ -31,7 +31,7 @@ from worker_service.forward_batch import ForwardEntry  # noqa: E402
 from worker_service.sampling import Sampler  # noqa: E402
 
 PAGE_SIZE = 16
-VOCAB = 256  # small, so that the sampler's tensor work does not hide the Python work
+VOCAB = 256  # by default small, so that the sampler's tensor work does not hide the Python work
 GOAL_RATIO = 1.5
 
 
@@ -42,20 +42,20 @@ class ZeroRunner:
         self.info = info
 
     def forward(self, entries: list[ForwardEntry]) -> torch.Tensor:
-        return torch.zeros(sum(entry.sample for entry in entries), VOCAB)
+        return torch.zeros(sum(entry.sample for entry in entries), self.info.vocab_size)
 
 
-def median_step_s(batch: int, context: int, steps: int) -> float:
+def median_step_s(batch: int, context: int, steps: int, vocab: int = VOCAB) -> float:
     pages_each = (context + steps) // PAGE_SIZE + 1
     info = worker_pb2.GetWorkerInfoResponse(
         model_name="zero", dtype="float32", device="cpu", page_size=PAGE_SIZE, num_pages=batch * pages_each,
-        context_len=context + steps, vocab_size=VOCAB, eos_token_ids=[0], rank=0, world_size=1,
+        context_len=context + steps, vocab_size=vocab, eos_token_ids=[0], rank=0, world_size=1,
     )
     executor = Executor(ZeroRunner(info), Sampler(seed=0))
     prefill = worker_pb2.DecodeTask(task_id=0)
     for i in range(batch):
         entry = prefill.entries.add(
-            request_id=f"r{i}", token_ids=[(i + t) % VOCAB for t in range(context)],
+            request_id=f"r{i}", token_ids=[(i + t) % vocab for t in range(context)],
             page_ids=range(i * pages_each, (i + 1) * pages_each), sample=True,
         )
         entry.new_request.sampling.CopyFrom(sampling.to_proto(sampling.SamplingParams()))
@@ -81,12 +81,14 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--contexts", default="500,16000", help="context lengths, comma-separated")
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--vocab", type=int, default=VOCAB,
+                        help="logits per row (a real model's, e.g. 49152, to count the sampler's argmax)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     contexts = sorted(int(c) for c in args.contexts.split(","))
     medians = {}
     for context in contexts:
-        medians[context] = median_step_s(args.batch, context, args.steps)
+        medians[context] = median_step_s(args.batch, context, args.steps, args.vocab)
         print(f"batch {args.batch}, context {context:>6}: decode step {medians[context] * 1e6:8.0f} us (median)")
     ratio = medians[contexts[-1]] / medians[contexts[0]]
     verdict = "met" if ratio <= GOAL_RATIO else "NOT met"

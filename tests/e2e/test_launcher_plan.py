@@ -26,6 +26,15 @@ def test_ports_ranks_and_order_follow_the_convention():
     assert plan.gateway_address == "127.0.0.1:6000"
 
 
+def test_ranks_openmp_threads_sleep_unless_the_environment_says(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    workers = plan_stack(config_from_args(["up", "--tp", "2"]), python="py").groups[0]
+    assert {w.env["OMP_WAIT_POLICY"] for w in workers} == {"passive"}
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")  # the child inherits it as it is
+    workers = plan_stack(config_from_args(["up", "--tp", "2"]), python="py").groups[0]
+    assert all("OMP_WAIT_POLICY" not in w.env for w in workers)
+
+
 def test_flags_come_from_the_environment_too(monkeypatch):
     monkeypatch.setenv("RADIXSERVE_TP", "3")
     args = config_from_args(["up"])

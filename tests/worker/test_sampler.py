@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import worker_service.sampling.torch_ops as sampling_torch
 from radixserve.sampling import SamplingParams
 from worker_service.sampling import Sampler
+from worker_service.sampling.ops import CpuSampling, TorchSampling
 from worker_service.sampling.torch_ops import apply_penalties, truncate
 
 from worker.sampling_helpers import KERNEL, assert_logprobs, needs_kernel, row
@@ -36,6 +37,17 @@ def test_greedy_is_argmax(new_sampler) -> None:
     samples = new_sampler(seed=1).sample(logits, [row(SamplingParams())] * 8)
     assert [s.token_id for s in samples] == logits.argmax(dim=-1).tolist()
     assert all(s.logprob is None and s.top_logprobs is None for s in samples)
+
+
+def test_numpy_argmax_answers_as_torch_on_ties_nan_and_infinities() -> None:
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([[1.0, nan, 3.0, nan], [2.0, 5.0, 5.0, 1.0], [-inf] * 4, [1.0, inf, inf, 0.0]])
+    ops = TorchSampling()
+    expected = ops.argmax(logits)
+    assert CpuSampling().argmax(logits).tolist() == expected.tolist() == [1, 1, 0, 1]
+    strided = torch.randn(5, 40, generator=torch.Generator().manual_seed(0))[:, ::3]
+    assert CpuSampling().argmax(strided).tolist() == ops.argmax(strided).tolist()
+    assert CpuSampling().argmax(strided).dtype == torch.int64
 
 
 def test_penalties_change_logits_exactly() -> None:

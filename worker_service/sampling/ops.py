@@ -1,5 +1,6 @@
-"""The sampler's four batched steps, each in PyTorch's ops (`TorchSampling`) or in the compiled
-kernels (`KernelSampling`); the `Sampler` is given one of them and never asks which.
+"""The sampler's four batched steps, each in PyTorch's ops (`TorchSampling`; on CPU without the
+compiled kernels `CpuSampling`, which takes the argmax with NumPy) or in the compiled kernels
+(`KernelSampling`); the `Sampler` is given one of them and never asks which.
 
 `KernelSampling` is the one place where rows the kernels refuse (a NaN or +inf logit, nothing but
 -inf) go to PyTorch: the kernels give the same results as the torch path for every other row
@@ -50,6 +51,15 @@ class TorchSampling:
         logprobs = torch.log_softmax(raw[picked], dim=-1)
         top_values, top_ids = logprobs.topk(num_top, dim=-1)
         return logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1), top_ids, top_values
+
+
+class CpuSampling(TorchSampling):
+    """PyTorch's ops on CPU logits, but the argmax is NumPy's: the same answer (the first index of
+    the maximum; a NaN counts as the maximum) from a vectorised loop, where PyTorch's CPU argmax
+    reads the row one element at a time (docs/benchmarks.md has both measured)."""
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(logits.numpy().argmax(axis=-1))
 
 
 class KernelSampling(TorchSampling):

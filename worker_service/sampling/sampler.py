@@ -25,7 +25,7 @@ import torch
 from radixserve.sampling import SEED_MASK
 from worker_service.native import NativeKernels
 from worker_service.sampling.kernels import SamplingKernels
-from worker_service.sampling.ops import KernelSampling, TorchSampling
+from worker_service.sampling.ops import CpuSampling, KernelSampling, TorchSampling
 from worker_service.sampling.rows import Sample, SampleRow
 
 
@@ -47,10 +47,14 @@ class Sampler:
     def __init__(self, device: torch.device | str = "cpu", seed: int | None = None,
                  kernels: NativeKernels | None = None) -> None:
         """`kernels`: the compiled kernels, which penalise, sample and take logprobs of float32 rows
-        on CPU (`ops.KernelSampling`); PyTorch's ops otherwise."""
+        on CPU (`ops.KernelSampling`); PyTorch's ops otherwise (on CPU with NumPy's argmax)."""
         self.device = torch.device(device)
-        on_cpu = kernels is not None and self.device.type == "cpu"
-        self._ops = KernelSampling(SamplingKernels(kernels.lib)) if on_cpu else TorchSampling()
+        if self.device.type != "cpu":
+            self._ops = TorchSampling()
+        elif kernels is not None:
+            self._ops = KernelSampling(SamplingKernels(kernels.lib))
+        else:
+            self._ops = CpuSampling()
         self._shared = torch.Generator(device=self.device)
         if seed is None:
             self._shared.seed()
