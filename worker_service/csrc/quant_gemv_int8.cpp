@@ -7,12 +7,13 @@
 // signed q by `_mm256_maddubs_epi16` (pairs into int16, at most 2 * 15 * 127) and
 // `_mm256_madd_epi16` with ones (into int32, four columns a lane); for int8 the same with |w|
 // and q carrying w's sign (`_mm256_sign_epi8`; |q| <= 127, so no pair reaches int16's limit).
-// Each lane's int32 sum is scaled by its weight group's scale times its block's d; offsets are
-// added once per output as their dot product with each group's sum of q * d. The result is the
+// Each lane's int32 sum is scaled by its weight group's scale times its block's d; int4's offsets
+// multiply each block's sum of q * d (a quarter in each of its four lanes, so the offsets take
+// the lanes' multiply-adds too instead of a dot product per output). The result is the
 // float32 product over the dequantized weight of x rounded as above (the reference in
 // tests/worker/test_quant_int8_activations.py), summed in another order.
 // It takes int4 in any multiple of 32 columns a group and any K, and int8 in groups of 16 or a
-// multiple of 32 columns with K a multiple of 32; other products are radix_quant_gemv's.
+// multiple of 32 columns with K a multiple of 32 and no offsets; other products are radix_quant_gemv's.
 
 #include <immintrin.h>
 #include <omp.h>
@@ -46,7 +47,7 @@ struct Activations {
   std::vector<int8_t> q;  // int4: per span 64 bytes, the low nibbles' columns (0..15 of both
                           // blocks) then the high nibbles' (16..31); int8: columns in order
   std::vector<float> d;   // int4: per span 8 lanes, each its block's d; int8: per block
-  std::vector<float> sums;  // [rows, num_groups]: each weight group's sum of q * d (for offsets)
+  std::vector<float> sums;  // int4: per span 8 lanes, each a quarter of its block's sum of q * d
   int64_t row_q = 0, row_d = 0;
 };
 
@@ -72,16 +73,14 @@ float quantize_block(const float* x, int64_t count, int8_t* q) {
   return d;
 }
 
-// x [rows, k] (row stride x_stride) quantized for `format`'s kernel; sums only where offsets are.
-void quantize_rows(int format, const float* x, int64_t rows, int64_t x_stride, int64_t k, int64_t group_size,
-                   bool with_sums, Activations& a) {
+// x [rows, k] (row stride x_stride) quantized for `format`'s kernel.
+void quantize_rows(int format, const float* x, int64_t rows, int64_t x_stride, int64_t k, Activations& a) {
   const int64_t blocks = (k + kBlock - 1) / kBlock, spans = (blocks + 1) / 2;
-  const int64_t num_groups = (k + group_size - 1) / group_size;
   a.row_q = format == kInt4 ? spans * kSpan : blocks * kBlock;
   a.row_d = format == kInt4 ? spans * 8 : blocks;
   a.q.assign(rows * a.row_q, 0);
   a.d.assign(rows * a.row_d, 0.f);
-  a.sums.assign(with_sums ? rows * num_groups : 0, 0.f);
+  a.sums.assign(format == kInt4 ? rows * a.row_d : 0, 0.f);
   for (int64_t r = 0; r < rows; ++r) {
     int8_t* q = a.q.data() + r * a.row_q;
     float* d = a.d.data() + r * a.row_d;
@@ -92,19 +91,15 @@ void quantize_rows(int format, const float* x, int64_t rows, int64_t x_stride, i
         int8_t* span = q + (b / 2) * kSpan + (b % 2) * (kBlock / 2);
         std::copy(block, block + kBlock / 2, span);
         std::copy(block + kBlock / 2, block + kBlock, span + kBlock);
-        std::fill(d + (b / 2) * 8 + (b % 2) * 4, d + (b / 2) * 8 + (b % 2) * 4 + 4, scale);
+        const int64_t lanes = (b / 2) * 8 + (b % 2) * 4;
+        int32_t sum = 0;
+        for (int i = 0; i < kBlock; ++i) sum += block[i];
+        std::fill(d + lanes, d + lanes + 4, scale);
+        std::fill(a.sums.data() + r * a.row_d + lanes, a.sums.data() + r * a.row_d + lanes + 4,
+                  float(sum) * scale * 0.25f);
       } else {
         std::copy(block, block + kBlock, q + b * kBlock);
         d[b] = scale;
-      }
-      if (!with_sums) continue;
-      // Each group's part of this block: an integer sum, scaled by the block's d.
-      for (int64_t c0 = b * kBlock; c0 < std::min(k, (b + 1) * kBlock);) {
-        const int64_t g = c0 / group_size, c1 = std::min({k, (b + 1) * kBlock, (g + 1) * group_size});
-        int32_t sum = 0;
-        for (int64_t c = c0; c < c1; ++c) sum += block[c - b * kBlock];
-        a.sums[r * num_groups + g] += float(sum) * scale;
-        c0 = c1;
       }
     }
   }
@@ -122,21 +117,25 @@ struct Problem {
   const Activations* a;
 };
 
-inline float dot(const float* a, const float* b, int64_t count) {
-  float s = 0.f;
-  for (int64_t i = 0; i < count; ++i) s += a[i] * b[i];
-  return s;
-}
-
 // The int32 sums of four columns a lane, of 32 (unsigned) weights times 32 signed activations.
 inline __m256i lane_sums(__m256i unsigned_w, __m256i signed_x) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(unsigned_w, signed_x), _mm256_set1_epi16(1));
 }
 
 inline void finish(const Problem& p, int64_t r, int64_t n, __m256 acc) {
-  const float offset =
-      p.offsets == nullptr ? 0.f : dot(p.offsets + n * p.num_groups, p.a->sums.data() + r * p.num_groups, p.num_groups);
-  p.out[r * p.out_stride + n] = hsum(acc) + offset + (p.bias == nullptr ? 0.f : p.bias[n]);
+  p.out[r * p.out_stride + n] = hsum(acc) + (p.bias == nullptr ? 0.f : p.bias[n]);
+}
+
+// The span's two blocks' values of a per-group table (scales or offsets) in lanes 0-3 and 4-7.
+template <bool kPair>
+inline __m256 span_pair(const Problem& p, const float* table, int64_t s) {
+  if constexpr (kPair) {  // groups of 32: the span's two blocks are groups 2s and 2s + 1
+    const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(table + 2 * s)));
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+  } else {
+    return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(table + p.block_groups[2 * s])),
+                                _mm_broadcast_ss(table + p.block_groups[2 * s + 1]), 1);
+  }
 }
 
 // int4: a span (two packed blocks) per 256-bit load; its low nibbles are columns 0..15 of both
@@ -147,43 +146,44 @@ void int4_product(const Problem& p, int64_t r0, int64_t n) {
   const Activations& a = *p.a;
   const uint8_t* v = static_cast<const uint8_t*>(p.values) + n * p.row_bytes;
   const float* scales = p.scales + n * p.num_groups;
+  const float* offsets = p.offsets + n * p.num_groups;
   const __m256i low = _mm256_set1_epi8(0x0F);
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[R], shift[R];  // the products' sums, the offsets' (two chains)
+  for (int r = 0; r < R; ++r) acc[r] = shift[r] = _mm256_setzero_ps();
   for (int64_t s = 0; s < p.spans; ++s) {
     const __m256i bits = s < p.full_spans
                              ? _mm256_loadu_si256((const __m256i*)(v + s * kBlock))
                              : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i*)(v + s * kBlock)));
     const __m256i lo = _mm256_and_si256(bits, low), hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), low);
-    __m256 scale;
-    if constexpr (kPair) {  // groups of 32: the span's two blocks are groups 2s and 2s + 1
-      const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(scales + 2 * s)));
-      scale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
-    } else {
-      scale = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_broadcast_ss(scales + p.block_groups[2 * s])),
-                                   _mm_broadcast_ss(scales + p.block_groups[2 * s + 1]), 1);
-    }
+    // A last span of one block takes its one group from the table (the pair would read past it).
+    const bool whole = s < p.full_spans;
+    const __m256 scale = whole ? span_pair<kPair>(p, scales, s) : span_pair<false>(p, scales, s);
+    const __m256 offset = whole ? span_pair<kPair>(p, offsets, s) : span_pair<false>(p, offsets, s);
     for (int r = 0; r < R; ++r) {
       const int8_t* q = a.q.data() + (r0 + r) * a.row_q + s * kSpan;
       const __m256i xlo = _mm256_loadu_si256((const __m256i*)q), xhi = _mm256_loadu_si256((const __m256i*)(q + kBlock));
       const __m256i sums = _mm256_madd_epi16(
           _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi)), _mm256_set1_epi16(1));
-      const __m256 d = _mm256_loadu_ps(a.d.data() + (r0 + r) * a.row_d + s * 8);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(scale, d), acc[r]);
+      const int64_t lanes = (r0 + r) * a.row_d + s * 8;
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(scale, _mm256_loadu_ps(a.d.data() + lanes)),
+                               acc[r]);
+      shift[r] = _mm256_fmadd_ps(offset, _mm256_loadu_ps(a.sums.data() + lanes), shift[r]);
     }
   }
-  for (int r = 0; r < R; ++r) finish(p, r0 + r, n, acc[r]);
+  for (int r = 0; r < R; ++r) finish(p, r0 + r, n, _mm256_add_ps(acc[r], shift[r]));
 }
 
 // int8 (K a multiple of 32): a block per 256-bit load; groups of 16 give lanes 0-3 and 4-7
-// their own scales.
+// their own scales. One row keeps two chains of sums.
 template <int R, bool kSixteen>
 void int8_product(const Problem& p, int64_t r0, int64_t n) {
+  constexpr int kChains = R == 1 ? 2 : 1;
   const Activations& a = *p.a;
   const int8_t* v = static_cast<const int8_t*>(p.values) + n * p.k;
   const float* scales = p.scales + n * p.num_groups;
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[R][kChains];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kChains; ++c) acc[r][c] = _mm256_setzero_ps();
   for (int64_t b = 0; b < p.blocks; ++b) {
     const __m256i w = _mm256_loadu_si256((const __m256i*)(v + b * kBlock));
     const __m256i magnitude = _mm256_abs_epi8(w);
@@ -198,10 +198,12 @@ void int8_product(const Problem& p, int64_t r0, int64_t n) {
       const __m256i x = _mm256_loadu_si256((const __m256i*)(a.q.data() + (r0 + r) * a.row_q + b * kBlock));
       const __m256i sums = lane_sums(magnitude, _mm256_sign_epi8(x, w));
       const __m256 d = _mm256_set1_ps(a.d[(r0 + r) * a.row_d + b]);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(scale, d), acc[r]);
+      __m256& chain = acc[r][b % kChains];
+      chain = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(scale, d), chain);
     }
   }
-  for (int r = 0; r < R; ++r) finish(p, r0 + r, n, acc[r]);
+  for (int r = 0; r < R; ++r)
+    finish(p, r0 + r, n, kChains == 2 ? _mm256_add_ps(acc[r][0], acc[r][kChains - 1]) : acc[r][0]);
 }
 
 template <int R>
@@ -227,7 +229,8 @@ void rows_product(int format, const Problem& p, int64_t r0, int64_t count, int64
 // Whether this kernel takes the product (the file's comment); else it is radix_quant_gemv's.
 bool takes(int format, const float* offsets, int64_t k, int64_t group_size) {
   if (format == kInt4) return offsets != nullptr && group_size % kBlock == 0;
-  return format == kInt8 && k % kBlock == 0 && (group_size == kBlock / 2 || group_size % kBlock == 0);
+  return format == kInt8 && offsets == nullptr && k % kBlock == 0 &&
+         (group_size == kBlock / 2 || group_size % kBlock == 0);
 }
 
 }  // namespace
@@ -242,7 +245,7 @@ int radix_quant_gemv_int8_activations(int format, const float* x, int64_t rows, 
     return radix_quant_gemv(format, x, rows, x_stride, values, scales, offsets, n, k, group_size, bias, out,
                             out_stride, threads);
   Activations a;
-  quantize_rows(format, x, rows, x_stride, k, group_size, offsets != nullptr, a);
+  quantize_rows(format, x, rows, x_stride, k, a);
   const int64_t blocks = (k + kBlock - 1) / kBlock, spans = (blocks + 1) / 2;
   const int64_t num_groups = (k + group_size - 1) / group_size;
   std::vector<int32_t> block_groups(2 * spans);
