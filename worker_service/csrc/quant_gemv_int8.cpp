@@ -8,8 +8,7 @@
 // `_mm256_madd_epi16` with ones (into int32, four columns a lane); for int8 the same with |w|
 // and q carrying w's sign (`_mm256_sign_epi8`; |q| <= 127, so no pair reaches int16's limit).
 // Each lane's int32 sum is scaled by its weight group's scale times its block's d; int4's offsets
-// multiply each block's sum of q * d (a quarter in each of its four lanes, so the offsets take
-// the lanes' multiply-adds too instead of a dot product per output). The result is the
+// are added once per output as their dot product with each group's sum of q * d. The result is the
 // float32 product over the dequantized weight of x rounded as above (the reference in
 // tests/worker/test_quant_int8_activations.py), summed in another order.
 // It takes int4 in any multiple of 32 columns a group and any K, and int8 in groups of 16 or a
@@ -47,8 +46,8 @@ struct Activations {
   std::vector<int8_t> q;  // int4: per span 64 bytes, the low nibbles' columns (0..15 of both
                           // blocks) then the high nibbles' (16..31); int8: columns in order
   std::vector<float> d;   // int4: per span 8 lanes, each its block's d; int8: per block
-  std::vector<float> sums;  // int4: per span 8 lanes, each a quarter of its block's sum of q * d
-  int64_t row_q = 0, row_d = 0;
+  std::vector<float> sums;  // int4: [rows, num_groups], each group's sum of q * d (for the offsets)
+  int64_t row_q = 0, row_d = 0, num_groups = 0;
 };
 
 // One block of up to 32 values (`count`) quantized into q[0, 32) (zeros past count); returns d.
@@ -74,13 +73,15 @@ float quantize_block(const float* x, int64_t count, int8_t* q) {
 }
 
 // x [rows, k] (row stride x_stride) quantized for `format`'s kernel.
-void quantize_rows(int format, const float* x, int64_t rows, int64_t x_stride, int64_t k, Activations& a) {
+void quantize_rows(int format, const float* x, int64_t rows, int64_t x_stride, int64_t k, int64_t group_size,
+                   Activations& a) {
   const int64_t blocks = (k + kBlock - 1) / kBlock, spans = (blocks + 1) / 2;
   a.row_q = format == kInt4 ? spans * kSpan : blocks * kBlock;
   a.row_d = format == kInt4 ? spans * 8 : blocks;
   a.q.assign(rows * a.row_q, 0);
   a.d.assign(rows * a.row_d, 0.f);
-  a.sums.assign(format == kInt4 ? rows * a.row_d : 0, 0.f);
+  a.num_groups = (k + group_size - 1) / group_size;
+  a.sums.assign(format == kInt4 ? rows * a.num_groups : 0, 0.f);
   for (int64_t r = 0; r < rows; ++r) {
     int8_t* q = a.q.data() + r * a.row_q;
     float* d = a.d.data() + r * a.row_d;
@@ -95,8 +96,7 @@ void quantize_rows(int format, const float* x, int64_t rows, int64_t x_stride, i
         int32_t sum = 0;
         for (int i = 0; i < kBlock; ++i) sum += block[i];
         std::fill(d + lanes, d + lanes + 4, scale);
-        std::fill(a.sums.data() + r * a.row_d + lanes, a.sums.data() + r * a.row_d + lanes + 4,
-                  float(sum) * scale * 0.25f);
+        a.sums[r * a.num_groups + b * kBlock / group_size] += float(sum) * scale;  // int4 groups hold whole blocks
       } else {
         std::copy(block, block + kBlock, q + b * kBlock);
         d[b] = scale;
@@ -122,8 +122,20 @@ inline __m256i lane_sums(__m256i unsigned_w, __m256i signed_x) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(unsigned_w, signed_x), _mm256_set1_epi16(1));
 }
 
+inline float dot(const float* a, const float* b, int64_t count) {
+  __m256 s = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s);
+  float rest = hsum(s);
+  for (; i < count; ++i) rest += a[i] * b[i];
+  return rest;
+}
+
+// Row r, output n: the lanes' sums, plus the offsets' dot product with the groups' sums of x.
 inline void finish(const Problem& p, int64_t r, int64_t n, __m256 acc) {
-  p.out[r * p.out_stride + n] = hsum(acc) + (p.bias == nullptr ? 0.f : p.bias[n]);
+  const float shift =
+      p.offsets == nullptr ? 0.f : dot(p.offsets + n * p.num_groups, p.a->sums.data() + r * p.num_groups, p.num_groups);
+  p.out[r * p.out_stride + n] = hsum(acc) + shift + (p.bias == nullptr ? 0.f : p.bias[n]);
 }
 
 // The span's two blocks' values of a per-group table (scales or offsets) in lanes 0-3 and 4-7.
@@ -140,70 +152,79 @@ inline __m256 span_pair(const Problem& p, const float* table, int64_t s) {
 
 // int4: a span (two packed blocks) per 256-bit load; its low nibbles are columns 0..15 of both
 // blocks, its high nibbles columns 16..31, matching the activations' span layout. Lanes 0-3 sum
-// the first block, lanes 4-7 the second.
+// the first block, lanes 4-7 the second. kHalf: the last span of an odd number of blocks (one
+// block, its other half zeros; its scale from the table, as a pair would read past it).
+template <int R, bool kPair, bool kHalf>
+inline void int4_span(const Problem& p, const uint8_t* v, const float* scales, int64_t r0, int64_t s,
+                      __m256 (&acc)[R]) {
+  const Activations& a = *p.a;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i bits = kHalf ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i*)(v + s * kBlock)))
+                             : _mm256_loadu_si256((const __m256i*)(v + s * kBlock));
+  const __m256i lo = _mm256_and_si256(bits, low), hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), low);
+  const __m256 scale = span_pair<(kPair && !kHalf)>(p, scales, s);
+  for (int r = 0; r < R; ++r) {
+    const int8_t* q = a.q.data() + (r0 + r) * a.row_q + s * kSpan;
+    const __m256i xlo = _mm256_loadu_si256((const __m256i*)q), xhi = _mm256_loadu_si256((const __m256i*)(q + kBlock));
+    const __m256i sums = _mm256_madd_epi16(
+        _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi)), _mm256_set1_epi16(1));
+    const __m256 d = _mm256_loadu_ps(a.d.data() + (r0 + r) * a.row_d + s * 8);
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(scale, d), acc[r]);
+  }
+}
+
 template <int R, bool kPair>
 void int4_product(const Problem& p, int64_t r0, int64_t n) {
-  const Activations& a = *p.a;
   const uint8_t* v = static_cast<const uint8_t*>(p.values) + n * p.row_bytes;
   const float* scales = p.scales + n * p.num_groups;
-  const float* offsets = p.offsets + n * p.num_groups;
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  __m256 acc[R], shift[R];  // the products' sums, the offsets' (two chains)
-  for (int r = 0; r < R; ++r) acc[r] = shift[r] = _mm256_setzero_ps();
-  for (int64_t s = 0; s < p.spans; ++s) {
-    const __m256i bits = s < p.full_spans
-                             ? _mm256_loadu_si256((const __m256i*)(v + s * kBlock))
-                             : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i*)(v + s * kBlock)));
-    const __m256i lo = _mm256_and_si256(bits, low), hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), low);
-    // A last span of one block takes its one group from the table (the pair would read past it).
-    const bool whole = s < p.full_spans;
-    const __m256 scale = whole ? span_pair<kPair>(p, scales, s) : span_pair<false>(p, scales, s);
-    const __m256 offset = whole ? span_pair<kPair>(p, offsets, s) : span_pair<false>(p, offsets, s);
-    for (int r = 0; r < R; ++r) {
-      const int8_t* q = a.q.data() + (r0 + r) * a.row_q + s * kSpan;
-      const __m256i xlo = _mm256_loadu_si256((const __m256i*)q), xhi = _mm256_loadu_si256((const __m256i*)(q + kBlock));
-      const __m256i sums = _mm256_madd_epi16(
-          _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi)), _mm256_set1_epi16(1));
-      const int64_t lanes = (r0 + r) * a.row_d + s * 8;
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(scale, _mm256_loadu_ps(a.d.data() + lanes)),
-                               acc[r]);
-      shift[r] = _mm256_fmadd_ps(offset, _mm256_loadu_ps(a.sums.data() + lanes), shift[r]);
-    }
+  __m256 acc[R], other[R];  // two chains of sums, spans taken in pairs (one row alone waits on each FMA)
+  for (int r = 0; r < R; ++r) acc[r] = other[r] = _mm256_setzero_ps();
+  int64_t s = 0;
+  for (; s + 2 <= p.full_spans; s += 2) {
+    int4_span<R, kPair, false>(p, v, scales, r0, s, acc);
+    int4_span<R, kPair, false>(p, v, scales, r0, s + 1, other);
   }
-  for (int r = 0; r < R; ++r) finish(p, r0 + r, n, _mm256_add_ps(acc[r], shift[r]));
+  if (s < p.full_spans) int4_span<R, kPair, false>(p, v, scales, r0, s++, acc);
+  if (s < p.spans) int4_span<R, kPair, true>(p, v, scales, r0, s, other);
+  for (int r = 0; r < R; ++r) finish(p, r0 + r, n, _mm256_add_ps(acc[r], other[r]));
 }
 
 // int8 (K a multiple of 32): a block per 256-bit load; groups of 16 give lanes 0-3 and 4-7
-// their own scales. One row keeps two chains of sums.
+// their own scales.
+template <int R, bool kSixteen>
+inline void int8_block(const Problem& p, const int8_t* v, const float* scales, int64_t r0, int64_t b,
+                       __m256 (&acc)[R]) {
+  const Activations& a = *p.a;
+  const __m256i w = _mm256_loadu_si256((const __m256i*)(v + b * kBlock));
+  const __m256i magnitude = _mm256_abs_epi8(w);
+  __m256 scale;
+  if constexpr (kSixteen) {
+    const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(scales + 2 * b)));
+    scale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+  } else {
+    scale = _mm256_set1_ps(scales[p.block_groups[b]]);
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m256i x = _mm256_loadu_si256((const __m256i*)(a.q.data() + (r0 + r) * a.row_q + b * kBlock));
+    const __m256i sums = lane_sums(magnitude, _mm256_sign_epi8(x, w));
+    const __m256 d = _mm256_set1_ps(a.d[(r0 + r) * a.row_d + b]);
+    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(scale, d), acc[r]);
+  }
+}
+
 template <int R, bool kSixteen>
 void int8_product(const Problem& p, int64_t r0, int64_t n) {
-  constexpr int kChains = R == 1 ? 2 : 1;
-  const Activations& a = *p.a;
   const int8_t* v = static_cast<const int8_t*>(p.values) + n * p.k;
   const float* scales = p.scales + n * p.num_groups;
-  __m256 acc[R][kChains];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < kChains; ++c) acc[r][c] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < p.blocks; ++b) {
-    const __m256i w = _mm256_loadu_si256((const __m256i*)(v + b * kBlock));
-    const __m256i magnitude = _mm256_abs_epi8(w);
-    __m256 scale;
-    if constexpr (kSixteen) {
-      const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(scales + 2 * b)));
-      scale = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
-    } else {
-      scale = _mm256_set1_ps(scales[b * kBlock / p.group_size]);
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m256i x = _mm256_loadu_si256((const __m256i*)(a.q.data() + (r0 + r) * a.row_q + b * kBlock));
-      const __m256i sums = lane_sums(magnitude, _mm256_sign_epi8(x, w));
-      const __m256 d = _mm256_set1_ps(a.d[(r0 + r) * a.row_d + b]);
-      __m256& chain = acc[r][b % kChains];
-      chain = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(scale, d), chain);
-    }
+  __m256 acc[R], other[R];  // two chains of sums, blocks taken in pairs
+  for (int r = 0; r < R; ++r) acc[r] = other[r] = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 2 <= p.blocks; b += 2) {
+    int8_block<R, kSixteen>(p, v, scales, r0, b, acc);
+    int8_block<R, kSixteen>(p, v, scales, r0, b + 1, other);
   }
-  for (int r = 0; r < R; ++r)
-    finish(p, r0 + r, n, kChains == 2 ? _mm256_add_ps(acc[r][0], acc[r][kChains - 1]) : acc[r][0]);
+  if (b < p.blocks) int8_block<R, kSixteen>(p, v, scales, r0, b, acc);
+  for (int r = 0; r < R; ++r) finish(p, r0 + r, n, _mm256_add_ps(acc[r], other[r]));
 }
 
 template <int R>
@@ -245,7 +266,7 @@ int radix_quant_gemv_int8_activations(int format, const float* x, int64_t rows, 
     return radix_quant_gemv(format, x, rows, x_stride, values, scales, offsets, n, k, group_size, bias, out,
                             out_stride, threads);
   Activations a;
-  quantize_rows(format, x, rows, x_stride, k, a);
+  quantize_rows(format, x, rows, x_stride, k, group_size, a);
   const int64_t blocks = (k + kBlock - 1) / kBlock, spans = (blocks + 1) / 2;
   const int64_t num_groups = (k + group_size - 1) / group_size;
   std::vector<int32_t> block_groups(2 * spans);
