@@ -39,6 +39,7 @@ constexpr int64_t kChunk = 16;  // output features a thread takes at a time
 constexpr int kBlock = 32;      // columns per activation block (and per packed int4 block)
 constexpr int kSpan = 2 * kBlock;  // int4 columns one 256-bit load of packed values holds
 
+using radix_avx2::dot;
 using radix_avx2::hsum;
 
 // Rows of activations quantized per block (see the file's comment).
@@ -120,15 +121,6 @@ struct Problem {
 // The int32 sums of four columns a lane, of 32 (unsigned) weights times 32 signed activations.
 inline __m256i lane_sums(__m256i unsigned_w, __m256i signed_x) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(unsigned_w, signed_x), _mm256_set1_epi16(1));
-}
-
-inline float dot(const float* a, const float* b, int64_t count) {
-  __m256 s = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= count; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s);
-  float rest = hsum(s);
-  for (; i < count; ++i) rest += a[i] * b[i];
-  return rest;
 }
 
 // Row r, output n: the lanes' sums, plus the offsets' dot product with the groups' sums of x.
