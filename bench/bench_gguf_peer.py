@@ -123,6 +123,7 @@ def main() -> None:
     load["after_radixserve"] = load_average()
     variants = {}
     for name in variant_names:
+        print(f"[bench] radixserve+{name}: {' '.join(f'{k}={v}' for k, v in VARIANTS[name].items())}", flush=True)
         with settings_env(VARIANTS[name]):
             variants[name] = run_server_side(args, grpc_jobs(jobs), jobs)
         load[f"after_radixserve+{name}"] = load_average()
