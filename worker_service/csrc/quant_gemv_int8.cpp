@@ -18,9 +18,7 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <vector>
 
 #include "avx2_sum.h"
