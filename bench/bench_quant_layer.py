@@ -42,14 +42,14 @@ PATHS = ("module", "layer")  # the PyTorch module path, the compiled quantized l
 
 
 def build(quantization: str, dtype: str, args: argparse.Namespace) -> tuple[ModelRunner, DecodeBench]:
-    weights, head = split_config(quantization)
+    weights, head, activations = split_config(quantization)
     model = args.gguf if weights == GGUF else args.model
     num_layers, num_kv_heads, head_dim = runner_shape(model)
     pages = -(-tokens_each(args.context, args.steps, 2 * args.rounds + 1) // PAGE_SIZE) + 1
     budget = pages * KVPool.bytes_per_page(num_layers, PAGE_SIZE, num_kv_heads, head_dim, getattr(torch, dtype))
     runner = ModelRunner(RunnerConfig(model_dir=model, dtype=dtype, page_size=PAGE_SIZE, kv_cache_bytes=budget,
                                       quantization="none" if weights == GGUF else weights,
-                                      lm_head_quantization=head))
+                                      lm_head_quantization=head, activation_quantization=activations))
     bench = DecodeBench(runner, 1, args.context, args.steps, 2 * args.rounds + 1)
     bench.run()  # warm-up
     return runner, bench

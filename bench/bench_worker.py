@@ -303,13 +303,13 @@ def run(args: argparse.Namespace) -> None:
     by_quantization: dict[str, dict[str, dict[str, float]]] = {}  # first figures of each quantization, dtype
     runs = [(d, k, q) for q in args.quantization.split(",") for d in dtypes for k in args.attention_kernels.split(",")]
     for dtype, kernel, quantization in runs:
-        weights, head = split_config(quantization)
+        weights, head, activations = split_config(quantization)
         model = args.gguf if weights == GGUF else args.model
         runner = ModelRunner(RunnerConfig(model_dir=model, device=on, dtype=dtype, page_size=PAGE_SIZE,
                                           kv_cache_bytes=kv_budget(runner_shape(model), dtype, args),
                                           attention_kernel=kernel, cuda_graph_max_batch=args.cuda_graph_max_batch,
                                           quantization="none" if weights == GGUF else weights,
-                                          lm_head_quantization=head))
+                                          lm_head_quantization=head, activation_quantization=activations))
         label = dtype if kernel == "auto" else f"{dtype} {kernel}"
         label = label if quantization == "none" else f"{runner.info.quantization} {label}"
         print(f"{label}: the {runner.backend.name} backend ({runner.backend_reason})", flush=True)

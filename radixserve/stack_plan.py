@@ -176,7 +176,8 @@ def plan_workers(config: UpConfig, python: str = sys.executable, replica: int = 
         port = config.port + WORKER_PORT_OFFSET + replica * config.tp + rank
         cmd = [python, "-m", "worker_service", "--model", config.model, "--host", INTERNAL_HOST,
                "--port", str(port), "--dtype", config.dtype, "--quantization", config.quantization,
-               "--lm-head-quantization", config.lm_head_quantization, "--kv-cache-mb",
+               "--lm-head-quantization", config.lm_head_quantization,
+               "--activation-quantization", config.activation_quantization, "--kv-cache-mb",
                str(config.kv_cache_mb), "--log-level", config.log_level, "--metrics-port",
                str(worker_metrics[rank]), "--deterministic" if config.deterministic else "--no-deterministic",
                *security_args(config.security)]

@@ -15,7 +15,8 @@ import torch
 from radixserve import flags
 from radixserve.flags import MAX_PORT, setting
 from radixserve.security import SecurityConfig, security_settings
-from radixserve.shared_flags import (CONSTRAINT_CACHE_SIZE, DETERMINISTIC, DEVICE, DTYPE, HOST, KV_CACHE_MB,
+from radixserve.shared_flags import (ACTIVATION_QUANTIZATION, CONSTRAINT_CACHE_SIZE, DETERMINISTIC, DEVICE, DTYPE,
+                                     HOST, KV_CACHE_MB,
                                      LOG_FORMAT, LOG_LEVEL,
                                      LM_HEAD_QUANTIZATION, METRICS_PORT, MODEL, PORT, QUANTIZATION)
 from worker_service.backends.selection import KERNEL_CHOICES
@@ -37,6 +38,7 @@ class WorkerConfig:
     kv_cache_mb: int = KV_CACHE_MB(help="this rank's KV page pool budget, in MiB (the page count follows)")
     quantization: str = QUANTIZATION()
     lm_head_quantization: str = LM_HEAD_QUANTIZATION()
+    activation_quantization: str = ACTIVATION_QUANTIZATION()
     quantization_group_size: int = setting(32, "columns per int4 group (each with its own scale and offset)",
                                            choices=GROUP_SIZE_CHOICES)
     num_threads: int = setting(0, "torch intra-op threads (0: torch's default)", min=0)

@@ -69,6 +69,7 @@ def load_executor(
             quantization=config.quantization,
             quantization_group_size=config.quantization_group_size,
             lm_head_quantization=config.lm_head_quantization,
+            activation_quantization=config.activation_quantization,
             deterministic=config.deterministic,
         )
     )

@@ -86,11 +86,14 @@ def test_unset_router_and_gateway_settings_are_not_passed():
 
 
 def test_quantization_is_passed_to_every_worker_rank():
-    workers, _, _ = plan_stack(config_from_args(["up", "--tp", "2", "--quantization", "int4"]), python="py").groups
+    workers, _, _ = plan_stack(config_from_args(["up", "--tp", "2", "--quantization", "int4",
+                                                 "--activation-quantization", "int8"]), python="py").groups
     for worker in workers:
         assert worker.cmd[worker.cmd.index("--quantization") + 1] == "int4"
+        assert worker.cmd[worker.cmd.index("--activation-quantization") + 1] == "int8"
     default, _, _ = plan_stack(config_from_args(["up"]), python="py").groups
     assert default[0].cmd[default[0].cmd.index("--quantization") + 1] == "none"
+    assert default[0].cmd[default[0].cmd.index("--activation-quantization") + 1] == "none"
 
 
 def test_gateways_share_the_public_ports_and_have_metrics_ports_of_their_own():

@@ -5,7 +5,8 @@ There the PyTorch backend runs a decode step, and at a few rows its time goes to
 the quantized products (RMSNorm, RoPE, the page gathers of attention, SwiGLU, residual adds, each
 one or more PyTorch calls with their own allocations) and to Python between them.
 `csrc/quant_decode_layer.cpp` computes the whole layer (`models/llama.py`'s order) in float32
-with the same quantized products (`quant_gemv.cpp`) and writes K/V into the pool as a cast to its
+with the same quantized products (`quant_gemv.cpp`, or `quant_gemv_int8.cpp` over activations
+rounded to 8 bits where the worker's products are packed so) and writes K/V into the pool as a cast to its
 dtype rounds, so its results are the PyTorch backend's within float32 rounding where the model runs
 in float32; in bfloat16 they differ by the roundings that path makes between ops and this one
 does not (its activations stay float32 from the embeddings to the last layer's output).
@@ -83,6 +84,8 @@ class FusedQuantLlamaLayers:
         args = self._args = QuantStepArgs()
         args.cos, args.sin = self._float(model.rotary.cos), self._float(model.rotary.sin)
         args.page_size, args.softmax_scale = pool.page_size, 1.0 / math.sqrt(head_dim)
+        # One choice for the worker's products (`QuantizedLinears`): the layer's are packed alike.
+        args.int8_activations = int(first.self_attn.qkv_proj.packed.int8_activations)
         self.parallel_attention_min = PARALLEL_ATTENTION_MIN
         # Room for the largest step; a step of fewer rows uses the start of each buffer.
         widths = [hidden, (num_q + 2 * num_kv) * head_dim, num_q * head_dim, 2 * intermediate, intermediate]

@@ -7,11 +7,14 @@ returns for one, in one of two ways chosen once per worker (`QuantizedLinears`):
 - `CompiledQuantLinear` on CPU where `quant/kernels.py` builds: up to `GEMV_MAX_ROWS` rows by
   the kernel that dequantizes in registers (a decode step reads each weight byte once per four
   rows); larger products (prefill) dequantize the weight with the compiled kernel and run one
-  float32 GEMM, which beats re-reading the weight once per four rows past that size.
+  float32 GEMM, which beats re-reading the weight once per four rows past that size. With
+  `int8_activations` (`--activation-quantization int8`) the kernel first rounds the activations
+  to 8 bits per block of 32 columns and multiplies in integers (`quant/kernels.py`).
 
 Either way the weight stays quantized in memory, the product is float32's over the dequantized
-weight (summed in a different order), and the result comes back in the activations' dtype
-(float32 where `float32_out`).
+weight (summed in a different order; of the activations as rounded to 8 bits where
+`int8_activations`), and the result comes back in the activations' dtype (float32 where
+`float32_out`).
 """
 
 from __future__ import annotations
@@ -53,13 +56,14 @@ class CompiledQuantLinear(DequantizingLinear):
     """The compiled kernel for up to `GEMV_MAX_ROWS` rows, dequantize + GEMM beyond (module doc)."""
 
     def __init__(self, kernels: QuantKernels, weight: QuantizedWeight, bias: torch.Tensor | None,
-                 float32_out: bool) -> None:
+                 float32_out: bool, int8_activations: bool = False) -> None:
         super().__init__(weight, bias, float32_out)
         self._kernels = kernels
+        self.int8_activations = int8_activations
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS:
-            out = self._kernels.gemv(x, self.quantized, self.bias)
+            out = self._kernels.gemv(x, self.quantized, self.bias, self.int8_activations)
             return out if self.float32_out else out.to(x.dtype)
         return super().__call__(x)
 
@@ -96,17 +100,25 @@ def pack_row_blocks(pack: Callable[..., PackedLinear], blocks: list[QuantizedWei
 
 @dataclass(frozen=True, slots=True)
 class QuantizedLinears:
-    """How this worker multiplies quantized weights: by `kernels` where given, else dequantizing."""
+    """How this worker multiplies quantized weights: by `kernels` where given (over activations
+    rounded to 8 bits where `int8_activations`), else dequantizing."""
 
     kernels: QuantKernels | None = None
+    int8_activations: bool = False
+
+    def __post_init__(self) -> None:
+        if self.int8_activations and self.kernels is None:
+            raise ValueError("int8 activations need the compiled quantized kernels")
 
     def pack(self, weight: QuantizedWeight, bias: torch.Tensor | None, float32_out: bool) -> PackedLinear:
         if self.kernels is not None and weight.values.device.type == "cpu":
-            return CompiledQuantLinear(self.kernels, weight, bias, float32_out)
+            return CompiledQuantLinear(self.kernels, weight, bias, float32_out, self.int8_activations)
         return DequantizingLinear(weight, bias, float32_out)
 
     @property
     def description(self) -> str:
         if self.kernels is None:
             return "quantized weights dequantized for each product (PyTorch)"
-        return f"quantized weights by the compiled AVX2 kernels (up to {GEMV_MAX_ROWS} rows; dequantize + GEMM beyond)"
+        activations = ", activations rounded to int8 per block of 32" if self.int8_activations else ""
+        return (f"quantized weights by the compiled AVX2 kernels (up to {GEMV_MAX_ROWS} rows{activations}; "
+                "dequantize + GEMM beyond)")

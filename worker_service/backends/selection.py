@@ -14,7 +14,9 @@ which, and such a model gets no CUDA graphs (a replayed step does not carry what
 Quantized weights (`--quantization`) are multiplied the way chosen here too, once, with the
 backend (`linear_quant.QuantizedLinears`): by the compiled AVX2 kernels on CPU where they build
 (their own library: they need no AVX-512), else, and always with `torch` (the reference),
-dequantized for each product by PyTorch. The reason the worker logs says which. Where `auto`
+dequantized for each product by PyTorch. The reason the worker logs says which.
+`--activation-quantization int8` has the compiled kernels round their activations to 8 bits; it
+is refused where they do not run. Where `auto`
 falls to PyTorch's ops on CPU (the compiled kernels do not build: no AVX-512) and the quantized
 products are compiled, decode steps of a fusable Llama layer run each layer as one compiled call
 (`quant_layers_backend.py`: its own AVX2 library); `torch` never does (the reference).
@@ -84,8 +86,11 @@ def triton_refusal(device: torch.device, dtype: torch.dtype, head_dim: int) -> s
     return None
 
 
-def select_quantized(choice: str, device: torch.device, quantization: str) -> tuple[QuantizedLinears, str]:
-    """How this worker multiplies `quantization`'s weights (module doc), and what to log about it."""
+def select_quantized(choice: str, device: torch.device, quantization: str,
+                     activations: str = "none") -> tuple[QuantizedLinears, str]:
+    """How this worker multiplies `quantization`'s weights (module doc), over activations rounded
+    to int8 where `activations` says so, and what to log about it. Raises RuntimeError where int8
+    activations are asked for and the compiled kernels do not run (they alone have them)."""
     if quantization == "none":
         return QuantizedLinears(), ""
     why = "asked for (torch)" if choice == "torch" else None
@@ -94,7 +99,10 @@ def select_quantized(choice: str, device: torch.device, quantization: str) -> tu
     kernels = quant_kernels.load() if why is None else None
     if why is None and kernels is None:
         why = quant_kernels.failure()
-    linears = QuantizedLinears(kernels)
+    if activations != "none" and kernels is None:
+        raise RuntimeError(f"--activation-quantization {activations}: the compiled quantized kernels do not run "
+                           f"here ({why})")
+    linears = QuantizedLinears(kernels, activations == "int8")
     return linears, f"; {quantization}: {linears.description}" + ("" if why is None else f" ({why})")
 
 
@@ -113,7 +121,7 @@ def select_experts(choice: str, device: torch.device, quantization: str) -> tupl
 def select_backend(choice: str, device: torch.device | str, dtype: torch.dtype, head_dim: int,
                    world_size: int = 1, cuda_graph_max_batch: int = 0,
                    ops_without_kernels: tuple[str, ...] = (), quantization: str = "none",
-                   deterministic: bool = False) -> Selection:
+                   deterministic: bool = False, activation_quantization: str = "none") -> Selection:
     """The backend for `choice` (one of `KERNEL_CHOICES`; see the module doc), multiplying
     `quantization`'s weights as `select_quantized` says. Raises RuntimeError, naming the setting
     and the reason, where an insisted-on backend cannot be used."""
@@ -122,7 +130,7 @@ def select_backend(choice: str, device: torch.device | str, dtype: torch.dtype, 
     device = torch.device(device)
     if deterministic:
         return Selection(InvariantTorchBackend(device, dtype), _deterministic_reason(choice, device, quantization))
-    quantized, quantized_reason = select_quantized(choice, device, quantization)
+    quantized, quantized_reason = select_quantized(choice, device, quantization, activation_quantization)
     experts, experts_reason = select_experts(choice, device, quantization)
     selection = _select(choice, device, dtype, head_dim, world_size,
                         0 if ops_without_kernels else cuda_graph_max_batch, quantized, experts)

@@ -3,7 +3,8 @@
 // attention of each row over its own pages, o_proj, residual add + RMSNorm, merged gate/up,
 // SwiGLU, down. Activations are float32 throughout (the pool may hold bfloat16: K/V are widened
 // when read and rounded to nearest-even when written, as a PyTorch cast rounds); the products
-// are radix_quant_gemv's (quant_gemv.cpp, linked into the same library).
+// are radix_quant_gemv's (quant_gemv.cpp, linked into the same library), or with the step's
+// `int8_activations` radix_quant_gemv_int8_activations' (quant_gemv_int8.cpp).
 //
 // It is the machines without AVX-512 (where decode_layer.cpp's library does not build) whose
 // decode steps it serves: there a step of the PyTorch backend spends most of its time between
@@ -21,6 +22,10 @@ extern "C" int radix_quant_gemv(int format, const float* x, int64_t rows, int64_
                                 const float* scales, const float* offsets, int64_t n, int64_t k,
                                 int64_t group_size, const float* bias, float* out, int64_t out_stride,
                                 int threads);
+extern "C" int radix_quant_gemv_int8_activations(int format, const float* x, int64_t rows, int64_t x_stride,
+                                                 const void* values, const float* scales, const float* offsets,
+                                                 int64_t n, int64_t k, int64_t group_size, const float* bias,
+                                                 float* out, int64_t out_stride, int threads);
 
 #include "avx2_sum.h"
 
@@ -88,6 +93,7 @@ struct QuantStepArgs {
   float* attended;  // [rows, Hq D]
   float* gate_up;   // [rows, 2 I]
   float* act;       // [rows, I]
+  int32_t int8_activations;  // 1: the products quantize their activations to 8 bits (quant_gemv_int8.cpp)
 };
 
 }  // extern "C"
@@ -101,9 +107,10 @@ void rms_norm(const float* x, const float* weight, float* out, int32_t size, flo
   for (int32_t i = 0; i < size; ++i) out[i] = x[i] * inv * weight[i];
 }
 
-int product(const QuantLinearArgs& w, const float* x, int32_t rows, float* out, int32_t threads) {
-  return radix_quant_gemv(w.format, x, rows, w.k, w.values, w.scales, w.offsets, w.n, w.k, w.group_size, w.bias,
-                          out, w.n, threads);
+int product(const QuantLinearArgs& w, const QuantStepArgs& s, const float* x, float* out) {
+  const auto gemv = s.int8_activations ? radix_quant_gemv_int8_activations : radix_quant_gemv;
+  return gemv(w.format, x, s.rows, w.k, w.values, w.scales, w.offsets, w.n, w.k, w.group_size, w.bias, out, w.n,
+              s.num_threads);
 }
 
 // x * cos + roll(x, D/2) * signed sin, for one head in place.
@@ -206,7 +213,7 @@ int radix_quant_decode_layer(const QuantLayerWeights* wp, const QuantStepArgs* s
     }
     rms_norm(res, w.input_norm, s.normed + int64_t(r) * h, h, w.input_eps);
   }
-  int status = product(w.qkv, s.normed, rows, s.qkv, threads);
+  int status = product(w.qkv, s, s.normed, s.qkv);
   if (status) return status;
   for (int32_t r = 0; r < rows; ++r) {
     float* row = s.qkv + int64_t(r) * qkv_width;
@@ -229,21 +236,21 @@ int radix_quant_decode_layer(const QuantLayerWeights* wp, const QuantStepArgs* s
     const int32_t r = task / hq, head = task % hq;
     attend_head(w, s, r, head, s.attended + int64_t(r) * hq * d + int64_t(head) * d);
   }
-  if ((status = product(w.o_proj, s.attended, rows, hidden, threads))) return status;
+  if ((status = product(w.o_proj, s, s.attended, hidden))) return status;
   for (int32_t r = 0; r < rows; ++r) {
     float* res = residual + int64_t(r) * h;
     const float* x = hidden + int64_t(r) * h;
     for (int32_t i = 0; i < h; ++i) res[i] += x[i];
     rms_norm(res, w.post_norm, s.normed + int64_t(r) * h, h, w.post_eps);
   }
-  if ((status = product(w.gate_up, s.normed, rows, s.gate_up, threads))) return status;
+  if ((status = product(w.gate_up, s, s.normed, s.gate_up))) return status;
   const int32_t f = w.intermediate;
   for (int32_t r = 0; r < rows; ++r) {
     const float* gate = s.gate_up + int64_t(r) * 2 * f;
     float* act = s.act + int64_t(r) * f;
     for (int32_t i = 0; i < f; ++i) act[i] = gate[i] / (1.f + std::exp(-gate[i])) * gate[f + i];
   }
-  return product(w.down, s.act, rows, hidden, threads);
+  return product(w.down, s, s.act, hidden);
 }
 
 }  // extern "C"

@@ -33,6 +33,7 @@ constexpr int64_t kChunk = 16;  // output features a thread takes at a time
 constexpr int kBlock = 32;      // int4 columns per packed block
 constexpr int kSpan = 2 * kBlock;  // int4 columns one 256-bit load of packed values holds
 
+using radix_avx2::dot;
 using radix_avx2::hsum;
 
 inline int int4_at(const uint8_t* row, int64_t col) {
@@ -106,15 +107,6 @@ struct Problem {
   const int32_t* span_groups;  // int4: [spans * 2], the group of each packed block
   int64_t spans, full_spans, row_bytes;
 };
-
-inline float dot(const float* a, const float* b, int64_t count) {
-  __m256 s = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= count; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s);
-  float rest = hsum(s);
-  for (; i < count; ++i) rest += a[i] * b[i];
-  return rest;
-}
 
 inline __m256 widen8(const int8_t* v) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v))));

@@ -1,5 +1,5 @@
 """The compiled decoder layer over quantized weights (`csrc/quant_decode_layer.cpp`, with the
-quantized products of `csrc/quant_gemv.cpp` linked in), and the ctypes structs it reads.
+quantized products of `csrc/quant_gemv.cpp` and `csrc/quant_gemv_int8.cpp` linked in), and the ctypes structs it reads.
 
 Like the quantized products (`quant/kernels.py`) it is a library of its own, built by
 `native.library.build` with AVX2 and FMA only, so it builds on CPUs without AVX-512, where the
@@ -15,7 +15,7 @@ from pathlib import Path
 from worker_service.native.library import CSRC, LazyLibrary
 from worker_service.native.signatures import Signature, bind
 
-SOURCES = [CSRC / "quant_decode_layer.cpp", CSRC / "quant_gemv.cpp"]
+SOURCES = [CSRC / "quant_decode_layer.cpp", CSRC / "quant_gemv.cpp", CSRC / "quant_gemv_int8.cpp"]
 COMPILE_FLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 REQUIRED_CPU_FLAGS = ("avx2", "fma")
 # The pool dtypes the layer reads and writes (`kPoolFloat32`, `kPoolBFloat16` in the source).
@@ -50,7 +50,8 @@ class QuantStepArgs(ctypes.Structure):
     _fields_ = [("rows", _i32), ("num_threads", _i32), ("page_size", _i32), ("max_pages", _i32),
                 ("positions", _ptr), ("write_slots", _ptr), ("page_tables", _ptr),
                 ("cos", _ptr), ("sin", _ptr), ("softmax_scale", _f32), ("parallel_attention_min", _i64),
-                ("normed", _ptr), ("qkv", _ptr), ("attended", _ptr), ("gate_up", _ptr), ("act", _ptr)]
+                ("normed", _ptr), ("qkv", _ptr), ("attended", _ptr), ("gate_up", _ptr), ("act", _ptr),
+                ("int8_activations", _i32)]
 
 
 SIGNATURES = {
