@@ -13,8 +13,9 @@
    gRPC API (other prompts, beside its HTTP run).
 3. Prints each round's pairs and ratios, and, for each radixserve stack, the issue's goals over the same API (radixserve >=
    1.0x llama.cpp single stream and >= 2x on the shared-prefix workload) judged on the median of
-   the rounds' ratios: the host's speed drifts (other tenants), and a ratio of neighbours
-   cancels most of that where one engine's whole run after the other's does not. Also the
+   the rounds' ratios and on best round against best round (`paired_goal_lines`): the host's
+   speed drifts (other tenants); a ratio of neighbours cancels most of that where one engine's
+   whole run after the other's does not, and the bests are the nearest to a quiet machine. Also the
    machine's load average at the start and after each round, and writes
    `bench/results/gguf_peer.json`. Without `llama-server` it says so and reports only
    radixserve's figures.
@@ -60,19 +61,25 @@ def with_prefix(w: wl.Workload, prefix: str) -> wl.Workload:
 
 
 def paired_goal_lines(pairs: dict[tuple[str, str], list[tuple[dict, dict]]]) -> list[str]:
-    """One line per radixserve stack and workload: the median over rounds of its HTTP tokens/s
-    over llama.cpp's in the same round, against the goal."""
+    """One line per radixserve stack and workload, against the goal: the median over rounds of
+    its HTTP tokens/s over llama.cpp's in the same round, and its best round over llama.cpp's best.
+    The goal counts as met only where both reach it: on a shared host llama.cpp's threads, which
+    wait for each other after every op, lose most of their speed to any other runnable process
+    (2.5 against 78 tokens/s in neighbouring rounds here), so a round's ratio can say more about
+    the neighbours than about the engines, while each engine's best round is the nearest to its
+    speed on a quiet machine."""
     lines = []
     for (label, name), rounds in pairs.items():
         ratios = [ours["output_tokens_per_s"] / peer["output_tokens_per_s"] for ours, peer in rounds]
         ratio = statistics.median(ratios)
+        ours_best = max(o["output_tokens_per_s"] for o, _ in rounds)
+        peer_best = max(p["output_tokens_per_s"] for _, p in rounds)
         goal = GOALS[name]
-        ours_med = round(statistics.median(o["output_tokens_per_s"] for o, _ in rounds), 2)
-        peer_med = round(statistics.median(p["output_tokens_per_s"] for _, p in rounds), 2)
-        lines.append(f"goal {'met    ' if ratio >= goal else 'NOT met'}: {name} c={rounds[0][0]['concurrency']}: "
-                     f"{label} / llama.cpp over HTTP, median of {len(ratios)} paired rounds = {ratio:.2f}x "
-                     f"(goal {goal}x; rounds {', '.join(f'{r:.2f}x' for r in ratios)}; medians "
-                     f"{ours_med} vs {peer_med} out tok/s)")
+        met = ratio >= goal and ours_best / peer_best >= goal
+        lines.append(f"goal {'met    ' if met else 'NOT met'}: {name} c={rounds[0][0]['concurrency']}: "
+                     f"{label} / llama.cpp over HTTP: median of {len(ratios)} paired rounds {ratio:.2f}x "
+                     f"(rounds {', '.join(f'{r:.2f}x' for r in ratios)}), best against best "
+                     f"{ours_best} / {peer_best} = {ours_best / peer_best:.2f}x (goal {goal}x, both)")
     return lines
 
 
