@@ -198,3 +198,41 @@ def test_by_work_a_request_stays_until_the_excess_load_outweighs_what_it_would_r
     assert choose_by_work(ADDRESSES, weights, loads, bounds, Held((), 0, False)) == order[1]
     up = {a: 4 for a in ADDRESSES if a != holder}  # a holder that is down is skipped
     assert choose_by_work(ADDRESSES, weights, up, bounds, history) == other
+
+
+def test_a_new_copy_of_a_known_prefix_goes_to_the_least_loaded_of_its_first_choices() -> None:
+    from gateway_service.bounded_load import Bounds, capacity, choose_by_work, choose_spread
+    from gateway_service.prefix_memory import Held
+    from gateway_service.rendezvous import Ranking
+
+    ranking = Ranking(ADDRESSES)
+    key = affinity_key([11], 64)
+    weights, order = ranking.weights(key), ranking.order(key)
+    holder = order[-1]
+    loads = dict.fromkeys(ADDRESSES, 4)
+    loads[holder] = 9  # over 2.0 x the mean (capacity 8 of 32 outstanding): not taken
+    loads[order[0]], loads[order[1]], loads[order[2]], loads[order[3]] = 4, 3, 2, 2
+    total = sum(loads.values())
+    assert capacity(total, 8, 1.0) == 5
+    shared = Held(((holder, 500),), 500, False)
+    spread = Bounds(load=1.0, memory=2.0, session=2.0, recompute_tokens=100, spill_choices=4)
+    # The first four in rendezvous order within the load bound: the least loaded, the earlier of a tie.
+    assert choose_by_work(ADDRESSES, weights, loads, spread, shared) == order[2]
+    assert choose_spread(ADDRESSES, weights, loads, 1.0, 4) == order[2]
+    assert choose_spread(ADDRESSES, weights, loads, 1.0, 2) == order[1]
+    # One choice: the first in rendezvous order within the bound, as `choose_ranked`.
+    one = Bounds(load=1.0, memory=2.0, session=2.0, recompute_tokens=100, spill_choices=1)
+    assert choose_by_work(ADDRESSES, weights, loads, one, shared) == order[0]
+    # A replica over the load bound is not one of the choices: the next in order takes its place.
+    loads[order[2]] = loads[order[3]] = 5
+    assert choose_by_work(ADDRESSES, weights, loads, spread, shared) == order[1]
+    loads[order[4]] = 0
+    assert choose_by_work(ADDRESSES, weights, loads, spread, shared) == order[4]
+    # A prompt the memory knows nothing of keeps its affinity: the first in rendezvous order.
+    assert choose_by_work(ADDRESSES, weights, loads, spread, Held((), 0, False)) == order[0]
+    # A holder within its bound (7 of 30 at 2.0) is still taken where it costs less: its excess,
+    # 2 requests above the capacity at 1.0 (4), against 500 tokens (the first is over that bound).
+    loads[holder] = 5
+    assert choose_by_work(ADDRESSES, weights, loads, spread, shared) == holder
+    with pytest.raises(ValueError):
+        choose_spread(ADDRESSES, weights, loads, 1.0, 0)
