@@ -27,10 +27,11 @@ few replicas it warmed instead of warming more. With `Bounds.recompute_tokens` s
 replicas are weighed by work instead of taken in order (`choose_by_work`): what leaving a
 replica that holds a prefix costs (the tokens to recompute elsewhere: a conversation's whole
 history, or only the part of it past a system prompt that another replica holds) against the
-load staying there adds (its outstanding requests above the rendezvous order's bound); a request
-that warms a new copy of a prefix the memory knows (none of its holders is chosen) goes to the least
-loaded of the first `Bounds.spill_choices` replicas in rendezvous order within `Bounds.load`
-(`choose_spread`), so the copy starts with room for the requests of that prefix that follow.
+load staying there adds (its outstanding requests above the rendezvous order's bound times the
+mean, unrounded); a request that warms a new copy of a prefix the memory knows (none of its
+holders is chosen) goes to the least loaded of the first `Bounds.spill_choices` replicas in
+rendezvous order within `Bounds.load` (`choose_spread`), so the copy starts with room for the
+requests of that prefix that follow.
 
 Plain functions over addresses and counts (and the rendezvous weights), no I/O.
 """
@@ -178,10 +179,11 @@ def choose_by_work(
     """The replica that costs the least work for a prompt whose prefixes `held` names: each
     replica the memory names, and the first in rendezvous order, costs the prompt tokens it does
     not hold (to recompute there) plus `bounds.recompute_tokens` per outstanding request it has,
-    with this one, above `capacity` at `bounds.load`. So a request stays on the replica holding
-    its longest prefix until that replica's excess load outweighs recomputing what it holds
-    elsewhere: a long conversation's history holds it longer than a system prompt that other
-    replicas hold too. The memory's replicas are taken only within their own bound
+    with this one, above `bounds.load` times the mean (unrounded: the excess counts from that
+    share, in fractions of a request, not from the whole capacity above it). So a request stays
+    on the replica holding its longest prefix until that replica's excess load outweighs
+    recomputing what it holds elsewhere: a long conversation's history holds it longer than a
+    system prompt that other replicas hold too. The memory's replicas are taken only within their own bound
     (`bounds.session` for a conversation's history, `bounds.memory` for a shared prefix), the
     first in rendezvous order within `bounds.load`; ties go to the longer held prefix, then the
     more recent, then the rendezvous order. Where that is a replica holding none of the prompt
@@ -195,6 +197,7 @@ def choose_by_work(
         total_load = sum(loads.get(replica, 0) for replica in replicas)
     num_replicas = len(replicas)
     base = capacity(total_load, num_replicas, bounds.load)
+    share = bounds.load * (total_load + 1) / num_replicas  # `base` unrounded: the excess is fractional
     limit = capacity(total_load, num_replicas, bounds.session if held.ended_a_prompt else bounds.memory)
     first = replicas[int(weights.argmax())]
     best, best_cost, best_held = None, None, 0
@@ -202,7 +205,7 @@ def choose_by_work(
         load = loads.get(replica)
         if load is None or load + 1 > (base if held_len == 0 else limit):
             continue  # down or gone, or over its bound
-        cost = max(load + 1 - base, 0) * bounds.recompute_tokens + held.prefix_len - held_len
+        cost = max(load + 1 - share, 0) * bounds.recompute_tokens + held.prefix_len - held_len
         if best_cost is None or cost < best_cost:
             best, best_cost, best_held = replica, cost, held_len
     if best_held:
