@@ -201,14 +201,20 @@ def test_by_work_a_request_stays_until_the_excess_load_outweighs_what_it_would_r
     assert choose_by_work(ADDRESSES, weights, up, bounds, history) == other
 
 
-def test_a_new_copy_of_a_known_prefix_goes_to_the_least_loaded_of_its_first_choices() -> None:
-    from gateway_service.bounded_load import Bounds, capacity, choose_by_work, choose_spread
-    from gateway_service.prefix_memory import Held
+def _ranked(token: int):
+    """A prompt's rendezvous weights over `ADDRESSES` and its order, most preferred first."""
     from gateway_service.rendezvous import Ranking
 
     ranking = Ranking(ADDRESSES)
-    key = affinity_key([11], 64)
-    weights, order = ranking.weights(key), ranking.order(key)
+    key = affinity_key([token], 64)
+    return ranking.weights(key), ranking.order(key)
+
+
+def test_a_new_copy_of_a_known_prefix_goes_to_the_least_loaded_of_its_first_choices() -> None:
+    from gateway_service.bounded_load import Bounds, capacity, choose_by_work, choose_spread
+    from gateway_service.prefix_memory import Held
+
+    weights, order = _ranked(11)
     holder = order[-1]
     loads = dict.fromkeys(ADDRESSES, 4)
     loads[holder] = 9  # over 2.0 x the mean (capacity 8 of 32 outstanding): not taken
@@ -242,11 +248,8 @@ def test_a_new_copy_of_a_known_prefix_goes_to_the_least_loaded_of_its_first_choi
 def test_by_work_the_excess_counts_from_the_unrounded_share() -> None:
     from gateway_service.bounded_load import Bounds, capacity, choose_by_work
     from gateway_service.prefix_memory import Held
-    from gateway_service.rendezvous import Ranking
 
-    ranking = Ranking(ADDRESSES)
-    key = affinity_key([12], 64)
-    weights, order = ranking.weights(key), ranking.order(key)
+    weights, order = _ranked(12)
     holder = order[-1]
     loads = dict.fromkeys(ADDRESSES, 5)
     loads[order[0]], loads[order[1]] = 3, 7
