@@ -11,9 +11,7 @@ running plus waiting), as a gateway would from the figures routers report:
   within their bound of the mean load (the gateway's defaults: 1.4, for a conversation's history
   and for a shared prefix alike), and the first in rendezvous order within its bound (1.1), the
   one whose excess load and prompt tokens to recompute cost the least work (`--recompute-tokens`);
-  a new copy of a prompt the memory knows on the least loaded of the first `--spill-choices` (8)
-  in rendezvous order within the bound; else the next in rendezvous order within the bound; and
-  the same without the prefix memory;
+  else the next in rendezvous order within the bound; and the same without the prefix memory;
 - cache aware: SGLang's `cache_aware` policy as its documentation describes it, written here
   from that description (`CacheAware`).
 """
@@ -22,11 +20,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import replace
 
 import numpy as np
 
-from gateway_service.bounded_load import choose_remembered
+from gateway_service.bounded_load import Bounds, choose_remembered
 from gateway_service.config import GatewayConfig
 from gateway_service.prefix_memory import PrefixMemory
 from gateway_service.rendezvous import Ranking, affinity_key
@@ -107,9 +104,10 @@ class BoundedLoad(PrefixAffinity):
         super().__init__(num_replicas, memo)
         bounds = gateway.bounds
         if bound is not None:
-            bounds = replace(bounds, load=bound, memory=max(bound, bounds.memory), session=max(bound, bounds.session))
+            bounds = Bounds(bound, max(bound, bounds.memory), max(bound, bounds.session), bounds.recompute_tokens)
         if memory_bound is not None:
-            bounds = replace(bounds, memory=max(bounds.load, memory_bound), session=max(bounds.load, memory_bound))
+            bounds = Bounds(bounds.load, max(bounds.load, memory_bound), max(bounds.load, memory_bound),
+                            bounds.recompute_tokens)
         self.bounds = bounds
         self.bound = bounds.load
         self._memory: PrefixMemory[int] | None = (

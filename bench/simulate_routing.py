@@ -296,8 +296,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{replica.num_pages} pages of {PAGE_SIZE} per replica; bounded-load c = {bounded.load} (prefix "
           f"memory: {gateway.prefix_memory_holders} replicas per prefix, bound {bounded.memory} for a shared "
           f"prefix's, {bounded.session} for a conversation's history; {bounded.recompute_tokens} prompt tokens to "
-          f"recompute per request of load, 0: none; a new copy of a known prefix on the least loaded of "
-          f"{bounded.spill_choices} in rendezvous order)")
+          f"recompute per request of load, 0: none)")
     started = time.perf_counter()
     for num_replicas in (int(part) for part in args.replicas.split(",")):
         per_replica = args.requests_per_replica or DEFAULT_SCALES.get(num_replicas, 60)

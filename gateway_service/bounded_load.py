@@ -27,11 +27,7 @@ few replicas it warmed instead of warming more. With `Bounds.recompute_tokens` s
 replicas are weighed by work instead of taken in order (`choose_by_work`): what leaving a
 replica that holds a prefix costs (the tokens to recompute elsewhere: a conversation's whole
 history, or only the part of it past a system prompt that another replica holds) against the
-load staying there adds (its outstanding requests above the rendezvous order's bound times the
-mean, unrounded); a request that warms a new copy of a prefix the memory knows (none of its
-holders is chosen) goes to the least loaded of the first `Bounds.spill_choices` replicas in
-rendezvous order within `Bounds.load` (`choose_spread`), so the copy starts with room for the
-requests of that prefix that follow.
+load staying there adds (its outstanding requests above the rendezvous order's bound).
 
 Plain functions over addresses and counts (and the rendezvous weights), no I/O.
 """
@@ -80,35 +76,6 @@ def choose_bounded(
     raise AssertionError("unreachable: some replica is always under the capacity")
 
 
-def choose_spread(
-    replicas: Sequence[Replica], weights: np.ndarray, loads: Mapping[Replica, int], bound: float,
-    choices: int, total_load: int | None = None,
-) -> Replica:
-    """The least loaded of the first `choices` replicas in rendezvous order (`weights`, highest
-    first) whose load plus this request is within the capacity at `bound`; ties go to the earlier
-    in the order. `choices` 1: `choose_ranked`, the first within the capacity."""
-    if choices < 1:
-        raise ValueError(f"at least one choice is needed, got {choices}")
-    if choices == 1:
-        return choose_ranked(replicas, weights, loads, bound, total_load)
-    if not replicas:
-        raise ValueError("no replica to choose from")
-    if total_load is None:
-        total_load = sum(loads.get(replica, 0) for replica in replicas)
-    limit = capacity(total_load, len(replicas), bound)
-    best, best_load, found = None, None, 0
-    for index in ranked(weights):
-        load = loads.get(replicas[index], 0)
-        if load + 1 > limit:
-            continue
-        if best_load is None or load < best_load:
-            best, best_load = replicas[index], load
-        found += 1
-        if found == choices:
-            break
-    return best
-
-
 def choose_ranked(
     replicas: Sequence[Replica], weights: np.ndarray, loads: Mapping[Replica, int],
     bound: float, total_load: int | None = None, preferred: Sequence[Replica] = (),
@@ -145,9 +112,6 @@ class Bounds:
     # request on a replica that holds them (`choose_by_work`); 0: the memory's replicas are
     # taken in their order while within their bound.
     recompute_tokens: int = 0
-    # Where a request warms a new copy of a prefix the memory knows (`choose_by_work`): the least
-    # loaded of this many replicas, the first in rendezvous order within `load` (1: the first).
-    spill_choices: int = 1
 
 
 def choose_remembered(
@@ -179,37 +143,30 @@ def choose_by_work(
     """The replica that costs the least work for a prompt whose prefixes `held` names: each
     replica the memory names, and the first in rendezvous order, costs the prompt tokens it does
     not hold (to recompute there) plus `bounds.recompute_tokens` per outstanding request it has,
-    with this one, above `bounds.load` times the mean (unrounded: the excess counts from that
-    share, in fractions of a request, not from the whole capacity above it). So a request stays
-    on the replica holding its longest prefix until that replica's excess load outweighs
-    recomputing what it holds elsewhere: a long conversation's history holds it longer than a
-    system prompt that other replicas hold too. The memory's replicas are taken only within their own bound
+    with this one, above `capacity` at `bounds.load`. So a request stays on the replica holding
+    its longest prefix until that replica's excess load outweighs recomputing what it holds
+    elsewhere: a long conversation's history holds it longer than a system prompt that other
+    replicas hold too. The memory's replicas are taken only within their own bound
     (`bounds.session` for a conversation's history, `bounds.memory` for a shared prefix), the
     first in rendezvous order within `bounds.load`; ties go to the longer held prefix, then the
-    more recent, then the rendezvous order. Where that is a replica holding none of the prompt
-    (the first in rendezvous order, or none of them is within its bound), a request whose prefix
-    the memory knows goes to `choose_spread` over `bounds.spill_choices` replicas instead (a new
-    copy of that prefix, with the most room of those for its next requests); one whose prefix it
-    does not know to `choose_ranked` over the rendezvous order."""
+    more recent, then the rendezvous order. When none of them is within its bound:
+    `choose_ranked` over the rendezvous order."""
     if not replicas:
         raise ValueError("no replica to choose from")
     if total_load is None:
         total_load = sum(loads.get(replica, 0) for replica in replicas)
     num_replicas = len(replicas)
     base = capacity(total_load, num_replicas, bounds.load)
-    share = bounds.load * (total_load + 1) / num_replicas  # `base` unrounded: the excess is fractional
     limit = capacity(total_load, num_replicas, bounds.session if held.ended_a_prompt else bounds.memory)
     first = replicas[int(weights.argmax())]
-    best, best_cost, best_held = None, None, 0
+    best, best_cost = None, None
     for replica, held_len in (*held.replicas, (first, 0)):
         load = loads.get(replica)
         if load is None or load + 1 > (base if held_len == 0 else limit):
             continue  # down or gone, or over its bound
-        cost = max(load + 1 - share, 0) * bounds.recompute_tokens + held.prefix_len - held_len
+        cost = max(load + 1 - base, 0) * bounds.recompute_tokens + held.prefix_len - held_len
         if best_cost is None or cost < best_cost:
-            best, best_cost, best_held = replica, cost, held_len
-    if best_held:
-        return best
-    if held.replicas:
-        return choose_spread(replicas, weights, loads, bounds.load, bounds.spill_choices, total_load)
-    return best if best is not None else choose_ranked(replicas, weights, loads, bounds.load, total_load)
+            best, best_cost = replica, cost
+    if best is None:
+        return choose_ranked(replicas, weights, loads, bounds.load, total_load)
+    return best

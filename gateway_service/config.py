@@ -56,10 +56,6 @@ class GatewayConfig:
                                     "the router (among those the memory names within their bound, and the "
                                     "first in its order) costing the least of the two (0: the memory's "
                                     "routers in their order while within their bound)", min=0)
-    spill_choices: int = setting(8, "with --recompute-tokens: a request that warms a new copy of a prefix the "
-                                 "prefix memory knows (none of its holders is taken) goes to the least loaded "
-                                 "of the first this many routers in its order within --load-bound (1: the "
-                                 "first)", min=1)
     prefix_memory_entries: int = setting(65536, "prompt prefixes remembered with the routers they went to, so a "
                                          "conversation's next turn meets its cached history (0: none)", min=0)
     prefix_memory_stride: int = setting(64, "tokens between the prefixes remembered of one prompt", min=1)
@@ -119,7 +115,7 @@ class GatewayConfig:
     def bounds(self) -> Bounds:
         load = self.load_bound
         return Bounds(load, max(load, self.memory_load_bound), max(load, self.session_load_bound),
-                      self.recompute_tokens, self.spill_choices)
+                      self.recompute_tokens)
 
     def __post_init__(self) -> None:
         flags.check(self)

@@ -8,8 +8,7 @@ replica's load stays within a bound of the mean (`Bounds.session` for a conversa
 while its load stays within `Bounds.load` times the mean; otherwise to the next in rendezvous
 order that is (`bounded_load.choose_remembered`, which the simulator replays); with
 `--recompute-tokens`, to the one of those replicas costing the least work, load above the bound
-against prompt tokens to recompute (`bounded_load.choose_by_work`), a new copy of a prefix the
-memory knows on the least loaded of the first `--spill-choices` in rendezvous order.
+against prompt tokens to recompute (`bounded_load.choose_by_work`).
 The rest of the rendezvous order is the failover order, as before. A router's load is what it
 last reported on the gateway's Stream call to it (running plus waiting requests, every step and
 every load report interval), plus the requests this gateway opened there since that report.

@@ -179,9 +179,8 @@ def test_by_work_a_request_stays_until_the_excess_load_outweighs_what_it_would_r
     # A conversation whose 250-token history only `holder` has, its system prompt (50) `other` too.
     history = Held(((holder, 250), (other, 50)), 250, True)
     for load, expected in ((4, holder), (5, holder), (6, holder), (7, other)):
-        # Excess over 1.0 x the mean, with this request: 0.875, 1.75, 2.625, 3.5 requests (x 100
-        # tokens) against `other`'s (4: 0.875 down to 0.5) plus 200 tokens to recompute there
-        # (262.5 each at 6: a tie goes to the longer held prefix).
+        # Excess over the capacity at 1.0, with this request: 0, 1, 2, 3 requests (x 100 tokens)
+        # against 200 tokens to recompute on `other` (a tie goes to the longer held prefix).
         loads[holder] = load
         assert choose_by_work(ADDRESSES, weights, loads, bounds, history, 32 + load - 4) == expected
     # A new session of a shared prompt held by two: the one within the load bound; once both
@@ -199,66 +198,3 @@ def test_by_work_a_request_stays_until_the_excess_load_outweighs_what_it_would_r
     assert choose_by_work(ADDRESSES, weights, loads, bounds, Held((), 0, False)) == order[1]
     up = {a: 4 for a in ADDRESSES if a != holder}  # a holder that is down is skipped
     assert choose_by_work(ADDRESSES, weights, up, bounds, history) == other
-
-
-def _ranked(token: int):
-    """A prompt's rendezvous weights over `ADDRESSES` and its order, most preferred first."""
-    from gateway_service.rendezvous import Ranking
-
-    ranking = Ranking(ADDRESSES)
-    key = affinity_key([token], 64)
-    return ranking.weights(key), ranking.order(key)
-
-
-def test_a_new_copy_of_a_known_prefix_goes_to_the_least_loaded_of_its_first_choices() -> None:
-    from gateway_service.bounded_load import Bounds, capacity, choose_by_work, choose_spread
-    from gateway_service.prefix_memory import Held
-
-    weights, order = _ranked(11)
-    holder = order[-1]
-    loads = dict.fromkeys(ADDRESSES, 4)
-    loads[holder] = 9  # over 2.0 x the mean (capacity 8 of 32 outstanding): not taken
-    loads[order[0]], loads[order[1]], loads[order[2]], loads[order[3]] = 4, 3, 2, 2
-    total = sum(loads.values())
-    assert capacity(total, 8, 1.0) == 5
-    shared = Held(((holder, 500),), 500, False)
-    spread = Bounds(load=1.0, memory=2.0, session=2.0, recompute_tokens=100, spill_choices=4)
-    # The first four in rendezvous order within the load bound: the least loaded, the earlier of a tie.
-    assert choose_by_work(ADDRESSES, weights, loads, spread, shared) == order[2]
-    assert choose_spread(ADDRESSES, weights, loads, 1.0, 4) == order[2]
-    assert choose_spread(ADDRESSES, weights, loads, 1.0, 2) == order[1]
-    # One choice: the first in rendezvous order within the bound, as `choose_ranked`.
-    one = Bounds(load=1.0, memory=2.0, session=2.0, recompute_tokens=100, spill_choices=1)
-    assert choose_by_work(ADDRESSES, weights, loads, one, shared) == order[0]
-    # A replica over the load bound is not one of the choices: the next in order takes its place.
-    loads[order[2]] = loads[order[3]] = 5
-    assert choose_by_work(ADDRESSES, weights, loads, spread, shared) == order[1]
-    loads[order[4]] = 0
-    assert choose_by_work(ADDRESSES, weights, loads, spread, shared) == order[4]
-    # A prompt the memory knows nothing of keeps its affinity: the first in rendezvous order.
-    assert choose_by_work(ADDRESSES, weights, loads, spread, Held((), 0, False)) == order[0]
-    # A holder within its bound (7 of 30 at 2.0) is still taken where it costs less: its excess,
-    # 2 requests above the capacity at 1.0 (4), against 500 tokens (the first is over that bound).
-    loads[holder] = 5
-    assert choose_by_work(ADDRESSES, weights, loads, spread, shared) == holder
-    with pytest.raises(ValueError):
-        choose_spread(ADDRESSES, weights, loads, 1.0, 0)
-
-
-def test_by_work_the_excess_counts_from_the_unrounded_share() -> None:
-    from gateway_service.bounded_load import Bounds, capacity, choose_by_work
-    from gateway_service.prefix_memory import Held
-
-    weights, order = _ranked(12)
-    holder = order[-1]
-    loads = dict.fromkeys(ADDRESSES, 5)
-    loads[order[0]], loads[order[1]] = 3, 7
-    # 40 outstanding: the share at 1.1 is 1.1 x 41 / 8 = 5.64 requests, the whole capacity 6 (the
-    # mean rounded up), so the holder's 6 with this request is within the capacity but 0.36 of a
-    # request above the share.
-    assert capacity(40, 8, 1.1) == 6
-    held = Held(((holder, 50),), 50, False)
-    # At T = 200 that is 72.5 tokens, more than the 50 the first in rendezvous order (3, under the
-    # share) recomputes; at T = 100, 36 tokens, less.
-    assert choose_by_work(ADDRESSES, weights, loads, Bounds(1.1, 2.0, 2.0, 200), held) == order[0]
-    assert choose_by_work(ADDRESSES, weights, loads, Bounds(1.1, 2.0, 2.0, 100), held) == holder
