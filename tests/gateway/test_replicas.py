@@ -32,7 +32,7 @@ HOSTS = ["127.0.0.1", "127.0.0.2", "127.0.0.3"]
 TRACE = TraceConfig(num_system_prompts=6, zipf_exponent=1.5, system_len=(96, 192), user_len=(8, 32),
                     output_len=(4, 8), max_turns=4, token_ids=(3, 64))
 SEED = 5
-NUM_FIRST = 60  # requests over three routers
+NUM_FIRST = 90  # requests over three routers (0.9 s of arrivals: the load's average over fewer moved by +-0.2)
 NUM_SECOND = 24  # requests while and after one stops
 STOP_AFTER = 6  # of the second part, sent before the stop
 RATE_PER_S = 100.0
@@ -71,10 +71,16 @@ class LoadSampler:
         self.area = dict.fromkeys(stubs, 0.0)
 
     async def run(self, interval_s: float = 0.02) -> None:
+        """Every `interval_s` or so, each router's count, weighted by the time since the last
+        sample (a busy event loop stretches the intervals; a fixed weight would under-count them)."""
+        loop = asyncio.get_running_loop()
+        last = loop.time()
         while True:
             stats = await asyncio.gather(*(s.GetStats(router_pb2.GetStatsRequest()) for s in self.stubs.values()))
+            now = loop.time()
             for host, stat in zip(self.stubs, stats):
-                self.area[host] += (stat.num_running + stat.num_waiting) * interval_s
+                self.area[host] += (stat.num_running + stat.num_waiting) * (now - last)
+            last = now
             await asyncio.sleep(interval_s)
 
     def busiest_over_mean(self) -> float:
@@ -217,7 +223,8 @@ def test_three_replicas_behind_two_gateways(tokenizer, monkeypatch) -> None:
             busiest = sampler.busiest_over_mean()
             print(f"three replicas: busiest/mean {busiest:.2f}, hit rate {hit_rate:.3f} (simulator, "
                   f"{step_s * 1e3:.1f} ms steps x {STEP_TIME_FACTORS}: {min(predicted):.3f}-{max(predicted):.3f}), "
-                  f"prompt tokens per router {[s.prompt_tokens for s in stats]}")
+                  f"prompt tokens per router {[s.prompt_tokens for s in stats]}, load-seconds per router "
+                      f"{[round(a, 2) for a in sampler.area.values()]}")
             assert busiest <= 1.3
             assert 0.9 * min(predicted) <= hit_rate <= 1.1 * max(predicted)
 
