@@ -188,11 +188,13 @@ def plan_workers(config: UpConfig, python: str = sys.executable, replica: int = 
         if "OMP_NUM_THREADS" not in os.environ:
             # Ranks share the machine's cores: more threads than cores makes them spin.
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (config.tp * config.replicas)))
-        if "OMP_WAIT_POLICY" not in os.environ:
+        if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
             # The router and gateway run on the same cores, between and during the rank's steps:
             # OpenMP threads that spin between parallel regions (libgomp's default when its
             # threads fit the cores) take the core they need, and a spinning thread that loses
-            # its core holds up the region after. Passive threads sleep instead.
+            # its core holds up the region after. Passive threads sleep instead. On a host whose
+            # cores are the stack's alone, spinning is faster (docs/flags.md): a policy or spin
+            # count in the environment is left as it is.
             env["OMP_WAIT_POLICY"] = "passive"
         workers.append(ChildSpec(f"worker{rank}{replica_suffix(replica)}", cmd, f"{INTERNAL_HOST}:{port}", env))
     return workers

@@ -33,6 +33,10 @@ def test_ranks_openmp_threads_sleep_unless_the_environment_says(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "active")  # the child inherits it as it is
     workers = plan_stack(config_from_args(["up", "--tp", "2"]), python="py").groups[0]
     assert all("OMP_WAIT_POLICY" not in w.env for w in workers)
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "20000")  # a spin count alone is kept too (passive would zero it)
+    workers = plan_stack(config_from_args(["up", "--tp", "2"]), python="py").groups[0]
+    assert all("OMP_WAIT_POLICY" not in w.env for w in workers)
 
 
 def test_flags_come_from_the_environment_too(monkeypatch):
