@@ -14,13 +14,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from worker.quant_helpers import FORMATS as QUANT_FORMATS
+from worker.quant_helpers import compiled_kernels, exact_product, random_case
 from worker.tiny_models import VOCAB_SIZE, make_tiny_llama
 from worker_service.backends import selection
 from worker_service.backends.fused_quant_llama import FusedQuantLlamaLayers
 from worker_service.backends.linear_quant import GEMV_MAX_ROWS, CompiledQuantLinear
 from worker_service.forward_batch import ForwardEntry
 from worker_service.model_runner import ModelRunner, RunnerConfig
-from worker_service.quant import kernels as quant_kernels
 from worker_service.quant.format import QuantizedWeight, quantize_int4, quantize_int8
 
 BLOCK = 32
@@ -31,14 +32,8 @@ RTOL, ATOL = 1e-5, 1e-4
 # the norm of the exact output, biases included) is at most 0.55%; 2% bounds it.
 EXACT_RTOL = 0.02
 
-FORMATS = {
-    "int8-channel": lambda w: quantize_int8(w),  # one group a row (K a multiple of 32 below)
-    "int8-g16": lambda w: quantize_int8(w, 16),  # GGUF's Q6_K
-    "int8-g32": lambda w: quantize_int8(w, 32),  # GGUF's Q8_0
-    "int4-g32": lambda w: quantize_int4(w, 32),  # GGUF's Q4_0, Q4_1, Q4_K
-    "int4-g64": lambda w: quantize_int4(w, 64),
-    "int4-g96": lambda w: quantize_int4(w, 96),  # groups that cut the kernel's 64-column spans
-}
+# Every shared format but groups of 128 (two spans, nothing the others do not reach here).
+FORMATS = {name: make for name, make in QUANT_FORMATS.items() if name != "int4-g128"}
 # (N, K): an odd number of blocks of 32 (7, 15, 9), and for int4 K off the blocks (257, 40).
 SHAPES = {"int8": [(37, 224), (130, 480), (5, 96)], "int4": [(37, 224), (130, 576), (77, 257), (3, 40)]}
 
@@ -56,15 +51,7 @@ def quantize_blocks(x: torch.Tensor) -> torch.Tensor:
 
 
 def reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    return F.linear(quantize_blocks(x).double(), weight.dequantize(torch.float64),
-                    None if bias is None else bias.double()).float()
-
-
-def compiled_kernels() -> quant_kernels.QuantKernels:
-    kernels = quant_kernels.load()
-    if kernels is None:
-        pytest.skip(f"the quantized kernels do not build here: {quant_kernels.failure()}")
-    return kernels
+    return exact_product(quantize_blocks(x), weight, bias)
 
 
 def cases():
@@ -76,9 +63,7 @@ def cases():
 @pytest.mark.parametrize(("name", "shape"), list(cases()), ids=str)
 def test_products_equal_the_product_over_activations_quantized_per_block(name, shape) -> None:
     n, k = shape
-    generator = torch.Generator().manual_seed(n * k)
-    weight = FORMATS[name](torch.randn(n, k, generator=generator) * 0.1)
-    bias = torch.randn(n, generator=generator)
+    weight, bias, generator = random_case(name, n, k)
     kernels = compiled_kernels()
     linear = CompiledQuantLinear(kernels, weight, bias, False, int8_activations=True)
     for rows in range(1, GEMV_MAX_ROWS + 1):
@@ -86,7 +71,7 @@ def test_products_equal_the_product_over_activations_quantized_per_block(name, s
         x[0, : min(k, BLOCK)] = 0.0  # a block of zeros: d = 0
         got = linear(x)
         torch.testing.assert_close(got, reference(x, weight, bias), rtol=RTOL, atol=ATOL, msg=f"{rows} rows")
-        exact = F.linear(x.double(), weight.dequantize(torch.float64), bias.double()).float()
+        exact = exact_product(x, weight, bias)
         error = (got - exact).norm() / exact.norm()
         assert error < EXACT_RTOL, f"{rows} rows: relative error {error:.4f} against the float32 product"
 
@@ -100,7 +85,7 @@ def test_more_rows_and_layouts_it_does_not_take_are_the_float32_products() -> No
                          (quantize_int8(torch.randn(40, 100, generator=generator), 16), 3)):
         x = torch.randn(rows, weight.in_features, generator=generator)
         got = CompiledQuantLinear(kernels, weight, None, True, int8_activations=True)(x)
-        exact = F.linear(x.double(), weight.dequantize(torch.float64)).float()
+        exact = exact_product(x, weight, None)
         torch.testing.assert_close(got, exact, rtol=RTOL, atol=ATOL)
         assert not torch.allclose(got, reference(x, weight, None), rtol=RTOL, atol=ATOL)
 

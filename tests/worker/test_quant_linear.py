@@ -7,52 +7,30 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from worker.quant_helpers import FORMATS, compiled_kernels, exact_product, random_case
 from worker_service.backends import select_backend
 from worker_service.backends.linear_quant import GEMV_MAX_ROWS, CompiledQuantLinear, DequantizingLinear
 from worker_service.quant import kernels as quant_kernels
-from worker_service.quant.format import QuantizedWeight, quantize_int4, quantize_int8, unpack_int4
+from worker_service.quant.format import quantize_int4, quantize_int8, unpack_int4
 from worker_service.quant.scheme import quantizer
 
 # Products in float32 summed in another order over K <= 600: a few ulps of the result's scale.
 RTOL, ATOL = 1e-5, 1e-4
 
-FORMATS = {
-    "int8-channel": lambda w: quantize_int8(w),
-    "int8-g16": lambda w: quantize_int8(w, 16),
-    "int8-g32": lambda w: quantize_int8(w, 32),
-    "int4-g32": lambda w: quantize_int4(w, 32),
-    "int4-g64": lambda w: quantize_int4(w, 64),
-    "int4-g96": lambda w: quantize_int4(w, 96),  # groups that cut the kernel's 64-column spans
-    "int4-g128": lambda w: quantize_int4(w, 128),  # groups of two spans
-}
 SHAPES = [(1, 40), (37, 100), (130, 576), (77, 257)]  # (N, K): K not a multiple of 8 / 32 / 64 too
 ROWS = [1, 3, 5, GEMV_MAX_ROWS, GEMV_MAX_ROWS + 1, 300]
-
-
-def compiled_kernels() -> quant_kernels.QuantKernels:
-    kernels = quant_kernels.load()
-    if kernels is None:
-        pytest.skip(f"the quantized kernels do not build here: {quant_kernels.failure()}")
-    return kernels
-
-
-def reference(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    return F.linear(x.double(), weight.dequantize(torch.float64), None if bias is None else bias.double()).float()
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("name", FORMATS)
 def test_quantized_products_match_the_dequantized_weights(name, shape) -> None:
     n, k = shape
-    generator = torch.Generator().manual_seed(n * k)
-    weight = FORMATS[name](torch.randn(n, k, generator=generator) * 0.1)
-    bias = torch.randn(n, generator=generator)
+    weight, bias, generator = random_case(name, n, k)
     kernels = compiled_kernels()
     for rows in ROWS:
         x = torch.randn(rows, k, generator=generator)
-        expected = reference(x, weight, bias)
+        expected = exact_product(x, weight, bias)
         for linear in (DequantizingLinear(weight, bias, False), CompiledQuantLinear(kernels, weight, bias, False)):
             torch.testing.assert_close(linear(x), expected, rtol=RTOL, atol=ATOL, msg=f"{type(linear).__name__}")
 
@@ -64,7 +42,7 @@ def test_bfloat16_activations_come_back_in_bfloat16_and_float32_out_in_float32()
     assert linear(x).dtype == torch.bfloat16
     logits = CompiledQuantLinear(compiled_kernels(), weight, None, True)(x)
     assert logits.dtype == torch.float32
-    torch.testing.assert_close(logits, reference(x.float(), weight, None), rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(logits, exact_product(x.float(), weight, None), rtol=RTOL, atol=ATOL)
 
 
 def test_compiled_dequantize_is_the_reference_dequantize() -> None:
@@ -81,7 +59,7 @@ def test_tensor_parallel_shards_keep_whole_groups(name) -> None:
     weight = FORMATS[name](torch.randn(90, 384) * 0.1)
     x = torch.randn(7, 384)
     kernels = compiled_kernels()
-    whole = reference(x, weight, None)
+    whole = exact_product(x, weight, None)
     by_rows = [kernels.gemv(x, weight.rows(part), None) for part in (range(0, 60), range(60, 90))]
     torch.testing.assert_close(torch.cat(by_rows, dim=1), whole, rtol=RTOL, atol=ATOL)
     by_cols = [kernels.gemv(x[:, part.start:part.stop], weight.cols(part), None)
