@@ -1,25 +1,26 @@
 """radixserve against llama.cpp on the same GGUF file (`make bench`; not in `make test`).
 
-    .venv/bin/python -m bench.bench_gguf_peer [--gguf FILE] [--rounds 3] [--llama-server .peers/llamacpp/bin/llama-server]
+    .venv/bin/python -m bench.bench_gguf_peer [--gguf FILE] [--rounds 3] [--variants act8,spin]
+        [--llama-server .peers/llamacpp/bin/llama-server]
 
 1. Starts `radixserve up --model FILE` (the file served as it is, its quantization kept), one
    more radixserve stack for each of `--variants` (`act8`: `--activation-quantization int8`;
-   `spin`: the workers' OpenMP threads spin a while before sleeping),
-   and llama.cpp's `llama-server` (`bench.peer_llamacpp`, which `make bench` builds from source)
-   on the same file; all stay up, and only one of them works at a time.
+   `spin`: the workers' OpenMP threads spin a while before sleeping), and llama.cpp's
+   `llama-server` (`bench.peer_llamacpp`, which `make bench` builds from source) on the same
+   file; all stay up, and only one of them works at a time.
 2. Runs `--rounds` rounds of the single stream and the shared-prefix workload at
-   `--concurrency` requests at once. In each round both engines get the same prompts, new to
-   both (so neither finds them cached), over the OpenAI-compatible HTTP API, one right after the
+   `--concurrency` requests at once. In each round every engine gets the same prompts, new to
+   all (so none finds them cached), over the OpenAI-compatible HTTP API, one right after the
    other, the order turning by one each round; each radixserve stack also runs them over its
    gRPC API (other prompts, beside its HTTP run).
-3. Prints each round's pairs and ratios, and, for each radixserve stack, the issue's goals over the same API (radixserve >=
-   1.0x llama.cpp single stream and >= 2x on the shared-prefix workload) judged on the median of
-   the rounds' ratios and on best round against best round (`paired_goal_lines`): the host's
-   speed drifts (other tenants); a ratio of neighbours cancels most of that where one engine's
-   whole run after the other's does not, and the bests are the nearest to a quiet machine. Also the
-   machine's load average at the start and after each round, and writes
-   `bench/results/gguf_peer.json`. Without `llama-server` it says so and reports only
-   radixserve's figures.
+3. Prints each round's pairs and ratios and, for each radixserve stack, the issue's goals over
+   the same API (radixserve >= 1.0x llama.cpp single stream and >= 2x on the shared-prefix
+   workload) judged on the median of the rounds' ratios and on best round against best round
+   (`paired_goal_lines`): the host's speed drifts (other tenants); a ratio of neighbours cancels
+   most of that where one engine's whole run after the other's does not, and the bests are the
+   nearest to a quiet machine. Also the machine's load average at the start and after each
+   round, and writes `bench/results/gguf_peer.json`. Without `llama-server` it says so and
+   reports only radixserve's figures.
 """
 
 from __future__ import annotations
@@ -135,7 +136,9 @@ def main() -> None:
     load = {"start": load_average()}
     results: dict[str, dict[str, list[dict]]] = {}  # engine -> API -> one summary per job run
     pairs: dict[tuple[str, str], list[tuple[dict, dict]]] = {}
-    skipped = None if args.llama_server.is_file() else f"no llama-server at {args.llama_server} (`make bench` builds it)"
+    peer_cmd = None
+    skipped = None if args.llama_server.is_file() else \
+        f"no llama-server at {args.llama_server} (`make bench` builds it)"
     stacks = {}
     with ExitStack() as servers:
         engines: list[tuple[str, Callable[[int, int], dict]]] = []
@@ -193,7 +196,7 @@ def main() -> None:
         "gguf": args.model, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
         "rounds": args.rounds, "load_average": load, "results": results,
         "variants": {name: VARIANTS[name] for name in variant_names},
-        "radixserve_peak_rss_mb": peaks, "llamacpp_threads": args.llamacpp_threads,
+        "radixserve_peak_rss_mb": peaks, "llamacpp_command": peer_cmd, "llamacpp_threads": args.llamacpp_threads,
         "llamacpp_skipped": skipped, "goals": lines}, indent=2))
     print(f"[bench] wrote {args.out}", flush=True)
 
