@@ -47,7 +47,7 @@ def _linear_args(linear: CompiledQuantLinear) -> QuantLinearArgs:
     return QuantLinearArgs(format=FORMAT_CODES[weight.format], values=weight.values.data_ptr(),
                            scales=weight.scales.data_ptr(), offsets=_address(weight.offsets),
                            bias=_address(linear.bias), n=weight.out_features, k=weight.in_features,
-                           group_size=weight.group_size, int8_activations=int(linear.int8_activations))
+                           group_size=weight.group_size)
 
 
 def _linears(layer: torch.nn.Module) -> tuple[torch.nn.Module, ...]:
@@ -84,6 +84,8 @@ class FusedQuantLlamaLayers:
         args = self._args = QuantStepArgs()
         args.cos, args.sin = self._float(model.rotary.cos), self._float(model.rotary.sin)
         args.page_size, args.softmax_scale = pool.page_size, 1.0 / math.sqrt(head_dim)
+        # One choice for the worker's products (`QuantizedLinears`): the layer's are packed alike.
+        args.int8_activations = int(first.self_attn.qkv_proj.packed.int8_activations)
         self.parallel_attention_min = PARALLEL_ATTENTION_MIN
         # Room for the largest step; a step of fewer rows uses the start of each buffer.
         widths = [hidden, (num_q + 2 * num_kv) * head_dim, num_q * head_dim, 2 * intermediate, intermediate]

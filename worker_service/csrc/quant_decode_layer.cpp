@@ -3,8 +3,8 @@
 // attention of each row over its own pages, o_proj, residual add + RMSNorm, merged gate/up,
 // SwiGLU, down. Activations are float32 throughout (the pool may hold bfloat16: K/V are widened
 // when read and rounded to nearest-even when written, as a PyTorch cast rounds); the products
-// are radix_quant_gemv's (quant_gemv.cpp, linked into the same library), or for a product whose
-// `int8_activations` is set radix_quant_gemv_int8_activations' (quant_gemv_int8.cpp).
+// are radix_quant_gemv's (quant_gemv.cpp, linked into the same library), or with the step's
+// `int8_activations` radix_quant_gemv_int8_activations' (quant_gemv_int8.cpp).
 //
 // It is the machines without AVX-512 (where decode_layer.cpp's library does not build) whose
 // decode steps it serves: there a step of the PyTorch backend spends most of its time between
@@ -63,7 +63,6 @@ struct QuantLinearArgs {
   const float* offsets;  // null: none (int8)
   const float* bias;     // null: none
   int64_t n, k, group_size;
-  int32_t int8_activations;  // 1: the product quantizes its activations to 8 bits (quant_gemv_int8.cpp)
 };
 
 // What does not change between steps: one layer's shapes, weights and pool.
@@ -94,6 +93,7 @@ struct QuantStepArgs {
   float* attended;  // [rows, Hq D]
   float* gate_up;   // [rows, 2 I]
   float* act;       // [rows, I]
+  int32_t int8_activations;  // 1: the products quantize their activations to 8 bits (quant_gemv_int8.cpp)
 };
 
 }  // extern "C"
@@ -108,7 +108,7 @@ void rms_norm(const float* x, const float* weight, float* out, int32_t size, flo
 }
 
 int product(const QuantLinearArgs& w, const QuantStepArgs& s, const float* x, float* out) {
-  const auto gemv = w.int8_activations ? radix_quant_gemv_int8_activations : radix_quant_gemv;
+  const auto gemv = s.int8_activations ? radix_quant_gemv_int8_activations : radix_quant_gemv;
   return gemv(w.format, x, s.rows, w.k, w.values, w.scales, w.offsets, w.n, w.k, w.group_size, w.bias, out, w.n,
               s.num_threads);
 }

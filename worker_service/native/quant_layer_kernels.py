@@ -30,7 +30,7 @@ class QuantLinearArgs(ctypes.Structure):
     """Mirror of `QuantLinearArgs` in quant_decode_layer.cpp."""
 
     _fields_ = [("format", _i32), ("values", _ptr), ("scales", _ptr), ("offsets", _ptr), ("bias", _ptr),
-                ("n", _i64), ("k", _i64), ("group_size", _i64), ("int8_activations", _i32)]
+                ("n", _i64), ("k", _i64), ("group_size", _i64)]
 
 
 class QuantLayerWeights(ctypes.Structure):
@@ -50,7 +50,8 @@ class QuantStepArgs(ctypes.Structure):
     _fields_ = [("rows", _i32), ("num_threads", _i32), ("page_size", _i32), ("max_pages", _i32),
                 ("positions", _ptr), ("write_slots", _ptr), ("page_tables", _ptr),
                 ("cos", _ptr), ("sin", _ptr), ("softmax_scale", _f32), ("parallel_attention_min", _i64),
-                ("normed", _ptr), ("qkv", _ptr), ("attended", _ptr), ("gate_up", _ptr), ("act", _ptr)]
+                ("normed", _ptr), ("qkv", _ptr), ("attended", _ptr), ("gate_up", _ptr), ("act", _ptr),
+                ("int8_activations", _i32)]
 
 
 SIGNATURES = {
