@@ -85,7 +85,6 @@ def test_compiled_layer_matches_module_path(model_dir, quantization, dtype, num_
 
 def compare_decode_steps(model_dir: Path, quantization: str, dtype: str) -> None:
     fused, module = runners(model_dir, quantization, dtype)
-    fused.fused.parallel_attention_min = 0  # threaded attention too, on a tiny model's short contexts
     torch_dtype = getattr(torch, dtype)
     # Three sequences of different lengths on scattered pages (page ids out of order).
     tables = [[9, 3, 17, 5, 12, 30], [2, 25, 8, 14, 40, 1], [33, 6, 21, 11, 35, 28]]
@@ -116,3 +115,32 @@ def test_selection_takes_the_layer_only_for_auto_with_quantized_weights(model_di
                                           attention_kernel=kernel, quantization=quantization))
         assert "compiled AVX2 layer" not in runner.backend_reason
         assert type(runner.backend) is TorchBackend and runner.fused is None, (kernel, quantization)
+
+
+# A step's threads split the products' output features and attention's (row, head) pairs, never a
+# sum, and meet at barriers that spin and then sleep: the logits are the same bits on 1 thread, on
+# 2, and on 3 (more threads than this machine's cores: the barriers' sleeping path).
+@pytest.mark.parametrize("activations", ["none", "int8"])
+def test_compiled_layer_gives_the_same_bits_on_any_number_of_threads(model_dir, activations) -> None:
+    runner = ModelRunner(RunnerConfig(model_dir=model_dir, page_size=PAGE_SIZE, kv_cache_bytes=KV_BYTES,
+                                      quantization="int4", activation_quantization=activations))
+    assert isinstance(runner.fused, FusedQuantLlamaLayers)
+    tables = [[9, 3, 17, 5, 12, 30], [2, 25, 8, 14, 40, 1], [33, 6, 21, 11, 35, 28]]
+    prompts = [prompt(length, seed) for seed, length in enumerate((9, 14, 5))]
+    logits = runner.forward([ForwardEntry(p, 0, t, True) for p, t in zip(prompts, tables)])
+    tokens = [[int(row.argmax())] for row in logits]
+    saved = torch.get_num_threads()
+    try:
+        for _ in range(NUM_TOKENS):
+            entries = [ForwardEntry([tokens[i][-1]], len(prompts[i]) + len(tokens[i]) - 1, tables[i], True)
+                       for i in range(3)]
+            by_threads = {}
+            for threads in (1, 2, 3):  # each run writes the same K/V into the same slots
+                torch.set_num_threads(threads)
+                by_threads[threads] = runner.forward(entries)
+            assert torch.isfinite(by_threads[1]).all()
+            assert torch.equal(by_threads[2], by_threads[1]) and torch.equal(by_threads[3], by_threads[1])
+            for i, row in enumerate(by_threads[1]):
+                tokens[i].append(int(row.argmax()))
+    finally:
+        torch.set_num_threads(saved)

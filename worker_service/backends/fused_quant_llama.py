@@ -33,9 +33,6 @@ from worker_service.native.quant_layer_kernels import (QuantLayerKernels, QuantL
 from worker_service.quant.kernels import FORMAT_CODES
 
 POOL_DTYPES = {torch.float32: layer_kernels.POOL_FLOAT32, torch.bfloat16: layer_kernels.POOL_BFLOAT16}
-# Attention over fewer positions x query heads than this runs on one thread: starting the others
-# costs more than it saves (docs/quantization.md has the measurement).
-PARALLEL_ATTENTION_MIN = 16384
 
 
 def _address(tensor: torch.Tensor | None) -> int | None:
@@ -59,7 +56,7 @@ class FusedQuantLlamaLayers:
     """A Llama model's quantized layers as compiled calls; `run(embedded hidden, step)` is the loop."""
 
     def __init__(self, kernels: QuantLayerKernels, model: torch.nn.Module, pool: KVPool) -> None:
-        self._call = kernels.decode_layer
+        self._call = kernels.decode_layers
         first = model.layers[0]
         num_q, num_kv, head_dim = first.self_attn.num_q_heads, first.self_attn.num_kv_heads, first.self_attn.head_dim
         intermediate = first.mlp.gate_up_proj.output_sizes[0]
@@ -79,14 +76,13 @@ class FusedQuantLlamaLayers:
                 post_eps=layer.post_attention_layernorm.eps, input_norm=input_norm, post_norm=post_norm,
                 qkv=qkv, o_proj=o_proj, gate_up=gate_up, down=down,
                 k_pool=k_slots.data_ptr(), v_pool=v_slots.data_ptr(), kv_head_stride=k_slots.stride(0)))
-        self._layer_addresses = [ctypes.addressof(layer) for layer in self._layers]
+        self._layer_array = (ctypes.c_void_p * len(self._layers))(*(ctypes.addressof(layer) for layer in self._layers))
         self._page_size = pool.page_size
         args = self._args = QuantStepArgs()
         args.cos, args.sin = self._float(model.rotary.cos), self._float(model.rotary.sin)
         args.page_size, args.softmax_scale = pool.page_size, 1.0 / math.sqrt(head_dim)
         # One choice for the worker's products (`QuantizedLinears`): the layer's are packed alike.
         args.int8_activations = int(first.self_attn.qkv_proj.packed.int8_activations)
-        self.parallel_attention_min = PARALLEL_ATTENTION_MIN
         # Room for the largest step; a step of fewer rows uses the start of each buffer.
         widths = [hidden, (num_q + 2 * num_kv) * head_dim, num_q * head_dim, 2 * intermediate, intermediate]
         self._scratch = [torch.empty(GEMV_MAX_ROWS, width, dtype=torch.float32) for width in widths]
@@ -97,16 +93,6 @@ class FusedQuantLlamaLayers:
         copy = tensor.detach().float().contiguous()
         self._keep.append(copy)
         return copy.data_ptr()
-
-    @property
-    def parallel_attention_min(self) -> int:
-        """Positions times query heads of a step from which attention runs on torch's threads
-        (below, on the calling thread alone)."""
-        return self._args.parallel_attention_min
-
-    @parallel_attention_min.setter
-    def parallel_attention_min(self, value: int) -> None:
-        self._args.parallel_attention_min = value
 
     @classmethod
     def build(cls, kernels: QuantLayerKernels, model: torch.nn.Module, pool: KVPool) -> FusedQuantLlamaLayers | None:
@@ -143,8 +129,7 @@ class FusedQuantLlamaLayers:
         args.page_tables = page_tables.data_ptr()
         state = hidden.to(torch.float32, copy=True).contiguous()
         residual = torch.empty_like(state)
-        state_ptr, residual_ptr = state.data_ptr(), residual.data_ptr()
-        args_address, call = self._args_address, self._call
-        for index, layer in enumerate(self._layer_addresses):
-            call(layer, args_address, state_ptr, residual_ptr, index == 0)  # raises KernelError on failure
+        # All layers in one call: one parallel region a step (csrc/quant_decode_layer.cpp).
+        self._call(self._layer_array, len(self._layers), self._args_address, state.data_ptr(), residual.data_ptr(),
+                   1)  # raises KernelError on failure
         return state.to(self._dtype), residual.to(self._dtype)

@@ -6,6 +6,12 @@
 // are radix_quant_gemv's (quant_gemv.cpp, linked into the same library), or with the step's
 // `int8_activations` radix_quant_gemv_int8_activations' (quant_gemv_int8.cpp).
 //
+// radix_quant_decode_layers runs a step's layers in one OpenMP parallel region: its threads split
+// each product's output features and the attention's (row, head) pairs, one thread computes the
+// per-row parts between them (norms, RoPE, the K/V writes, SwiGLU), and they meet at team.h's
+// barriers, which spin briefly before sleeping. A region per product instead (as the products'
+// own entry points run) wakes the sleeping threads some 120 times a step.
+//
 // It is the machines without AVX-512 (where decode_layer.cpp's library does not build) whose
 // decode steps it serves: there a step of the PyTorch backend spends most of its time between
 // ops, not in them. See worker_service/backends/fused_quant_llama.py, which builds the structs.
@@ -18,16 +24,12 @@
 #include <cstdint>
 #include <cstring>
 
-extern "C" int radix_quant_gemv(int format, const float* x, int64_t rows, int64_t x_stride, const void* values,
-                                const float* scales, const float* offsets, int64_t n, int64_t k,
-                                int64_t group_size, const float* bias, float* out, int64_t out_stride,
-                                int threads);
-extern "C" int radix_quant_gemv_int8_activations(int format, const float* x, int64_t rows, int64_t x_stride,
-                                                 const void* values, const float* scales, const float* offsets,
-                                                 int64_t n, int64_t k, int64_t group_size, const float* bias,
-                                                 float* out, int64_t out_stride, int threads);
+#include <atomic>
+#include <memory>
 
 #include "avx2_sum.h"
+#include "quant_plan.h"
+#include "team.h"
 
 namespace {
 
@@ -87,7 +89,6 @@ struct QuantStepArgs {
   const float* cos;             // RoPE tables [positions, D], signed sin (layers/rotary.py)
   const float* sin;
   float softmax_scale;
-  int64_t parallel_attention_min;  // positions x query heads of a step from which attention is threaded
   float* normed;    // [rows, hidden]
   float* qkv;       // [rows, (Hq + 2 Hk) D]
   float* attended;  // [rows, Hq D]
@@ -105,12 +106,6 @@ void rms_norm(const float* x, const float* weight, float* out, int32_t size, flo
   for (int32_t i = 0; i < size; ++i) sum += double(x[i]) * x[i];
   const float inv = 1.0f / std::sqrt(float(sum / size) + eps);
   for (int32_t i = 0; i < size; ++i) out[i] = x[i] * inv * weight[i];
-}
-
-int product(const QuantLinearArgs& w, const QuantStepArgs& s, const float* x, float* out) {
-  const auto gemv = s.int8_activations ? radix_quant_gemv_int8_activations : radix_quant_gemv;
-  return gemv(w.format, x, s.rows, w.k, w.values, w.scales, w.offsets, w.n, w.k, w.group_size, w.bias, out, w.n,
-              s.num_threads);
 }
 
 // x * cos + roll(x, D/2) * signed sin, for one head in place.
@@ -192,65 +187,128 @@ int radix_quant_layer_supported() {
 #endif
 }
 
-// hidden [rows, H] float32: the previous layer's MLP output, replaced by this layer's; residual
-// [rows, H] float32: the residual stream, updated (with `first`, `hidden` holds the embeddings and
-// `residual` is set to them). 0: done; 3: a shape this code does not take; else the failing
-// product's status.
-int radix_quant_decode_layer(const QuantLayerWeights* wp, const QuantStepArgs* sp, float* hidden, float* residual,
-                             int32_t first) {
-  const QuantLayerWeights& w = *wp;
-  const QuantStepArgs& s = *sp;
-  const int32_t rows = s.rows, threads = s.num_threads, h = w.hidden, d = w.head_dim;
-  if (d % 8 || d > kMaxHeadDim || s.page_size > 64 || w.num_q_heads % w.num_kv_heads) return 3;
+}  // extern "C"
+
+namespace {
+
+// What the team's threads share while they run a step.
+struct Shared {
+  radix_team::Barrier barrier;
+  std::unique_ptr<radix_quant::Plan> plan;  // the product being computed
+  std::atomic<int64_t> next_task{0};        // attention's next (row, head) pair
+  int status = 0;                           // nonzero: a product refused its arguments; all stop
+};
+
+// out = x @ w^T for the step's rows: one thread prepares the activations, all compute features.
+// Returns the product's status, the same on every thread.
+int product(const radix_team::Team& team, Shared& shared, const QuantLinearArgs& w, const QuantStepArgs& s,
+            const float* x, float* out) {
+  if (team.index == 0) {
+    const radix_quant::ProductArgs args{w.format, x, s.rows, w.k, w.values, w.scales, w.offsets,
+                                        w.n, w.k, w.group_size, w.bias, out, w.n};
+    shared.plan = s.int8_activations ? radix_quant::plan_int8_activations(args, &shared.status)
+                                     : radix_quant::plan_float(args, &shared.status);
+  }
+  team.sync();
+  if (shared.status) return shared.status;
+  int64_t begin, end;
+  team.share(shared.plan->chunks(), &begin, &end);
+  for (int64_t chunk = begin; chunk < end; ++chunk) shared.plan->run(chunk);
+  team.sync();
+  return 0;
+}
+
+// One layer (the entry point's comment) on every thread of the team; the same status on each.
+int layer(const radix_team::Team& team, Shared& shared, const QuantLayerWeights& w, const QuantStepArgs& s,
+          float* hidden, float* residual, bool first) {
+  const int32_t rows = s.rows, h = w.hidden, d = w.head_dim;
   const int32_t hq = w.num_q_heads, hk = w.num_kv_heads, qkv_width = (hq + 2 * hk) * d;
-  for (int32_t r = 0; r < rows; ++r) {
-    float* res = residual + int64_t(r) * h;
-    const float* x = hidden + int64_t(r) * h;
-    if (first) {
-      std::memcpy(res, x, sizeof(float) * h);
-    } else {
-      for (int32_t i = 0; i < h; ++i) res[i] += x[i];
+  const bool lead = team.index == 0;
+  if (lead) {
+    for (int32_t r = 0; r < rows; ++r) {
+      float* res = residual + int64_t(r) * h;
+      const float* x = hidden + int64_t(r) * h;
+      if (first) {
+        std::memcpy(res, x, sizeof(float) * h);
+      } else {
+        for (int32_t i = 0; i < h; ++i) res[i] += x[i];
+      }
+      rms_norm(res, w.input_norm, s.normed + int64_t(r) * h, h, w.input_eps);
     }
-    rms_norm(res, w.input_norm, s.normed + int64_t(r) * h, h, w.input_eps);
   }
-  int status = product(w.qkv, s, s.normed, s.qkv);
+  int status = product(team, shared, w.qkv, s, s.normed, s.qkv);
   if (status) return status;
-  for (int32_t r = 0; r < rows; ++r) {
-    float* row = s.qkv + int64_t(r) * qkv_width;
-    const float* cos = s.cos + s.positions[r] * d;
-    const float* sin = s.sin + s.positions[r] * d;
-    for (int32_t head = 0; head < hq + hk; ++head) rotate(row + int64_t(head) * d, cos, sin, d);
-    for (int32_t head = 0; head < hk; ++head) {
-      const int64_t offset = head * w.kv_head_stride + s.write_slots[r] * d;
-      store(w.k_pool, w.pool_dtype, offset, row + int64_t(hq + head) * d, d);
-      store(w.v_pool, w.pool_dtype, offset, row + int64_t(hq + hk + head) * d, d);
+  if (lead) {
+    for (int32_t r = 0; r < rows; ++r) {
+      float* row = s.qkv + int64_t(r) * qkv_width;
+      const float* cos = s.cos + s.positions[r] * d;
+      const float* sin = s.sin + s.positions[r] * d;
+      for (int32_t head = 0; head < hq + hk; ++head) rotate(row + int64_t(head) * d, cos, sin, d);
+      for (int32_t head = 0; head < hk; ++head) {
+        const int64_t offset = head * w.kv_head_stride + s.write_slots[r] * d;
+        store(w.k_pool, w.pool_dtype, offset, row + int64_t(hq + head) * d, d);
+        store(w.v_pool, w.pool_dtype, offset, row + int64_t(hq + hk + head) * d, d);
+      }
     }
+    shared.next_task.store(0, std::memory_order_relaxed);
   }
-  // Attention over a short context is less work than starting the other threads for it.
-  int64_t positions_read = 0;
-  for (int32_t r = 0; r < rows; ++r) positions_read += (s.positions[r] + 1) * hq;
-  const int32_t tasks = rows * hq;
-  const bool parallel = threads > 1 && positions_read >= s.parallel_attention_min;
-#pragma omp parallel for if (parallel) num_threads(std::min(threads, tasks)) schedule(dynamic, 1)
-  for (int32_t task = 0; task < tasks; ++task) {
-    const int32_t r = task / hq, head = task % hq;
+  team.sync();
+  // Each thread takes the next (row, head) pair until none is left: contexts differ in length.
+  const int64_t tasks = int64_t(rows) * hq;
+  for (int64_t task; (task = shared.next_task.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
+    const int32_t r = int32_t(task / hq), head = int32_t(task % hq);
     attend_head(w, s, r, head, s.attended + int64_t(r) * hq * d + int64_t(head) * d);
   }
-  if ((status = product(w.o_proj, s, s.attended, hidden))) return status;
-  for (int32_t r = 0; r < rows; ++r) {
-    float* res = residual + int64_t(r) * h;
-    const float* x = hidden + int64_t(r) * h;
-    for (int32_t i = 0; i < h; ++i) res[i] += x[i];
-    rms_norm(res, w.post_norm, s.normed + int64_t(r) * h, h, w.post_eps);
+  team.sync();
+  if ((status = product(team, shared, w.o_proj, s, s.attended, hidden))) return status;
+  if (lead) {
+    for (int32_t r = 0; r < rows; ++r) {
+      float* res = residual + int64_t(r) * h;
+      const float* x = hidden + int64_t(r) * h;
+      for (int32_t i = 0; i < h; ++i) res[i] += x[i];
+      rms_norm(res, w.post_norm, s.normed + int64_t(r) * h, h, w.post_eps);
+    }
   }
-  if ((status = product(w.gate_up, s, s.normed, s.gate_up))) return status;
+  if ((status = product(team, shared, w.gate_up, s, s.normed, s.gate_up))) return status;
   const int32_t f = w.intermediate;
-  for (int32_t r = 0; r < rows; ++r) {
-    const float* gate = s.gate_up + int64_t(r) * 2 * f;
-    float* act = s.act + int64_t(r) * f;
-    for (int32_t i = 0; i < f; ++i) act[i] = gate[i] / (1.f + std::exp(-gate[i])) * gate[f + i];
+  if (lead) {
+    for (int32_t r = 0; r < rows; ++r) {
+      const float* gate = s.gate_up + int64_t(r) * 2 * f;
+      float* act = s.act + int64_t(r) * f;
+      for (int32_t i = 0; i < f; ++i) act[i] = gate[i] / (1.f + std::exp(-gate[i])) * gate[f + i];
+    }
   }
-  return product(w.down, s, s.act, hidden);
+  return product(team, shared, w.down, s, s.act, hidden);
+}
+
+}  // namespace
+
+extern "C" {
+
+// `count` consecutive layers (`layers`, in order) of a decode step. hidden [rows, H] float32: the
+// embeddings with `first` (the first of them is the model's layer 0: `residual` is set to them),
+// else the previous layer's MLP output; replaced by the last layer's. residual [rows, H] float32:
+// the residual stream, updated. 0: done; 3: a shape this code does not take; else the failing
+// product's status.
+int radix_quant_decode_layers(const QuantLayerWeights* const* layers, int32_t count, const QuantStepArgs* sp,
+                              float* hidden, float* residual, int32_t first) {
+  const QuantStepArgs& s = *sp;
+  for (int32_t i = 0; i < count; ++i) {
+    const QuantLayerWeights& w = *layers[i];
+    if (w.head_dim % 8 || w.head_dim > kMaxHeadDim || s.page_size > 64 || w.num_q_heads % w.num_kv_heads) return 3;
+  }
+  Shared shared;
+  const int threads = std::max(1, s.num_threads);
+  int result = 0;
+#pragma omp parallel num_threads(threads)
+  {
+    const radix_team::Team team{omp_get_thread_num(), omp_get_num_threads(), &shared.barrier};
+    int status = 0;
+    for (int32_t i = 0; i < count && status == 0; ++i)
+      status = layer(team, shared, *layers[i], s, hidden, residual, first && i == 0);
+    if (team.index == 0) result = status;
+  }
+  return result;
 }
 
 }  // extern "C"

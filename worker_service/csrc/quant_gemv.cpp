@@ -20,16 +20,18 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "avx2_sum.h"
+#include "quant_plan.h"
 
 namespace {
 
+using radix_quant::kChunk;
 constexpr int kInt8 = 0;
 constexpr int kInt4 = 1;
 constexpr int kTile = 4;        // activation rows sharing one pass over the weight
-constexpr int64_t kChunk = 16;  // output features a thread takes at a time
 constexpr int kBlock = 32;      // int4 columns per packed block
 constexpr int kSpan = 2 * kBlock;  // int4 columns one 256-bit load of packed values holds
 
@@ -264,7 +266,57 @@ void rows_product(const Problem& p, int64_t r0, int64_t count, int64_t n) {
   }
 }
 
+// The activations of one call laid out and summed (radix_quant::plan_float).
+class FloatPlan final : public radix_quant::Plan {
+ public:
+  explicit FloatPlan(const radix_quant::ProductArgs& a) : Plan(a.n) {
+    const int64_t k = a.k, group_size = a.group_size, num_groups = (k + group_size - 1) / group_size;
+    const int64_t blocks = (k + kBlock - 1) / kBlock, spans = (blocks + 1) / 2;
+    if (a.offsets != nullptr) {
+      x_sums_.resize(a.rows * num_groups);
+      for (int64_t r = 0; r < a.rows; ++r)
+        for (int64_t g = 0; g < num_groups; ++g)
+          x_sums_[r * num_groups + g] =
+              sum_of(a.x + r * a.x_stride + g * group_size, std::min(group_size, k - g * group_size));
+    }
+    if (a.format == kInt4) {
+      x_spans_.assign(a.rows * spans * kSpan, 0.f);
+      for (int64_t r = 0; r < a.rows; ++r)
+        lay_out_spans(a.x + r * a.x_stride, k, spans, x_spans_.data() + r * spans * kSpan);
+      span_groups_.resize(2 * spans);
+      for (int64_t b = 0; b < 2 * spans; ++b)
+        span_groups_[b] = int32_t(std::min(b * kBlock / group_size, num_groups - 1));
+    }
+    p_ = Problem{a.format, a.x, a.x_stride, a.values, a.scales, a.offsets, k, group_size, num_groups,
+                 a.bias, a.out, a.out_stride, x_sums_.data(), x_spans_.data(), span_groups_.data(),
+                 spans, blocks / 2, blocks * (kBlock / 2)};
+    rows_ = a.rows;
+  }
+
+  void run(int64_t chunk) const override {
+    const int64_t n1 = std::min(n_, (chunk + 1) * kChunk);
+    for (int64_t r0 = 0; r0 < rows_; r0 += kTile)
+      for (int64_t j = chunk * kChunk; j < n1; ++j) rows_product(p_, r0, std::min<int64_t>(kTile, rows_ - r0), j);
+  }
+
+ private:
+  std::vector<float> x_sums_, x_spans_;
+  std::vector<int32_t> span_groups_;
+  Problem p_{};
+  int64_t rows_ = 0;
+};
+
 }  // namespace
+
+std::unique_ptr<radix_quant::Plan> radix_quant::plan_float(const ProductArgs& a, int* status) {
+  *status = 0;
+  if ((a.format != kInt8 && a.format != kInt4) || a.rows < 0 || a.n < 0 || a.k <= 0 || a.group_size <= 0)
+    *status = 1;
+  else if (a.format == kInt4 && (a.offsets == nullptr || a.group_size % kBlock != 0))
+    *status = 2;
+  if (*status) return nullptr;
+  return std::make_unique<FloatPlan>(a);
+}
 
 extern "C" {
 
@@ -279,35 +331,13 @@ int radix_quant_supported() {
 int radix_quant_gemv(int format, const float* x, int64_t rows, int64_t x_stride, const void* values,
                      const float* scales, const float* offsets, int64_t n, int64_t k, int64_t group_size,
                      const float* bias, float* out, int64_t out_stride, int threads) {
-  if ((format != kInt8 && format != kInt4) || rows < 0 || n < 0 || k <= 0 || group_size <= 0) return 1;
-  if (format == kInt4 && (offsets == nullptr || group_size % kBlock != 0)) return 2;
-  const int64_t num_groups = (k + group_size - 1) / group_size;
-  std::vector<float> x_sums, x_spans;
-  std::vector<int32_t> span_groups;
-  const int64_t blocks = (k + kBlock - 1) / kBlock, spans = (blocks + 1) / 2;
-  if (offsets != nullptr) {
-    x_sums.resize(rows * num_groups);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t g = 0; g < num_groups; ++g)
-        x_sums[r * num_groups + g] =
-            sum_of(x + r * x_stride + g * group_size, std::min(group_size, k - g * group_size));
-  }
-  if (format == kInt4) {
-    x_spans.assign(rows * spans * kSpan, 0.f);
-    for (int64_t r = 0; r < rows; ++r) lay_out_spans(x + r * x_stride, k, spans, x_spans.data() + r * spans * kSpan);
-    span_groups.resize(2 * spans);
-    for (int64_t b = 0; b < 2 * spans; ++b) span_groups[b] = int32_t(std::min(b * kBlock / group_size, num_groups - 1));
-  }
-  const Problem p{format, x, x_stride, values, scales, offsets, k, group_size, num_groups,
-                  bias, out, out_stride, x_sums.data(), x_spans.data(), span_groups.data(),
-                  spans, blocks / 2, blocks * (kBlock / 2)};
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  int status = 0;
+  const auto plan = radix_quant::plan_float(
+      {format, x, rows, x_stride, values, scales, offsets, n, k, group_size, bias, out, out_stride}, &status);
+  if (status) return status;
+  const int64_t chunks = plan->chunks();
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-    const int64_t n1 = std::min(n, (chunk + 1) * kChunk);
-    for (int64_t r0 = 0; r0 < rows; r0 += kTile)
-      for (int64_t j = chunk * kChunk; j < n1; ++j) rows_product(p, r0, std::min<int64_t>(kTile, rows - r0), j);
-  }
+  for (int64_t chunk = 0; chunk < chunks; ++chunk) plan->run(chunk);
   return 0;
 }
 

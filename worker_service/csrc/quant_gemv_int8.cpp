@@ -19,21 +19,18 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "avx2_sum.h"
-
-extern "C" int radix_quant_gemv(int format, const float* x, int64_t rows, int64_t x_stride, const void* values,
-                                const float* scales, const float* offsets, int64_t n, int64_t k,
-                                int64_t group_size, const float* bias, float* out, int64_t out_stride,
-                                int threads);
+#include "quant_plan.h"
 
 namespace {
 
 constexpr int kInt8 = 0;
 constexpr int kInt4 = 1;
+using radix_quant::kChunk;
 constexpr int kTile = 4;        // activation rows sharing one pass over the weight
-constexpr int64_t kChunk = 16;  // output features a thread takes at a time
 constexpr int kBlock = 32;      // columns per activation block (and per packed int4 block)
 constexpr int kSpan = 2 * kBlock;  // int4 columns one 256-bit load of packed values holds
 
@@ -244,7 +241,43 @@ bool takes(int format, const float* offsets, int64_t k, int64_t group_size) {
          (group_size == kBlock / 2 || group_size % kBlock == 0);
 }
 
+// The activations of one call quantized (radix_quant::plan_int8_activations).
+class Int8Plan final : public radix_quant::Plan {
+ public:
+  explicit Int8Plan(const radix_quant::ProductArgs& a) : Plan(a.n), format_(a.format), rows_(a.rows) {
+    quantize_rows(a.format, a.x, a.rows, a.x_stride, a.k, a.group_size, activations_);
+    const int64_t k = a.k, blocks = (k + kBlock - 1) / kBlock, spans = (blocks + 1) / 2;
+    const int64_t num_groups = (k + a.group_size - 1) / a.group_size;
+    block_groups_.resize(2 * spans);
+    for (int64_t b = 0; b < 2 * spans; ++b)
+      block_groups_[b] = int32_t(std::min(b * kBlock / a.group_size, num_groups - 1));
+    p_ = Problem{a.values, a.scales, a.offsets, k, a.group_size, num_groups, blocks, spans, blocks / 2,
+                 blocks * (kBlock / 2), block_groups_.data(), a.bias, a.out, a.out_stride, &activations_};
+  }
+
+  void run(int64_t chunk) const override {
+    const int64_t n1 = std::min(n_, (chunk + 1) * kChunk);
+    for (int64_t r0 = 0; r0 < rows_; r0 += kTile)
+      for (int64_t j = chunk * kChunk; j < n1; ++j)
+        rows_product(format_, p_, r0, std::min<int64_t>(kTile, rows_ - r0), j);
+  }
+
+ private:
+  int format_;
+  int64_t rows_;
+  Activations activations_;
+  std::vector<int32_t> block_groups_;
+  Problem p_{};
+};
+
 }  // namespace
+
+std::unique_ptr<radix_quant::Plan> radix_quant::plan_int8_activations(const ProductArgs& a, int* status) {
+  if (a.rows < 0 || a.n < 0 || a.k <= 0 || a.group_size <= 0 || !takes(a.format, a.offsets, a.k, a.group_size))
+    return plan_float(a, status);
+  *status = 0;
+  return std::make_unique<Int8Plan>(a);
+}
 
 extern "C" {
 
@@ -252,25 +285,13 @@ int radix_quant_gemv_int8_activations(int format, const float* x, int64_t rows, 
                                       const void* values, const float* scales, const float* offsets, int64_t n,
                                       int64_t k, int64_t group_size, const float* bias, float* out,
                                       int64_t out_stride, int threads) {
-  if (rows < 0 || n < 0 || k <= 0 || group_size <= 0 || !takes(format, offsets, k, group_size))
-    return radix_quant_gemv(format, x, rows, x_stride, values, scales, offsets, n, k, group_size, bias, out,
-                            out_stride, threads);
-  Activations a;
-  quantize_rows(format, x, rows, x_stride, k, group_size, a);
-  const int64_t blocks = (k + kBlock - 1) / kBlock, spans = (blocks + 1) / 2;
-  const int64_t num_groups = (k + group_size - 1) / group_size;
-  std::vector<int32_t> block_groups(2 * spans);
-  for (int64_t b = 0; b < 2 * spans; ++b) block_groups[b] = int32_t(std::min(b * kBlock / group_size, num_groups - 1));
-  const Problem p{values, scales, offsets, k, group_size, num_groups, blocks, spans, blocks / 2,
-                  blocks * (kBlock / 2), block_groups.data(), bias, out, out_stride, &a};
-  const int64_t chunks = (n + kChunk - 1) / kChunk;
+  int status = 0;
+  const auto plan = radix_quant::plan_int8_activations(
+      {format, x, rows, x_stride, values, scales, offsets, n, k, group_size, bias, out, out_stride}, &status);
+  if (status) return status;
+  const int64_t chunks = plan->chunks();
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-    const int64_t n1 = std::min(n, (chunk + 1) * kChunk);
-    for (int64_t r0 = 0; r0 < rows; r0 += kTile)
-      for (int64_t j = chunk * kChunk; j < n1; ++j)
-        rows_product(format, p, r0, std::min<int64_t>(kTile, rows - r0), j);
-  }
+  for (int64_t chunk = 0; chunk < chunks; ++chunk) plan->run(chunk);
   return 0;
 }
 

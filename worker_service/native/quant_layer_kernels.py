@@ -49,26 +49,27 @@ class QuantStepArgs(ctypes.Structure):
 
     _fields_ = [("rows", _i32), ("num_threads", _i32), ("page_size", _i32), ("max_pages", _i32),
                 ("positions", _ptr), ("write_slots", _ptr), ("page_tables", _ptr),
-                ("cos", _ptr), ("sin", _ptr), ("softmax_scale", _f32), ("parallel_attention_min", _i64),
+                ("cos", _ptr), ("sin", _ptr), ("softmax_scale", _f32),
                 ("normed", _ptr), ("qkv", _ptr), ("attended", _ptr), ("gate_up", _ptr), ("act", _ptr),
                 ("int8_activations", _i32)]
 
 
 SIGNATURES = {
     "radix_quant_layer_supported": Signature(()),
-    "radix_quant_decode_layer": Signature((_ptr, _ptr, _ptr, _ptr, _i32), checked=True),
+    "radix_quant_decode_layers": Signature((_ptr, _i32, _ptr, _ptr, _ptr, _i32), checked=True),
 }
 
 
 class QuantLayerKernels:
-    """The loaded library (`path`): `decode_layer(weights address, step address, hidden, residual,
-    first)` is `radix_quant_decode_layer` (raises `KernelError` where it refuses the call)."""
+    """The loaded library (`path`): `decode_layers(array of weights addresses, count, step address,
+    hidden, residual, first)` is `radix_quant_decode_layers` (raises `KernelError` where it refuses
+    the call)."""
 
     def __init__(self, path: Path) -> None:
         lib = bind(ctypes.CDLL(str(path)), SIGNATURES)
         if not lib.radix_quant_layer_supported():
             raise RuntimeError("the quantized decoder layer was built without AVX2 and FMA")
-        self.decode_layer = lib.radix_quant_decode_layer
+        self.decode_layers = lib.radix_quant_decode_layers
 
 
 _library = LazyLibrary("radixserve-quant-layer", SOURCES, COMPILE_FLAGS, REQUIRED_CPU_FLAGS, QuantLayerKernels)
