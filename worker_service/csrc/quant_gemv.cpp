@@ -201,6 +201,10 @@ enum class Groups { kPair, kWhole, kTable };
 template <Groups kGroups>
 inline __m256 span_scale(const Problem& p, const float* scales, int64_t s) {
   if constexpr (kGroups == Groups::kPair) {
+    // The last span of an odd number of blocks has one block and one scale: a pair would read the
+    // float past the row's scales (past the tensor, for the last row), and its zero lanes times a
+    // NaN or an infinity found there are NaN. Lanes 4-7 get a zero scale instead.
+    if (s >= p.full_spans) return _mm256_zextps128_ps256(_mm_broadcast_ss(scales + 2 * s));
     const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(scales + 2 * s)));
     return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
   } else if constexpr (kGroups == Groups::kWhole) {
