@@ -1,15 +1,18 @@
 // The threads of one OpenMP parallel region working through a sequence of phases, with a barrier
-// between phases that spins a short, adaptive while and then sleeps (Linux futex).
+// between phases that spins a short while and then sleeps (Linux futex).
 //
 // Why not OpenMP's own barriers or one region per phase: with OMP_WAIT_POLICY=passive (which
 // `radixserve up` sets, since spinning threads starve the router and gateway on shared cores)
 // every region start and every barrier puts the waiting thread to sleep and wakes it through the
 // kernel, tens of microseconds each on the machines we measured, and a decode step of a 30-layer
-// model crosses some 300 of them. Spinning instead (OMP_WAIT_POLICY=active) is fast on idle
-// cores and several times slower on busy ones, because a spinning thread holds a core its
-// descheduled partner needs. This barrier spins only as long as waits have recently been short:
-// a wait that outlasts the spin halves the next spin (down to kMinSpin), one that ends within it
-// doubles it (up to kMaxSpin), so on a busy host the team soon sleeps at once, as passive threads do.
+// model crosses some 300 of them. Spinning without bound instead (OMP_WAIT_POLICY=active) is fast
+// on idle cores and several times slower on busy ones, where a spinning thread holds a core its
+// descheduled partner needs. Here a waiting thread spins at most kSpinNs, far longer than the
+// threads of a step normally arrive apart (their shares of a product are equal) and far shorter
+// than a scheduler's time slice: a partner that lost its core costs at most that much spinning
+// before this thread sleeps. (A spin that shrank after each wait that outlasted it collapsed
+// through the stack, where the router and gateway take a core now and then, into a sleep and a
+// wake-up at every barrier: a step took twice as long.)
 #pragma once
 
 #include <immintrin.h>
@@ -25,8 +28,7 @@
 
 namespace radix_team {
 
-constexpr int64_t kMinSpinNs = 1000;
-constexpr int64_t kMaxSpinNs = 100000;
+constexpr int64_t kSpinNs = 50000;
 
 inline int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -46,17 +48,12 @@ class Barrier {
                 0);
       return;
     }
-    const int64_t spin = spin_ns_.load(std::memory_order_relaxed);
-    const int64_t deadline = now_ns() + spin;
+    const int64_t deadline = now_ns() + kSpinNs;
     for (int i = 1;; ++i) {
-      if (generation_.load(std::memory_order_acquire) != generation) {
-        if (spin < kMaxSpinNs) spin_ns_.store(spin * 2, std::memory_order_relaxed);
-        return;
-      }
+      if (generation_.load(std::memory_order_acquire) != generation) return;
       _mm_pause();
       if (i % 32 == 0 && now_ns() > deadline) break;
     }
-    if (spin > kMinSpinNs) spin_ns_.store(spin / 2, std::memory_order_relaxed);
     while (generation_.load(std::memory_order_acquire) == generation) {
       sleepers_.fetch_add(1, std::memory_order_seq_cst);
       if (generation_.load(std::memory_order_seq_cst) == generation)
@@ -70,7 +67,6 @@ class Barrier {
   std::atomic<int> arrived_{0};
   std::atomic<uint32_t> generation_{0};
   std::atomic<int> sleepers_{0};
-  std::atomic<int64_t> spin_ns_{kMaxSpinNs / 4};
 };
 
 static_assert(sizeof(std::atomic<uint32_t>) == sizeof(uint32_t), "futex word");
