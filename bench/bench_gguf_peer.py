@@ -5,7 +5,8 @@
 
 1. Starts `radixserve up --model FILE` (the file served as it is, its quantization kept), one
    more radixserve stack for each of `--variants` (`act8`: `--activation-quantization int8`;
-   `spin`: the workers' OpenMP threads spin a while before sleeping), and llama.cpp's
+   `spin`: the workers' OpenMP threads spin a while before sleeping; `overlap`: `--overlap`;
+   `act8-overlap`: both of those), and llama.cpp's
    `llama-server` (`bench.peer_llamacpp`, which `make bench` builds from source) on the same
    file; all stay up, and only one of them works at a time.
 2. Runs `--rounds` rounds of the single stream and the shared-prefix workload at
@@ -45,7 +46,10 @@ GRPC_PREFIX = "(gRPC run) "
 # Extra radixserve stacks (--variants): each one's settings, as the variables `radixserve up` reads.
 VARIANTS = {"act8": {"RADIXSERVE_ACTIVATION_QUANTIZATION": "int8"},
             # OpenMP threads that spin a while before sleeping (docs/flags.md, `radixserve up`).
-            "spin": {"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "20000"}}
+            "spin": {"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "20000"},
+            # The router plans and sends the next step while the worker runs this one (`--overlap`).
+            "overlap": {"RADIXSERVE_OVERLAP": "true"},
+            "act8-overlap": {"RADIXSERVE_ACTIVATION_QUANTIZATION": "int8", "RADIXSERVE_OVERLAP": "true"}}
 
 
 def round_jobs(args: argparse.Namespace, round_index: int, prefix: str = "") -> list[tuple[wl.Workload, int]]:
