@@ -281,6 +281,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--transformers", action="store_true", help="also time transformers' generate (x1)")
     args = parser.parse_args()
+    if not 0 <= args.shared_len < args.context:
+        parser.error(f"--shared-len {args.shared_len} must be below --context {args.context}: each sequence of the "
+                     f"shared batch has its own tokens after the shared prefix")
     with tempfile.TemporaryDirectory() as scratch:
         if args.model == moe_bound.RANDOM_MOE:
             args.model = moe_bound.make_random_moe(Path(scratch) / moe_bound.RANDOM_MOE)

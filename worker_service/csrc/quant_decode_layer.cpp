@@ -7,8 +7,8 @@
 // `int8_activations` radix_quant_gemv_int8_activations' (quant_gemv_int8.cpp).
 //
 // radix_quant_decode_layers runs a step's layers in one OpenMP parallel region: its threads split
-// each product's output features and the attention's (row, head) pairs, one thread computes the
-// per-row parts between them (norms, RoPE, the K/V writes, SwiGLU), and they meet at team.h's
+// each product's output features, the attention's (row, head) pairs and SwiGLU's values, one
+// thread computes the other per-row parts (norms, RoPE, the K/V writes), and they meet at team.h's
 // barriers, which spin briefly before sleeping. A region per product instead (as the products'
 // own entry points run) wakes the sleeping threads some 120 times a step.
 //
@@ -270,14 +270,15 @@ int layer(const radix_team::Team& team, Shared& shared, const QuantLayerWeights&
     }
   }
   if ((status = product(team, shared, w.gate_up, s, s.normed, s.gate_up))) return status;
+  // SwiGLU, element by element: each thread takes its share of the step's rows x I values.
   const int32_t f = w.intermediate;
-  if (lead) {
-    for (int32_t r = 0; r < rows; ++r) {
-      const float* gate = s.gate_up + int64_t(r) * 2 * f;
-      float* act = s.act + int64_t(r) * f;
-      for (int32_t i = 0; i < f; ++i) act[i] = gate[i] / (1.f + std::exp(-gate[i])) * gate[f + i];
-    }
+  int64_t begin, end;
+  team.share(int64_t(rows) * f, &begin, &end);
+  for (int64_t e = begin; e < end; ++e) {
+    const float* gate = s.gate_up + (e / f) * 2 * f + e % f;
+    s.act[e] = gate[0] / (1.f + std::exp(-gate[0])) * gate[f];
   }
+  team.sync();
   return product(team, shared, w.down, s, s.act, hidden);
 }
 
