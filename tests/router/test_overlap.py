@@ -35,6 +35,7 @@ IDLE_STEP_DELAY_S = 0.02
 # A pool of 14 pages for 6 requests of up to ~40 tokens: some are retracted.
 TINY_POOL = 14
 STEP_TIMEOUT_S = 3.0
+RETRACTION_ATTEMPTS = 3
 NO_SPECULATION = SpeculationConfig(speculative=False)
 
 
@@ -89,25 +90,40 @@ async def run_workload(overlap: bool, num_ranks: int, num_pages: int, eos_every:
         )
 
 
+def check_run(run: dict, eos_every: int, num_ranks: int) -> None:
+    """What every run must show, overlap on or off."""
+    for request, (tokens, logprobs, _) in zip(run["requests"], run["outputs"]):
+        assert tokens == expected(request, eos_every)
+        if request.sampling.logprobs:
+            assert logprobs == pytest.approx([fake_logprob(t) for t in tokens])
+    assert run["cancelled"] == expected(run["long_one"], eos_every)[:len(run["cancelled"])]
+    assert run["errors"] == [[]] * num_ranks
+    stats = run["stats"]
+    assert stats.num_running == stats.num_waiting == 0
+    assert stats.num_pages_free + stats.num_pages_evictable == stats.num_pages_total
+    assert stats.num_idle_measured_steps > 0
+
+
+def run_checked(overlap: bool, num_ranks: int, num_pages: int, eos_every: int) -> dict:
+    """A checked run; in the tiny pool, run again (RETRACTION_ATTEMPTS in all at most) until one
+    retracts: whether the pool runs out depends on how the requests' arrivals interleave with the
+    steps, which a loaded machine moves (a clean-clone run once saw none)."""
+    for _ in range(RETRACTION_ATTEMPTS):
+        run = asyncio.run(run_workload(overlap, num_ranks, num_pages, eos_every))
+        check_run(run, eos_every, num_ranks)
+        if num_pages != TINY_POOL or run["stats"].num_retractions > 0:
+            break
+    return run
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("num_ranks, num_pages, eos_every", [(1, TINY_POOL, 0), (2, 64, EOS_EVERY)])
 def test_outputs_equal_with_overlap_on_and_off(num_ranks: int, num_pages: int, eos_every: int) -> None:
     """EOS and stop ids (ending requests one step late), max_tokens, logprobs, a cancellation;
     in a tiny pool (retractions) on one rank, and on two ranks."""
-    on = asyncio.run(run_workload(True, num_ranks, num_pages, eos_every))
-    off = asyncio.run(run_workload(False, num_ranks, num_pages, eos_every))
+    on = run_checked(True, num_ranks, num_pages, eos_every)
+    off = run_checked(False, num_ranks, num_pages, eos_every)
     assert on["outputs"] == off["outputs"]
-    for request, (tokens, logprobs, _) in zip(on["requests"], on["outputs"]):
-        assert tokens == expected(request, eos_every)
-        if request.sampling.logprobs:
-            assert logprobs == pytest.approx([fake_logprob(t) for t in tokens])
-    for run in (on, off):
-        assert run["cancelled"] == expected(run["long_one"], eos_every)[:len(run["cancelled"])]
-        assert run["errors"] == [[]] * num_ranks
-        stats = run["stats"]
-        assert stats.num_running == stats.num_waiting == 0
-        assert stats.num_pages_free + stats.num_pages_evictable == stats.num_pages_total
-        assert stats.num_idle_measured_steps > 0
     # Every rank resolved decode tokens it was not sent, only with overlap on.
     assert all(count > 20 for count in on["resolved"]) and off["resolved"] == [0] * num_ranks
     if eos_every:
