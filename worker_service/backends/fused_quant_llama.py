@@ -130,6 +130,6 @@ class FusedQuantLlamaLayers:
         state = hidden.to(torch.float32, copy=True).contiguous()
         residual = torch.empty_like(state)
         # All layers in one call: one parallel region a step (csrc/quant_decode_layer.cpp).
-        self._call(self._layer_array, len(self._layers), self._args_address, state.data_ptr(), residual.data_ptr(),
-                   1)  # raises KernelError on failure
+        # raises KernelError on failure
+        self._call(self._layer_array, len(self._layers), self._args_address, state.data_ptr(), residual.data_ptr())
         return state.to(self._dtype), residual.to(self._dtype)

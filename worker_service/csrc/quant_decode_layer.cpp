@@ -286,13 +286,12 @@ int layer(const radix_team::Team& team, Shared& shared, const QuantLayerWeights&
 
 extern "C" {
 
-// `count` consecutive layers (`layers`, in order) of a decode step. hidden [rows, H] float32: the
-// embeddings with `first` (the first of them is the model's layer 0: `residual` is set to them),
-// else the previous layer's MLP output; replaced by the last layer's. residual [rows, H] float32:
-// the residual stream, updated. 0: done; 3: a shape this code does not take; else the failing
-// product's status.
+// A decode step's `count` layers (`layers`, from the model's first, in order). hidden [rows, H]
+// float32: the embeddings, replaced by the last layer's MLP output; residual [rows, H] float32:
+// the residual stream out of the last layer (its contents on entry are not read). 0: done; 3: a
+// shape this code does not take; else the failing product's status.
 int radix_quant_decode_layers(const QuantLayerWeights* const* layers, int32_t count, const QuantStepArgs* sp,
-                              float* hidden, float* residual, int32_t first) {
+                              float* hidden, float* residual) {
   const QuantStepArgs& s = *sp;
   for (int32_t i = 0; i < count; ++i) {
     const QuantLayerWeights& w = *layers[i];
@@ -306,7 +305,7 @@ int radix_quant_decode_layers(const QuantLayerWeights* const* layers, int32_t co
     const radix_team::Team team{omp_get_thread_num(), omp_get_num_threads(), &shared.barrier};
     int status = 0;
     for (int32_t i = 0; i < count && status == 0; ++i)
-      status = layer(team, shared, *layers[i], s, hidden, residual, first && i == 0);
+      status = layer(team, shared, *layers[i], s, hidden, residual, i == 0);
     if (team.index == 0) result = status;
   }
   return result;

@@ -287,9 +287,7 @@ class FloatPlan final : public radix_quant::Plan {
       x_spans_.assign(a.rows * spans * kSpan, 0.f);
       for (int64_t r = 0; r < a.rows; ++r)
         lay_out_spans(a.x + r * a.x_stride, k, spans, x_spans_.data() + r * spans * kSpan);
-      span_groups_.resize(2 * spans);
-      for (int64_t b = 0; b < 2 * spans; ++b)
-        span_groups_[b] = int32_t(std::min(b * kBlock / group_size, num_groups - 1));
+      span_groups_ = radix_quant::block_groups(k, group_size);
     }
     p_ = Problem{a.format, a.x, a.x_stride, a.values, a.scales, a.offsets, k, group_size, num_groups,
                  a.bias, a.out, a.out_stride, x_sums_.data(), x_spans_.data(), span_groups_.data(),

@@ -248,9 +248,7 @@ class Int8Plan final : public radix_quant::Plan {
     quantize_rows(a.format, a.x, a.rows, a.x_stride, a.k, a.group_size, activations_);
     const int64_t k = a.k, blocks = (k + kBlock - 1) / kBlock, spans = (blocks + 1) / 2;
     const int64_t num_groups = (k + a.group_size - 1) / a.group_size;
-    block_groups_.resize(2 * spans);
-    for (int64_t b = 0; b < 2 * spans; ++b)
-      block_groups_[b] = int32_t(std::min(b * kBlock / a.group_size, num_groups - 1));
+    block_groups_ = radix_quant::block_groups(k, a.group_size);
     p_ = Problem{a.values, a.scales, a.offsets, k, a.group_size, num_groups, blocks, spans, blocks / 2,
                  blocks * (kBlock / 2), block_groups_.data(), a.bias, a.out, a.out_stride, &activations_};
   }

@@ -5,12 +5,25 @@
 // region that covers a whole decode step (see team.h).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 namespace radix_quant {
 
 constexpr int64_t kChunk = 16;  // output features a thread takes at a time
+
+// The weight group of each 32-column block of a row of `k` columns, for the spans of two blocks
+// the int4 kernels read at once (an odd last block's missing partner takes the last group).
+inline std::vector<int32_t> block_groups(int64_t k, int64_t group_size) {
+  constexpr int64_t kBlock = 32;
+  const int64_t blocks = (k + kBlock - 1) / kBlock, spans = (blocks + 1) / 2;
+  const int64_t num_groups = (k + group_size - 1) / group_size;
+  std::vector<int32_t> groups(2 * spans);
+  for (int64_t b = 0; b < 2 * spans; ++b) groups[b] = int32_t(std::min(b * kBlock / group_size, num_groups - 1));
+  return groups;
+}
 
 // out[r, n] = sum_k x[r, k] * w[n, k] (+ bias[n]) over rows [0, rows) and features [0, n).
 struct ProductArgs {

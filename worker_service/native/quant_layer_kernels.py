@@ -56,14 +56,14 @@ class QuantStepArgs(ctypes.Structure):
 
 SIGNATURES = {
     "radix_quant_layer_supported": Signature(()),
-    "radix_quant_decode_layers": Signature((_ptr, _i32, _ptr, _ptr, _ptr, _i32), checked=True),
+    "radix_quant_decode_layers": Signature((_ptr, _i32, _ptr, _ptr, _ptr), checked=True),
 }
 
 
 class QuantLayerKernels:
     """The loaded library (`path`): `decode_layers(array of weights addresses, count, step address,
-    hidden, residual, first)` is `radix_quant_decode_layers` (raises `KernelError` where it refuses
-    the call)."""
+    hidden, residual)` is `radix_quant_decode_layers` (raises `KernelError` where it refuses the
+    call)."""
 
     def __init__(self, path: Path) -> None:
         lib = bind(ctypes.CDLL(str(path)), SIGNATURES)
