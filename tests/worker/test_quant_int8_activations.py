@@ -76,6 +76,26 @@ def test_products_equal_the_product_over_activations_quantized_per_block(name, s
         assert error < EXACT_RTOL, f"{rows} rows: relative error {error:.4f} against the float32 product"
 
 
+@pytest.mark.parametrize(("name", "shape"), list(cases()), ids=str)
+def test_a_row_gets_the_same_bits_alone_and_among_others(name, shape) -> None:
+    """The kernel takes several rows and (int4) several output features a pass, each (row,
+    feature) sum accumulated as alone: every row of a product of 1-8 rows is the same bits as
+    that row's product alone, and every feature the same as in a product of that feature alone."""
+    n, k = shape
+    weight, bias, generator = random_case(name, n, k)
+    kernels = compiled_kernels()
+    linear = CompiledQuantLinear(kernels, weight, bias, False, int8_activations=True)
+    x = torch.randn(GEMV_MAX_ROWS, k, generator=generator)
+    alone = torch.cat([linear(x[r:r + 1]) for r in range(GEMV_MAX_ROWS)])
+    for rows in range(1, GEMV_MAX_ROWS + 1):
+        assert torch.equal(linear(x[:rows]), alone[:rows]), f"{rows} rows"
+    feature = n - 1  # the last feature: past the passes of several features where n is not a multiple
+    one = QuantizedWeight(weight.format, weight.values[feature:], weight.scales[feature:],
+                          None if weight.offsets is None else weight.offsets[feature:], weight.group_size, k)
+    single = CompiledQuantLinear(kernels, one, None if bias is None else bias[feature:], False, int8_activations=True)
+    assert torch.equal(single(x[:1]), alone[:1, feature:])
+
+
 def test_more_rows_and_layouts_it_does_not_take_are_the_float32_products() -> None:
     """Past `GEMV_MAX_ROWS` rows (prefill) the product is the float32 one over the dequantized
     weight; so is an int8 weight whose K is not a multiple of 32 (the kernel leaves it)."""

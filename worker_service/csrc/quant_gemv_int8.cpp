@@ -140,40 +140,60 @@ inline __m256 span_pair(const Problem& p, const float* table, int64_t s) {
 // int4: a span (two packed blocks) per 256-bit load; its low nibbles are columns 0..15 of both
 // blocks, its high nibbles columns 16..31, matching the activations' span layout. Lanes 0-3 sum
 // the first block, lanes 4-7 the second. kHalf: the last span of an odd number of blocks (one
-// block, its other half zeros; its scale from the table, as a pair would read past it).
-template <int R, bool kPair, bool kHalf>
-inline void int4_span(const Problem& p, const uint8_t* v, const float* scales, int64_t r0, int64_t s,
-                      __m256 (&acc)[R]) {
+// block, its other half zeros; its scale from the table, as a pair would read past it). R rows
+// times F output features (`v`, `scales`: each feature's row of values and scales): a row's
+// activations are loaded once for all F features, and each (row, feature) sum is accumulated
+// exactly as alone, so the result does not depend on R or F. Several features a pass read as many
+// rows of values at once, which the hardware prefetcher follows less well than one: each
+// feature's row four passes ahead is prefetched (a hint, so one past the tensor's end is harmless).
+template <int R, int F, bool kPair, bool kHalf>
+[[gnu::always_inline]] inline void int4_span(const Problem& p, const uint8_t* const (&v)[F],
+                                             const float* const (&scales)[F], int64_t r0, int64_t s,
+                                             __m256 (&acc)[R][F]) {
   const Activations& a = *p.a;
   const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i bits = kHalf ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i*)(v + s * kBlock)))
-                             : _mm256_loadu_si256((const __m256i*)(v + s * kBlock));
-  const __m256i lo = _mm256_and_si256(bits, low), hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), low);
-  const __m256 scale = span_pair<(kPair && !kHalf)>(p, scales, s);
+  __m256i xlo[R], xhi[R];
+  __m256 d[R];
   for (int r = 0; r < R; ++r) {
     const int8_t* q = a.q.data() + (r0 + r) * a.row_q + s * kSpan;
-    const __m256i xlo = _mm256_loadu_si256((const __m256i*)q), xhi = _mm256_loadu_si256((const __m256i*)(q + kBlock));
-    const __m256i sums = _mm256_madd_epi16(
-        _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi)), _mm256_set1_epi16(1));
-    const __m256 d = _mm256_loadu_ps(a.d.data() + (r0 + r) * a.row_d + s * 8);
-    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(scale, d), acc[r]);
+    xlo[r] = _mm256_loadu_si256((const __m256i*)q);
+    xhi[r] = _mm256_loadu_si256((const __m256i*)(q + kBlock));
+    d[r] = _mm256_loadu_ps(a.d.data() + (r0 + r) * a.row_d + s * 8);
+  }
+  for (int f = 0; f < F; ++f) {
+    if constexpr (F > 1) _mm_prefetch((const char*)(v[f] + 4 * F * p.row_bytes + s * kBlock), _MM_HINT_T0);
+    const __m256i bits = kHalf ? _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i*)(v[f] + s * kBlock)))
+                               : _mm256_loadu_si256((const __m256i*)(v[f] + s * kBlock));
+    const __m256i lo = _mm256_and_si256(bits, low), hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), low);
+    const __m256 scale = span_pair<(kPair && !kHalf)>(p, scales[f], s);
+    for (int r = 0; r < R; ++r) {
+      const __m256i sums = _mm256_madd_epi16(
+          _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo[r]), _mm256_maddubs_epi16(hi, xhi[r])), _mm256_set1_epi16(1));
+      acc[r][f] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(scale, d[r]), acc[r][f]);
+    }
   }
 }
 
-template <int R, bool kPair>
+template <int R, int F, bool kPair>
 void int4_product(const Problem& p, int64_t r0, int64_t n) {
-  const uint8_t* v = static_cast<const uint8_t*>(p.values) + n * p.row_bytes;
-  const float* scales = p.scales + n * p.num_groups;
-  __m256 acc[R], other[R];  // two chains of sums, spans taken in pairs (one row alone waits on each FMA)
-  for (int r = 0; r < R; ++r) acc[r] = other[r] = _mm256_setzero_ps();
+  const uint8_t* v[F];
+  const float* scales[F];
+  for (int f = 0; f < F; ++f) {
+    v[f] = static_cast<const uint8_t*>(p.values) + (n + f) * p.row_bytes;
+    scales[f] = p.scales + (n + f) * p.num_groups;
+  }
+  __m256 acc[R][F], other[R][F];  // two chains of sums, spans taken in pairs (one row alone waits on each FMA)
+  for (int r = 0; r < R; ++r)
+    for (int f = 0; f < F; ++f) acc[r][f] = other[r][f] = _mm256_setzero_ps();
   int64_t s = 0;
   for (; s + 2 <= p.full_spans; s += 2) {
-    int4_span<R, kPair, false>(p, v, scales, r0, s, acc);
-    int4_span<R, kPair, false>(p, v, scales, r0, s + 1, other);
+    int4_span<R, F, kPair, false>(p, v, scales, r0, s, acc);
+    int4_span<R, F, kPair, false>(p, v, scales, r0, s + 1, other);
   }
-  if (s < p.full_spans) int4_span<R, kPair, false>(p, v, scales, r0, s++, acc);
-  if (s < p.spans) int4_span<R, kPair, true>(p, v, scales, r0, s, other);
-  for (int r = 0; r < R; ++r) finish(p, r0 + r, n, _mm256_add_ps(acc[r], other[r]));
+  if (s < p.full_spans) int4_span<R, F, kPair, false>(p, v, scales, r0, s++, acc);
+  if (s < p.spans) int4_span<R, F, kPair, true>(p, v, scales, r0, s, other);
+  for (int r = 0; r < R; ++r)
+    for (int f = 0; f < F; ++f) finish(p, r0 + r, n + f, _mm256_add_ps(acc[r][f], other[r][f]));
 }
 
 // int8 (K a multiple of 32): a block per 256-bit load; groups of 16 give lanes 0-3 and 4-7
@@ -214,23 +234,31 @@ void int8_product(const Problem& p, int64_t r0, int64_t n) {
   for (int r = 0; r < R; ++r) finish(p, r0 + r, n, _mm256_add_ps(acc[r], other[r]));
 }
 
+// Features [n0, n1) of rows [r0, r0 + R), R <= kTile. int4 takes kTile (row, feature) pairs a
+// pass (four features of one row, two of two rows), the rest one feature at a time; int8 one
+// feature at a time (its weights stream at the memory's rate already: several features a pass
+// measured no faster, and slower without a prefetch).
 template <int R>
-void row_product(int format, const Problem& p, int64_t r0, int64_t n) {
+void tile_features(int format, const Problem& p, int64_t r0, int64_t n0, int64_t n1) {
+  constexpr int F = kTile / R;
+  const bool pair = p.group_size == kBlock;
+  int64_t n = n0;
   if (format == kInt4) {
-    if (p.group_size == kBlock) int4_product<R, true>(p, r0, n);
-    else int4_product<R, false>(p, r0, n);
+    if constexpr (F > 1)
+      for (; n + F <= n1; n += F) pair ? int4_product<R, F, true>(p, r0, n) : int4_product<R, F, false>(p, r0, n);
+    for (; n < n1; ++n) pair ? int4_product<R, 1, true>(p, r0, n) : int4_product<R, 1, false>(p, r0, n);
   } else {
-    if (p.group_size == kBlock / 2) int8_product<R, true>(p, r0, n);
-    else int8_product<R, false>(p, r0, n);
+    const bool sixteen = p.group_size == kBlock / 2;
+    for (; n < n1; ++n) sixteen ? int8_product<R, true>(p, r0, n) : int8_product<R, false>(p, r0, n);
   }
 }
 
-void rows_product(int format, const Problem& p, int64_t r0, int64_t count, int64_t n) {
+void rows_product(int format, const Problem& p, int64_t r0, int64_t count, int64_t n0, int64_t n1) {
   switch (count) {
-    case 1: row_product<1>(format, p, r0, n); break;
-    case 2: row_product<2>(format, p, r0, n); break;
-    case 3: row_product<3>(format, p, r0, n); break;
-    default: row_product<4>(format, p, r0, n); break;
+    case 1: tile_features<1>(format, p, r0, n0, n1); break;
+    case 2: tile_features<2>(format, p, r0, n0, n1); break;
+    case 3: tile_features<3>(format, p, r0, n0, n1); break;
+    default: tile_features<4>(format, p, r0, n0, n1); break;
   }
 }
 
@@ -256,8 +284,7 @@ class Int8Plan final : public radix_quant::Plan {
   void run(int64_t chunk) const override {
     const int64_t n1 = std::min(n_, (chunk + 1) * kChunk);
     for (int64_t r0 = 0; r0 < rows_; r0 += kTile)
-      for (int64_t j = chunk * kChunk; j < n1; ++j)
-        rows_product(format_, p_, r0, std::min<int64_t>(kTile, rows_ - r0), j);
+      rows_product(format_, p_, r0, std::min<int64_t>(kTile, rows_ - r0), chunk * kChunk, n1);
   }
 
  private:
