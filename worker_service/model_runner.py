@@ -69,8 +69,9 @@ class RunnerConfig:
     quantization_group_size: int = 32
     # The LM head's own int8 copy (`--lm-head-quantization`); only beside quantized decoder weights.
     lm_head_quantization: str = "none"
-    # Activations of the compiled quantized products rounded to int8 (`--activation-quantization`).
-    activation_quantization: str = "none"
+    # Activations of the compiled quantized products rounded to int8 (`--activation-quantization`;
+    # auto: for a GGUF file's weights where the compiled kernels run, selection.py).
+    activation_quantization: str = "auto"
     # Batch- and cache-invariant numerics (`worker_service.backends.invariant_backend`).
     deterministic: bool = False
 
@@ -123,7 +124,7 @@ class ModelRunner:
         if config.lm_head_quantization != "none" and quantized == "none":
             raise ValueError(f"--lm-head-quantization {config.lm_head_quantization} needs quantized decoder "
                              "weights (--quantization int8 or int4, a GGUF file, or a GPTQ/AWQ checkpoint)")
-        if config.activation_quantization != "none" and quantized == "none":
+        if config.activation_quantization not in ("none", "auto") and quantized == "none":
             raise ValueError(f"--activation-quantization {config.activation_quantization} needs quantized decoder "
                              "weights (--quantization int8 or int4, a GGUF file, or a GPTQ/AWQ checkpoint)")
         selection = select_backend(config.attention_kernel, self.device, self.dtype, head_dim,
@@ -131,6 +132,7 @@ class ModelRunner:
                                    model_class(self.hf_config).ops_without_kernels(self.hf_config),
                                    quantized, config.deterministic, config.activation_quantization)
         self.backend, self.backend_reason = selection.backend, selection.reason
+        self.int8_activations = selection.int8_activations
         log.info("rank %d runs the %s backend: %s", config.rank, self.backend.name, self.backend_reason)
         with torch.inference_mode():
             self.model = model_class(self.hf_config)(self.hf_config, group, self.dtype, self.device, self.backend)
@@ -153,8 +155,8 @@ class ModelRunner:
                             quantizer(config.lm_head_quantization))
         if config.lm_head_quantization != "none":
             quantization += f"+lm_head:{config.lm_head_quantization}"
-        if config.activation_quantization != "none":
-            quantization += f"+activations:{config.activation_quantization}"
+        if self.int8_activations:
+            quantization += "+activations:int8"
         self.model.eval()
 
         shape = (self.hf_config.num_hidden_layers, config.page_size, self.model.num_kv_heads, head_dim)

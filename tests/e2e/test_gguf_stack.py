@@ -1,7 +1,9 @@
 """A GGUF file through the whole stack: `radixserve up --model tiny.gguf` with a tiny random Llama
 in Q4_K_M's mix of types whose metadata carries SmolLM2's tokenizer and chat template (no other
 file beside it): greedy chats equal to transformers' reading the same file, token for token and
-text for text, and the served quantization named by GetModelInfo."""
+text for text, and the served quantization named by GetModelInfo. The stack multiplies with float32
+activations (`--activation-quantization none`), the exact products transformers' match; what the
+default does with a GGUF file's activations is tests/worker/test_gguf.py's."""
 
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ def gguf_path(tmp_path_factory, smollm2_dir):
 @pytest.fixture(scope="module")
 def stack(gguf_path):
     with ServiceProcesses() as procs:
-        yield launch(procs, gguf_path, tp=1, default_max_tokens=MAX_NEW_TOKENS)
+        yield launch(procs, gguf_path, tp=1, default_max_tokens=MAX_NEW_TOKENS,
+                     extra_args=["--activation-quantization", "none"])
 
 
 @pytest.mark.timeout(300)

@@ -97,7 +97,7 @@ def test_quantization_is_passed_to_every_worker_rank():
         assert worker.cmd[worker.cmd.index("--activation-quantization") + 1] == "int8"
     default, _, _ = plan_stack(config_from_args(["up"]), python="py").groups
     assert default[0].cmd[default[0].cmd.index("--quantization") + 1] == "none"
-    assert default[0].cmd[default[0].cmd.index("--activation-quantization") + 1] == "none"
+    assert default[0].cmd[default[0].cmd.index("--activation-quantization") + 1] == "auto"
 
 
 def test_gateways_share_the_public_ports_and_have_metrics_ports_of_their_own():

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from worker.quant_helpers import FORMATS as QUANT_FORMATS
 from worker.quant_helpers import compiled_kernels, exact_product, random_case
+from worker.tiny_gguf import write_tiny_gguf
 from worker.tiny_models import VOCAB_SIZE, make_tiny_llama
 from worker_service.backends import selection
 from worker_service.backends.fused_quant_llama import FusedQuantLlamaLayers
@@ -178,3 +179,29 @@ def test_int8_activations_are_refused_where_they_cannot_run(tiny_llama) -> None:
         ModelRunner(RunnerConfig(model_dir=tiny_llama, kv_cache_bytes=KV_BYTES, activation_quantization="int8"))
     with pytest.raises(RuntimeError, match="--activation-quantization int8: the compiled quantized kernels"):
         runner(tiny_llama, "int8", attention_kernel="torch")
+
+
+def test_auto_rounds_a_gguf_files_activations_and_nothing_else(tiny_llama, tmp_path) -> None:
+    """`auto` (the default) takes int8 activations for a GGUF file's weights where the compiled
+    kernels run, as llama.cpp multiplies them, and float32 ones for weights quantized at load
+    time, with the PyTorch reference backend, and for plain weights; what it chose is in the
+    served quantization. A GGUF runner's default logits stay within the rounding of the
+    activations of its exact ones (`LOGITS_RTOL`), and are not those."""
+    compiled_kernels()
+    path = write_tiny_gguf(tmp_path / "tiny-Q4_1.gguf", "Q4_1")
+    config = dict(model_dir=path, page_size=PAGE_SIZE, kv_cache_bytes=KV_BYTES)
+    default = ModelRunner(RunnerConfig(**config))
+    exact = ModelRunner(RunnerConfig(**config, activation_quantization="none"))
+    reference_backend = ModelRunner(RunnerConfig(**config, attention_kernel="torch"))
+    assert RunnerConfig(model_dir=path).activation_quantization == "auto"
+    assert default.int8_activations and default.info.quantization.endswith("+activations:int8")
+    assert not exact.int8_activations and "activations" not in exact.info.quantization
+    assert not reference_backend.int8_activations and "activations" not in reference_backend.info.quantization
+    assert not runner(tiny_llama, "auto").int8_activations
+    assert not ModelRunner(RunnerConfig(model_dir=tiny_llama, kv_cache_bytes=KV_BYTES)).int8_activations
+    prompt = torch.randint(3, VOCAB_SIZE, (9,), generator=torch.Generator().manual_seed(9)).tolist()
+    entries = [ForwardEntry(prompt, 0, [7, 2, 11], True)]
+    expected, got = exact.forward(entries), default.forward(entries)
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(got, expected, atol=LOGITS_RTOL * scale, rtol=0)
+    assert not torch.equal(got, expected)

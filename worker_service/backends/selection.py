@@ -16,7 +16,9 @@ backend (`linear_quant.QuantizedLinears`): by the compiled AVX2 kernels on CPU w
 (their own library: they need no AVX-512), else, and always with `torch` (the reference),
 dequantized for each product by PyTorch. The reason the worker logs says which.
 `--activation-quantization int8` has the compiled kernels round their activations to 8 bits; it
-is refused where they do not run. Where `auto`
+is refused where they do not run. `auto` (the default) does so for a GGUF file's weights where
+they run (llama.cpp, whose files these are, rounds the activations of these products to 8 bits
+too), and for nothing else. Where `auto`
 falls to PyTorch's ops on CPU (the compiled kernels do not build: no AVX-512) and the quantized
 products are compiled, decode steps of a fusable Llama layer run each layer as one compiled call
 (`quant_layers_backend.py`: its own AVX2 library); `torch` never does (the reference).
@@ -61,6 +63,7 @@ class Selection:
 
     backend: Backend
     reason: str
+    int8_activations: bool = False  # the compiled quantized products round their activations to 8 bits
 
 
 def native_refusal(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -89,8 +92,9 @@ def triton_refusal(device: torch.device, dtype: torch.dtype, head_dim: int) -> s
 def select_quantized(choice: str, device: torch.device, quantization: str,
                      activations: str = "none") -> tuple[QuantizedLinears, str]:
     """How this worker multiplies `quantization`'s weights (module doc), over activations rounded
-    to int8 where `activations` says so, and what to log about it. Raises RuntimeError where int8
-    activations are asked for and the compiled kernels do not run (they alone have them)."""
+    to int8 where `activations` says so (`auto`: for a GGUF file's weights where the compiled
+    kernels run), and what to log about it. Raises RuntimeError where int8 activations are asked
+    for and the compiled kernels do not run (they alone have them)."""
     if quantization == "none":
         return QuantizedLinears(), ""
     why = "asked for (torch)" if choice == "torch" else None
@@ -99,6 +103,8 @@ def select_quantized(choice: str, device: torch.device, quantization: str,
     kernels = quant_kernels.load() if why is None else None
     if why is None and kernels is None:
         why = quant_kernels.failure()
+    if activations == "auto":
+        activations = "int8" if quantization == "gguf" and kernels is not None else "none"
     if activations != "none" and kernels is None:
         raise RuntimeError(f"--activation-quantization {activations}: the compiled quantized kernels do not run "
                            f"here ({why})")
@@ -121,7 +127,7 @@ def select_experts(choice: str, device: torch.device, quantization: str) -> tupl
 def select_backend(choice: str, device: torch.device | str, dtype: torch.dtype, head_dim: int,
                    world_size: int = 1, cuda_graph_max_batch: int = 0,
                    ops_without_kernels: tuple[str, ...] = (), quantization: str = "none",
-                   deterministic: bool = False, activation_quantization: str = "none") -> Selection:
+                   deterministic: bool = False, activation_quantization: str = "auto") -> Selection:
     """The backend for `choice` (one of `KERNEL_CHOICES`; see the module doc), multiplying
     `quantization`'s weights as `select_quantized` says. Raises RuntimeError, naming the setting
     and the reason, where an insisted-on backend cannot be used."""
@@ -137,7 +143,7 @@ def select_backend(choice: str, device: torch.device | str, dtype: torch.dtype, 
     reason = selection.reason
     if ops_without_kernels and selection.backend.name != "torch":
         reason += f"; {', '.join(ops_without_kernels)} in PyTorch's ops (no kernel of this backend has them)"
-    return Selection(selection.backend, reason + quantized_reason + experts_reason)
+    return Selection(selection.backend, reason + quantized_reason + experts_reason, quantized.int8_activations)
 
 
 def deterministic_refusal(choice: str, device: torch.device, quantization: str) -> str | None:
