@@ -27,6 +27,7 @@ from gateway_service.router_discovery import RouterDiscovery
 from gateway_service.service import GenerationServicer
 from gateway_service.pooling_config import load_pooling
 from gateway_service.tokenizer import Tokenizer
+from radixserve.heap import freeze_startup_heap
 from radixserve.guard import token_accepted
 from radixserve.metrics import MetricsServer, serve_metrics
 from radixserve.security import load_security
@@ -66,6 +67,7 @@ class Gateway:
         self._server = server
         self._health = health
         self._serving: bool | None = None
+        self._heap_frozen = False  # radixserve.heap: once serving first
         self._probing: asyncio.Task | None = None
         # Set when a background task died: the process should stop (see `run_service`).
         self.crashed = asyncio.Event()
@@ -151,6 +153,9 @@ class Gateway:
             self.pool.set_addresses(await self.discovery.addresses())
         up = await self.pool.probe_all()
         serving = up and self.servicer.tokenizer is not None
+        if serving and not self._heap_frozen:  # the tokenizer has loaded
+            freeze_startup_heap("gateway")
+            self._heap_frozen = True
         if serving != self._serving:
             self._serving = serving
             await self._health.set(serving)

@@ -41,7 +41,7 @@ LM_HEAD_QUANTIZATION = Setting("none", "quantize the LM head (its own copy where
                                 "quantized LM head is served as the file holds it)",
                                 choices=("none", "int8"))
 ACTIVATION_QUANTIZATION = Setting("auto", "int8: the compiled CPU products with quantized weights (decode steps of "
-                                   "up to 8 rows, the quantized LM head's too) round each activation row to 8 bits "
+                                   "up to 32 rows, the quantized LM head's too) round each activation row to 8 bits "
                                    "per block of 32 columns and multiply in integers; with quantized weights (int4, "
                                    "int8 in groups of 16 or 32 or per row) and the compiled AVX2 kernels only, "
                                    "refused otherwise (none: float32 activations, the exact product; auto: int8 "

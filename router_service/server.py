@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from radixserve.heap import freeze_startup_heap
 from radixserve.health import Health
 from radixserve.metrics import serve_metrics
 from radixserve.security import Security, load_security
@@ -53,6 +54,7 @@ class Router:
         )
         log.info("router listening on %s:%d, workers %s", config.host, router.port,
                  ",".join(config.workers))
+        freeze_startup_heap("router")
         router._engine_task = asyncio.create_task(router.engine.run(router._engine_stop))
         router._engine_task.add_done_callback(router._engine_ended)
         return router

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from prometheus_client import CollectorRegistry
 
+from radixserve.heap import freeze_startup_heap
 from radixserve.metrics import serve_metrics
 from radixserve.model_source import ModelUnreadable
 from radixserve.security import load_security
@@ -162,6 +163,7 @@ class Worker:
             self.crashed.set()
             return
         self.service.attach(executor)
+        freeze_startup_heap(f"rank {config.rank}")
         await self._health.set(True)
         info = executor.info
         log.info(

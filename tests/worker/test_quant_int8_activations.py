@@ -1,7 +1,7 @@
 """Quantized products over activations quantized to 8 bits (`--activation-quantization int8`,
 `csrc/quant_gemv_int8.cpp`): against PyTorch's float32 product over the dequantized weight of
 the activations quantized per block of 32 columns as the kernel does (`quantize_blocks` below,
-the reference), within float32 tolerance, for 1-8 rows and odd numbers of groups; against the
+the reference), within float32 tolerance, for 1-9, 16 and 31-32 rows and odd numbers of groups; against the
 exact float32 product within the rounding that quantization costs; products it does not take
 (more rows, other layouts) unchanged; greedy decoding through the worker's runner with the flag
 (the compiled layer and the module path) against the exact products."""
@@ -37,6 +37,8 @@ EXACT_RTOL = 0.02
 FORMATS = {name: make for name, make in QUANT_FORMATS.items() if name != "int4-g128"}
 # (N, K): an odd number of blocks of 32 (7, 15, 9), and for int4 K off the blocks (257, 40).
 SHAPES = {"int8": [(37, 224), (130, 480), (5, 96)], "int4": [(37, 224), (130, 576), (77, 257), (3, 40)]}
+# Every tile shape of four rows and its remainders, and the kernel's largest products.
+ROWS = [*range(1, 10), 16, GEMV_MAX_ROWS - 1, GEMV_MAX_ROWS]
 
 
 def quantize_blocks(x: torch.Tensor) -> torch.Tensor:
@@ -67,7 +69,7 @@ def test_products_equal_the_product_over_activations_quantized_per_block(name, s
     weight, bias, generator = random_case(name, n, k)
     kernels = compiled_kernels()
     linear = CompiledQuantLinear(kernels, weight, bias, False, int8_activations=True)
-    for rows in range(1, GEMV_MAX_ROWS + 1):
+    for rows in ROWS:
         x = torch.randn(rows, k, generator=generator)
         x[0, : min(k, BLOCK)] = 0.0  # a block of zeros: d = 0
         got = linear(x)
@@ -80,7 +82,7 @@ def test_products_equal_the_product_over_activations_quantized_per_block(name, s
 @pytest.mark.parametrize(("name", "shape"), list(cases()), ids=str)
 def test_a_row_gets_the_same_bits_alone_and_among_others(name, shape) -> None:
     """The kernel takes several rows and (int4) several output features a pass, each (row,
-    feature) sum accumulated as alone: every row of a product of 1-8 rows is the same bits as
+    feature) sum accumulated as alone: every row of a product of up to 32 rows is the same bits as
     that row's product alone, and every feature the same as in a product of that feature alone."""
     n, k = shape
     weight, bias, generator = random_case(name, n, k)
@@ -88,7 +90,7 @@ def test_a_row_gets_the_same_bits_alone_and_among_others(name, shape) -> None:
     linear = CompiledQuantLinear(kernels, weight, bias, False, int8_activations=True)
     x = torch.randn(GEMV_MAX_ROWS, k, generator=generator)
     alone = torch.cat([linear(x[r:r + 1]) for r in range(GEMV_MAX_ROWS)])
-    for rows in range(1, GEMV_MAX_ROWS + 1):
+    for rows in ROWS:
         assert torch.equal(linear(x[:rows]), alone[:rows]), f"{rows} rows"
     feature = n - 1  # the last feature: past the passes of several features where n is not a multiple
     one = QuantizedWeight(weight.format, weight.values[feature:], weight.scales[feature:],

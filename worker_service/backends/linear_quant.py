@@ -30,8 +30,11 @@ from worker_service.quant.format import QuantizedWeight
 from worker_service.quant.kernels import QuantKernels
 
 # Products of at most this many rows use the in-register kernel; larger ones dequantize + GEMM
-# (docs/quantization.md has the measurement behind it).
-GEMV_MAX_ROWS = 8
+# (docs/quantization.md has the measurement behind it: over a model's weights, which do not stay
+# in the caches, dequantizing costs more than the kernel's passes up to about 64 rows for float32
+# activations and 96 for int8 ones; a verify step of speculative decoding, 1 + 8 rows, and decode
+# steps of a few dozen requests stay on the kernel).
+GEMV_MAX_ROWS = 32
 
 
 class DequantizingLinear(PackedLinear):
