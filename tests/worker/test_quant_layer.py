@@ -144,3 +144,36 @@ def test_compiled_layer_gives_the_same_bits_on_any_number_of_threads(model_dir, 
                 tokens[i].append(int(row.argmax()))
     finally:
         torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize(("quantization", "dtype"), [("int4", "float32"), ("int8", "float32"), ("int4", "bfloat16")])
+def test_compiled_layer_takes_prefill_and_verify_steps_of_up_to_32_tokens(model_dir, quantization, dtype) -> None:
+    """Steps with several tokens of one request (a prompt's first chunk, a next chunk after cached
+    positions, a speculative verify step of 1 + k tokens, beside decode rows) run on the compiled
+    layer, each token a row attending up to its own position: every position's logits equal the
+    module path's within the layer's rounding; a step of more tokens takes the module path."""
+    fused, module = runners(model_dir, quantization, dtype)
+    torch_dtype = getattr(torch, dtype)
+    taken = []
+    applies = fused.fused.applies
+    fused.fused.applies = lambda step: taken.append(applies(step)) or taken[-1]
+    tables = [[9, 3, 17, 5, 12, 30, 7, 22, 44], [2, 25, 8, 14, 40, 1, 19, 36, 27]]
+    first, second = prompt(11, 0), prompt(6, 1)
+    steps = [
+        # A prompt's first chunk (11 tokens over three pages) and another's (6), logits of every position.
+        [ForwardEntry(first, 0, tables[0], True, num_logits=11), ForwardEntry(second, 0, tables[1], True, 6)],
+        # A verify step: 1 + 4 tokens after 11 cached positions (crossing a page), beside a decode row.
+        [ForwardEntry(prompt(5, 2), 11, tables[0], True, num_logits=5), ForwardEntry(prompt(1, 3), 6, tables[1], True)],
+        # A next chunk of 7 after the first request's 16 positions.
+        [ForwardEntry(prompt(7, 4), 16, tables[0], True, num_logits=7)],
+    ]
+    for entries in steps:
+        expected, got = module.forward(entries), fused.forward(entries)
+        assert got.shape == expected.shape and got.shape[0] == sum(e.num_logits for e in entries)
+        assert_close(got, expected, torch_dtype)
+        if torch_dtype == torch.float32:
+            assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
+    assert taken == [True, True, True]
+    long = [ForwardEntry(prompt(33, 5), 0, [3, 17, 5, 12, 30, 7, 22, 44, 10], True)]
+    assert_close(fused.forward(long), module.forward(long), torch_dtype)
+    assert taken[-1] is False  # 33 tokens: the module path

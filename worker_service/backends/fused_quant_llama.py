@@ -13,8 +13,15 @@ does not (its activations stay float32 from the embeddings to the last layer's o
 
 It runs where the layer's code does: a model declaring `fusable_layer = "llama"` on one TP rank,
 every linear layer of its decoder layers packed as `CompiledQuantLinear` (not a `StackedLinear` of
-differently quantized row blocks), a head size and page size the C++ code takes, and steps of
-decode rows only, at most `GEMV_MAX_ROWS` of them. Other steps take the module path.
+differently quantized row blocks), a head size and page size the C++ code takes, and steps of at
+most `GEMV_MAX_ROWS` tokens. Other steps take the module path.
+
+Every token of a step is one row of the C++ code: a decode row with its page table, and each token
+of a prefill chunk (a prompt's first or next chunk, or the 1 + k tokens of a speculative verify
+step) with its chunk's pages and its own position. Each row attends over positions 0 .. its own,
+and a layer writes every row's K/V before any row's attention, so a chunk's token sees the tokens
+before it in the same step: the causal attention of the module path. (Speculative decoding's
+verify steps went through the module path, at 3-6x a decode step's time here, before.)
 """
 
 from __future__ import annotations
@@ -111,14 +118,16 @@ class FusedQuantLlamaLayers:
         return cls(kernels, model, pool)
 
     def applies(self, step: StepContext) -> bool:
-        batch = step.batch
-        return (batch is not None and not batch.prefills
-                and 0 < len(batch.decode_tables) == step.positions.shape[0] <= GEMV_MAX_ROWS)
+        return step.batch is not None and 0 < step.positions.shape[0] <= GEMV_MAX_ROWS
 
     def run(self, hidden: torch.Tensor, step: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """All layers over `hidden` (the embeddings, `[T, H]`): (the last MLP output, the residual
         stream), in the model's dtype, as the module loop returns them."""
-        tables = step.batch.decode_tables
+        batch = step.batch
+        # One page table a row, in the step's flat order: the decode rows, then each chunk's tokens.
+        tables = list(batch.decode_tables)
+        for chunk in batch.prefills:
+            tables.extend([chunk.page_ids] * chunk.num_tokens)
         max_pages = max(len(table) for table in tables)
         page_tables = torch.tensor([table + [0] * (max_pages - len(table)) for table in tables], dtype=torch.int64)
         positions = step.positions.contiguous()
