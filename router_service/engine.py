@@ -292,7 +292,10 @@ class Engine:
             )
         self.metrics.step(plan, flight.started)
         now = time.monotonic()
-        self.costs.step_time(now - max(flight.started, self._last_result_at))
+        seconds = now - max(flight.started, self._last_result_at)
+        self.costs.step_time(seconds)
+        if scheduler.speculator is not None:
+            scheduler.speculator.cost.observe(plan, seconds)  # what drafts cost (core/speculation.py)
         self._last_result_at = now
         num_outputs = [entry.request.num_output for entry in sampling]
         scheduler.complete(

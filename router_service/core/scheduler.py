@@ -187,7 +187,7 @@ class Scheduler:
         # The last appended token is pending (its K/V is not kept), as after any decode step.
         request.num_computed = len(request.token_ids) - 1
         assert self.speculator is not None  # only a speculator proposes drafts
-        request.draft.record(num_drafts, num_used, self.speculator.config)
+        self.speculator.record(request.draft, num_drafts, num_used)
         self.stats.num_draft_entries += 1
         self.stats.num_draft_tokens += num_drafts
         self.stats.num_accepted_draft_tokens += num_used

@@ -14,6 +14,14 @@ request gets them this step is decided at two levels:
   each time it fails again (up to `speculative_max_backoff_steps`) and resets once drafts pay
   again, so text that does not repeat its context costs a short probe now and then, not a wasted
   verification every step.
+- what drafts cost: the threshold is at least `speculative_min_acceptance`, and higher where this
+  router's own steps show drafts cost more (`VerifyCost`): a step of one token takes `decode_s`,
+  each draft verified beside it adds `per_draft_s`, and a step yields 1 + acceptance x drafts
+  tokens, so drafting beats plain decoding only while the acceptance exceeds per_draft_s /
+  decode_s. Where a step reads its weights once for all its tokens (a GPU, an unquantized model on
+  a CPU) a draft costs a few percent of a step; with quantized weights on a CPU, whose products
+  compute each row in full, about half (SmolLM2's Q4_1 file: 1 + 8 tokens took 43 ms on the
+  worker's compiled layer against 8 for one), and a fixed 0.3 drafted at a loss.
 The acceptance rule itself lives on rank 0 (`worker_service.draft_verify`): exact for greedy and
 seeded sampling, so none of this can change a request's output, only its speed.
 """
@@ -21,13 +29,19 @@ seeded sampling, so none of this can change a request's output, only its speed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from radixserve import flags
 from radixserve.flags import setting
 from router_service.core.ngram_proposer import EncodedSequence, propose
 
+if TYPE_CHECKING:  # step_plan imports request, which imports this module
+    from router_service.core.step_plan import StepPlan
+
 # Weight of the newest step in a request's acceptance average: about the last five steps count.
 ACCEPTANCE_SMOOTHING = 0.3
+# Weight of the newest step in the measured step costs (`VerifyCost`): about the last ten count.
+COST_SMOOTHING = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,19 +80,56 @@ class DraftState:
         self.num_drafted = 0
         self.num_accepted = 0
 
-    def record(self, num_drafted: int, num_accepted: int, config: SpeculationConfig) -> None:
-        """A verified step: update the acceptance and, when it is low, start a cool-down."""
+    def record(self, num_drafted: int, num_accepted: int, threshold: float, max_backoff_steps: int) -> None:
+        """A verified step: update the acceptance and, when it is under `threshold` (the
+        speculator's `min_acceptance()`), start a cool-down."""
         self.num_drafted += num_drafted
         self.num_accepted += num_accepted
         rate = num_accepted / num_drafted
         self.acceptance += ACCEPTANCE_SMOOTHING * (rate - self.acceptance)
-        if self.acceptance >= config.speculative_min_acceptance:
+        if self.acceptance >= threshold:
             self.backoff = 1
             return
         self.cooldown = self.backoff
-        self.backoff = min(2 * self.backoff, config.speculative_max_backoff_steps)
+        self.backoff = min(2 * self.backoff, max_backoff_steps)
         # After the pause the request is tried afresh, at the threshold: one good step keeps it.
-        self.acceptance = config.speculative_min_acceptance
+        self.acceptance = threshold
+
+
+class VerifyCost:
+    """What a draft costs on this router's steps (module doc), from the wall time of each step
+    whose only entry decodes one request: `decode_s`, of those without drafts, and `per_draft_s`,
+    each verified draft's share of the rest in those with drafts; exponentially weighted means
+    (`COST_SMOOTHING`), zero until measured. Steps of more entries, prefills and speculative
+    decoding's own first steps (no plain step measured yet) teach it nothing."""
+
+    __slots__ = ("decode_s", "per_draft_s")
+
+    def __init__(self) -> None:
+        self.decode_s = 0.0
+        self.per_draft_s = 0.0
+
+    def observe(self, plan: StepPlan, seconds: float) -> None:
+        if len(plan.entries) != 1:
+            return
+        entry = plan.entries[0]
+        drafts = entry.num_draft_tokens
+        if entry.new_request or not entry.sample or entry.num_tokens != 1 + drafts:
+            return
+        if drafts == 0:
+            self.decode_s = _smoothed(self.decode_s, seconds)
+        elif self.decode_s > 0.0:
+            self.per_draft_s = _smoothed(self.per_draft_s, max(0.0, seconds - self.decode_s) / drafts)
+
+    def break_even(self) -> float:
+        """The acceptance under which drafting loses time (0 until both costs are measured)."""
+        if self.decode_s <= 0.0 or self.per_draft_s <= 0.0:
+            return 0.0
+        return self.per_draft_s / self.decode_s
+
+
+def _smoothed(mean: float, sample: float) -> float:
+    return sample if mean == 0.0 else mean + COST_SMOOTHING * (sample - mean)
 
 
 class Speculator:
@@ -87,6 +138,16 @@ class Speculator:
     def __init__(self, config: SpeculationConfig, context_len: int) -> None:
         self.config = config
         self.context_len = context_len
+        self.cost = VerifyCost()
+
+    def min_acceptance(self) -> float:
+        """The acceptance a request must keep to go on drafting: the configured floor, or what
+        drafts are measured to cost where that is higher (module doc)."""
+        return max(self.config.speculative_min_acceptance, self.cost.break_even())
+
+    def record(self, state: DraftState, num_drafted: int, num_accepted: int) -> None:
+        """A verified step of the request whose speculation is `state`."""
+        state.record(num_drafted, num_accepted, self.min_acceptance(), self.config.speculative_max_backoff_steps)
 
     def wants_drafts(self, num_decoding: int) -> bool:
         """Whether a step decoding `num_decoding` requests proposes drafts at all."""
@@ -103,7 +164,7 @@ class Speculator:
             state.cooldown -= 1
             return []
         if state.acceptance < 0:
-            state.acceptance = self.config.speculative_min_acceptance  # a new request starts with a probe
+            state.acceptance = self.min_acceptance()  # a new request starts with a probe
         wanted = max(1, round(self.config.speculative_k * state.acceptance))
         # The step yields the accepted drafts plus one sampled token, so at most
         # num_remaining - 1 drafts can be used; the last position must fit the context.

@@ -160,3 +160,46 @@ def test_a_request_whose_drafts_fail_backs_off() -> None:
     assert request.token_ids[len(prompt):] == expected_tokens(prompt, 60, eos_every=0)
     stats = scheduler.stats
     assert stats.num_draft_entries < num_steps / 3
+
+
+def run_timed(per_draft_s: float, decode_s: float = 0.010) -> tuple[Request, Scheduler]:
+    """One request through the cyclic model (most drafts accepted, every ninth position not),
+    each step reported to the speculator as lasting `decode_s` plus `per_draft_s` a draft."""
+    scheduler = make_scheduler(64)
+    model = FakeModel(64, PAGE_SIZE, rule=cyclic_next_token)
+    request = Request(request_id="timed", prompt_ids=[5, 6, 7, 8, 9, 10] * 4, max_tokens=300)
+    scheduler.add(request)
+    for _ in range(1000):
+        if not (scheduler.running or scheduler.waiting):
+            break
+        plan = scheduler.schedule()
+        tokens = model.execute(False, plan.release_request_ids, to_fake(plan))
+        drafts = sum(entry.num_draft_tokens for entry in plan.entries)
+        scheduler.speculator.cost.observe(plan, decode_s + per_draft_s * drafts)
+        scheduler.complete(plan, tokens, model.last_accepted)
+    assert request.token_ids[request.num_prompt:] == expected(request)
+    return request, scheduler
+
+
+def test_the_measured_cost_of_a_draft_sets_the_acceptance_drafting_must_keep() -> None:
+    """Steps of one request: a plain step's time and each verified draft's share of a longer one,
+    measured, give the acceptance under which drafting loses time; prefills and steps of two
+    entries teach nothing; the configured floor holds where drafts are cheap."""
+    cheap, scheduler = run_timed(per_draft_s=0.0005)
+    cost = scheduler.speculator.cost
+    assert abs(cost.decode_s - 0.010) < 1e-9 and abs(cost.per_draft_s - 0.0005) < 1e-9
+    assert abs(cost.break_even() - 0.05) < 1e-6
+    assert scheduler.speculator.min_acceptance() == SPECULATION.speculative_min_acceptance
+    # The cyclic model's drafts are mostly right: cheap drafts are verified most steps.
+    assert cheap.draft.num_drafted > 50, cheap.draft.num_drafted
+    # A draft costing more than a step never pays: only the probes after ever longer pauses.
+    dear, scheduler = run_timed(per_draft_s=0.012)
+    assert abs(scheduler.speculator.min_acceptance() - 1.2) < 1e-6
+    assert dear.draft.num_drafted < cheap.draft.num_drafted / 2, (dear.draft.num_drafted, cheap.draft.num_drafted)
+    # A prefill, and a step of two requests, are no plain decode step.
+    fresh = make_scheduler(64)
+    for index in range(2):
+        fresh.add(Request(request_id=f"p{index}", prompt_ids=[5, 6, 7], max_tokens=4))
+    plan = fresh.schedule()
+    fresh.speculator.cost.observe(plan, 1.0)
+    assert fresh.speculator.cost.decode_s == 0.0 and fresh.speculator.cost.break_even() == 0.0
