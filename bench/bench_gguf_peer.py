@@ -8,7 +8,8 @@
    float32 activations where the default rounds a GGUF file's to 8 bits; `act8`:
    `--activation-quantization int8`, the default's choice for a GGUF file, named; `spin`: the
    workers' OpenMP threads spin a while before sleeping; `overlap`: `--overlap`; `act8-overlap`:
-   both of those), and llama.cpp's
+   both of those; `nospec`: `--no-speculative`; `overlap-nospec`: `--overlap --no-speculative`),
+   and llama.cpp's
    `llama-server` (`bench.peer_llamacpp`, which `make bench` builds from source) on the same
    file; all stay up, and only one of them works at a time.
 2. Runs `--rounds` rounds of the single stream and the shared-prefix workload at
@@ -52,7 +53,10 @@ VARIANTS = {"exact": {"RADIXSERVE_ACTIVATION_QUANTIZATION": "none"},
             "spin": {"OMP_WAIT_POLICY": "active", "GOMP_SPINCOUNT": "20000"},
             # The router plans and sends the next step while the worker runs this one (`--overlap`).
             "overlap": {"RADIXSERVE_OVERLAP": "true"},
-            "act8-overlap": {"RADIXSERVE_ACTIVATION_QUANTIZATION": "int8", "RADIXSERVE_OVERLAP": "true"}}
+            "act8-overlap": {"RADIXSERVE_ACTIVATION_QUANTIZATION": "int8", "RADIXSERVE_OVERLAP": "true"},
+            # No speculative decoding (`--no-speculative`): every step a one-token decode step.
+            "nospec": {"RADIXSERVE_SPECULATIVE": "false"},
+            "overlap-nospec": {"RADIXSERVE_OVERLAP": "true", "RADIXSERVE_SPECULATIVE": "false"}}
 
 
 def round_jobs(args: argparse.Namespace, round_index: int, prefix: str = "") -> list[tuple[wl.Workload, int]]:
