@@ -294,8 +294,7 @@ class Engine:
         now = time.monotonic()
         seconds = now - max(flight.started, self._last_result_at)
         self.costs.step_time(seconds)
-        if scheduler.speculator is not None:
-            scheduler.speculator.cost.observe(plan, seconds)  # what drafts cost (core/speculation.py)
+        scheduler.observe_step(plan, seconds)  # what drafts cost (core/speculation.py)
         self._last_result_at = now
         num_outputs = [entry.request.num_output for entry in sampling]
         scheduler.complete(

@@ -192,6 +192,16 @@ class Scheduler:
         self.stats.num_draft_tokens += num_drafts
         self.stats.num_accepted_draft_tokens += num_used
 
+    def observe_step(self, plan: StepPlan, seconds: float) -> None:
+        """The wall time of a step whose result came back: a step whose only entry decodes one
+        request (its pending token and any drafts) teaches the speculator what drafts cost."""
+        if self.speculator is None or len(plan.entries) != 1:
+            return
+        entry = plan.entries[0]
+        drafts = entry.num_draft_tokens
+        if not entry.new_request and entry.sample and entry.num_tokens == 1 + drafts:
+            self.speculator.cost.observe(drafts, seconds)
+
     # ---- failures ------------------------------------------------------------------------
 
     def audit_when_idle(self) -> list[Request]:

@@ -29,14 +29,10 @@ seeded sampling, so none of this can change a request's output, only its speed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from radixserve import flags
 from radixserve.flags import setting
 from router_service.core.ngram_proposer import EncodedSequence, propose
-
-if TYPE_CHECKING:  # step_plan imports request, which imports this module
-    from router_service.core.step_plan import StepPlan
 
 # Weight of the newest step in a request's acceptance average: about the last five steps count.
 ACCEPTANCE_SMOOTHING = 0.3
@@ -109,13 +105,9 @@ class VerifyCost:
         self.decode_s = 0.0
         self.per_draft_s = 0.0
 
-    def observe(self, plan: StepPlan, seconds: float) -> None:
-        if len(plan.entries) != 1:
-            return
-        entry = plan.entries[0]
-        drafts = entry.num_draft_tokens
-        if entry.new_request or not entry.sample or entry.num_tokens != 1 + drafts:
-            return
+    def observe(self, drafts: int, seconds: float) -> None:
+        """A step whose only entry decoded one request's pending token and `drafts` drafts
+        (`Scheduler.observe_step` picks them) took `seconds`."""
         if drafts == 0:
             self.decode_s = _smoothed(self.decode_s, seconds)
         elif self.decode_s > 0.0:

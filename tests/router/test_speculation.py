@@ -175,7 +175,7 @@ def run_timed(per_draft_s: float, decode_s: float = 0.010) -> tuple[Request, Sch
         plan = scheduler.schedule()
         tokens = model.execute(False, plan.release_request_ids, to_fake(plan))
         drafts = sum(entry.num_draft_tokens for entry in plan.entries)
-        scheduler.speculator.cost.observe(plan, decode_s + per_draft_s * drafts)
+        scheduler.observe_step(plan, decode_s + per_draft_s * drafts)
         scheduler.complete(plan, tokens, model.last_accepted)
     assert request.token_ids[request.num_prompt:] == expected(request)
     return request, scheduler
@@ -201,5 +201,5 @@ def test_the_measured_cost_of_a_draft_sets_the_acceptance_drafting_must_keep() -
     for index in range(2):
         fresh.add(Request(request_id=f"p{index}", prompt_ids=[5, 6, 7], max_tokens=4))
     plan = fresh.schedule()
-    fresh.speculator.cost.observe(plan, 1.0)
+    fresh.observe_step(plan, 1.0)
     assert fresh.speculator.cost.decode_s == 0.0 and fresh.speculator.cost.break_even() == 0.0
