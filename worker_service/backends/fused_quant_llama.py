@@ -20,8 +20,7 @@ Every token of a step is one row of the C++ code: a decode row with its page tab
 of a prefill chunk (a prompt's first or next chunk, or the 1 + k tokens of a speculative verify
 step) with its chunk's pages and its own position. Each row attends over positions 0 .. its own,
 and a layer writes every row's K/V before any row's attention, so a chunk's token sees the tokens
-before it in the same step: the causal attention of the module path. (Speculative decoding's
-verify steps went through the module path, at 3-6x a decode step's time here, before.)
+before it in the same step: the causal attention of the module path.
 """
 
 from __future__ import annotations
