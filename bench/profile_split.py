@@ -27,6 +27,7 @@ PARTS = (
     ("gateway_service/metrics", "metrics"),
     ("gateway_service/access_log", "metrics"),
     ("gateway_service/openai_api", "HTTP API (ours)"),
+    ("gateway_service/many_call", "GenerateMany call"),
     ("gateway_service/service", "generator chain"),
     ("gateway_service/router_choice", "generator chain"),
     ("radixserve/guard", "generator chain"),

@@ -1,12 +1,14 @@
 """The stack benchmark's load generator: its own process, so that its CPU is not the gateway's.
 
-    python -m bench.stack_load --api grpc|http --target ADDR --streams N --max-tokens T \
+    python -m bench.stack_load --api grpc|grpc-many|http --target ADDR --streams N --max-tokens T \
         --window START END --out FILE
 
 `--streams` closed-loop streams each send completion requests (a short plain prompt,
 `ignore_eos`, greedy) one after another until the window's END (monotonic clock, shared with
 the bench process); the requests still running then finish (only the window is counted). Over gRPC the requests spread over one channel per `STREAMS_PER_CHANNEL`
-(the gateway allows a bounded number of calls per connection); over HTTP each stream has its
+(the gateway allows a bounded number of calls per connection); `grpc-many` puts all the streams'
+requests on one GenerateMany call (each message carries every request's new tokens, so a
+message's tokens count as arriving together, each request's gap its own); over HTTP each stream has its
 own connection, written and parsed by hand (chunked SSE lines), so the client costs little.
 Written to FILE as JSON: tokens that arrived inside [START, END), the gaps between consecutive
 tokens of a request in the window (ms; a message that carries several tokens gives its first
@@ -97,6 +99,54 @@ async def run_grpc(target: str, streams: int, max_tokens: int, tally: Tally) -> 
             await channel.close()
 
 
+async def run_grpc_many(target: str, streams: int, max_tokens: int, tally: Tally) -> None:
+    """Every stream's requests on one GenerateMany call: a stream starts its next request (a new
+    id) when the last update of its previous one arrives."""
+    outgoing: asyncio.Queue[generation_pb2.ManyRequest | None] = asyncio.Queue()
+    counts = [0] * streams
+    previous: dict[int, float | None] = {}
+
+    def start(stream: int) -> None:
+        request_id = stream * 1_000_000 + counts[stream]
+        request = generation_pb2.GenerateRequest(
+            prompt=PROMPT.format(request_id), max_tokens=max_tokens, ignore_eos=True,
+            sampling=generation_pb2.SamplingParams(temperature=0.0))
+        counts[stream] += 1
+        previous[request_id] = None
+        outgoing.put_nowait(generation_pb2.ManyRequest(id=request_id, generate=request))
+
+    async def requests():
+        while (message := await outgoing.get()) is not None:
+            yield message
+
+    async with grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS) as channel:
+        call = generation_pb2_grpc.GenerationServiceStub(channel).GenerateMany(requests(), timeout=600)
+        for stream in range(streams):
+            start(stream)
+        open_requests = streams
+        try:
+            async for message in call:
+                now = time.monotonic()
+                for update in message.updates:
+                    request_id = update.id
+                    num_tokens = len(update.response.token_ids)
+                    tally.arrived(now, num_tokens, previous[request_id])
+                    if num_tokens:
+                        previous[request_id] = now
+                    if update.code:
+                        tally.errors.append(f"{update.code}: {update.message}")
+                    if update.code or update.response.finish_reason:
+                        del previous[request_id]
+                        if now < tally.window[1] and not update.code:
+                            start(request_id // 1_000_000)
+                        else:
+                            open_requests -= 1
+                if open_requests == 0:
+                    outgoing.put_nowait(None)
+        except grpc.aio.AioRpcError as exc:
+            tally.errors.append(f"{exc.code().name}: {exc.details()}")
+
+
 async def http_stream(host: str, port: int, model: str, index: int, max_tokens: int, tally: Tally) -> None:
     reader, writer = await asyncio.open_connection(host, port)
     count = 0
@@ -145,7 +195,7 @@ async def run_http(target: str, model: str, streams: int, max_tokens: int, tally
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--api", choices=("grpc", "http"), required=True)
+    parser.add_argument("--api", choices=("grpc", "grpc-many", "http"), required=True)
     parser.add_argument("--target", required=True, help="gRPC address, or host:port of the HTTP API")
     parser.add_argument("--model", default="fake-stack")
     parser.add_argument("--streams", type=int, required=True)
@@ -156,6 +206,8 @@ def main() -> None:
     tally = Tally(tuple(args.window))
     if args.api == "grpc":
         run = run_grpc(args.target, args.streams, args.max_tokens, tally)
+    elif args.api == "grpc-many":
+        run = run_grpc_many(args.target, args.streams, args.max_tokens, tally)
     else:
         run = run_http(args.target, args.model, args.streams, args.max_tokens, tally)
     asyncio.run(run)

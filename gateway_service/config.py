@@ -98,6 +98,8 @@ class GatewayConfig:
     max_connections: int = setting(1024, "open connections on each public port: past it HTTP answers "
                                    "503 and gRPC refuses new connections", min=1)
     grpc_max_streams: int = setting(100, "concurrent calls on one gRPC connection", min=1)
+    max_requests_per_call: int = setting(1024, "requests one GenerateMany call may have open at once; more "
+                                         "get RESOURCE_EXHAUSTED", min=1)
     grpc_idle_timeout_s: float = setting(300.0, "seconds a gRPC connection with no call open stays open",
                                          above=0)
     tokenizer_threads: int = setting(2, "threads of each pool (encode: tokenization and chat templates; "

@@ -30,6 +30,11 @@ class Mailbox(Generic[T]):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def take_nowait(self) -> list[T]:
+        """Everything put since the last take (perhaps nothing)."""
+        items, self._items = self._items, []
+        return items
+
     async def take(self) -> list[T]:
         """Everything put since the last take, in order (waits for at least one item)."""
         while not self._items:

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 import grpc
 
 from gateway_service.bounded_load import Bounds, choose_remembered
+from gateway_service.errors import NoRouterAvailable
 from gateway_service.prefix_memory import PrefixMemory
 from gateway_service.rendezvous import Ranking, affinity_key, ranked
 from gateway_service.router_stream import RouterStream, rpc_error
@@ -236,6 +237,29 @@ class RouterPool:
             yield chosen
         rest = [addresses[i] for i in ranked(weights) if addresses[i] != chosen]
         yield from [a for a in rest if self._up.get(a, False)] + [a for a in rest if not self._up.get(a, False)]
+
+    async def generate_failing_over(
+        self, request: router_pb2.RouterGenerateRequest, deadline: float | None
+    ) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
+        """The router's responses, failing over to the next router in rendezvous order when
+        one is UNAVAILABLE before it streamed anything."""
+        failures: list[str] = []
+        for address in self.order(request.prompt_token_ids):
+            streamed = False
+            try:
+                async with contextlib.aclosing(self.generate(address, request, deadline)) as responses:
+                    async for response in responses:
+                        streamed = streamed or bool(response.token_ids) or response.finish_reason != 0
+                        yield response
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or streamed:
+                    raise
+                self.mark_down(address)
+                failures.append(f"{address}: {exc.details() or exc.code().name}")
+        # Router addresses and their errors are for the operator, not for the caller.
+        log.warning("request %s: no router could take it (%s)", request.request_id, "; ".join(failures))
+        raise NoRouterAvailable("no router could take the request")
 
     def mark_down(self, address: str) -> None:
         if self._up.get(address):

@@ -31,6 +31,7 @@ from gateway_service.config import GatewayConfig
 from gateway_service.constraint_check import ConstraintChecker
 from gateway_service.embedding import Embedder
 from gateway_service.errors import GatewayError, InvalidRequest, NoRouterAvailable, ShuttingDown, to_status
+from gateway_service.many_call import ManyCall, request_caller
 from gateway_service.metrics import API_EMBED, API_GRPC, GatewayMetrics
 from gateway_service.output import OutputAssembler
 from gateway_service.pooling_config import PoolingConfig
@@ -72,9 +73,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         # Set with the tokenizer: how the model pools an embedding (its folder's config).
         self.pooling: PoolingConfig | None = None
         self._embedder = Embedder(pool, config.limits, self._text, config.max_embed_inputs)
-        # Set when the gateway starts to drain: calls that arrive from then on are refused
-        # here with UNAVAILABLE while the servers still accept (see `wait_idle`).
-        self.draining = False
+        # Set when the gateway starts to drain (`draining`): calls that arrive from then on are
+        # refused here with UNAVAILABLE while the servers still accept (see `wait_idle`).
+        self._draining = False
+        # Open GenerateMany calls, told when the drain begins.
+        self._many_calls: set[ManyCall] = set()
         # Generate calls (both APIs) between admission and their last chunk; `_idle` is set
         # while there are none.
         self._in_flight: set[asyncio.Task] = set()
@@ -95,6 +98,26 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             deadline = None if remaining is None else time.monotonic() + remaining
             async for chunk in self.generate(request, deadline, API_GRPC, caller):
                 yield chunk
+        except Exception as exc:
+            await context.abort(*to_status(exc))
+
+    async def GenerateMany(self, requests, context) -> AsyncIterator[generation_pb2.ManyResponse]:
+        """Many requests on one call (many_call.py); the call's deadline bounds each of them."""
+        try:
+            call_caller = self._grpc_caller(generation_pb2.GenerateRequest(), context)
+            await context.send_initial_metadata(((REQUEST_ID_HEADER, call_caller.request_id),))
+            remaining = context.time_remaining()
+            deadline = None if remaining is None else time.monotonic() + remaining
+            max_id_len = self._limits.max_request_id_len
+            call = ManyCall(lambda request, caller: self.generate(request, deadline, API_GRPC, caller),
+                            lambda request, index: request_caller(call_caller, request, index, max_id_len),
+                            self._config.max_requests_per_call, lambda: self._draining)
+            self._many_calls.add(call)
+            try:
+                async for message in call.responses(requests):
+                    yield message
+            finally:
+                self._many_calls.discard(call)
         except Exception as exc:
             await context.abort(*to_status(exc))
 
@@ -180,6 +203,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         """The model the routers serve; raises `NoRouterAvailable` while none answers."""
         return (await self._server_info()).model
 
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self._draining = value
+        if value:
+            for call in self._many_calls:
+                call.wake()  # a call with nothing open ends now
+
     async def wait_idle(self) -> None:
         """Returns once no Generate call is in flight (drain waits on this before the servers
         stop, so callers arriving meanwhile get this servicer's UNAVAILABLE, not CANCELLED)."""
@@ -255,7 +289,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         assembler = OutputAssembler(tokenizer, request.stop, len(prompt_ids))
         splitter = self._output_splitter(plan, prompt_ids, incremental_calls)
         log.debug("request %s: %d prompt tokens, max_tokens %d", request_id, len(prompt_ids), max_tokens)
-        async with contextlib.aclosing(self._router_stream(routed, deadline)) as stream:
+        async with contextlib.aclosing(self._pool.generate_failing_over(routed, deadline)) as stream:
             async for response in stream:
                 token_ids, logprobs, usage = response.token_ids, response.logprobs, response.usage
                 args = (token_ids, logprobs, response.finish_reason, usage.cached_tokens,
@@ -272,29 +306,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 if assembler.finished:
                     return  # leaving `aclosing` cancels the router call (stop strings)
         raise GatewayError("the router's stream ended without a finish reason")
-
-    async def _router_stream(
-        self, request: router_pb2.RouterGenerateRequest, deadline: float | None
-    ) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
-        """The router's responses, failing over to the next router in rendezvous order when
-        one is UNAVAILABLE before it streamed anything."""
-        failures: list[str] = []
-        for address in self._pool.order(request.prompt_token_ids):
-            streamed = False
-            try:
-                async with contextlib.aclosing(self._pool.generate(address, request, deadline)) as responses:
-                    async for response in responses:
-                        streamed = streamed or bool(response.token_ids) or response.finish_reason != 0
-                        yield response
-                return
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or streamed:
-                    raise
-                self._pool.mark_down(address)
-                failures.append(f"{address}: {exc.details() or exc.code().name}")
-        # Router addresses and their errors are for the operator, not for the caller.
-        log.warning("request %s: no router could take it (%s)", request.request_id, "; ".join(failures))
-        raise NoRouterAvailable("no router could take the request")
 
     # --- helpers ----------------------------------------------------------------------------
 
@@ -363,7 +374,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         return Caller(request_id, client=client_key(token, peer_host(context.peer())))
 
     def _refuse_if_draining(self) -> None:
-        if self.draining:
+        if self._draining:
             raise ShuttingDown("the gateway is shutting down; retry on another replica")
 
     def close(self) -> None:

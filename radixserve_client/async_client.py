@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable, Sequence
+import asyncio
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
 
 from radixserve_client.connection import Endpoint
-from radixserve_client.errors import from_rpc_error
+from radixserve_client.errors import RadixServeError, from_rpc_error
+from radixserve_client.many import DEFAULT_WINDOW, ManyRequests
 from radixserve_client.request import Message, chat_messages, embed_request, generate_request
 from radixserve_client.results import Chunk, GenerateResult, ModelInfo, chunk_from_proto, join_chunks
 from radixserve.v1 import generation_pb2
@@ -59,6 +61,39 @@ class AsyncClient(Endpoint):
         **options: Any,
     ) -> GenerateResult:
         return join_chunks([chunk async for chunk in self.stream(prompt, messages, timeout=timeout, **options)])
+
+    async def generate_many(
+        self, requests: Iterable[Mapping[str, Any]], *, timeout: float | None = None,
+        window: int = DEFAULT_WINDOW, return_exceptions: bool = False,
+    ) -> list[GenerateResult | RadixServeError]:
+        """Every request (each a mapping of `generate`'s arguments: prompt or messages, and
+        options) on one GenerateMany call, at most `window` open at once; the results in order.
+        A failed request raises its error once all have ended (or is in the list, with
+        `return_exceptions`); `timeout` bounds the whole call."""
+        state = ManyRequests(requests, window)
+        outgoing: asyncio.Queue[generation_pb2.ManyRequest | None] = asyncio.Queue()
+
+        async def messages() -> AsyncIterator[generation_pb2.ManyRequest]:
+            while (message := await outgoing.get()) is not None:
+                yield message
+
+        def send_more() -> None:
+            for message in state.next_requests():
+                outgoing.put_nowait(message)
+            if state.done():
+                outgoing.put_nowait(None)
+
+        call = self._stub.GenerateMany(messages(), timeout=timeout, metadata=self._metadata)
+        try:
+            send_more()
+            async for reply in call:
+                state.take(reply)
+                send_more()
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc) from None
+        finally:
+            call.cancel()
+        return state.outcome(return_exceptions)
 
     async def tokenize(
         self, prompt: str | None = None, messages: Iterable[Message] | None = None,

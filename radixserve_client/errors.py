@@ -66,3 +66,13 @@ def from_rpc_error(error: grpc.RpcError) -> RadixServeError:
     if cls is None:
         return RadixServeError(details, code)
     return cls(details)
+
+
+def from_status(code: int, message: str) -> RadixServeError:
+    """The typed error for a status given as its number (a GenerateMany update's `code`)."""
+    status = _BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN)
+    cls = _BY_CODE.get(status)
+    return cls(message) if cls is not None else RadixServeError(message, status)
+
+
+_BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}

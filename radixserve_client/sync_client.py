@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import queue
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
 
 from radixserve_client.connection import DEFAULT_ADDRESS, Endpoint
-from radixserve_client.errors import from_rpc_error
+from radixserve_client.errors import RadixServeError, from_rpc_error
+from radixserve_client.many import DEFAULT_WINDOW, ManyRequests
 from radixserve_client.request import Message, chat_messages, embed_request, generate_request
 from radixserve_client.results import Chunk, GenerateResult, ModelInfo, chunk_from_proto, join_chunks
 from radixserve.v1 import generation_pb2
@@ -65,6 +67,36 @@ class Client(Endpoint):
     ) -> GenerateResult:
         """The whole completion at once."""
         return join_chunks(list(self.stream(prompt, messages, timeout=timeout, **options)))
+
+    def generate_many(
+        self, requests: Iterable[Mapping[str, Any]], *, timeout: float | None = None,
+        window: int = DEFAULT_WINDOW, return_exceptions: bool = False,
+    ) -> list[GenerateResult | RadixServeError]:
+        """Every request (each a mapping of `generate`'s arguments: prompt or messages, and
+        options) on one GenerateMany call, at most `window` open at once; the results in order.
+        A failed request raises its error once all have ended (or is in the list, with
+        `return_exceptions`); `timeout` bounds the whole call."""
+        state = ManyRequests(requests, window)
+        outgoing: queue.SimpleQueue[generation_pb2.ManyRequest | None] = queue.SimpleQueue()
+
+        def send_more() -> None:
+            for message in state.next_requests():
+                outgoing.put(message)
+            if state.done():
+                outgoing.put(None)
+
+        send_more()
+        call = self._stub.GenerateMany(iter(outgoing.get, None), timeout=timeout, metadata=self._metadata)
+        try:
+            for reply in call:
+                state.take(reply)
+                send_more()
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        finally:
+            call.cancel()
+            outgoing.put(None)  # the request iterator's thread ends
+        return state.outcome(return_exceptions)
 
     def tokenize(
         self, prompt: str | None = None, messages: Iterable[Message] | None = None,

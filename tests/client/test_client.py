@@ -121,3 +121,53 @@ def test_cli_generate_and_chat_stream_to_stdout(harness, client_tokenizer, capsy
     assert client_tokenizer.encode_chat(turns) in sent
     assert cli_main(["generate", "hello", "--address", harness.address, "--top-p", "0"]) == 1
     assert "INVALID_ARGUMENT" in capsys.readouterr().err
+
+
+MANY = [
+    {"prompt": "one", "max_tokens": 5},
+    {"messages": [{"role": "user", "content": "two"}], "max_tokens": 50, "logprobs": True},
+    {"prompt": "three", "max_tokens": 50, "stop": ["text"]},
+    {"prompt": "bad", "temperature": 3.0},
+    {"prompt": "five", "max_tokens": 2, "ignore_eos": True},
+]
+
+
+def test_generate_many_gives_each_request_what_generate_gives(harness, client_tokenizer):
+    """One GenerateMany call, two requests open at a time: every result equals its own
+    `generate` call's; a failed request is its typed error, in its place."""
+    ids = client_tokenizer.encode_prompt(TEXT) + [EOS_TOKEN_ID]
+    harness.script_all(ids)
+    with Client(harness.address) as client:
+        results = client.generate_many(MANY, window=2, return_exceptions=True)
+        alone = []
+        for options in MANY:
+            try:
+                alone.append(client.generate(**options))
+            except RadixServeError as exc:
+                alone.append(exc)
+        with pytest.raises(InvalidArgumentError, match="sampling.temperature"):
+            client.generate_many(MANY)
+    assert len(results) == len(MANY)
+    for got, expected in zip(results, alone):
+        if isinstance(expected, RadixServeError):
+            assert type(got) is type(expected) and got.message == expected.message
+        else:
+            assert got == expected
+    assert results[0].usage.completion_tokens == 5 and results[2].finish_reason == "stop"
+    assert results[2].text == "Streaming 😀 " and results[4].token_ids == ids[:2]
+
+
+def test_async_generate_many_matches_generate(harness, client_tokenizer):
+    ids = client_tokenizer.encode_prompt(TEXT) + [EOS_TOKEN_ID]
+    harness.script_all(ids)
+    requests = [options for options in MANY if options.get("prompt") != "bad"]
+
+    async def scenario():
+        async with AsyncClient(harness.address) as client:
+            many = await client.generate_many(requests * 3, window=4)
+            alone = [await client.generate(**options) for options in requests]
+            empty = await client.generate_many([])
+            return many, alone, empty
+
+    many, alone, empty = asyncio.run(scenario())
+    assert many == alone * 3 and empty == []

@@ -60,9 +60,11 @@ class GatewayHarness:
 def start_harness(
     tokenizer: Tokenizer, num_routers: int = 2, with_http: bool = False,
     token_check: TokenCheck | None = None, router_class: type[FakeRouter] = FakeRouter,
+    settings: dict | None = None,
 ) -> GatewayHarness:
     """`with_http`: also the OpenAI-compatible HTTP API on a free port (`gateway.http.port`);
-    `router_class`: the fake routers' kind (`FakeRouter` or a subclass)."""
+    `router_class`: the fake routers' kind (`FakeRouter` or a subclass); `settings`: more
+    GatewayConfig fields."""
     loop = BackgroundLoop()
     routers = [router_class(server_info()) for _ in range(num_routers)]
     for router in routers:
@@ -70,7 +72,7 @@ def start_harness(
     config = GatewayConfig(
         host="127.0.0.1", port=0, routers=tuple(r.address for r in routers),
         default_max_tokens=64, affinity_tokens=16, probe_interval_s=0.5,
-        http_port=free_port() if with_http else 0, metrics_port=0,
+        http_port=free_port() if with_http else 0, metrics_port=0, **(settings or {}),
     )
     gateway = loop.run(Gateway.start(config, tokenizer=tokenizer, token_check=token_check))
     channel = grpc.insecure_channel(f"127.0.0.1:{gateway.port}")
@@ -94,3 +96,15 @@ def stop_harness(harness: GatewayHarness) -> None:
     for router in harness.routers:
         harness.loop.run(router.stop())
     harness.loop.close()
+
+
+def stream_summary(chunks: list[generation_pb2.GenerateResponse]) -> dict:
+    """What a caller reads from a stream's chunks, whatever their boundaries."""
+    return {
+        "text": "".join(chunk.text for chunk in chunks),
+        "token_ids": [t for chunk in chunks for t in chunk.token_ids],
+        "logprobs": [(lp.token_id, lp.token, lp.logprob, [(t.token_id, t.token, t.logprob) for t in lp.top_logprobs])
+                     for chunk in chunks for lp in chunk.logprobs],
+        "finish_reason": chunks[-1].finish_reason,
+        "usage": (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens),
+    }

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from gateway.fake_stream_router import StreamingFakeRouter
-from gateway.harness import GatewayHarness, running_harness
+from gateway.harness import GatewayHarness, running_harness, stream_summary
 from gateway_service.output import OutputAssembler
 from radixserve.v1 import generation_pb2
 
@@ -47,17 +47,6 @@ def grpc_chunks(harness: GatewayHarness, stop: list[str]) -> list[generation_pb2
     return list(harness.stub.Generate(request, timeout=30))
 
 
-def grpc_summary(chunks: list[generation_pb2.GenerateResponse]) -> dict:
-    return {
-        "text": "".join(chunk.text for chunk in chunks),
-        "token_ids": [t for chunk in chunks for t in chunk.token_ids],
-        "logprobs": [(lp.token_id, lp.token, lp.logprob, [(t.token_id, t.token, t.logprob) for t in lp.top_logprobs])
-                     for chunk in chunks for lp in chunk.logprobs],
-        "finish_reason": chunks[-1].finish_reason,
-        "usage": (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens),
-    }
-
-
 def http_events(harness: GatewayHarness, stop: list[str]) -> list[dict]:
     body = {"model": "fake-smollm2", "prompt": "hello", "max_tokens": 200, "stop": stop, "logprobs": TOP,
             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
@@ -89,7 +78,7 @@ def test_grpc_coalesced_stream_equals_one_token_at_a_time(harness, tokenizer, to
     one_by_one = grpc_chunks(harness, stop)
     harness.script_all(token_ids, chunk_size=GROUP)
     coalesced = grpc_chunks(harness, stop)
-    assert grpc_summary(coalesced) == grpc_summary(one_by_one)
+    assert stream_summary(coalesced) == stream_summary(one_by_one)
     # The groups did go out as one chunk each (the reference had a chunk per token or nearly).
     assert len(coalesced) <= len(token_ids) // GROUP + 2 < len(one_by_one)
     # And both are what the assembler gives fed one token at a time.
@@ -102,10 +91,10 @@ def test_grpc_coalesced_stream_equals_one_token_at_a_time(harness, tokenizer, to
             break
     if not assembler.finished:
         text += assembler.add([], finish_reason=generation_pb2.FINISH_REASON_LENGTH).text
-    assert grpc_summary(coalesced)["text"] == text
+    assert stream_summary(coalesced)["text"] == text
     if stop:
         assert text == TEXT[:TEXT.index(STOP)]
-        assert grpc_summary(coalesced)["finish_reason"] == generation_pb2.FINISH_REASON_STOP
+        assert stream_summary(coalesced)["finish_reason"] == generation_pb2.FINISH_REASON_STOP
 
 
 @pytest.mark.parametrize("stop", [[STOP], []], ids=["stop-string", "length"])

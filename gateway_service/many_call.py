@@ -1,0 +1,171 @@
+"""One GenerateMany call: many requests on one gRPC stream, their output many tokens a message.
+
+A Generate call costs the gateway one gRPC message per chunk, and on this machine grpc.aio
+spends ~80 us of CPU on a message before the gateway does anything (`bench.grpc_floor`); that
+floor is per message, not per token. Here a caller opens one call and starts requests on it,
+each with an id of its own; each request runs as a Generate would (the servicer's `generate`:
+the same validation, routing, assembly, metrics and drain), in a task of its own, and puts its
+chunks in the call's outbox. The call writes whatever the outbox holds as one `ManyResponse`,
+so the chunks of every request that a router step advanced go out together, and a request
+whose caller reads slowly has its chunks wait and leave together.
+
+Per request: a failure ends that request alone, with an update carrying the status its Generate
+call would have ended with; `cancel` ends it with CANCELLED. The call itself fails only on what
+is the call's own fault (an id started twice while open, a message that neither starts nor
+cancels): INVALID_ARGUMENT, and every open request is cancelled. The call ends OK once the caller
+has half-closed and every request has had its last update; a draining gateway refuses new
+requests (UNAVAILABLE, per request) and ends the call with UNAVAILABLE once nothing is open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+import grpc
+
+from gateway_service.caller import Caller
+from gateway_service.errors import InvalidRequest, ShuttingDown, to_status
+from gateway_service.mailbox import Mailbox
+from radixserve.v1 import generation_pb2
+
+log = logging.getLogger(__name__)
+
+# A response message holds at most this many updates, and stops growing past this many bytes
+# (estimated), so one message stays well under any receive limit.
+MAX_UPDATES_PER_MESSAGE = 512
+MAX_MESSAGE_BYTES = 1 << 20
+
+# An outbox item: (id, chunk, None) for output, (id, None, (code, message)) for a failure, or
+# None to wake the writer (the caller half-closed, the gateway began to drain).
+Item = tuple[int, generation_pb2.GenerateResponse | None, tuple[grpc.StatusCode, str] | None] | None
+
+# generate(request, caller) -> the request's chunks, as the servicer's `generate` streams them.
+Generate = Callable[[generation_pb2.GenerateRequest, Caller], AsyncIterator[generation_pb2.GenerateResponse]]
+
+
+class ManyCall:
+    """Made in the handler's task; `responses` is the handler's output."""
+
+    def __init__(self, generate: Generate, caller_of: Callable[[generation_pb2.GenerateRequest, int], Caller],
+                 max_open: int, draining: Callable[[], bool]) -> None:
+        self._generate = generate
+        self._caller_of = caller_of
+        self._max_open = max_open
+        self._draining = draining
+        self._open: dict[int, asyncio.Task] = {}
+        self._outbox: Mailbox[Item] = Mailbox()
+        self._reader: asyncio.Task | None = None
+
+    def wake(self) -> None:
+        """Have the writer look at the call's state again (the gateway began to drain)."""
+        self._outbox.put(None)
+
+    async def responses(self, requests: AsyncIterator[generation_pb2.ManyRequest]) -> AsyncIterator[
+            generation_pb2.ManyResponse]:
+        self._reader = reader = asyncio.create_task(self._read(requests))
+        try:
+            while True:
+                items = await self._outbox.take()
+                for message in _messages(items):
+                    yield message
+                if reader.done() and reader.exception() is not None:
+                    raise reader.exception()
+                if not self._open and (reader.done() or self._draining()):
+                    # What came in while the last messages were written: the last updates.
+                    for message in _messages(self._outbox.take_nowait()):
+                        yield message
+                    if reader.done():
+                        return
+                    raise ShuttingDown("the gateway is shutting down; retry on another replica")
+        finally:
+            reader.cancel()
+            for task in list(self._open.values()):
+                task.cancel()
+            # The tasks end at their next await; their updates have nowhere to go.
+            await asyncio.gather(reader, *self._open.values(), return_exceptions=True)
+
+    async def _read(self, requests: AsyncIterator[generation_pb2.ManyRequest]) -> None:
+        try:
+            async for message in requests:
+                action = message.WhichOneof("action")
+                if action == "generate":
+                    self._start(message.id, message.generate)
+                elif action == "cancel":
+                    task = self._open.get(message.id)
+                    if task is not None:
+                        task.cancel()
+                else:
+                    raise InvalidRequest(f"request {message.id}: a ManyRequest must set generate or cancel")
+        finally:
+            self._outbox.put(None)
+
+    def _start(self, request_id: int, request: generation_pb2.GenerateRequest) -> None:
+        if request_id in self._open:
+            raise InvalidRequest(f"request {request_id} is already open on this call (ids must be unique among "
+                                 "the call's open requests)")
+        if len(self._open) >= self._max_open:
+            self._outbox.put((request_id, None, (
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"this call already has {self._max_open} open requests (the gateway's --max-requests-per-call)")))
+            return
+        self._open[request_id] = asyncio.create_task(self._run(request_id, request))
+
+    async def _run(self, request_id: int, request: generation_pb2.GenerateRequest) -> None:
+        put = self._outbox.put
+        try:
+            async with contextlib.aclosing(self._generate(request, self._caller_of(request, request_id))) as chunks:
+                async for chunk in chunks:
+                    put((request_id, chunk, None))
+        except asyncio.CancelledError:
+            # The caller's cancel (or the call's end, when nothing reads the outbox any more).
+            put((request_id, None, (grpc.StatusCode.CANCELLED, "cancelled by the caller")))
+        except Exception as exc:
+            put((request_id, None, to_status(exc)))
+        finally:
+            if self._open.get(request_id) is asyncio.current_task():
+                del self._open[request_id]
+            put(None)  # the writer looks again: this may have been the last open request
+
+
+def request_caller(call: Caller, request: generation_pb2.GenerateRequest, request_id: int, max_len: int) -> Caller:
+    """A request's caller: the call's, with the request's own `request_id` when usable, else the
+    call's id and the request's."""
+    presented = request.request_id
+    if not (presented and len(presented) <= max_len and presented.isascii() and presented.isprintable()):
+        presented = f"{call.request_id}-{request_id}"
+    return Caller(presented, call.user, call.client)
+
+
+def _messages(items: list[Item]) -> list[generation_pb2.ManyResponse]:
+    """The outbox's items as response messages, in order (none when there is only wake-ups)."""
+    messages: list[generation_pb2.ManyResponse] = []
+    updates = None
+    count = size = 0
+    for item in items:
+        if item is None:
+            continue
+        if updates is None or count >= MAX_UPDATES_PER_MESSAGE or size >= MAX_MESSAGE_BYTES:
+            message = generation_pb2.ManyResponse()
+            messages.append(message)
+            updates, count, size = message.updates, 0, 0
+        request_id, chunk, error = item
+        update = updates.add()
+        update.id = request_id
+        if chunk is not None:
+            update.response.CopyFrom(chunk)
+            size += _estimated_bytes(chunk)
+        else:
+            code, text = error
+            update.code = code.value[0]
+            update.message = text
+            size += len(text)
+        count += 1
+    return messages
+
+
+def _estimated_bytes(chunk: generation_pb2.GenerateResponse) -> int:
+    if chunk.logprobs or chunk.tool_calls:
+        return chunk.ByteSize()
+    return 16 + 3 * len(chunk.text) + 5 * len(chunk.token_ids)
