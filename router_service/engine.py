@@ -3,7 +3,7 @@
 Each step the scheduler plans a batch; the engine turns it into one `DecodeTask` that carries
 only what changed (new tokens, new pages, `new_request` on a request's first entry, releases),
 sends it to every rank, applies rank 0's sampled tokens and streams them to the requests'
-callers. With `overlap` on (off by default, see `RouterConfig.overlap`) the next step is planned
+callers. With `overlap` on (on CUDA workers by default, see `RouterConfig.overlap`) the next step is planned
 and sent while the workers run the current one (see `lookahead`). When any rank fails or misses
 the step deadline (`step_timeout_s`, counted for each step from when the engine starts waiting
 for it: after the step before it), every request ends with UNAVAILABLE, health goes NOT_SERVING
@@ -37,6 +37,7 @@ from router_service.errors import InvalidRequest, QueueFull, RouterError, Worker
 from router_service.lookahead import InFlightStep
 from router_service.metrics import RouterMetrics
 from router_service.worker_group import TaskRejected, WorkerFault, WorkerGroup
+from router_service.workers_info import resolve_overlap, summarize
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,8 @@ class Engine:
         # What the router serves, as learned from the workers at connection time (GetServerInfo).
         self.summary: router_pb2.GetServerInfoResponse | None = None
         self.scheduler: Scheduler | None = None
+        # `config.overlap` resolved for the workers connected (see `resolve_overlap`).
+        self.overlap = bool(config.overlap)
         self._on_health = on_health
         self._streams: dict[str, EventSink] = {}
         # Events not yet handed to their callers (see `_flush`).
@@ -186,7 +189,8 @@ class Engine:
             return False
         self._last_connect_error = ""
         self.metrics.connected()
-        self.summary = _summarize(infos, self.config.max_pages, self.config.served_model_name)
+        self.summary = summarize(infos, self.config.max_pages, self.config.served_model_name)
+        self.overlap = resolve_overlap(self.config.overlap, infos)
         self.scheduler = Scheduler(
             num_pages=self.summary.model.num_pages,
             page_size=self.summary.model.page_size,
@@ -197,8 +201,9 @@ class Engine:
             eos_token_ids=frozenset(self.summary.eos_token_ids),
             speculation=self.config.speculation,
         )
-        log.info("serving %s over %d rank(s), %d pages of %d tokens", self.summary.model.model_name,
-                 len(infos), self.summary.model.num_pages, self.summary.model.page_size)
+        log.info("serving %s over %d rank(s) on %s, %d pages of %d tokens, overlap scheduling %s",
+                 self.summary.model.model_name, len(infos), infos[0].device or "an unnamed device",
+                 self.summary.model.num_pages, self.summary.model.page_size, "on" if self.overlap else "off")
         await self._set_health(True)
         return True
 
@@ -208,7 +213,7 @@ class Engine:
         if self.group.broken.is_set():
             raise WorkerFault("a worker stream ended")
         ahead = self._in_flight[-1] if self._in_flight else None
-        if ahead is not None and not ahead.may_run_ahead(self.config.overlap):
+        if ahead is not None and not ahead.may_run_ahead(self.overlap):
             self._flush()
             await self._finish_oldest()
             return
@@ -240,7 +245,7 @@ class Engine:
         if ahead is not None:
             # The workers run `task` right after `ahead`: apply ahead's tokens meanwhile.
             await self._finish_oldest()
-        if not flight.may_run_ahead(self.config.overlap) and flight in self._in_flight:
+        if not flight.may_run_ahead(self.overlap) and flight in self._in_flight:
             await self._finish_oldest()
 
     async def _idle(self, stop: asyncio.Event) -> None:
@@ -252,7 +257,7 @@ class Engine:
         if failed:
             self._send_ended(failed)
             return  # their releases go with the next step
-        self.costs.end_busy_period(self.config.overlap)
+        self.costs.end_busy_period(self.overlap)
         self._busy = False
         self._wakeup.clear()  # nothing to do until a request arrives or leaves
         await _wait_any(self._wakeup.wait(), self.group.broken.wait(), stop.wait())
@@ -365,27 +370,6 @@ class Engine:
     async def _set_health(self, serving: bool) -> None:
         if self._on_health is not None:
             await self._on_health(serving)
-
-
-def _summarize(
-    infos: list[worker_pb2.GetWorkerInfoResponse], max_pages: int, served_model_name: str,
-) -> router_pb2.GetServerInfoResponse:
-    first = infos[0]
-    num_pages = min(info.num_pages for info in infos)
-    if max_pages:
-        num_pages = min(num_pages, max_pages)
-    model = generation_pb2.GetModelInfoResponse(
-        model_name=served_model_name or first.model_name,
-        dtype=first.dtype,
-        quantization=first.quantization,
-        context_len=min(info.context_len for info in infos),
-        page_size=first.page_size,
-        num_pages=num_pages,
-        tp_size=len(infos),
-    )
-    return router_pb2.GetServerInfoResponse(
-        model=model, vocab_size=first.vocab_size, eos_token_ids=first.eos_token_ids
-    )
 
 
 async def _wait_any(*waits: Awaitable[object], timeout_s: float | None = None) -> None:

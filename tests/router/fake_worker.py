@@ -44,7 +44,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
         eos_every: int = 0,
         context_len: int = 4096,
         step_delay_s: float = 0.0,
+        device: str = "cpu",
     ) -> None:
+        self.device = device  # what GetWorkerInfo reports (the router's --overlap default reads it)
         self.rank = rank
         self.world_size = world_size
         self.context_len = context_len
@@ -69,7 +71,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServiceServicer):
             context_len=self.context_len,
             vocab_size=VOCAB_SIZE,
             eos_token_ids=[EOS_TOKEN_ID],
-            device="cpu",
+            device=self.device,
         )
 
     async def Execute(

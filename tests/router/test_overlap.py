@@ -133,6 +133,22 @@ def test_outputs_equal_with_overlap_on_and_off(num_ranks: int, num_pages: int, e
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize(("device", "setting", "expected"), [
+    ("cuda:0", None, True), ("cpu", None, False), ("cuda:0", False, False), ("cpu", True, True)])
+def test_overlap_defaults_to_on_for_cuda_workers_and_off_on_cpu(device, setting, expected) -> None:
+    """Unset, --overlap follows the workers' device: a CUDA forward pass leaves the CPU to the
+    router; on CPU the router's work would compete with it. Set, it is what it says; the ranks
+    resolve tokens they were not sent only when steps ran ahead."""
+    async def scenario() -> int:
+        config = RouterConfig(overlap=setting, speculation=NO_SPECULATION)
+        async with running_router([64, 64], config, device=device, step_delay_s=STEP_DELAY_S) as h:
+            await asyncio.gather(*(collect(h.stub, generate_request([3, 4, 5 + i], 12)) for i in range(3)))
+            return sum(w.num_resolved for w in h.workers)
+
+    assert (asyncio.run(scenario()) > 0) is expected
+
+
+@pytest.mark.timeout(120)
 def test_worker_idle_between_steps_is_in_stats_and_metrics() -> None:
     async def scenario() -> router_pb2.GetStatsResponse:
         async with running_router([64], RouterConfig(overlap=True), step_delay_s=IDLE_STEP_DELAY_S) as h:
