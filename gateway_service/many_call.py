@@ -56,7 +56,6 @@ class ManyCall:
         self._draining = draining
         self._open: dict[int, asyncio.Task] = {}
         self._outbox: Mailbox[Item] = Mailbox()
-        self._reader: asyncio.Task | None = None
 
     def wake(self) -> None:
         """Have the writer look at the call's state again (the gateway began to drain)."""
@@ -64,7 +63,7 @@ class ManyCall:
 
     async def responses(self, requests: AsyncIterator[generation_pb2.ManyRequest]) -> AsyncIterator[
             generation_pb2.ManyResponse]:
-        self._reader = reader = asyncio.create_task(self._read(requests))
+        reader = asyncio.create_task(self._read(requests))
         try:
             while True:
                 items = await self._outbox.take()

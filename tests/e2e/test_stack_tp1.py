@@ -84,6 +84,15 @@ def test_concurrent_chats_sharing_a_prefix_match_transformers(stack, references)
     assert outputs == [reference.output_ids for reference in references]
 
 
+@pytest.mark.timeout(300)
+def test_chats_on_one_generate_many_call_match_transformers(stack, references):
+    """The same chats as requests of one GenerateMany call (their output shares messages)."""
+    with Client(stack.gateway) as client:
+        results = client.generate_many(
+            [{"messages": chat, "max_tokens": MAX_NEW_TOKENS, "temperature": 0} for chat in CHATS], timeout=240)
+    assert [result.token_ids for result in results] == [reference.output_ids for reference in references]
+
+
 @pytest.mark.timeout(120)
 def test_repeated_chat_hits_the_prefix_cache(stack, references):
     with Client(stack.gateway) as client:
