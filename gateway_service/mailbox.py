@@ -30,6 +30,10 @@ class Mailbox(Generic[T]):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def __len__(self) -> int:
+        """Items put and not yet taken."""
+        return len(self._items)
+
     def take_nowait(self) -> list[T]:
         """Everything put since the last take (perhaps nothing)."""
         items, self._items = self._items, []

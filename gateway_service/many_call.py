@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 # (estimated), so one message stays well under any receive limit.
 MAX_UPDATES_PER_MESSAGE = 512
 MAX_MESSAGE_BYTES = 1 << 20
+# Updates waiting for the writer past which the call stops reading new requests until the writer
+# takes them: a caller that sends without reading (or reads slowly) holds its own requests back
+# (gRPC's flow control), instead of piling refusals and cancellations up in the gateway.
+MAX_WAITING_UPDATES = 4096
 
 # An outbox item: (id, chunk, None) for output, (id, None, (code, message)) for a failure, or
 # None to wake the writer (the caller half-closed, the gateway began to drain).
@@ -56,6 +60,8 @@ class ManyCall:
         self._draining = draining
         self._open: dict[int, asyncio.Task] = {}
         self._outbox: Mailbox[Item] = Mailbox()
+        self._room = asyncio.Event()  # set while the outbox has room (see MAX_WAITING_UPDATES)
+        self._room.set()
 
     def wake(self) -> None:
         """Have the writer look at the call's state again (the gateway began to drain)."""
@@ -67,6 +73,7 @@ class ManyCall:
         try:
             while True:
                 items = await self._outbox.take()
+                self._room.set()
                 for message in _messages(items):
                     yield message
                 if reader.done() and reader.exception() is not None:
@@ -88,6 +95,9 @@ class ManyCall:
     async def _read(self, requests: AsyncIterator[generation_pb2.ManyRequest]) -> None:
         try:
             async for message in requests:
+                if len(self._outbox) >= MAX_WAITING_UPDATES:
+                    self._room.clear()
+                    await self._room.wait()
                 action = message.WhichOneof("action")
                 if action == "generate":
                     self._start(message.id, message.generate)

@@ -6,6 +6,7 @@ own faults, and then cancels what it had open on the routers."""
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
 import time
@@ -16,6 +17,9 @@ import pytest
 
 from gateway.fake_stream_router import StreamingFakeRouter
 from gateway.harness import GatewayHarness, running_harness, stream_summary
+from gateway_service import many_call
+from gateway_service.caller import Caller
+from gateway_service.errors import InvalidRequest
 from radixserve.v1 import generation_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
@@ -290,3 +294,34 @@ def test_a_draining_gateway_refuses_new_requests_and_ends_its_calls(tokenizer, t
             idle.close()
             busy.close()
             stopping.join(timeout=30)
+
+
+def test_a_caller_that_does_not_read_is_not_read_either(monkeypatch) -> None:
+    """Requests that fail at once make an update each; with nobody taking the updates the call
+    stops reading requests at MAX_WAITING_UPDATES, and goes on once the writer takes them."""
+    monkeypatch.setattr(many_call, "MAX_WAITING_UPDATES", 50)
+    pulled = 0
+
+    async def refuse(request, caller):
+        raise InvalidRequest("refused")
+        yield  # an async generator, as the servicer's generate
+
+    async def requests():
+        nonlocal pulled
+        for index in range(10_000):
+            pulled += 1
+            yield pb.ManyRequest(id=index, generate=pb.GenerateRequest(prompt="x"))
+
+    async def scenario() -> tuple[int, int, int]:
+        call = many_call.ManyCall(refuse, lambda request, index: Caller(str(index)), 8, lambda: False)
+        responses = call.responses(requests())
+        first = await anext(responses)
+        await asyncio.sleep(0.2)  # the reader runs on while nothing takes the updates
+        pulled_while_unread = pulled
+        updates = len(first.updates) + sum([len(message.updates) async for message in responses])
+        return pulled_while_unread, updates, pulled
+
+    while_unread, updates, total = asyncio.run(scenario())
+    # The first message took what came before it; then the outbox filled to the bound and stayed.
+    assert while_unread <= 3 * 50
+    assert total == updates == 10_000
