@@ -70,3 +70,28 @@ def test_readme_generate_call_streams_json_chunks(gateway_process):
     assert chunks[-1]["finish_reason"] == "FINISH_REASON_STOP"
     assert chunks[-1]["usage"]["completion_tokens"] == sum(len(c.get("token_ids", [])) for c in chunks)
     assert router.state.requests[-1].max_tokens == 16
+
+
+@pytest.mark.timeout(120)
+def test_generate_many_from_grpcurl(gateway_process):
+    """Two requests on one GenerateMany call, as grpcurl sends a client stream (several JSON
+    messages after -d); each id's updates join to the text its Generate call streams."""
+    address, _ = gateway_process
+    done = grpcurl("-plaintext", "-d",
+                   '{"id": 1, "generate": {"prompt": "Hello", "max_tokens": 16}} '
+                   '{"id": 2, "generate": {"prompt": "Hi", "max_tokens": 3}}',
+                   address, "radixserve.v1.GenerationService/GenerateMany")
+    assert done.returncode == 0, done.stderr
+    decoder = json.JSONDecoder()
+    texts: dict[str, str] = {}
+    finishes: dict[str, str] = {}
+    text = done.stdout.strip()
+    while text:
+        message, end = decoder.raw_decode(text)
+        text = text[end:].lstrip()
+        for update in message["updates"]:
+            # grpcurl prints 64-bit integers as strings.
+            texts[update["id"]] = texts.get(update["id"], "") + update["response"].get("text", "")
+            finishes[update["id"]] = update["response"].get("finish_reason", "")
+    assert texts == {"1": " there, how are you?", "2": " there, how"}
+    assert finishes == {"1": "FINISH_REASON_STOP", "2": "FINISH_REASON_LENGTH"}
