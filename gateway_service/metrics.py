@@ -29,16 +29,18 @@ from radixserve.v1 import generation_pb2
 
 # Values of the `api` label.
 API_GRPC = "grpc"
+API_GRPC_MANY = "grpc_many"  # a request of a GenerateMany call
 API_CHAT = "chat_completions"
 API_COMPLETIONS = "completions"
 API_MODELS = "models"
 API_EMBED = "grpc_embed"
 API_EMBEDDINGS = "embeddings"
-APIS = (API_GRPC, API_CHAT, API_COMPLETIONS, API_MODELS, API_EMBED, API_EMBEDDINGS)
+APIS = (API_GRPC, API_GRPC_MANY, API_CHAT, API_COMPLETIONS, API_MODELS, API_EMBED, API_EMBEDDINGS)
 # APIs that answer embeddings: their requests end without a finish reason.
 EMBEDDING_APIS = (API_EMBED, API_EMBEDDINGS)
 # The route of each API in the access log (HTTP paths; the gRPC method).
-ROUTES = {API_GRPC: "/radixserve.v1.GenerationService/Generate", API_CHAT: "/v1/chat/completions",
+ROUTES = {API_GRPC: "/radixserve.v1.GenerationService/Generate",
+          API_GRPC_MANY: "/radixserve.v1.GenerationService/GenerateMany", API_CHAT: "/v1/chat/completions",
           API_COMPLETIONS: "/v1/completions", API_MODELS: "/v1/models",
           API_EMBED: "/radixserve.v1.GenerationService/Embed", API_EMBEDDINGS: "/v1/embeddings"}
 STATUS_OK = "ok"

@@ -32,7 +32,7 @@ from gateway_service.constraint_check import ConstraintChecker
 from gateway_service.embedding import Embedder
 from gateway_service.errors import GatewayError, InvalidRequest, NoRouterAvailable, ShuttingDown, to_status
 from gateway_service.many_call import ManyCall, request_caller
-from gateway_service.metrics import API_EMBED, API_GRPC, GatewayMetrics
+from gateway_service.metrics import API_EMBED, API_GRPC, API_GRPC_MANY, GatewayMetrics
 from gateway_service.output import OutputAssembler
 from gateway_service.pooling_config import PoolingConfig
 from gateway_service.reasoning import ReasoningSplitter, opens_inside_block
@@ -104,12 +104,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def GenerateMany(self, requests, context) -> AsyncIterator[generation_pb2.ManyResponse]:
         """Many requests on one call (many_call.py); the call's deadline bounds each of them."""
         try:
+            self._refuse_if_draining()
             call_caller = self._grpc_caller(generation_pb2.GenerateRequest(), context)
             await context.send_initial_metadata(((REQUEST_ID_HEADER, call_caller.request_id),))
             remaining = context.time_remaining()
             deadline = None if remaining is None else time.monotonic() + remaining
             max_id_len = self._limits.max_request_id_len
-            call = ManyCall(lambda request, caller: self.generate(request, deadline, API_GRPC, caller),
+            call = ManyCall(lambda request, caller: self.generate(request, deadline, API_GRPC_MANY, caller),
                             lambda request, index: request_caller(call_caller, request, index, max_id_len),
                             self._config.max_requests_per_call, lambda: self._draining)
             self._many_calls.add(call)

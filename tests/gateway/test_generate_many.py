@@ -110,6 +110,12 @@ def test_each_request_reads_as_its_own_generate_call(harness, token_ids) -> None
     # Updates of several requests shared messages.
     assert len(messages) < num_chunks
     assert any(len({u.id for u in message.updates}) > 1 for message in messages)
+    # Counted as requests of a GenerateMany call (the references as Generate calls).
+    registry = harness.gateway.servicer.metrics.registry
+    counted = sum(registry.get_sample_value("radixserve:requests_total", {
+        "model_name": "fake-smollm2", "api": "grpc_many", "status": "ok", "finish_reason": finish}) or 0
+        for finish in ("stop", "length"))
+    assert counted >= len(REQUESTS)
 
 
 def test_a_failed_request_ends_alone_with_generates_status(harness, token_ids) -> None:
@@ -279,6 +285,11 @@ def test_a_draining_gateway_refuses_new_requests_and_ends_its_calls(tokenizer, t
                 idle.read_all()
             assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
             assert time.monotonic() - started < grace_s / 2
+            late = ManyCall(harness)  # a call that arrives during the drain is refused
+            late.close()
+            with pytest.raises(grpc.RpcError) as raised:
+                late.read_all()
+            assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
             busy.start(2, pb.GenerateRequest(prompt="late", max_tokens=5))
             seen: dict[int, list[pb.ManyUpdate]] = {}
             with pytest.raises(grpc.RpcError) as raised:
