@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 from collections.abc import AsyncIterator, Callable
+
 import grpc
 
-from gateway_service.caller import Caller
+from gateway_service.caller import Caller, request_id_from
 from gateway_service.errors import InvalidRequest, ShuttingDown, to_status
 from gateway_service.mailbox import Mailbox
 from radixserve.v1 import generation_pb2
-
-log = logging.getLogger(__name__)
 
 # A response message holds at most this many updates, and stops growing past this many bytes
 # (estimated), so one message stays well under any receive limit.
@@ -139,12 +137,10 @@ class ManyCall:
 
 
 def request_caller(call: Caller, request: generation_pb2.GenerateRequest, request_id: int, max_len: int) -> Caller:
-    """A request's caller: the call's, with the request's own `request_id` when usable, else the
-    call's id and the request's."""
-    presented = request.request_id
-    if not (presented and len(presented) <= max_len and presented.isascii() and presented.isprintable()):
-        presented = f"{call.request_id}-{request_id}"
-    return Caller(presented, call.user, call.client)
+    """A request's caller: the call's, with the request's own `request_id`, else the call's id
+    and the request's (`request_id_from`: a new id where that is not usable)."""
+    presented = request.request_id or f"{call.request_id}-{request_id}"
+    return Caller(request_id_from(presented, max_len), call.user, call.client)
 
 
 def _messages(items: list[Item]) -> list[generation_pb2.ManyResponse]:

@@ -77,18 +77,14 @@ class AsyncClient(Endpoint):
             while (message := await outgoing.get()) is not None:
                 yield message
 
-        def send_more() -> None:
-            for message in state.next_requests():
-                outgoing.put_nowait(message)
-            if state.done():
-                outgoing.put_nowait(None)
-
         call = self._stub.GenerateMany(messages(), timeout=timeout, metadata=self._metadata)
         try:
-            send_more()
+            for message in state.to_send():
+                outgoing.put_nowait(message)
             async for reply in call:
                 state.take(reply)
-                send_more()
+                for message in state.to_send():
+                    outgoing.put_nowait(message)
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc) from None
         finally:

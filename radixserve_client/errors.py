@@ -62,17 +62,17 @@ def from_rpc_error(error: grpc.RpcError) -> RadixServeError:
     """The typed error for a failed gRPC call (sync or asyncio)."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = (error.details() if hasattr(error, "details") else None) or str(error)
-    cls = _BY_CODE.get(code)
-    if cls is None:
-        return RadixServeError(details, code)
-    return cls(details)
+    return _typed(code, details)
 
 
 def from_status(code: int, message: str) -> RadixServeError:
     """The typed error for a status given as its number (a GenerateMany update's `code`)."""
-    status = _BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN)
-    cls = _BY_CODE.get(status)
-    return cls(message) if cls is not None else RadixServeError(message, status)
+    return _typed(_BY_NUMBER.get(code, grpc.StatusCode.UNKNOWN), message)
+
+
+def _typed(code: grpc.StatusCode, message: str) -> RadixServeError:
+    cls = _BY_CODE.get(code)
+    return RadixServeError(message, code) if cls is None else cls(message)
 
 
 _BY_NUMBER = {status.value[0]: status for status in grpc.StatusCode}

@@ -32,9 +32,10 @@ class ManyRequests:
         self.results: list[GenerateResult | RadixServeError | None] = []
         self.open = 0
 
-    def next_requests(self) -> list[generation_pb2.ManyRequest]:
-        """What to send now: new requests up to the window (none once all are sent)."""
-        messages = []
+    def to_send(self) -> list[generation_pb2.ManyRequest | None]:
+        """What to send now: new requests up to the window, then None (the end of the caller's
+        stream) once every request has ended."""
+        messages: list[generation_pb2.ManyRequest | None] = []
         while self.open < self._window:
             request = next(self._pending, None)
             if request is None:
@@ -43,6 +44,8 @@ class ManyRequests:
             self._chunks.append([])
             self.results.append(None)
             self.open += 1
+        if self.open == 0:
+            messages.append(None)
         return messages
 
     def take(self, message: generation_pb2.ManyResponse) -> None:
@@ -59,9 +62,6 @@ class ManyRequests:
                 self.results[index] = join_chunks(self._chunks[index])
                 self._chunks[index] = []
                 self.open -= 1
-
-    def done(self) -> bool:
-        return self.open == 0
 
     def outcome(self, return_exceptions: bool) -> list[GenerateResult | RadixServeError]:
         """The results in order; raises the first failure unless `return_exceptions`."""

@@ -79,18 +79,14 @@ class Client(Endpoint):
         state = ManyRequests(requests, window)
         outgoing: queue.SimpleQueue[generation_pb2.ManyRequest | None] = queue.SimpleQueue()
 
-        def send_more() -> None:
-            for message in state.next_requests():
-                outgoing.put(message)
-            if state.done():
-                outgoing.put(None)
-
-        send_more()
+        for message in state.to_send():
+            outgoing.put(message)
         call = self._stub.GenerateMany(iter(outgoing.get, None), timeout=timeout, metadata=self._metadata)
         try:
             for reply in call:
                 state.take(reply)
-                send_more()
+                for message in state.to_send():
+                    outgoing.put(message)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
         finally:

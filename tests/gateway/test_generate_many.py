@@ -336,3 +336,17 @@ def test_a_caller_that_does_not_read_is_not_read_either(monkeypatch) -> None:
     # The first message took what came before it; then the outbox filled to the bound and stayed.
     assert while_unread <= 3 * 50
     assert total == updates == 10_000
+
+
+def test_a_large_outbox_goes_out_in_bounded_messages_in_order() -> None:
+    """More updates than a message holds (MAX_UPDATES_PER_MESSAGE), and chunks past the byte
+    bound, split over several messages, every update once and in order; wake-ups send nothing."""
+    small = [(i, pb.GenerateResponse(text="x", token_ids=[i]), None) for i in range(600)]
+    big = pb.GenerateResponse(text="y" * (many_call.MAX_MESSAGE_BYTES // 2))
+    items = [None, *small, None, (700, big, None), (701, big, None), (702, None, (grpc.StatusCode.CANCELLED, "c"))]
+    messages = many_call._messages(items)
+    assert [len(m.updates) for m in messages] == [many_call.MAX_UPDATES_PER_MESSAGE, 600 - 512 + 1, 1, 1]
+    ids = [u.id for m in messages for u in m.updates]
+    assert ids == [*range(600), 700, 701, 702]
+    assert messages[-1].updates[-1].code == grpc.StatusCode.CANCELLED.value[0]
+    assert many_call._messages([None, None]) == []
