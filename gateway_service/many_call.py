@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -38,6 +39,7 @@ MAX_MESSAGE_BYTES = 1 << 20
 # takes them: a caller that sends without reading (or reads slowly) holds its own requests back
 # (gRPC's flow control), instead of piling refusals and cancellations up in the gateway.
 MAX_WAITING_UPDATES = 4096
+_CANCELLED = (grpc.StatusCode.CANCELLED, "cancelled by the caller")
 
 # An outbox item: (id, chunk, None) for output, (id, None, (code, message)) for a failure, or
 # None to wake the writer (the caller half-closed, the gateway began to drain).
@@ -117,7 +119,11 @@ class ManyCall:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"this call already has {self._max_open} open requests (the gateway's --max-requests-per-call)")))
             return
-        self._open[request_id] = asyncio.create_task(self._run(request_id, request))
+        task = asyncio.create_task(self._run(request_id, request))
+        # The bookkeeping runs when the task ends, not in its body: a task cancelled before its
+        # first step (a cancel read right after its start) never runs its body at all.
+        task.add_done_callback(functools.partial(self._ended, request_id))
+        self._open[request_id] = task
 
     async def _run(self, request_id: int, request: generation_pb2.GenerateRequest) -> None:
         put = self._outbox.put
@@ -127,13 +133,16 @@ class ManyCall:
                     put((request_id, chunk, None))
         except asyncio.CancelledError:
             # The caller's cancel (or the call's end, when nothing reads the outbox any more).
-            put((request_id, None, (grpc.StatusCode.CANCELLED, "cancelled by the caller")))
+            put((request_id, None, _CANCELLED))
         except Exception as exc:
             put((request_id, None, to_status(exc)))
-        finally:
-            if self._open.get(request_id) is asyncio.current_task():
-                del self._open[request_id]
-            put(None)  # the writer looks again: this may have been the last open request
+
+    def _ended(self, request_id: int, task: asyncio.Task) -> None:
+        if task.cancelled():  # cancelled before its body ran: its last update is said here
+            self._outbox.put((request_id, None, _CANCELLED))
+        if self._open.get(request_id) is task:
+            del self._open[request_id]
+        self._outbox.put(None)  # the writer looks again: this may have been the last open request
 
 
 def request_caller(call: Caller, request: generation_pb2.GenerateRequest, request_id: int, max_len: int) -> Caller:

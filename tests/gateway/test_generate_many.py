@@ -170,6 +170,45 @@ def test_cancel_ends_one_request_on_the_router_and_the_rest_go_on(harness, token
     assert harness.all_cancelled() == [long_id]
 
 
+def test_a_cancel_right_behind_its_start_ends_the_request(harness, token_ids) -> None:
+    """Starts and cancels sent in one burst: a cancel may be read before its request's task has
+    run at all. Each request still ends with one CANCELLED update (or its finish, where it won the
+    race) and the call ends, instead of waiting on a request that never ran."""
+    harness.script_all(token_ids * 20, delay_s=0.02)
+    burst = []
+    for index in range(MAX_OPEN):
+        burst.append(pb.ManyRequest(id=index, generate=pb.GenerateRequest(prompt=f"p{index}", max_tokens=500,
+                                                                         ignore_eos=True)))
+        burst.append(pb.ManyRequest(id=index, cancel=True))
+    updates = by_request(list(harness.stub.GenerateMany(iter(burst), timeout=CALL_TIMEOUT_S)))
+    assert sorted(updates) == list(range(MAX_OPEN))
+    for index, got in updates.items():
+        assert got[-1].code == grpc.StatusCode.CANCELLED.value[0], index
+        assert all(update.code == 0 for update in got[:-1])
+
+
+def test_a_cancel_before_the_request_ran_is_its_last_update() -> None:
+    """The same at the call's level, where the order is certain: every start is cancelled before
+    the loop runs its task."""
+    async def slow(request, caller):
+        while True:
+            await asyncio.sleep(0.01)
+            yield pb.GenerateResponse(text="x")
+
+    async def requests():
+        for index in range(5):
+            yield pb.ManyRequest(id=index, generate=pb.GenerateRequest(prompt="x"))
+            yield pb.ManyRequest(id=index, cancel=True)
+
+    async def scenario() -> list[tuple[int, int]]:
+        call = many_call.ManyCall(slow, lambda request, index: Caller(str(index)), 8, lambda: False)
+        messages = [message async for message in call.responses(requests())]
+        return [(update.id, update.code) for message in messages for update in message.updates]
+
+    cancelled = grpc.StatusCode.CANCELLED.value[0]
+    assert asyncio.run(asyncio.wait_for(scenario(), 10)) == [(index, cancelled) for index in range(5)]
+
+
 def test_an_id_may_be_reused_once_its_request_ended(harness, token_ids) -> None:
     harness.script_all(token_ids)
     call = ManyCall(harness)
