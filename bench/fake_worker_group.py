@@ -29,6 +29,9 @@ DEFAULT_MODEL = "models/smollm2-135m-instruct"
 PAGE_SIZE = 16
 NUM_PAGES = 1 << 16
 CONTEXT_LEN = 8192
+# What the rank reports as its device: not the CPU, for its steps cost the host none (as a GPU's
+# forward pass leaves the CPU to the router), so the router's overlap default is on, as for CUDA.
+DEVICE = "fake"
 LOGPROB = -0.5  # what every sampled token reports when logprobs are asked for
 # The text the fake samples: ordinary prose, multi-byte characters included.
 TEXT = (
@@ -67,7 +70,7 @@ class FakeWorkerGroup(worker_pb2_grpc.WorkerServiceServicer):
         return worker_pb2.GetWorkerInfoResponse(
             rank=0, world_size=1, model_name="fake-stack", dtype="float32", page_size=PAGE_SIZE,
             num_pages=NUM_PAGES, context_len=CONTEXT_LEN, vocab_size=self.vocab_size,
-            eos_token_ids=self.eos_token_ids, device="cpu", quantization="none",
+            eos_token_ids=self.eos_token_ids, device=DEVICE, quantization="none",
         )
 
     async def Execute(self, request_iterator: AsyncIterator[worker_pb2.DecodeTask], context) -> AsyncIterator[worker_pb2.TaskResult]:

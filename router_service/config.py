@@ -34,13 +34,13 @@ class RouterConfig:
     step_timeout_s: float = setting(60.0, "seconds every rank together may take to answer one step; past it "
                                     "in-flight requests fail (UNAVAILABLE) and the router reconnects", above=0)
     # Plan and send the next step while the workers run the current one (see `lookahead`).
-    # Unset: on where the workers run on CUDA, whose forward pass leaves the CPU to the router
-    # (a worker that costs no CPU: 1.2-1.3x the tokens/s at 5 ms steps), off on CPU, where the
-    # router's work moved out of the gap between steps competes with the forward pass instead
-    # (the measured figures: docs/benchmarks.md, Overlap scheduling).
+    # Unset: off where the workers run on the CPU, where the router's work moved out of the gap
+    # between steps competes with the forward pass instead; on otherwise (CUDA, or the stack
+    # bench's fake worker), whose forward pass leaves the CPU to the router (a worker that costs
+    # no CPU: 1.2-1.3x the tokens/s at 5 ms steps; docs/benchmarks.md, Overlap scheduling).
     overlap: bool | None = setting(None, "overlap scheduling: plan and send the next step while the workers run "
-                                   "the current one (--no-overlap: strictly one step at a time); unset: on when "
-                                   "the workers run on CUDA, off on CPU")
+                                   "the current one (--no-overlap: strictly one step at a time); unset: off when "
+                                   "the workers run on the CPU, on otherwise (CUDA)")
     # It travels in every DecodeTask entry. Its own name, so that the gateway's
     # RADIXSERVE_MAX_REQUEST_ID_LEN never tightens it under a shared environment.
     max_request_id_bytes: int = setting(512, "longest request_id accepted, in UTF-8 bytes (above the gateway's "

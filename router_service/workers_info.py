@@ -7,11 +7,13 @@ from radixserve.v1 import generation_pb2, router_pb2, worker_pb2
 
 
 def resolve_overlap(setting: bool | None, infos: list[worker_pb2.GetWorkerInfoResponse]) -> bool:
-    """`--overlap` as set, else on when every rank runs on CUDA (a forward pass that leaves the
-    CPU to the router), off on CPU (where the router's work would compete with it)."""
+    """`--overlap` as set, else off when a rank runs on the CPU (where the router's work would
+    compete with its forward pass; a rank that names no device counts as one), on otherwise: a
+    CUDA forward pass, or the stack bench's fake worker (`bench/fake_worker_group.py`, device
+    "fake"), leaves the CPU to the router."""
     if setting is not None:
         return setting
-    return all(info.device.startswith("cuda") for info in infos)
+    return not any(info.device in ("", "cpu") or info.device.startswith("cpu:") for info in infos)
 
 
 def summarize(

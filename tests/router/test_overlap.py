@@ -134,11 +134,13 @@ def test_outputs_equal_with_overlap_on_and_off(num_ranks: int, num_pages: int, e
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("device", "setting", "expected"), [
-    ("cuda:0", None, True), ("cpu", None, False), ("cuda:0", False, False), ("cpu", True, True)])
-def test_overlap_defaults_to_on_for_cuda_workers_and_off_on_cpu(device, setting, expected) -> None:
-    """Unset, --overlap follows the workers' device: a CUDA forward pass leaves the CPU to the
-    router; on CPU the router's work would compete with it. Set, it is what it says; the ranks
-    resolve tokens they were not sent only when steps ran ahead."""
+    ("cuda:0", None, True), ("fake", None, True), ("cpu", None, False), ("", None, False),
+    ("cuda:0", False, False), ("cpu", True, True)])
+def test_overlap_defaults_to_off_on_cpu_workers_and_on_otherwise(device, setting, expected) -> None:
+    """Unset, --overlap follows the workers' device: on the CPU (or unnamed) the router's work
+    would compete with the forward pass; a CUDA forward pass, or the stack bench's fake, leaves
+    the CPU to the router. Set, it is what it says; the ranks resolve tokens they were not sent
+    only when steps ran ahead."""
     async def scenario() -> int:
         config = RouterConfig(overlap=setting, speculation=NO_SPECULATION)
         async with running_router([64, 64], config, device=device, step_delay_s=STEP_DELAY_S) as h:
