@@ -3,7 +3,7 @@
 Each step the scheduler plans a batch; the engine turns it into one `DecodeTask` that carries
 only what changed (new tokens, new pages, `new_request` on a request's first entry, releases),
 sends it to every rank, applies rank 0's sampled tokens and streams them to the requests'
-callers. With `overlap` on (on CUDA workers by default, see `RouterConfig.overlap`) the next step is planned
+callers. With `overlap` on (the default unless the workers run on the CPU, see `RouterConfig.overlap`) the next step is planned
 and sent while the workers run the current one (see `lookahead`). When any rank fails or misses
 the step deadline (`step_timeout_s`, counted for each step from when the engine starts waiting
 for it: after the step before it), every request ends with UNAVAILABLE, health goes NOT_SERVING
@@ -287,24 +287,31 @@ class Engine:
         cpu_started = time.thread_time()
         self._in_flight.pop(0)
         plan = flight.plan
-        sampling = [entry for entry in plan.entries if entry.sample]
+        sampling = plan.sampling
         tokens = result.tokens
-        if len(tokens) != len(sampling) or any(
-            entry.request.request_id != token.request_id for entry, token in zip(sampling, tokens)
-        ):
-            raise WorkerFault(
-                f"rank 0 sampled for other requests than task {flight.task.task_id} asked"
-            )
+        if len(tokens) != len(sampling):
+            raise WorkerFault(f"rank 0 sampled {len(tokens)} tokens for task {flight.task.task_id}'s "
+                              f"{len(sampling)} sampling requests")
+        # One pass over the result's tokens: each read of a proto field costs.
+        token_ids: list[int] = []
+        num_accepted: list[int] = []
+        num_outputs: list[int] = []
+        for entry, token in zip(sampling, tokens):
+            request = entry.request
+            if request.request_id != token.request_id:
+                raise WorkerFault(
+                    f"rank 0 sampled for other requests than task {flight.task.task_id} asked"
+                )
+            token_ids.append(token.token_id)
+            num_accepted.append(token.num_accepted_drafts)
+            num_outputs.append(request.num_output)
         self.metrics.step(plan, flight.started)
         now = time.monotonic()
         seconds = now - max(flight.started, self._last_result_at)
         self.costs.step_time(seconds)
         scheduler.observe_step(plan, seconds)  # what drafts cost (core/speculation.py)
         self._last_result_at = now
-        num_outputs = [entry.request.num_output for entry in sampling]
-        scheduler.complete(
-            plan, [token.token_id for token in tokens], [token.num_accepted_drafts for token in tokens],
-        )
+        scheduler.complete(plan, token_ids, num_accepted)
         for entry, token, num_output in zip(sampling, tokens, num_outputs):
             request = entry.request
             # A step yields the accepted drafts and the sampled token, up to a stop; a stale

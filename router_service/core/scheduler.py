@@ -132,7 +132,7 @@ class Scheduler:
         one step ahead under overlap) are discarded: their tokens are never emitted, and what
         they wrote never enters the cache (their pages were given back by `num_written`).
         """
-        sampling = [entry for entry in plan.entries if entry.sample]
+        sampling = plan.sampling
         if len(sampling) != len(token_ids):
             raise ValueError(f"{len(token_ids)} tokens for {len(sampling)} sampling entries")
         if num_accepted is None:

@@ -63,6 +63,20 @@ class StepPlan:
     ended: list[Request] = field(default_factory=list)
     # Positions the entries compute, in all (the sum of their `num_tokens`, kept as they are added).
     num_tokens: int = 0
+    # The entries that sample a token, in entry order: the step's result has one token for each.
+    sampling: list[ScheduledEntry] = field(default_factory=list)
+    # Whether the next step may be planned and sent before this one's result is back (overlap
+    # scheduling): only when every entry's `next_position_known`. Kept as entries are added.
+    allows_lookahead: bool = True
+
+    def add(self, entry: ScheduledEntry, num_tokens: int) -> None:
+        """Append `entry`, which computes `num_tokens` positions (its `num_tokens`)."""
+        self.entries.append(entry)
+        self.num_tokens += num_tokens
+        if entry.sample:
+            self.sampling.append(entry)
+        if not entry.next_position_known:
+            self.allows_lookahead = False
 
     @property
     def is_empty(self) -> bool:
@@ -71,10 +85,4 @@ class StepPlan:
     @property
     def sends_task(self) -> bool:
         return bool(self.entries or self.release_request_ids)
-
-    @property
-    def allows_lookahead(self) -> bool:
-        """Whether the next step may be planned and sent before this one's result is back
-        (overlap scheduling): only when every request's next position is known already."""
-        return all(entry.next_position_known for entry in self.entries)
 

@@ -43,3 +43,16 @@ def test_samples_the_paragraph_in_order_with_references_drafts_and_logprobs(smol
     # An entry that does not sample answers nothing (a prefill chunk before the last).
     assert not worker.run(worker_pb2.DecodeTask(task_id=4, entries=[
         worker_pb2.TaskEntry(request_id="c", new_request=new_request(False), token_ids=[1, 2])])).tokens
+
+
+def test_router_step_cost_runs_the_engine_with_overlap_over_the_fake(smollm2_dir) -> None:
+    """`bench.router_step_cost` drives the real engine and a Stream call over the fake called in
+    place: every stream decodes in every step (one token each, requests reopened as they end),
+    with overlap on by the default for the fake's device."""
+    import asyncio
+
+    from bench.router_step_cost import measure
+
+    us_per_step, tokens_per_step = asyncio.run(measure(8, 40, 16, str(smollm2_dir)))
+    assert 7.0 <= tokens_per_step <= 8.0  # a request's first token comes from its prefill step
+    assert us_per_step > 0
