@@ -9,8 +9,11 @@ import torch
 from radixserve.sampling import SamplingParams
 from worker_service import native
 from worker_service.sampling import Sample, SampleRow
+from worker_service.sampling.kernels import SamplingKernels
 
 KERNEL = native.load()
+# The sampling kernels' own bindings, for tests that call them without the sampler.
+SAMPLING = SamplingKernels(KERNEL.lib) if KERNEL is not None else None
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"the kernels do not build here: {native.failure()}")
 
 

@@ -15,7 +15,7 @@ from radixserve.sampling import SamplingParams
 from worker_service.sampling import Sampler, SampleRow
 from worker_service.sampling.torch_ops import apply_penalties, truncate
 
-from worker.sampling_helpers import KERNEL, assert_logprobs, needs_kernel, row
+from worker.sampling_helpers import KERNEL, SAMPLING, assert_logprobs, needs_kernel, row
 
 pytestmark = needs_kernel
 
@@ -60,7 +60,7 @@ def test_kernel_leaves_non_finite_rows_to_torch() -> None:
     params = SamplingParams(temperature=0.8, top_p=0.9)
     rows = [row(params)] * 6
     uniform = torch.rand(6, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    direct = KERNEL.sampling.sample_rows(logits, torch.full((6,), 0.8), torch.zeros(6, dtype=torch.int32),
+    direct = SAMPLING.sample_rows(logits, torch.full((6,), 0.8), torch.zeros(6, dtype=torch.int32),
                                 torch.full((6,), 0.9), torch.zeros(6), uniform)
     assert direct[[1, 2, 3]].tolist() == [-1, -1, -1] and bool((direct[[0, 4, 5]] >= 0).all())
     compiled, plain = kernel_and_torch_tokens(logits, rows, seed=4)
@@ -71,9 +71,9 @@ def test_kernel_rejects_mismatched_parameters() -> None:
     logits = torch.zeros(2, 10)
     ones = torch.ones(2)
     with pytest.raises(TypeError, match="top_k"):
-        KERNEL.sampling.sample_rows(logits, ones, torch.zeros(2), ones, torch.zeros(2), torch.zeros(2, dtype=torch.float64))
+        SAMPLING.sample_rows(logits, ones, torch.zeros(2), ones, torch.zeros(2), torch.zeros(2, dtype=torch.float64))
     with pytest.raises(TypeError, match="uniform"):
-        KERNEL.sampling.sample_rows(logits, ones, torch.zeros(2, dtype=torch.int32), ones, torch.zeros(2), torch.zeros(3))
+        SAMPLING.sample_rows(logits, ones, torch.zeros(2, dtype=torch.int32), ones, torch.zeros(2), torch.zeros(3))
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.9, top_p=0.9), SamplingParams(temperature=1.0),
@@ -154,14 +154,14 @@ def test_kernel_logprobs_leave_non_finite_rows_to_torch() -> None:
     logits = torch.randn(3, 100, generator=torch.Generator().manual_seed(1))
     logits[1, 4] = float("nan")
     chosen, row_ids = torch.tensor([0, 1, 2]), torch.tensor([2, 1, 0])
-    assert KERNEL.sampling.logprobs(logits, row_ids, chosen, 3) is None
+    assert SAMPLING.logprobs(logits, row_ids, chosen, 3) is None
     logits[1, 4] = 0.0
-    got = KERNEL.sampling.logprobs(logits, row_ids, chosen, 3)
+    got = SAMPLING.logprobs(logits, row_ids, chosen, 3)
     assert got is not None and torch.allclose(got[0], torch.log_softmax(logits, -1)[[2, 1, 0], [0, 1, 2]], atol=1e-6)
     with pytest.raises(ValueError, match="num_top"):
-        KERNEL.sampling.logprobs(logits, row_ids, chosen, 65)
+        SAMPLING.logprobs(logits, row_ids, chosen, 65)
     with pytest.raises(IndexError, match="row numbers"):
-        KERNEL.sampling.logprobs(logits, torch.tensor([0, 1, 3]), chosen, 3)
+        SAMPLING.logprobs(logits, torch.tensor([0, 1, 3]), chosen, 3)
     with_nan = torch.where(torch.arange(100) == 7, float("nan"), logits)
     rows = [row(SamplingParams(logprobs=True, top_logprobs=2))] * 3
     compiled = Sampler("cpu", seed=0, kernels=KERNEL).sample(with_nan, rows)
@@ -200,7 +200,7 @@ def test_argmax_rows_equal_torch_argmax_ties_and_infinities_included(cols, threa
     rows[2] = float("-inf")
     rows[3, cols - 1] = float("inf")
     rows[4, : cols // 2 + 1] = float("inf")
-    got = KERNEL.sampling.argmax_rows(rows)
+    got = SAMPLING.argmax_rows(rows)
     assert got is not None and got.dtype == torch.int64
     assert torch.equal(got, rows.argmax(dim=-1))
 
@@ -208,7 +208,7 @@ def test_argmax_rows_equal_torch_argmax_ties_and_infinities_included(cols, threa
 def test_argmax_rows_leave_a_nan_to_torch_and_the_sampler_agrees() -> None:
     rows = torch.randn(6, 300, generator=torch.Generator().manual_seed(3))
     rows[4, 7] = float("nan")
-    assert KERNEL.sampling.argmax_rows(rows) is None  # torch.argmax says where the NaN is
+    assert SAMPLING.argmax_rows(rows) is None  # torch.argmax says where the NaN is
     sample_rows = [SampleRow(SamplingParams(temperature=0.0), [1], 1) for _ in range(6)]
     with_kernel = Sampler("cpu", seed=0, kernels=KERNEL).sample(rows, sample_rows)
     without = Sampler("cpu", seed=0).sample(rows, sample_rows)
