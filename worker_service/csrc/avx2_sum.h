@@ -5,6 +5,7 @@
 
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
 
 namespace radix_avx2 {
@@ -22,7 +23,9 @@ inline float dot(const float* a, const float* b, int64_t count) {
   int64_t i = 0;
   for (; i + 8 <= count; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s);
   float rest = hsum(s);
-  for (; i < count; ++i) rest += a[i] * b[i];
+  // An explicit fused multiply-add: written as `rest += a[i] * b[i]`, the compiler may contract it
+  // or not in each place it is inlined, so one product's sums differed by the rows in its call.
+  for (; i < count; ++i) rest = std::fma(a[i], b[i], rest);
   return rest;
 }
 
