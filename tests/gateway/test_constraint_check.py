@@ -18,7 +18,10 @@ from radixserve.constraints import Constraint, ConstraintKind
 # ~60 KB of starred groups: llguidance's lexer construction runs for seconds on it whatever
 # its fuel limit (it fails in the end), so only stopping the process bounds it.
 SLOW_REGEX = "".join(f"(a|b{i % 10})*" for i in range(6000))
-TIMEOUT_S = 1.0
+# Well under the time SLOW_REGEX takes to fail on its own: llguidance gives up on its lexer (out
+# of fuel, "lexer precomputation failed") after ~0.9 s on a fast machine, so with a 1 s timeout
+# the timeout did not always come first. A valid constraint compiles in ~1-2 ms.
+TIMEOUT_S = 0.25
 # Stopping a compile includes starting its replacement process.
 STOPPED_WITHIN_S = TIMEOUT_S + 20
 VALID = Constraint(ConstraintKind.CHOICE, choices=("yes", "no"))
@@ -87,7 +90,7 @@ def test_one_client_holds_at_most_its_share(hf_tokenizer) -> None:
         await checker.start()
         try:
             first = asyncio.create_task(checker.check(slow(1), "attacker"))
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.05)  # well inside its TIMEOUT_S: it is still compiling
             with pytest.raises(ConstraintsBusy):
                 await checker.check(slow(2), "attacker")
             start = time.monotonic()
