@@ -3,14 +3,14 @@
 Each step the scheduler plans a batch; the engine turns it into one `DecodeTask` that carries
 only what changed (new tokens, new pages, `new_request` on a request's first entry, releases),
 sends it to every rank, applies rank 0's sampled tokens and streams them to the requests'
-callers. With `overlap` on (the default unless the workers run on the CPU, see `RouterConfig.overlap`) the next step is planned
-and sent while the workers run the current one (see `lookahead`). When any rank fails or misses
-the step deadline (`step_timeout_s`, counted for each step from when the engine starts waiting
-for it: after the step before it), every request ends with UNAVAILABLE, health goes NOT_SERVING
-and the engine reconnects every `reconnect_interval_s`; a new connection starts with
-`reset=True` and an empty cache (the workers' K/V can no longer be trusted). A task that every
-rank rejected (nothing applied) fails only its own requests (and those of the step sent on top
-of it).
+callers. With `overlap` on (the default unless the workers run on the CPU, see
+`RouterConfig.overlap`) the next step is planned and sent while the workers run the current one
+(see `lookahead`). When any rank fails or misses the step deadline (`step_timeout_s`, counted
+for each step from when the engine starts waiting for it: after the step before it), every
+request ends with UNAVAILABLE, health goes NOT_SERVING and the engine reconnects every
+`reconnect_interval_s`; a new connection starts with `reset=True` and an empty cache (the
+workers' K/V can no longer be trusted). A task that every rank rejected (nothing applied) fails
+only its own requests (and those of the step sent on top of it).
 """
 
 from __future__ import annotations
