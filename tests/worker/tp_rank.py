@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -34,8 +36,14 @@ def main() -> None:
     init_distributed(args.rank, args.world_size, "127.0.0.1", args.master_port, "cpu")
     results = [run_model(model_dir, args, dist) for model_dir in args.model]
     torch.save(results[0] if len(results) == 1 else results, args.out)
-    dist.barrier()
-    dist.destroy_process_group()
+    dist.barrier()  # every rank has saved what it saw
+    # Out without tearing the group down: gloo's threads sometimes end a rank with std::terminate
+    # while it exits ("terminate called without an active exception", on rank 0 in 1 of 3
+    # clean-clone runs of the suite), after its results were saved, which failed the test on the
+    # rank's exit status. Nothing of the test's is left to do or to flush but the output streams.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_model(model_dir: Path, args: argparse.Namespace, dist) -> dict:
