@@ -37,10 +37,10 @@ def main() -> None:
     results = [run_model(model_dir, args, dist) for model_dir in args.model]
     torch.save(results[0] if len(results) == 1 else results, args.out)
     dist.barrier()  # every rank has saved what it saw
-    # Out without tearing the group down: gloo's threads sometimes end a rank with std::terminate
-    # while it exits ("terminate called without an active exception", on rank 0 in 1 of 3
-    # clean-clone runs of the suite), after its results were saved, which failed the test on the
-    # rank's exit status. Nothing of the test's is left to do or to flush but the output streams.
+    # Out without tearing the group down, as the worker service's ranks leave: gloo's threads can
+    # end a process with std::terminate as it exits ("terminate called without an active
+    # exception": rank 0 in 1 of 3 clean-clone runs of the suite, failing the test on its exit
+    # status). Nothing of the test's is left to do or to flush but the output streams.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
