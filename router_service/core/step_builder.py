@@ -239,7 +239,7 @@ class StepBuilder:
             # (`lookahead`).
             may_draft_next=sample and self.speculate and request.draft.cooldown == 0,
         )
-        self.plan.add(entry, num_tokens + len(drafts))
+        self.plan.add(entry)
         request.num_pages_sent = len(request.page_table)
         # Drafts count as computed while the step is in flight (a step with drafts never has a
         # step planned behind it); `Scheduler.complete` then counts only what was kept.

@@ -69,10 +69,9 @@ class StepPlan:
     # scheduling): only when every entry's `next_position_known`. Kept as entries are added.
     allows_lookahead: bool = True
 
-    def add(self, entry: ScheduledEntry, num_tokens: int) -> None:
-        """Append `entry`, which computes `num_tokens` positions (its `num_tokens`)."""
+    def add(self, entry: ScheduledEntry) -> None:
         self.entries.append(entry)
-        self.num_tokens += num_tokens
+        self.num_tokens += entry.num_tokens
         if entry.sample:
             self.sampling.append(entry)
         if not entry.next_position_known:
