@@ -66,10 +66,7 @@ class AsyncClient(Endpoint):
         self, requests: Iterable[Mapping[str, Any]], *, timeout: float | None = None,
         window: int = DEFAULT_WINDOW, return_exceptions: bool = False,
     ) -> list[GenerateResult | RadixServeError]:
-        """Every request (each a mapping of `generate`'s arguments: prompt or messages, and
-        options) on one GenerateMany call, at most `window` open at once; the results in order.
-        A failed request raises its error once all have ended (or is in the list, with
-        `return_exceptions`); `timeout` bounds the whole call."""
+        """See `Client.generate_many`."""
         state = ManyRequests(requests, window)
         outgoing: asyncio.Queue[generation_pb2.ManyRequest | None] = asyncio.Queue()
 

@@ -171,9 +171,9 @@ def test_cancel_ends_one_request_on_the_router_and_the_rest_go_on(harness, token
 
 
 def test_a_cancel_right_behind_its_start_ends_the_request(harness, token_ids) -> None:
-    """Starts and cancels sent in one burst: a cancel may be read before its request's task has
-    run at all. Each request still ends with one CANCELLED update (or its finish, where it won the
-    race) and the call ends, instead of waiting on a request that never ran."""
+    """Starts and cancels sent in one burst over gRPC: each request ends with one CANCELLED update
+    and the call ends. (grpc.aio yields between the messages it reads, so here each request's task
+    has started before its cancel is read; the test below takes the order where it has not.)"""
     harness.script_all(token_ids * 20, delay_s=0.02)
     burst = []
     for index in range(MAX_OPEN):
