@@ -4,7 +4,9 @@ gateway sends there (the router's side, and why: router_service/request_stream.p
 Each request registers an inbox under its (unique) request id, opens itself on the call, and
 reads its updates from the inbox; one reader task per call hands each message's updates to
 their inboxes. A request that ends early (its caller cancelled, a stop string, its deadline)
-sends a cancel. Failures look as they would on Generate: a router's error update, the call
+sends a cancel. The call asks for bare tokens (radixserve/bare_tokens.py): a request's plain
+tokens come as packed columns of the router's message, and `generate` gives them as `BareTokens`,
+which read as the responses Generate would have streamed. Failures look as they would on Generate: a router's error update, the call
 breaking, or the deadline passing raise `grpc.aio.AioRpcError` with the status Generate would
 have ended with, so failover and the mapping to the caller's status stay as they are.
 """
@@ -20,7 +22,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 import grpc
 
 from gateway_service.mailbox import Mailbox
-from radixserve.v1 import router_pb2, router_pb2_grpc
+from radixserve import bare_tokens
+from radixserve.v1 import generation_pb2, router_pb2, router_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +46,7 @@ class RouterStream:
         on_load: Callable[[router_pb2.RouterLoad], None] | None = None,
     ) -> None:
         """`on_load` gets the router's load from every message that carries one."""
-        self._call = stub.Stream(metadata=metadata)
+        self._call = stub.Stream(metadata=(*(metadata or ()), bare_tokens.METADATA))
         self._on_load = on_load
         self._inboxes: dict[str, Mailbox] = {}
         self._write_lock = asyncio.Lock()
@@ -55,38 +58,48 @@ class RouterStream:
 
     async def generate(
         self, request: router_pb2.RouterGenerateRequest, deadline: float | None
-    ) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
+    ) -> AsyncIterator[router_pb2.RouterGenerateResponse | BareTokens]:
         """The request's responses, as Generate would stream them (`deadline` on
         `time.monotonic()`); raises `grpc.aio.AioRpcError` as Generate would end.
 
         Updates that arrived while the caller was busy with an earlier response (a caller
         behind the router's steps) come as one response: their tokens and logprobs in order,
         the last one's usage and finish reason, as the router's Generate merges what piled up
-        for a slow reader. A caller that keeps up gets one response per step."""
+        for a slow reader. A caller that keeps up gets one response per step. Bare tokens come
+        as `BareTokens`, which has what the gateway reads of a response."""
         if self.failed is not None:
             raise self.failed
         request_id = request.request_id
-        inbox: Mailbox = Mailbox()  # the request's updates, and at most one failure after them
+        # The request's updates and bare tokens (ints), and at most one failure after them.
+        inbox: Mailbox = Mailbox()
         self._inboxes[request_id] = inbox
         # The deadline is one timer that puts its error in the inbox, not a timeout per read.
         loop = asyncio.get_running_loop()
         timer = None if deadline is None else loop.call_at(
             loop.time() + deadline - time.monotonic(), inbox.put, _DEADLINE)
         ended = False
+        usage: generation_pb2.Usage | _Usage | None = None  # as the last response told it
         try:
             await self._write(router_pb2.RouterStreamRequest(open=request))
             while not ended:
                 items = await inbox.take()
-                if len(items) == 1 and _is_update(items[0]):  # a caller that keeps up: one step's update
-                    response = items[0].response
-                    ended = response.finish_reason != 0
-                    yield response
-                    continue
+                if len(items) == 1:  # a caller that keeps up: one step's token or update
+                    item = items[0]
+                    if type(item) is int:
+                        response = BareTokens([item], usage)
+                        usage = response.usage
+                        yield response
+                        continue
+                    if _is_update(item):
+                        response = item.response
+                        usage, ended = response.usage, response.finish_reason != 0
+                        yield response
+                        continue
                 end = next((i for i, item in enumerate(items) if not _is_update(item)), len(items))
-                updates = items[:end]
-                ended = any(update.response.finish_reason for update in updates)
-                if updates:
-                    yield _merged(updates)
+                if end:
+                    response = _merged(items[:end], usage)
+                    usage, ended = response.usage, response.finish_reason != 0
+                    yield response
                 if ended or end == len(items):
                     continue
                 failure = items[end]
@@ -126,6 +139,11 @@ class RouterStream:
                 if self._on_load is not None and message.HasField("load"):
                     self._on_load(message.load)
                 inboxes = self._inboxes
+                # A message's bare tokens come before its updates (router.proto).
+                for request_id, token_id in zip(message.bare_request_ids, message.bare_token_ids):
+                    inbox = inboxes.get(request_id)
+                    if inbox is not None:
+                        inbox.put(token_id)
                 for update in message.updates:
                     inbox = inboxes.get(update.request_id)
                     if inbox is not None:  # else: cancelled by its caller meanwhile
@@ -164,19 +182,62 @@ class RouterStream:
 
 
 def _is_update(item) -> bool:
-    return isinstance(item, router_pb2.RouterStreamUpdate) and not item.error_code
+    """An update or a bare token (not a failure)."""
+    return type(item) is int or isinstance(item, router_pb2.RouterStreamUpdate) and not item.error_code
 
 
-def _merged(updates: list[router_pb2.RouterStreamUpdate]) -> router_pb2.RouterGenerateResponse:
-    """One response for consecutive updates of a request: usage (cumulative) and finish reason
-    are the last one's."""
-    if len(updates) == 1:
-        return updates[0].response
+class _Usage:
+    """A request's usage as a bare token leaves it (reads as `generation_pb2.Usage`)."""
+
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "draft_tokens", "accepted_draft_tokens")
+
+    def __init__(self, before: generation_pb2.Usage | _Usage, num_tokens: int) -> None:
+        self.prompt_tokens = before.prompt_tokens
+        self.completion_tokens = before.completion_tokens + num_tokens
+        self.cached_tokens = before.cached_tokens
+        self.draft_tokens = before.draft_tokens
+        self.accepted_draft_tokens = before.accepted_draft_tokens
+
+
+class BareTokens:
+    """Bare tokens of one request (router.proto), read as a `RouterGenerateResponse`: the tokens,
+    no logprobs, no finish reason, and the usage they bring the request to."""
+
+    __slots__ = ("token_ids", "usage")
+    logprobs: Sequence[generation_pb2.TokenLogprob] = ()
+    finish_reason = generation_pb2.FINISH_REASON_UNSPECIFIED
+
+    def __init__(self, token_ids: list[int], before: generation_pb2.Usage | _Usage | None) -> None:
+        if before is None:  # the router sends a request's first tokens as an update
+            raise rpc_error(grpc.StatusCode.INTERNAL, "the router sent a bare token before the request's first update")
+        self.token_ids = token_ids
+        self.usage = _Usage(before, len(token_ids))
+
+
+def _merged(
+    items: list[router_pb2.RouterStreamUpdate | int], usage: generation_pb2.Usage | _Usage | None,
+) -> router_pb2.RouterGenerateResponse | BareTokens:
+    """One response for consecutive updates and bare tokens of a request, `usage` as the one
+    before them left it: usage (cumulative) and finish reason are the last one's."""
+    if len(items) == 1 and type(items[0]) is not int:
+        return items[0].response
+    if all(type(item) is int for item in items):
+        return BareTokens(items, usage)
     merged = router_pb2.RouterGenerateResponse()
-    for update in updates:
-        merged.token_ids.extend(update.response.token_ids)
-        merged.logprobs.extend(update.response.logprobs)
-    last = updates[-1].response
-    merged.usage.CopyFrom(last.usage)
-    merged.finish_reason = last.finish_reason
+    num_bare = 0  # bare tokens since the last update's usage
+    for item in items:
+        if type(item) is int:
+            merged.token_ids.append(item)
+            num_bare += 1
+            continue
+        response = item.response
+        merged.token_ids.extend(response.token_ids)
+        merged.logprobs.extend(response.logprobs)
+        merged.finish_reason = response.finish_reason
+        usage, num_bare = response.usage, 0
+    if usage is None:
+        raise rpc_error(grpc.StatusCode.INTERNAL, "the router sent a bare token before the request's first update")
+    last = _Usage(usage, num_bare)
+    for name in _Usage.__slots__:
+        setattr(merged.usage, name, getattr(last, name))
     return merged

@@ -7,6 +7,14 @@ docs/router-core.md).
 On a Stream call the caller opens and cancels requests, and the engine's events for all of them
 go back together: the engine hands a step's events over in one go (`Engine._flush`), and the
 call writes whatever has gathered since its last message as one message.
+A caller that says it reads them (radixserve/bare_tokens.py's call metadata, as the gateway does)
+gets a request's "bare" tokens, one token with nothing else new (no logprobs, not its last, the
+usage of its update before plus that token), as two packed columns of the message
+(`bare_request_ids`, `bare_token_ids`) instead of an update each: building and reading an update
+costs about a microsecond a token on each side, the columns a few for the whole message. A
+request's first update, its last, and any that says more are updates; the caller applies a
+message's bare tokens before its updates, so a request with an update in a message gets no bare
+token after it in that message.
 Every message carries the router's load (`RouterLoad`); while no request produces one, a message
 with the load alone goes out every `load_report_interval_s` when the load changed, so the
 gateways holding these calls route by current figures without asking.
@@ -38,14 +46,20 @@ _Pending = tuple[str, Request | None, StreamEvent, convert.UsageCounts | None]
 class RequestStream:
     """The requests open on one Stream call and the updates not yet written to it."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, bare_tokens: bool = False) -> None:
+        """`bare_tokens`: the caller reads bare tokens (see the module's docstring)."""
         self._engine = engine
+        self._bare_tokens = bare_tokens
         self._open: dict[str, Request] = {}  # by the caller's request id
         # The next message's updates, in order, as the events came: built into the message when
         # it is written (`_message`), so that handing a step's events over costs the engine
         # little (it does so before it awaits its task's send). An update of tokens carries the
         # request's `usage_counts` as they were then; a refusal or failure, the error.
         self._pending: list[_Pending] = []
+        # The next message's bare tokens, and the requests that have an update in it.
+        self._bare_ids: list[str] = []
+        self._bare_token_ids: list[int] = []
+        self._updated: set[str] = set()
         self._ready = asyncio.Event()
         self._caller_done = False
         self._report_due = True  # the first message: the load, before any request opens
@@ -61,7 +75,7 @@ class RequestStream:
             if caller_id in self._open:
                 raise InvalidRequest(f"request_id {caller_id!r} is already open on this call")
             request = convert.request_from_proto(message, self._engine.config.max_request_id_bytes)
-            self._engine.submit(request, _Sink(self, caller_id, request))
+            self._engine.submit(request, _Sink(self, caller_id, request, self._bare_tokens))
         except RouterError as exc:
             self._add_error(caller_id, exc)
             return
@@ -96,7 +110,7 @@ class RequestStream:
         while True:
             await self._ready.wait()
             self._ready.clear()
-            has_updates = bool(self._pending)
+            has_updates = bool(self._pending or self._bare_ids)
             if has_updates or self._report_due:
                 load = self._engine.load()
                 if has_updates or load != self._last_load:
@@ -108,13 +122,18 @@ class RequestStream:
                     self._report_due = False
                     self._report_timer = asyncio.get_running_loop().call_later(
                         self._engine.config.load_report_interval_s, self._report)
-            if self._caller_done and not self._open and not self._pending:
+            if self._caller_done and not self._open and not self._pending and not self._bare_ids:
                 return
 
     def _message(self) -> router_pb2.RouterStreamResponse:
         """The pending updates as one message (and none pending)."""
         pending, self._pending = self._pending, []
         message = router_pb2.RouterStreamResponse()
+        if self._bare_ids:
+            message.bare_request_ids.extend(self._bare_ids)
+            message.bare_token_ids.extend(self._bare_token_ids)
+            self._bare_ids, self._bare_token_ids = [], []
+        self._updated.clear()
         add = message.updates.add
         for caller_id, request, event, counts in pending:
             update = add()
@@ -131,16 +150,32 @@ class RequestStream:
         self._report_due = True
         self._ready.set()
 
-    def event(self, caller_id: str, request: Request, event: StreamEvent) -> None:
-        """One of the engine's events for an open request (see `_Sink`)."""
+    def event(self, caller_id: str, request: Request, reported: list[int] | None, event: StreamEvent) -> None:
+        """One of the engine's events for an open request (see `_Sink`). `reported`: where the
+        caller reads bare tokens, the request's usage as its last update or bare token told it
+        (completion, drafted and accepted tokens; completion -1 before its first update)."""
         if self._open.get(caller_id) is not request:
             return  # cancelled by the caller while the event waited in the engine's outbox
         if event.error is not None or event.finished:
             self._open.pop(caller_id, None)
-        self._pending.append((caller_id, request, event, convert.usage_counts(request)))
+        elif reported is not None and len(event.token_ids) == 1 and not event.logprobs:
+            draft = request.draft
+            if (reported[0] == request.num_output - 1 and reported[1] == draft.num_drafted
+                    and reported[2] == draft.num_accepted and caller_id not in self._updated):
+                reported[0] += 1
+                self._bare_ids.append(caller_id)
+                self._bare_token_ids.append(event.token_ids[0])
+                self._ready.set()
+                return
+        counts = convert.usage_counts(request)
+        if reported is not None:
+            reported[:] = counts
+            self._updated.add(caller_id)
+        self._pending.append((caller_id, request, event, counts))
         self._ready.set()
 
     def _add_error(self, caller_id: str, error: RouterError) -> None:
+        self._updated.add(caller_id)  # a refused duplicate's id may be open: keep its order
         self._pending.append((caller_id, None, StreamEvent(error=error), None))
         self._ready.set()
 
@@ -150,7 +185,8 @@ class _Sink:
 
     __slots__ = ("put_nowait",)
 
-    def __init__(self, stream: RequestStream, caller_id: str, request: Request) -> None:
+    def __init__(self, stream: RequestStream, caller_id: str, request: Request, bare_tokens: bool) -> None:
         # `RequestStream.event` bound to the request, without a Python frame of its own: the
         # engine calls it for every request in every step.
-        self.put_nowait: Callable[[StreamEvent], None] = functools.partial(stream.event, caller_id, request)
+        reported = [-1, 0, 0] if bare_tokens else None
+        self.put_nowait: Callable[[StreamEvent], None] = functools.partial(stream.event, caller_id, request, reported)

@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 
+from radixserve import bare_tokens
 from radixserve.v1 import router_pb2, router_pb2_grpc
 from router_service import convert
 from router_service.core.request import Request
@@ -74,7 +75,8 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
     ) -> AsyncIterator[router_pb2.RouterStreamResponse]:
         """Many requests of one caller on one call, each step's updates in one message
         (request_stream.py). The call ending cancels what is still open on it."""
-        stream = RequestStream(self.engine)
+        metadata = context.invocation_metadata() or ()
+        stream = RequestStream(self.engine, any(tuple(item) == bare_tokens.METADATA for item in metadata))
 
         async def read() -> None:
             try:

@@ -48,11 +48,13 @@ def test_samples_the_paragraph_in_order_with_references_drafts_and_logprobs(smol
 def test_router_step_cost_runs_the_engine_with_overlap_over_the_fake(smollm2_dir) -> None:
     """`bench.router_step_cost` drives the real engine and a Stream call over the fake called in
     place: every stream decodes in every step (one token each, requests reopened as they end),
-    with overlap on by the default for the fake's device."""
+    with overlap on by the default for the fake's device; the tokens are counted whether the call
+    sends them bare or as updates."""
     import asyncio
 
     from bench.router_step_cost import measure
 
-    us_per_step, tokens_per_step = asyncio.run(measure(8, 40, 16, str(smollm2_dir)))
-    assert 7.0 <= tokens_per_step <= 8.0  # a request's first token comes from its prefill step
-    assert us_per_step > 0
+    for bare_tokens in (True, False):
+        us_per_step, tokens_per_step = asyncio.run(measure(8, 40, 16, str(smollm2_dir), bare_tokens))
+        assert 7.0 <= tokens_per_step <= 8.0  # a request's first token comes from its prefill step
+        assert us_per_step > 0

@@ -32,6 +32,8 @@ class FakeRouterState:
     requests: list[router_pb2.RouterGenerateRequest] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
+    # Tokens a Stream call sent bare (fake_stream_router.py).
+    num_bare_tokens: int = 0
 
 
 class FakeRouter(router_pb2_grpc.RouterServiceServicer):

@@ -2,7 +2,8 @@
 router's steps) go out as one chunk (gRPC message, SSE event), and the client sees exactly what
 one chunk per token gives: tokens, text, logprobs, finish reason and usage, also when a stop
 string ends the output inside such a group. The reference is the same request streamed one
-update at a time, and `OutputAssembler` fed one token at a time."""
+update at a time, and `OutputAssembler` fed one token at a time. Without logprobs the router
+sends most tokens bare (router.proto), so the groups mix bare tokens and updates."""
 
 from __future__ import annotations
 
@@ -41,15 +42,17 @@ def token_ids(tokenizer) -> list[int]:
     return ids
 
 
-def grpc_chunks(harness: GatewayHarness, stop: list[str]) -> list[generation_pb2.GenerateResponse]:
-    request = generation_pb2.GenerateRequest(prompt="hello", max_tokens=200, stop=stop, logprobs=True,
-                                             top_logprobs=TOP, ignore_eos=True)
+def grpc_chunks(harness: GatewayHarness, stop: list[str], logprobs: bool) -> list[generation_pb2.GenerateResponse]:
+    request = generation_pb2.GenerateRequest(prompt="hello", max_tokens=200, stop=stop, logprobs=logprobs,
+                                             top_logprobs=TOP if logprobs else 0, ignore_eos=True)
     return list(harness.stub.Generate(request, timeout=30))
 
 
-def http_events(harness: GatewayHarness, stop: list[str]) -> list[dict]:
-    body = {"model": "fake-smollm2", "prompt": "hello", "max_tokens": 200, "stop": stop, "logprobs": TOP,
+def http_events(harness: GatewayHarness, stop: list[str], logprobs: bool) -> list[dict]:
+    body = {"model": "fake-smollm2", "prompt": "hello", "max_tokens": 200, "stop": stop,
             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    if logprobs:
+        body["logprobs"] = TOP
     url = f"http://127.0.0.1:{harness.gateway.http.port}/v1/completions"
     events = []
     with httpx.stream("POST", url, json=body, timeout=30) as reply:
@@ -62,23 +65,28 @@ def http_events(harness: GatewayHarness, stop: list[str]) -> list[dict]:
 
 def http_summary(events: list[dict]) -> dict:
     choices = [event["choices"][0] for event in events if event["choices"]]
+    logprobs = [choice["logprobs"] or {} for choice in choices]
     return {
         "text": "".join(choice["text"] for choice in choices),
-        "tokens": [t for choice in choices for t in choice["logprobs"]["tokens"]],
-        "token_logprobs": [t for choice in choices for t in choice["logprobs"]["token_logprobs"]],
-        "top_logprobs": [t for choice in choices for t in choice["logprobs"]["top_logprobs"]],
+        "tokens": [t for lp in logprobs for t in lp.get("tokens", [])],
+        "token_logprobs": [t for lp in logprobs for t in lp.get("token_logprobs", [])],
+        "top_logprobs": [t for lp in logprobs for t in lp.get("top_logprobs", [])],
         "finish_reason": choices[-1]["finish_reason"],
         "usage": events[-1]["usage"],
     }
 
 
+@pytest.mark.parametrize("logprobs", [True, False], ids=["logprobs", "bare-tokens"])
 @pytest.mark.parametrize("stop", [[STOP], []], ids=["stop-string", "length"])
-def test_grpc_coalesced_stream_equals_one_token_at_a_time(harness, tokenizer, token_ids, stop) -> None:
+def test_grpc_coalesced_stream_equals_one_token_at_a_time(harness, tokenizer, token_ids, stop, logprobs) -> None:
     harness.script_all(token_ids, chunk_size=1, delay_s=ONE_BY_ONE_DELAY_S)
-    one_by_one = grpc_chunks(harness, stop)
+    one_by_one = grpc_chunks(harness, stop, logprobs)
     harness.script_all(token_ids, chunk_size=GROUP)
-    coalesced = grpc_chunks(harness, stop)
+    coalesced = grpc_chunks(harness, stop, logprobs)
     assert stream_summary(coalesced) == stream_summary(one_by_one)
+    assert bool(stream_summary(coalesced)["logprobs"]) == logprobs
+    # Without logprobs most tokens went bare: the gateway reads them as it reads updates.
+    assert (harness.routers[0].state.num_bare_tokens > len(token_ids) // 2) != logprobs
     # The groups did go out as one chunk each (the reference had a chunk per token or nearly).
     assert len(coalesced) <= len(token_ids) // GROUP + 2 < len(one_by_one)
     # And both are what the assembler gives fed one token at a time.
@@ -97,12 +105,14 @@ def test_grpc_coalesced_stream_equals_one_token_at_a_time(harness, tokenizer, to
         assert stream_summary(coalesced)["finish_reason"] == generation_pb2.FINISH_REASON_STOP
 
 
+@pytest.mark.parametrize("logprobs", [True, False], ids=["logprobs", "bare-tokens"])
 @pytest.mark.parametrize("stop", [[STOP], []], ids=["stop-string", "length"])
-def test_http_coalesced_stream_equals_one_token_at_a_time(harness, token_ids, stop) -> None:
+def test_http_coalesced_stream_equals_one_token_at_a_time(harness, token_ids, stop, logprobs) -> None:
     harness.script_all(token_ids, chunk_size=1, delay_s=ONE_BY_ONE_DELAY_S)
-    one_by_one = http_events(harness, stop)
+    one_by_one = http_events(harness, stop, logprobs)
     harness.script_all(token_ids, chunk_size=GROUP)
-    coalesced = http_events(harness, stop)
+    coalesced = http_events(harness, stop, logprobs)
+    assert (harness.routers[0].state.num_bare_tokens > len(token_ids) // 2) != logprobs
     assert http_summary(coalesced) == http_summary(one_by_one)
     assert len(coalesced) < len(one_by_one)
     expected_text = TEXT[:TEXT.index(STOP)] if stop else TEXT

@@ -13,6 +13,7 @@ import grpc
 import pytest
 
 from gateway_service.router_stream import RouterStream
+from radixserve import bare_tokens
 from radixserve.v1 import generation_pb2, router_pb2
 from router.fake_model import EOS_TOKEN_ID, expected_tokens
 from router.harness import generate_request, running_router, settled
@@ -69,6 +70,50 @@ def test_many_requests_on_one_call_get_generates_tokens_a_step_per_message() -> 
             # Requests that run together come back together: far fewer messages than updates.
             assert max(sizes) >= 8
             assert len(sizes) < sum(sizes) / 3
+            await settled(h)
+            assert not h.workers[0].errors
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_bare_tokens_and_updates_give_what_updates_alone_give() -> None:
+    """A caller that asks for bare tokens: applying each message's bare tokens, then its updates,
+    gives every request its tokens in order; first and last tokens, and every token of a request
+    with logprobs, come as updates; the last update's usage counts the bare tokens."""
+
+    async def scenario() -> None:
+        config = RouterConfig(max_batch_tokens=64, max_running_requests=16)
+        async with running_router([300], config, eos_every=EOS_EVERY, step_delay_s=0.002) as h:
+            rng = random.Random(12)
+            cases = {f"r{i}": ([rng.randrange(3, 64) for _ in range(rng.randrange(1, 30))], rng.randrange(1, 40))
+                     for i in range(12)}
+            call = h.stub.Stream(metadata=(bare_tokens.METADATA,))
+            for index, (request_id, (prompt, max_tokens)) in enumerate(cases.items()):
+                await call.write(opened(generate_request(prompt, max_tokens, logprobs=index % 4 == 0,
+                                                         request_id=request_id)))
+            await call.done_writing()
+            tokens: dict[str, list[int]] = {request_id: [] for request_id in cases}
+            last = {}
+            num_bare = 0
+            async for message in call:
+                assert len(message.bare_request_ids) == len(message.bare_token_ids)
+                for request_id, token_id in zip(message.bare_request_ids, message.bare_token_ids):
+                    assert tokens[request_id], "a bare token before the request's first update"
+                    assert request_id not in last and int(request_id[1:]) % 4, "bare: a last token, or with logprobs"
+                    tokens[request_id].append(token_id)
+                    num_bare += 1
+                for update in message.updates:
+                    assert update.error_code == 0, update.error_message
+                    tokens[update.request_id].extend(update.response.token_ids)
+                    if update.response.finish_reason:
+                        last[update.request_id] = update.response
+            for request_id, (prompt, max_tokens) in cases.items():
+                want = expected_tokens(prompt, max_tokens, eos_every=EOS_EVERY)
+                assert tokens[request_id] == want
+                assert last[request_id].usage.completion_tokens == len(want)
+                assert last[request_id].usage.prompt_tokens == len(prompt)
+            assert num_bare > sum(len(t) for t in tokens.values()) // 3
             await settled(h)
             assert not h.workers[0].errors
 
@@ -264,3 +309,52 @@ def test_updates_built_at_write_time_report_usage_as_of_their_step() -> None:
     assert all(update.response.usage.prompt_tokens == 3 for update in (first, last))
     assert refused.error_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert message.load.num_running == 1
+
+
+@pytest.mark.timeout(10)
+def test_bare_tokens_keep_their_order_behind_an_update_of_the_same_message() -> None:
+    """Built at write time, with bare tokens: a request's first token is an update, and so is
+    every later one in that message (the caller reads bare tokens first); in the next message
+    its tokens go bare up to the last, an update again. A refused duplicate of an open id makes
+    that request's later tokens in the message updates too."""
+
+    async def scenario() -> list[router_pb2.RouterStreamResponse]:
+        engine = _OneRequestEngine()
+        stream = RequestStream(engine, bare_tokens=True)  # type: ignore[arg-type]
+        stream.open(generate_request([5, 6, 7], 6, request_id="a"))
+        request = engine.request
+        messages = []
+        responses = stream.responses()
+        await anext(responses)  # the load, before any request's update
+
+        def step(token: int, finish: FinishReason | None = None) -> None:
+            request.token_ids.append(token)
+            request.num_output += 1
+            request.finish_reason = finish
+            engine.sink.put_nowait(StreamEvent([token], finished=finish is not None))
+
+        step(9)
+        step(10)
+        messages.append(await anext(responses))
+        step(11)
+        stream.open(generate_request([5], 2, request_id="a"))  # refused: "a" is open
+        step(12)
+        messages.append(await anext(responses))
+        step(13)
+        step(14, FinishReason.LENGTH)
+        stream.caller_done()
+        messages.extend([message async for message in responses])
+        stream.close()
+        return messages
+
+    first, second, third = asyncio.run(scenario())
+    assert not first.bare_request_ids
+    assert [list(u.response.token_ids) for u in first.updates] == [[9], [10]]
+    assert list(second.bare_token_ids) == [11] and list(second.bare_request_ids) == ["a"]
+    assert [u.error_code != 0 for u in second.updates] == [True, False]
+    assert list(second.updates[1].response.token_ids) == [12]
+    assert second.updates[1].response.usage.completion_tokens == 4
+    assert list(third.bare_token_ids) == [13]
+    (final,) = third.updates
+    assert list(final.response.token_ids) == [14] and final.response.usage.completion_tokens == 6
+    assert final.response.finish_reason == generation_pb2.FINISH_REASON_LENGTH
