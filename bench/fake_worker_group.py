@@ -5,8 +5,11 @@
 It serves the real `WorkerService` (GetWorkerInfo, Execute) over gRPC, so the router drives it
 exactly as it drives real workers: it keeps each request's position, honours `reset`,
 releases and the overlap references (`sampled_in_task`), and answers every task in order. A
-task is answered `--step-ms` after the rank could start it (the later of its arrival and the
-previous task's answer), as a forward pass of that length would be. The sampled tokens walk
+task is answered `--step-ms` after the rank could start it, as a forward pass of that length
+would be: the later of its arrival (stamped by a reader of its own, so a task sent ahead, as
+overlap scheduling does, counts from when it came, not from when the rank got round to reading
+it) and the previous task's end as scheduled (a GPU does not oversleep as the event loop's
+timers do: that lateness is the fake's, not the stack's, and is not carried into the next step). The sampled tokens walk
 through a paragraph tokenized with the model's own tokenizer, so the gateway detokenizes real
 text; logprobs are sent when a request asks for them. It costs little CPU of its own, so what
 the benchmark measures is the gateway's and the router's.
@@ -75,17 +78,33 @@ class FakeWorkerGroup(worker_pb2_grpc.WorkerServiceServicer):
 
     async def Execute(self, request_iterator: AsyncIterator[worker_pb2.DecodeTask], context) -> AsyncIterator[worker_pb2.TaskResult]:
         loop = asyncio.get_running_loop()
-        free_at = loop.time()  # when the rank finished its previous task
-        async for task in request_iterator:
-            arrived = loop.time()
-            start = max(arrived, free_at)
-            result = self.run(task)
-            result.idle_before_s = max(0.0, arrived - free_at)
-            free_at = start + self.step_s
-            delay = free_at - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            yield result
+        arrivals: asyncio.Queue[tuple[worker_pb2.DecodeTask | None, float]] = asyncio.Queue()
+
+        async def read() -> None:
+            try:
+                async for task in request_iterator:
+                    arrivals.put_nowait((task, loop.time()))
+            finally:
+                arrivals.put_nowait((None, 0.0))
+
+        reader = asyncio.ensure_future(read())
+        free_at = loop.time()  # when the rank's previous task ended, as scheduled
+        try:
+            while True:
+                task, arrived = await arrivals.get()
+                if task is None:
+                    await reader  # its error, if the call broke
+                    return
+                start = max(arrived, free_at)
+                result = self.run(task)
+                result.idle_before_s = max(0.0, arrived - free_at)
+                free_at = start + self.step_s
+                delay = free_at - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                yield result
+        finally:
+            reader.cancel()
 
     def run(self, task: worker_pb2.DecodeTask) -> worker_pb2.TaskResult:
         result = worker_pb2.TaskResult(task_id=task.task_id, rank=0)
