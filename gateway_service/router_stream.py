@@ -140,7 +140,12 @@ class RouterStream:
                     self._on_load(message.load)
                 inboxes = self._inboxes
                 # A message's bare tokens come before its updates (router.proto).
-                for request_id, token_id in zip(message.bare_request_ids, message.bare_token_ids):
+                bare_ids, bare_token_ids = message.bare_request_ids, message.bare_token_ids
+                if len(bare_ids) != len(bare_token_ids):  # a router bug: no telling whose token is whose
+                    self._call.cancel()
+                    raise rpc_error(grpc.StatusCode.INTERNAL, f"the router sent {len(bare_token_ids)} bare tokens "
+                                                              f"for {len(bare_ids)} request ids")
+                for request_id, token_id in zip(bare_ids, bare_token_ids):
                     inbox = inboxes.get(request_id)
                     if inbox is not None:
                         inbox.put(token_id)
