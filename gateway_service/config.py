@@ -56,7 +56,7 @@ class GatewayConfig:
                                     "the router (among those the memory names within their bound, and the "
                                     "first in its order) costing the least of the two (0: the memory's "
                                     "routers in their order while within their bound)", min=0)
-    prefix_memory_entries: int = setting(65536, "prompt prefixes remembered with the routers they went to, so a "
+    prefix_memory_entries: int = setting(262144, "prompt prefixes remembered with the routers they went to, so a "
                                          "conversation's next turn meets its cached history (0: none)", min=0)
     prefix_memory_stride: int = setting(64, "tokens between the prefixes remembered of one prompt", min=1)
     prefix_memory_holders: int = setting(16, "routers remembered per prefix, most recent first (a hot prefix "
