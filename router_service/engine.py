@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from radixserve.sampling import logit_bias_problems
 from radixserve.security import Security
@@ -55,9 +55,20 @@ class StreamEvent:
 
 
 class EventSink(Protocol):
-    """Where one request's events go: Generate's queue, or a Stream call's (request_stream.py)."""
+    """Where one request's events go: Generate's queue, or a Stream call's (request_stream.py).
+    `put_token` is an event of one token and nothing else (no logprobs, not the request's last):
+    the common one, which a sink may take without the engine building a `StreamEvent`."""
 
     def put_nowait(self, event: StreamEvent) -> None: ...
+
+    def put_token(self, token_id: int) -> None: ...
+
+
+class EventQueue(asyncio.Queue):
+    """An `EventSink` that queues every event (Generate's)."""
+
+    def put_token(self, token_id: int) -> None:
+        self.put_nowait(StreamEvent([token_id], []))
 
 
 class Engine:
@@ -84,8 +95,9 @@ class Engine:
         self.overlap = bool(config.overlap)
         self._on_health = on_health
         self._streams: dict[str, EventSink] = {}
-        # Events not yet handed to their callers (see `_flush`).
-        self._outbox: list[tuple[EventSink, StreamEvent]] = []
+        # Events not yet handed to their callers (see `_flush`): each a sink's method (put_nowait,
+        # put_token) and its argument.
+        self._outbox: list[tuple[Callable[[Any], None], StreamEvent | int]] = []
         self._cancelled: list[Request] = []
         # Tasks sent whose results are not back, oldest first: at most two (one ahead).
         self._in_flight: list[InFlightStep] = []
@@ -322,6 +334,11 @@ class Engine:
             if request.pooling is not None:  # its one "token" is the vector
                 self._send(request, StreamEvent(finished=True, embedding=list(token.embedding)))
                 continue
+            if num_new == 1 and request.finish_reason is None and not request.sampling.logprobs:
+                queue = self._streams.get(request.request_id)
+                if queue is not None:  # else: cancelled while its step was in flight
+                    self._outbox.append((queue.put_token, request.token_ids[-1]))
+                continue
             logprobs = convert.step_logprobs(token, num_new) if request.sampling.logprobs else []
             self._send(request, StreamEvent(
                 request.token_ids[-num_new:], logprobs, finished=request.finish_reason is not None,
@@ -344,7 +361,7 @@ class Engine:
         queue = self._streams.get(request.request_id)
         if queue is None:
             return  # cancelled while its step was in flight
-        self._outbox.append((queue, event))
+        self._outbox.append((queue.put_nowait, event))
         if event.finished or event.error:
             del self._streams[request.request_id]
             self.metrics.ended(request.request_id)
@@ -355,8 +372,8 @@ class Engine:
         task, or before it waits with none sent. Callers only take the event here (a Stream
         call builds its message when it writes): this runs before a task's send."""
         outbox, self._outbox = self._outbox, []
-        for queue, event in outbox:
-            queue.put_nowait(event)
+        for put, item in outbox:
+            put(item)
 
     async def _fail(self, error: RouterError) -> None:
         """End every request with `error` and drop the connection (it reconnects and resets)."""

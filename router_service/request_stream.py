@@ -150,6 +150,13 @@ class RequestStream:
         self._report_due = True
         self._ready.set()
 
+    def token(self, caller_id: str, request: Request, reported: list[int] | None, token_id: int) -> None:
+        """An event of one token and nothing else (see `EventSink.put_token`)."""
+        if self._open.get(caller_id) is not request:
+            return  # cancelled by the caller while the token waited in the engine's outbox
+        if reported is None or not self._bare(caller_id, request, reported, token_id):
+            self._update(caller_id, request, reported, StreamEvent([token_id], []))
+
     def event(self, caller_id: str, request: Request, reported: list[int] | None, event: StreamEvent) -> None:
         """One of the engine's events for an open request (see `_Sink`). `reported`: where the
         caller reads bare tokens, the request's usage as its last update or bare token told it
@@ -158,15 +165,26 @@ class RequestStream:
             return  # cancelled by the caller while the event waited in the engine's outbox
         if event.error is not None or event.finished:
             self._open.pop(caller_id, None)
-        elif reported is not None and len(event.token_ids) == 1 and not event.logprobs:
-            draft = request.draft
-            if (reported[0] == request.num_output - 1 and reported[1] == draft.num_drafted
-                    and reported[2] == draft.num_accepted and caller_id not in self._updated):
-                reported[0] += 1
-                self._bare_ids.append(caller_id)
-                self._bare_token_ids.append(event.token_ids[0])
-                self._ready.set()
-                return
+        elif (reported is not None and len(event.token_ids) == 1 and not event.logprobs
+              and self._bare(caller_id, request, reported, event.token_ids[0])):
+            return
+        self._update(caller_id, request, reported, event)
+
+    def _bare(self, caller_id: str, request: Request, reported: list[int], token_id: int) -> bool:
+        """Put the token in the next message's bare columns if an update would say nothing more
+        (its usage one completion token past the last one told, and no update of the request in
+        that message yet); False: it must be an update."""
+        draft = request.draft
+        if (reported[0] != request.num_output - 1 or reported[1] != draft.num_drafted
+                or reported[2] != draft.num_accepted or caller_id in self._updated):
+            return False
+        reported[0] += 1
+        self._bare_ids.append(caller_id)
+        self._bare_token_ids.append(token_id)
+        self._ready.set()
+        return True
+
+    def _update(self, caller_id: str, request: Request, reported: list[int] | None, event: StreamEvent) -> None:
         counts = convert.usage_counts(request)
         if reported is not None:
             reported[:] = counts
@@ -183,10 +201,11 @@ class RequestStream:
 class _Sink:
     """Where the engine puts one request's events (in place of Generate's queue)."""
 
-    __slots__ = ("put_nowait",)
+    __slots__ = ("put_nowait", "put_token")
 
     def __init__(self, stream: RequestStream, caller_id: str, request: Request, bare_tokens: bool) -> None:
         # `RequestStream.event` bound to the request, without a Python frame of its own: the
         # engine calls it for every request in every step.
         reported = [-1, 0, 0] if bare_tokens else None
         self.put_nowait: Callable[[StreamEvent], None] = functools.partial(stream.event, caller_id, request, reported)
+        self.put_token: Callable[[int], None] = functools.partial(stream.token, caller_id, request, reported)

@@ -13,7 +13,7 @@ from radixserve import bare_tokens
 from radixserve.v1 import router_pb2, router_pb2_grpc
 from router_service import convert
 from router_service.core.request import Request
-from router_service.engine import Engine, StreamEvent
+from router_service.engine import Engine, EventQueue, StreamEvent
 from router_service.errors import RouterError, WorkersUnavailable
 from router_service.request_stream import RequestStream
 
@@ -103,7 +103,7 @@ class RouterService(router_pb2_grpc.RouterServiceServicer):
         A `RouterError` aborts the call with its status."""
         try:
             request = from_proto(message, self.engine.config.max_request_id_bytes)
-            queue: asyncio.Queue[StreamEvent] = asyncio.Queue()
+            queue = EventQueue()
             self.engine.submit(request, queue)
         except RouterError as exc:
             await context.abort(*convert.status_of(exc))
