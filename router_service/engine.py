@@ -20,13 +20,12 @@ import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from radixserve.sampling import logit_bias_problems
 from radixserve.security import Security
 from radixserve.serving import NO_SECURITY
-from radixserve.v1 import generation_pb2, router_pb2, worker_pb2
+from radixserve.v1 import router_pb2, worker_pb2
 from router_service import convert
 from router_service.config import RouterConfig
 from router_service.core.request import FinishReason, Request
@@ -34,41 +33,13 @@ from router_service.core.scheduler import Scheduler
 from router_service.core.stats import SchedulerStats
 from router_service.core.step_costs import StepCosts
 from router_service.errors import InvalidRequest, QueueFull, RouterError, WorkersUnavailable
+from router_service.events import EventSink, StreamEvent
 from router_service.lookahead import InFlightStep
 from router_service.metrics import RouterMetrics
 from router_service.worker_group import TaskRejected, WorkerFault, WorkerGroup
 from router_service.workers_info import resolve_overlap, summarize
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class StreamEvent:
-    """New tokens for one request; `finished` on its last event; `error` when it failed."""
-
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)
-    finished: bool = False
-    error: RouterError | None = None
-    # An embedding request's vector (on its one, finished, event).
-    embedding: list[float] = field(default_factory=list)
-
-
-class EventSink(Protocol):
-    """Where one request's events go: Generate's queue, or a Stream call's (request_stream.py).
-    `put_token` is an event of one token and nothing else (no logprobs, not the request's last):
-    the common one, which a sink may take without the engine building a `StreamEvent`."""
-
-    def put_nowait(self, event: StreamEvent) -> None: ...
-
-    def put_token(self, token_id: int) -> None: ...
-
-
-class EventQueue(asyncio.Queue):
-    """An `EventSink` that queues every event (Generate's)."""
-
-    def put_token(self, token_id: int) -> None:
-        self.put_nowait(StreamEvent([token_id], []))
 
 
 class Engine:

@@ -33,7 +33,8 @@ from collections.abc import AsyncIterator, Callable
 from radixserve.v1 import router_pb2
 from router_service import convert
 from router_service.core.request import Request
-from router_service.engine import Engine, StreamEvent
+from router_service.engine import Engine
+from router_service.events import StreamEvent
 from router_service.errors import InvalidRequest, RouterError
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,8 @@ from radixserve import bare_tokens
 from radixserve.v1 import router_pb2, router_pb2_grpc
 from router_service import convert
 from router_service.core.request import Request
-from router_service.engine import Engine, EventQueue, StreamEvent
+from router_service.engine import Engine
+from router_service.events import EventQueue, StreamEvent
 from router_service.errors import RouterError, WorkersUnavailable
 from router_service.request_stream import RequestStream
 

@@ -19,7 +19,7 @@ from router.fake_model import EOS_TOKEN_ID, expected_tokens
 from router.harness import generate_request, running_router, settled
 from router_service.config import RouterConfig
 from router_service.core.request import FinishReason, Request
-from router_service.engine import EventSink, StreamEvent
+from router_service.events import EventSink, StreamEvent
 from router_service.request_stream import RequestStream
 
 EOS_EVERY = 40
@@ -312,11 +312,13 @@ def test_updates_built_at_write_time_report_usage_as_of_their_step() -> None:
 
 
 @pytest.mark.timeout(10)
-def test_bare_tokens_keep_their_order_behind_an_update_of_the_same_message() -> None:
+@pytest.mark.parametrize("as_token", [True, False], ids=["put_token", "put_nowait"])
+def test_bare_tokens_keep_their_order_behind_an_update_of_the_same_message(as_token: bool) -> None:
     """Built at write time, with bare tokens: a request's first token is an update, and so is
     every later one in that message (the caller reads bare tokens first); in the next message
     its tokens go bare up to the last, an update again. A refused duplicate of an open id makes
-    that request's later tokens in the message updates too."""
+    that request's later tokens in the message updates too. The same whether the engine hands a
+    plain token over as it is (`put_token`) or as an event."""
 
     async def scenario() -> list[router_pb2.RouterStreamResponse]:
         engine = _OneRequestEngine()
@@ -331,7 +333,10 @@ def test_bare_tokens_keep_their_order_behind_an_update_of_the_same_message() -> 
             request.token_ids.append(token)
             request.num_output += 1
             request.finish_reason = finish
-            engine.sink.put_nowait(StreamEvent([token], finished=finish is not None))
+            if as_token and finish is None:
+                engine.sink.put_token(token)
+            else:
+                engine.sink.put_nowait(StreamEvent([token], finished=finish is not None))
 
         step(9)
         step(10)
