@@ -9,10 +9,10 @@ task is answered `--step-ms` after the rank could start it, as a forward pass of
 would be: the later of its arrival (stamped by a reader of its own, so a task sent ahead, as
 overlap scheduling does, counts from when it came, not from when the rank got round to reading
 it) and the previous task's end as scheduled (a GPU does not oversleep as the event loop's
-timers do: that lateness is the fake's, not the stack's, and is not carried into the next step). The sampled tokens walk
-through a paragraph tokenized with the model's own tokenizer, so the gateway detokenizes real
-text; logprobs are sent when a request asks for them. It costs little CPU of its own, so what
-the benchmark measures is the gateway's and the router's.
+timers do: that lateness is the fake's, not the stack's, and is not carried into the next
+step). The sampled tokens walk through a paragraph tokenized with the model's own tokenizer, so
+the gateway detokenizes real text; logprobs are sent when a request asks for them. It costs
+little CPU of its own, so what the benchmark measures is the gateway's and the router's.
 """
 
 from __future__ import annotations

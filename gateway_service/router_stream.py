@@ -6,9 +6,10 @@ reads its updates from the inbox; one reader task per call hands each message's 
 their inboxes. A request that ends early (its caller cancelled, a stop string, its deadline)
 sends a cancel. The call asks for bare tokens (radixserve/bare_tokens.py): a request's plain
 tokens come as packed columns of the router's message, and `generate` gives them as `BareTokens`,
-which read as the responses Generate would have streamed. Failures look as they would on Generate: a router's error update, the call
-breaking, or the deadline passing raise `grpc.aio.AioRpcError` with the status Generate would
-have ended with, so failover and the mapping to the caller's status stay as they are.
+which read as the responses Generate would have streamed. Failures look as they would on
+Generate: a router's error update, the call breaking, or the deadline passing raise
+`grpc.aio.AioRpcError` with the status Generate would have ended with, so failover and the
+mapping to the caller's status stay as they are.
 """
 
 from __future__ import annotations
@@ -83,21 +84,12 @@ class RouterStream:
             await self._write(router_pb2.RouterStreamRequest(open=request))
             while not ended:
                 items = await inbox.take()
-                if len(items) == 1:  # a caller that keeps up: one step's token or update
-                    item = items[0]
-                    if type(item) is int:
-                        response = BareTokens([item], usage)
-                        usage = response.usage
-                        yield response
-                        continue
-                    if _is_update(item):
-                        response = item.response
-                        usage, ended = response.usage, response.finish_reason != 0
-                        yield response
-                        continue
-                end = next((i for i, item in enumerate(items) if not _is_update(item)), len(items))
+                if len(items) == 1 and _is_update(items[0]):  # a caller that keeps up: one step's token or update
+                    end = 1
+                else:
+                    end = next((i for i, item in enumerate(items) if not _is_update(item)), len(items))
                 if end:
-                    response = _merged(items[:end], usage)
+                    response = _merged(items if end == len(items) else items[:end], usage)
                     usage, ended = response.usage, response.finish_reason != 0
                     yield response
                 if ended or end == len(items):
@@ -191,6 +183,11 @@ def _is_update(item) -> bool:
     return type(item) is int or isinstance(item, router_pb2.RouterStreamUpdate) and not item.error_code
 
 
+def _bare_first() -> grpc.aio.AioRpcError:
+    """A router bug: it sends a request's first tokens as an update, which tells their usage."""
+    return rpc_error(grpc.StatusCode.INTERNAL, "the router sent a bare token before the request's first update")
+
+
 class _Usage:
     """A request's usage as a bare token leaves it (reads as `generation_pb2.Usage`)."""
 
@@ -213,8 +210,8 @@ class BareTokens:
     finish_reason = generation_pb2.FINISH_REASON_UNSPECIFIED
 
     def __init__(self, token_ids: list[int], before: generation_pb2.Usage | _Usage | None) -> None:
-        if before is None:  # the router sends a request's first tokens as an update
-            raise rpc_error(grpc.StatusCode.INTERNAL, "the router sent a bare token before the request's first update")
+        if before is None:
+            raise _bare_first()
         self.token_ids = token_ids
         self.usage = _Usage(before, len(token_ids))
 
@@ -232,6 +229,8 @@ def _merged(
     num_bare = 0  # bare tokens since the last update's usage
     for item in items:
         if type(item) is int:
+            if usage is None:
+                raise _bare_first()
             merged.token_ids.append(item)
             num_bare += 1
             continue
@@ -240,8 +239,6 @@ def _merged(
         merged.logprobs.extend(response.logprobs)
         merged.finish_reason = response.finish_reason
         usage, num_bare = response.usage, 0
-    if usage is None:
-        raise rpc_error(grpc.StatusCode.INTERNAL, "the router sent a bare token before the request's first update")
     last = _Usage(usage, num_bare)
     for name in _Usage.__slots__:
         setattr(merged.usage, name, getattr(last, name))

@@ -159,16 +159,14 @@ class RequestStream:
             self._update(caller_id, request, reported, StreamEvent([token_id], []))
 
     def event(self, caller_id: str, request: Request, reported: list[int] | None, event: StreamEvent) -> None:
-        """One of the engine's events for an open request (see `_Sink`). `reported`: where the
-        caller reads bare tokens, the request's usage as its last update or bare token told it
-        (completion, drafted and accepted tokens; completion -1 before its first update)."""
+        """One of the engine's events for an open request (see `_Sink`): always an update (the
+        engine hands a plain token over by `token`). `reported`: where the caller reads bare
+        tokens, the request's usage as its last update or bare token told it (completion, drafted
+        and accepted tokens; completion -1 before its first update)."""
         if self._open.get(caller_id) is not request:
             return  # cancelled by the caller while the event waited in the engine's outbox
         if event.error is not None or event.finished:
             self._open.pop(caller_id, None)
-        elif (reported is not None and len(event.token_ids) == 1 and not event.logprobs
-              and self._bare(caller_id, request, reported, event.token_ids[0])):
-            return
         self._update(caller_id, request, reported, event)
 
     def _bare(self, caller_id: str, request: Request, reported: list[int], token_id: int) -> bool:

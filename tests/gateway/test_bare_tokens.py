@@ -61,6 +61,8 @@ def test_a_bare_token_before_any_update_is_the_routers_fault() -> None:
     assert caught.value.code() == grpc.StatusCode.INTERNAL
     with pytest.raises(grpc.aio.AioRpcError):
         _merged([5, 6], None)
+    with pytest.raises(grpc.aio.AioRpcError):  # bare before the first update, in a mix
+        _merged([5, update([6], 2)], None)
 
 
 class _MismatchedColumnsRouter(router_pb2_grpc.RouterServiceServicer):
