@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from bench.processes import take_harness_priority
 from radixserve.serving import start_server
 from radixserve.v1 import worker_pb2, worker_pb2_grpc
 
@@ -159,7 +160,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--step-ms", type=float, default=5.0)
     parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--realtime", action="store_true",
+                        help="run under SCHED_FIFO where permitted (bench.processes.take_harness_priority)")
     args = parser.parse_args()
+    if args.realtime:
+        take_harness_priority()
     asyncio.run(serve(args.port, args.step_ms / 1000, args.model))
 
 
