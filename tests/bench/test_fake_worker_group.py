@@ -58,3 +58,18 @@ def test_router_step_cost_runs_the_engine_with_overlap_over_the_fake(smollm2_dir
         us_per_step, tokens_per_step = asyncio.run(measure(8, 40, 16, str(smollm2_dir), bare_tokens))
         assert 7.0 <= tokens_per_step <= 8.0  # a request's first token comes from its prefill step
         assert us_per_step > 0
+
+
+def test_gateway_token_cost_streams_every_request_through_the_servicer(smollm2_dir) -> None:
+    """`bench.gateway_token_cost` runs GenerateMany's path over a Stream call answered in place:
+    every open request gets a token in every step (first and last as updates, the rest bare),
+    requests reopen as they end, and every token reaches the call's messages."""
+    import argparse
+    import asyncio
+
+    from bench.gateway_token_cost import measure
+
+    args = argparse.Namespace(streams=8, steps=40, max_tokens=16, model=str(smollm2_dir))
+    us_per_token, us_per_step, tokens = asyncio.run(measure(args))
+    assert tokens == 8 * 40  # one token per stream per measured step
+    assert 0 < us_per_token and us_per_step == us_per_token * 8
