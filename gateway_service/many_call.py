@@ -32,7 +32,7 @@ from gateway_service.mailbox import Mailbox
 from radixserve.v1 import generation_pb2
 
 # A response message holds at most this many updates, and stops growing past this many bytes
-# (estimated), so one message stays well under any receive limit.
+# (the chunks' serialized sizes), so one message stays well under any receive limit.
 MAX_UPDATES_PER_MESSAGE = 512
 MAX_MESSAGE_BYTES = 1 << 20
 # Updates waiting for the writer past which the call stops reading new requests until the writer
@@ -169,7 +169,7 @@ def _messages(items: list[Item]) -> list[generation_pb2.ManyResponse]:
         update.id = request_id
         if chunk is not None:
             update.response.CopyFrom(chunk)
-            size += _estimated_bytes(chunk)
+            size += chunk.ByteSize()
         else:
             code, text = error
             update.code = code.value[0]
@@ -178,8 +178,3 @@ def _messages(items: list[Item]) -> list[generation_pb2.ManyResponse]:
         count += 1
     return messages
 
-
-def _estimated_bytes(chunk: generation_pb2.GenerateResponse) -> int:
-    if chunk.logprobs or chunk.tool_calls:
-        return chunk.ByteSize()
-    return 16 + 3 * len(chunk.text) + 5 * len(chunk.token_ids)

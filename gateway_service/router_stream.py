@@ -29,6 +29,7 @@ from radixserve.v1 import generation_pb2, router_pb2, router_pb2_grpc
 log = logging.getLogger(__name__)
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "cached_tokens", "draft_tokens", "accepted_draft_tokens")
 _DEADLINE = object()  # what a request's deadline timer puts in its inbox
 # How long a failed write waits for the call's own status from the reader.
 WRITE_FAILURE_WAIT_S = 5.0
@@ -189,16 +190,38 @@ def _bare_first() -> grpc.aio.AioRpcError:
 
 
 class _Usage:
-    """A request's usage as a bare token leaves it (reads as `generation_pb2.Usage`)."""
+    """A request's usage as a bare token leaves it (reads as `generation_pb2.Usage`): the last
+    update's, taken once, plus the bare tokens since. Made for every bare token, so it holds two
+    fields and reads the rest on demand (few read it: see `GenerationServicer`)."""
 
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens", "draft_tokens", "accepted_draft_tokens")
+    __slots__ = ("_base", "_extra")
 
     def __init__(self, before: generation_pb2.Usage | _Usage, num_tokens: int) -> None:
-        self.prompt_tokens = before.prompt_tokens
-        self.completion_tokens = before.completion_tokens + num_tokens
-        self.cached_tokens = before.cached_tokens
-        self.draft_tokens = before.draft_tokens
-        self.accepted_draft_tokens = before.accepted_draft_tokens
+        if type(before) is _Usage:
+            self._base, self._extra = before._base, before._extra + num_tokens
+        else:
+            self._base = tuple(getattr(before, name) for name in USAGE_FIELDS)
+            self._extra = num_tokens
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self._base[0]
+
+    @property
+    def completion_tokens(self) -> int:
+        return self._base[1] + self._extra
+
+    @property
+    def cached_tokens(self) -> int:
+        return self._base[2]
+
+    @property
+    def draft_tokens(self) -> int:
+        return self._base[3]
+
+    @property
+    def accepted_draft_tokens(self) -> int:
+        return self._base[4]
 
 
 class BareTokens:
@@ -221,8 +244,9 @@ def _merged(
 ) -> router_pb2.RouterGenerateResponse | BareTokens:
     """One response for consecutive updates and bare tokens of a request, `usage` as the one
     before them left it: usage (cumulative) and finish reason are the last one's."""
-    if len(items) == 1 and type(items[0]) is not int:
-        return items[0].response
+    if len(items) == 1:
+        item = items[0]
+        return BareTokens(items, usage) if type(item) is int else item.response
     if all(type(item) is int for item in items):
         return BareTokens(items, usage)
     merged = router_pb2.RouterGenerateResponse()
@@ -240,6 +264,6 @@ def _merged(
         merged.finish_reason = response.finish_reason
         usage, num_bare = response.usage, 0
     last = _Usage(usage, num_bare)
-    for name in _Usage.__slots__:
+    for name in USAGE_FIELDS:
         setattr(merged.usage, name, getattr(last, name))
     return merged

@@ -37,6 +37,7 @@ from gateway_service.output import OutputAssembler
 from gateway_service.pooling_config import PoolingConfig
 from gateway_service.reasoning import ReasoningSplitter, opens_inside_block
 from gateway_service.router_choice import RouterPool
+from gateway_service.router_stream import BareTokens
 from gateway_service.text_pool import TextPool
 from gateway_service.tokenizer import Tokenizer
 from gateway_service.validation import (
@@ -292,14 +293,23 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         log.debug("request %s: %d prompt tokens, max_tokens %d", request_id, len(prompt_ids), max_tokens)
         async with contextlib.aclosing(self._pool.generate_failing_over(routed, deadline)) as stream:
             async for response in stream:
-                token_ids, logprobs, usage = response.token_ids, response.logprobs, response.usage
-                args = (token_ids, logprobs, response.finish_reason, usage.cached_tokens,
-                        (usage.draft_tokens, usage.accepted_draft_tokens))
-                # A decode step's token is detokenized here: a thread hand-off would cost more.
-                if assembler.is_cheap(token_ids, logprobs):
-                    chunk = assembler.add(*args)
+                if type(response) is BareTokens:
+                    # Plain tokens (most of a stream): nothing but the tokens is new, so the
+                    # usage, drafts and finish reason are not read.
+                    token_ids = response.token_ids
+                    if assembler.is_cheap(token_ids):
+                        chunk = assembler.add(token_ids)
+                    else:
+                        chunk = await self._text.decode(assembler.add, token_ids)
                 else:
-                    chunk = await self._text.decode(assembler.add, *args)
+                    token_ids, logprobs, usage = response.token_ids, response.logprobs, response.usage
+                    args = (token_ids, logprobs, response.finish_reason, usage.cached_tokens,
+                            (usage.draft_tokens, usage.accepted_draft_tokens))
+                    # A decode step's token is detokenized here: a thread hand-off would cost more.
+                    if assembler.is_cheap(token_ids, logprobs):
+                        chunk = assembler.add(*args)
+                    else:
+                        chunk = await self._text.decode(assembler.add, *args)
                 if chunk is not None:
                     if splitter is not None:
                         splitter.apply(chunk)

@@ -381,7 +381,7 @@ def test_a_large_outbox_goes_out_in_bounded_messages_in_order() -> None:
     """More updates than a message holds (MAX_UPDATES_PER_MESSAGE), and chunks past the byte
     bound, split over several messages, every update once and in order; wake-ups send nothing."""
     small = [(i, pb.GenerateResponse(text="x", token_ids=[i]), None) for i in range(600)]
-    big = pb.GenerateResponse(text="y" * (many_call.MAX_MESSAGE_BYTES // 2))
+    big = pb.GenerateResponse(text="y" * many_call.MAX_MESSAGE_BYTES)  # past the bound alone
     items = [None, *small, None, (700, big, None), (701, big, None), (702, None, (grpc.StatusCode.CANCELLED, "c"))]
     messages = many_call._messages(items)
     assert [len(m.updates) for m in messages] == [many_call.MAX_UPDATES_PER_MESSAGE, 600 - 512 + 1, 1, 1]
