@@ -25,8 +25,10 @@ class IncrementalDetokenizer:
     tokens from `read_offset` on are not emitted yet.
     """
 
-    def __init__(self, decode: Callable[[Sequence[int]], str]) -> None:
+    def __init__(self, decode: Callable[[Sequence[int]], str], decode_one: Callable[[int], str] | None = None) -> None:
+        """`decode_one(t)`, where given, is `decode([t])` (a cheaper way to the same text)."""
         self._decode = decode
+        self._decode_one = decode_one
         self._token_ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
@@ -38,9 +40,15 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Append one token; return the text that is now final (possibly empty)."""
-        self._token_ids.append(token_id)
-        prefix_text = self._decode(self._token_ids[self._prefix_offset:self._read_offset])
-        full_text = self._decode(self._token_ids[self._prefix_offset:])
+        token_ids = self._token_ids
+        token_ids.append(token_id)
+        start, end = self._prefix_offset, self._read_offset
+        # The left context is the one token emitted last at almost every step.
+        if end - start == 1 and self._decode_one is not None:
+            prefix_text = self._decode_one(token_ids[start])
+        else:
+            prefix_text = self._decode(token_ids[start:end])
+        full_text = self._decode(token_ids[start:])
         if len(full_text) <= len(prefix_text) or full_text.endswith(REPLACEMENT_CHAR):
             # Nothing new, or the newest bytes do not make a whole character yet.
             return ""

@@ -34,7 +34,7 @@ class OutputAssembler:
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str], prompt_len: int) -> None:
         self._tokenizer = tokenizer
-        self._detokenizer = IncrementalDetokenizer(tokenizer.decode)
+        self._detokenizer = IncrementalDetokenizer(tokenizer.decode, tokenizer.decode_one)
         self._matcher = StopStringMatcher(stop)
         self._has_stops = bool(stop)
         self._prompt_len = prompt_len

@@ -13,6 +13,9 @@ from gateway_service.errors import InvalidRequest
 from radixserve.model_source import load_tokenizer, resolve_model
 from radixserve.v1 import generation_pb2
 
+# Single tokens whose text `decode_one` keeps (a vocabulary's worth for most models: a few MB).
+MAX_REMEMBERED_TOKENS = 1 << 18
+
 
 class Tokenizer:
     """Prompt and chat encoding, decoding, and the text of single tokens."""
@@ -32,6 +35,8 @@ class Tokenizer:
         backend = getattr(hf_tokenizer, "backend_tokenizer", None)
         cleans_up = getattr(hf_tokenizer, "clean_up_tokenization_spaces", False)
         self._backend_decode = backend.decode if backend is not None and not cleans_up else None
+        # Output text of single tokens (`decode_one`), filled as tokens are met.
+        self._one: dict[int, str] = {}
 
     @classmethod
     def load(cls, model: str | Path) -> "Tokenizer":
@@ -74,6 +79,7 @@ class Tokenizer:
         if added is None or not added.special or added.content != text:
             return None
         self._kept_ids.add(token_id)
+        self._one.clear()  # its text is output from now on
         return token_id
 
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -90,6 +96,16 @@ class Tokenizer:
                 start = index + 1
         pieces.append(self._decode(token_ids[start:], True))
         return "".join(pieces)
+
+    def decode_one(self, token_id: int) -> str:
+        """`decode([token_id])`, remembered: the detokenizer's left context is one token at
+        almost every step (detokenizer.py), so a lookup saves a decode per streamed token."""
+        text = self._one.get(token_id)
+        if text is None:
+            text = self.decode([token_id])
+            if len(self._one) < MAX_REMEMBERED_TOKENS:
+                self._one[token_id] = text
+        return text
 
     def decode_all(self, token_ids: Sequence[int]) -> str:
         """Any token ids as text, special tokens included (Detokenize, echoed prompts)."""

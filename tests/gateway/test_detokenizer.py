@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 from gateway_service.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 
 
-def pieces_for(tokenizer, token_ids: list[int]) -> tuple[list[str], str]:
-    detok = IncrementalDetokenizer(tokenizer.decode)
+def pieces_for(tokenizer, token_ids: list[int], remembered: bool = True) -> tuple[list[str], str]:
+    """As the gateway detokenizes (`remembered`: single tokens' text looked up, `decode_one`)."""
+    detok = IncrementalDetokenizer(tokenizer.decode, tokenizer.decode_one if remembered else None)
     pieces = [detok.add(t) for t in token_ids]
     return pieces, detok.flush()
 
@@ -58,6 +59,27 @@ def test_arbitrary_token_ids_join_to_the_whole_decode(tokenizer, ids):
     pieces, tail = pieces_for(tokenizer, ids)
     assert "".join(pieces) + tail == tokenizer.decode(ids)
     assert not any(p.endswith(REPLACEMENT_CHAR) for p in pieces)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=49151), max_size=30))
+def test_remembered_single_tokens_give_the_same_pieces(tokenizer, ids):
+    assert pieces_for(tokenizer, ids) == pieces_for(tokenizer, ids, remembered=False)
+
+
+def test_a_special_token_kept_after_its_text_was_remembered_is_output(tokenizer):
+    """`keep_special` forgets what `decode_one` remembered: a kept special token's text is
+    output from then on, also as the detokenizer's left context."""
+    from gateway_service.tokenizer import Tokenizer
+
+    fresh = Tokenizer(tokenizer.hf)
+    special = fresh.hf.convert_tokens_to_ids("<|im_start|>")
+    assert fresh.decode_one(special) == ""  # skipped, and remembered
+    assert fresh.keep_special("<|im_start|>") == special
+    assert fresh.decode_one(special) == "<|im_start|>" == fresh.decode([special])
+    ids = [special, *fresh.encode_prompt("ok"), special]
+    pieces, tail = pieces_for(fresh, ids)
+    assert "".join(pieces) + tail == fresh.decode(ids) == "<|im_start|>ok<|im_start|>"
 
 
 def test_window_holds_what_is_held_back_and_shrinks_once_text_is_out(tokenizer):
