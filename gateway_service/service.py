@@ -293,23 +293,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         log.debug("request %s: %d prompt tokens, max_tokens %d", request_id, len(prompt_ids), max_tokens)
         async with contextlib.aclosing(self._pool.generate_failing_over(routed, deadline)) as stream:
             async for response in stream:
-                if type(response) is BareTokens:
-                    # Plain tokens (most of a stream): nothing but the tokens is new, so the
-                    # usage, drafts and finish reason are not read.
-                    token_ids = response.token_ids
-                    if assembler.is_cheap(token_ids):
-                        chunk = assembler.add(token_ids)
-                    else:
-                        chunk = await self._text.decode(assembler.add, token_ids)
+                if type(response) is BareTokens:  # plain tokens: usage, drafts, finish as they were
+                    args = (response.token_ids,)
                 else:
-                    token_ids, logprobs, usage = response.token_ids, response.logprobs, response.usage
-                    args = (token_ids, logprobs, response.finish_reason, usage.cached_tokens,
+                    usage = response.usage
+                    args = (response.token_ids, response.logprobs, response.finish_reason, usage.cached_tokens,
                             (usage.draft_tokens, usage.accepted_draft_tokens))
-                    # A decode step's token is detokenized here: a thread hand-off would cost more.
-                    if assembler.is_cheap(token_ids, logprobs):
-                        chunk = assembler.add(*args)
-                    else:
-                        chunk = await self._text.decode(assembler.add, *args)
+                # A decode step's token is detokenized here: a thread hand-off would cost more.
+                if assembler.is_cheap(*args[:2]):
+                    chunk = assembler.add(*args)
+                else:
+                    chunk = await self._text.decode(assembler.add, *args)
                 if chunk is not None:
                     if splitter is not None:
                         splitter.apply(chunk)
