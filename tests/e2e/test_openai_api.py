@@ -248,6 +248,9 @@ def test_metrics_match_requests_and_getstats(api, grpc_client, stack) -> None:
     assert delta(gateway, gateway_before, "radixserve:generation_tokens_total") == generated
     assert delta(gateway, gateway_before, "radixserve:time_to_first_token_seconds_count") == 3
     assert delta(gateway, gateway_before, "radixserve:e2e_request_latency_seconds_count") == 3
+    # A gap for every token after each request's first chunk (its first token, or a few).
+    assert 0 < delta(gateway, gateway_before, "radixserve:inter_token_latency_seconds_count") <= generated - 3
+    assert delta(gateway, gateway_before, "radixserve:inter_token_latency_seconds_sum") > 0
     # The router's counters are GetStats' numbers, and its cache hits are the gateway's cached tokens.
     assert total(router, "radixserve:prefix_cache_queries_total", model_name=MODEL) == stats.prompt_tokens
     assert total(router, "radixserve:prefix_cache_hits_total") == stats.cache_hit_tokens
