@@ -69,10 +69,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime
 
 
-# The stack bench's harness (its fake worker group and its load generator) asks for this
-# real-time priority: they stand for a GPU, whose steps do not wait for this machine's cores, and
-# for a client on another machine. Without it their own timers and reads wait behind the stack's
-# processes on a small machine, and that wait is counted as the stack's (see bench.stack_bench).
+# The stack bench's fake worker group asks for this real-time priority: it stands for a GPU,
+# whose steps do not wait for this machine's cores. Without it the fake's timer and reads wait
+# behind the stack's processes on a small machine, and that wait is counted as the stack's (see
+# bench.stack_bench).
 HARNESS_RT_PRIORITY = 5
 
 

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from bench.processes import take_harness_priority
 from radixserve.serving import CHANNEL_OPTIONS
 from radixserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -203,10 +202,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--window", type=float, nargs=2, required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--realtime", action="store_true",
-                        help="run under SCHED_FIFO where permitted (bench.processes.take_harness_priority)")
     args = parser.parse_args()
-    realtime = take_harness_priority() if args.realtime else False
     tally = Tally(tuple(args.window))
     if args.api == "grpc":
         run = run_grpc(args.target, args.streams, args.max_tokens, tally)
@@ -217,7 +213,7 @@ def main() -> None:
     asyncio.run(run)
     with open(args.out, "w") as out:
         json.dump({"tokens": tally.tokens, "gaps_ms": tally.gaps_ms, "errors": tally.errors[:5],
-                   "num_errors": len(tally.errors), "realtime": realtime}, out)
+                   "num_errors": len(tally.errors)}, out)
 
 
 if __name__ == "__main__":
