@@ -283,9 +283,13 @@ def _chat_events(header: bodies.ResponseHeader, body: ChatCompletionRequest, num
         if index is None:
             return [sse.event(header.body(choices=[], usage=totals.body(1)))] if body.include_usage else []
         totals.add(index, chunk)
-        first = index not in started
+        if index in started:
+            if (chunk.text and not chunk.finish_reason and not body.logprobs and not chunk.reasoning_text
+                    and not chunk.tool_calls):
+                return [chunks.content(index, chunk.text)]  # a step's text, as most are
+            return [chunks.chunk([bodies.chat_delta(index, chunk, body.logprobs, False)])]
         started.add(index)
-        return [chunks.chunk([bodies.chat_delta(index, chunk, body.logprobs, first)])]
+        return [chunks.chunk([bodies.chat_delta(index, chunk, body.logprobs, True)])]
 
     return events
 
@@ -308,10 +312,13 @@ def _completion_events(header: bodies.ResponseHeader, body: CompletionRequest,
         if index is None:
             return [sse.event(header.body(choices=[], usage=totals.body(num_prompts)))] if body.include_usage else []
         totals.add(index, chunk)
-        text = unsent.pop(index, "") + chunk.text
+        text = unsent.pop(index, "") + chunk.text if unsent else chunk.text
+        offset = offsets[index]
+        offsets[index] = offset + len(text)
+        if not with_logprobs and not chunk.finish_reason:
+            return [chunks.text(index, text)]  # a step's text, as most are
         choice = bodies.completion_choice(index, text, chunk.logprobs if with_logprobs else None,
-                                          chunk.finish_reason, offsets[index])
-        offsets[index] += len(text)
+                                          chunk.finish_reason, offset)
         return [chunks.chunk([choice])]
 
     return events

@@ -9,6 +9,7 @@ time, keys in the same order.
 from __future__ import annotations
 
 import json
+from json.encoder import encode_basestring_ascii
 
 from gateway_service.openai_api.responses import ResponseHeader
 
@@ -38,3 +39,18 @@ class ChunkEvents:
 
     def chunk(self, choices: list[dict]) -> bytes:
         return self._prefix + _JSON.encode(choices).encode() + self._suffix
+
+    # Most of a stream is one choice's new text and nothing else: those events are written from
+    # a template, the same bytes as `chunk` of that choice (`_JSON` escapes to ASCII, as
+    # `encode_basestring_ascii` does) at a tenth of the encoding's cost.
+
+    def text(self, index: int, text: str) -> bytes:
+        """`chunk([completion_choice(index, text, None, unspecified)])`."""
+        return b"".join((self._prefix, b'[{"index":%d,"text":' % index, encode_basestring_ascii(text).encode(),
+                         b',"logprobs":null,"finish_reason":null}]', self._suffix))
+
+    def content(self, index: int, text: str) -> bytes:
+        """`chunk([chat_delta(index, chunk, False, False)])` of a chunk with `text` alone."""
+        return b"".join((self._prefix, b'[{"index":%d,"delta":{"content":' % index,
+                         encode_basestring_ascii(text).encode(), b'},"logprobs":null,"finish_reason":null}]',
+                         self._suffix))

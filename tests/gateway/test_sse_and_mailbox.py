@@ -12,10 +12,13 @@ import asyncio
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway_service.mailbox import Mailbox
 from gateway_service.openai_api import responses as bodies
 from gateway_service.openai_api import sse
+from radixserve.v1 import generation_pb2 as pb
 
 
 @pytest.mark.parametrize("with_usage", [True, False])
@@ -52,3 +55,17 @@ def test_mailbox_hands_over_every_item_once_in_order() -> None:
         return taken
 
     assert asyncio.run(run()) == [[1, 2], [3, 4], [5]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(min_size=1, max_size=40), index=st.integers(min_value=0, max_value=300), with_usage=st.booleans())
+def test_a_text_events_template_writes_the_bytes_of_the_encoded_choice(text, index, with_usage) -> None:
+    """`ChunkEvents.text` / `.content` (a step's new text alone) equal encoding the choice the
+    general way, for any text: quotes, controls, non-ASCII, lone surrogates."""
+    header = bodies.ResponseHeader("cmpl-x", "text_completion", 1, "m\"odel")
+    events = sse.ChunkEvents(header, with_usage)
+    choice = bodies.completion_choice(index, text, None, pb.FINISH_REASON_UNSPECIFIED)
+    assert events.text(index, text) == events.chunk([choice])
+    delta = bodies.chat_delta(index, pb.GenerateResponse(text=text.encode("utf-8", "surrogatepass").decode(
+        "utf-8", "replace")), False, False)
+    assert events.content(index, delta["delta"]["content"]) == events.chunk([delta])
