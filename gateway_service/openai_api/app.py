@@ -312,7 +312,7 @@ def _completion_events(header: bodies.ResponseHeader, body: CompletionRequest,
         if index is None:
             return [sse.event(header.body(choices=[], usage=totals.body(num_prompts)))] if body.include_usage else []
         totals.add(index, chunk)
-        text = unsent.pop(index, "") + chunk.text if unsent else chunk.text
+        text = (unsent.pop(index, "") + chunk.text) if unsent else chunk.text
         offset = offsets[index]
         offsets[index] = offset + len(text)
         if not with_logprobs and not chunk.finish_reason:
