@@ -222,22 +222,23 @@ class StepBuilder:
         if drafts:
             token_ids += drafts
         sample = start + num_tokens == num_known + request.num_unresolved
+        # Positional (the fields' order), once per request per step: keywords cost a tenth more.
         entry = ScheduledEntry(
-            request=request,
-            token_ids=token_ids,
-            start_position=start,
-            new_page_ids=request.page_table[request.num_pages_sent :],
-            sample=sample,
-            new_request=new_request,
-            cached_token_ids=known_ids[:start] if new_request else [],
+            request,
+            token_ids,
+            start,  # start_position
+            request.page_table[request.num_pages_sent :],  # new_page_ids
+            sample,
+            new_request,
+            known_ids[:start] if new_request else [],  # cached_token_ids
             # A token sampled in the step in flight is referred to, not carried (`lookahead`).
-            after_sampled=start == num_known,
-            admitted_at=request.admitted_at,
-            num_draft_tokens=len(drafts),
+            start == num_known,  # after_sampled
+            request.admitted_at,
+            len(drafts),  # num_draft_tokens
             # A request that samples now may draft next step, if drafts are on for this kind of
             # step and it is not pausing: that step must then wait for this one's tokens
             # (`lookahead`).
-            may_draft_next=sample and self.speculate and request.draft.cooldown == 0,
+            sample and self.speculate and request.draft.cooldown == 0,  # may_draft_next
         )
         self.plan.add(entry)
         request.num_pages_sent = len(request.page_table)
