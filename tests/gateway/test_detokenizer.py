@@ -122,3 +122,21 @@ def test_decoding_matches_the_transformers_tokenizer(tokenizer, ids):
     assert tokenizer.decode(ids) == tokenizer.hf.decode(ids, skip_special_tokens=True)
     assert tokenizer.decode_all(ids) == tokenizer.hf.decode(ids, skip_special_tokens=False)
     assert [tokenizer.token_text(t) for t in ids[:5]] == [tokenizer.hf.decode([t]) for t in ids[:5]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.integers(min_value=0, max_value=49151), min_size=1, max_size=4), max_size=12),
+       st.sampled_from([(), ("e",), (" the", "\n")]))
+def test_plain_tokens_make_the_chunks_the_general_way_makes(tokenizer, groups, stop):
+    """`OutputAssembler.add_plain` (bare tokens) gives the chunks `add` gives for the same tokens
+    with nothing else new, stop strings or not, and ends the same."""
+    from gateway_service.output import OutputAssembler
+
+    plain, general = OutputAssembler(tokenizer, stop, 5), OutputAssembler(tokenizer, stop, 5)
+    for group in groups:
+        if general.finished:
+            break
+        assert plain.add_plain(group) == general.add(group)
+        assert plain.num_completion_tokens == general.num_completion_tokens
+    if not general.finished:
+        assert plain.add([2], finish_reason=1) == general.add([2], finish_reason=1)
