@@ -294,20 +294,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         async with contextlib.aclosing(self._pool.generate_failing_over(routed, deadline)) as stream:
             async for response in stream:
                 if type(response) is BareTokens:  # plain tokens: usage, drafts, finish as they were
-                    token_ids = response.token_ids
-                    if assembler.is_cheap(token_ids):
-                        chunk = assembler.add_plain(token_ids)
-                    else:
-                        chunk = await self._text.decode(assembler.add, token_ids)
+                    add, args = assembler.add_plain, (response.token_ids,)
                 else:
                     usage = response.usage
-                    args = (response.token_ids, response.logprobs, response.finish_reason, usage.cached_tokens,
-                            (usage.draft_tokens, usage.accepted_draft_tokens))
-                    # A decode step's token is detokenized here: a thread hand-off would cost more.
-                    if assembler.is_cheap(*args[:2]):
-                        chunk = assembler.add(*args)
-                    else:
-                        chunk = await self._text.decode(assembler.add, *args)
+                    add, args = assembler.add, (response.token_ids, response.logprobs, response.finish_reason,
+                                                usage.cached_tokens, (usage.draft_tokens, usage.accepted_draft_tokens))
+                # A decode step's token is detokenized here: a thread hand-off would cost more.
+                if assembler.is_cheap(*args[:2]):
+                    chunk = add(*args)
+                else:
+                    chunk = await self._text.decode(add, *args)
                 if chunk is not None:
                     if splitter is not None:
                         splitter.apply(chunk)
