@@ -140,7 +140,7 @@ async def measure(args: argparse.Namespace) -> tuple[float, float, int]:
     tokenizer = Tokenizer.load(args.model)
     servicer.tokenizer = tokenizer
     servicer.chat = ChatFormat.detect(tokenizer, config.tool_call_parser, config.reasoning_parser)
-    many = ManyCall(lambda request, caller: servicer.generate(request, None, API_GRPC_MANY, caller),
+    many = ManyCall(lambda request, caller, sink: servicer.generate(request, None, API_GRPC_MANY, caller, sink=sink),
                     lambda request, index: Caller(f"bench-{index}"), 1 << 20, lambda: False)
     outgoing: asyncio.Queue[generation_pb2.ManyRequest | None] = asyncio.Queue()
     next_id = 0

@@ -18,6 +18,8 @@ import hashlib
 import uuid
 from dataclasses import dataclass
 
+from radixserve.security import AUTH_HEADER, BEARER
+
 REQUEST_ID_HEADER = "x-request-id"
 # Hex digits of the token's SHA-256 that name a client (enough to tell tokens apart).
 CLIENT_HASH_CHARS = 16
@@ -52,3 +54,14 @@ def peer_host(grpc_peer: str) -> str:
     """`ipv4:127.0.0.1:5555` / `ipv6:[::1]:5555` -> the address without its port."""
     address = grpc_peer.split(":", 1)[1] if ":" in grpc_peer else grpc_peer
     return address.rsplit(":", 1)[0].strip("[]")
+
+
+def grpc_caller(presented_id: str, context, max_id_len: int) -> Caller:
+    """A gRPC call's caller: the id from `x-request-id` metadata, else `presented_id` (the
+    message's `request_id`, which `check_input` validates), else a new one; the client by its
+    token, else its address."""
+    metadata = {key: value for key, value in context.invocation_metadata() or () if isinstance(value, str)}
+    request_id = request_id_from(metadata.get(REQUEST_ID_HEADER) or presented_id, max_id_len)
+    auth = metadata.get(AUTH_HEADER, "")
+    token = auth[len(BEARER):] if auth.startswith(BEARER) else None
+    return Caller(request_id, client=client_key(token, peer_host(context.peer())))

@@ -34,6 +34,12 @@ class Mailbox(Generic[T]):
         """Items put and not yet taken."""
         return len(self._items)
 
+    def parked(self) -> bool:
+        """Whether the reader waits in `take` and nothing was put since it began to (so what is
+        handed to it another way now cannot pass an item put before)."""
+        waiter = self._waiter
+        return waiter is not None and not waiter.done()
+
     def take_nowait(self) -> list[T]:
         """Everything put since the last take (perhaps nothing)."""
         items, self._items = self._items, []

@@ -45,8 +45,10 @@ _CANCELLED = (grpc.StatusCode.CANCELLED, "cancelled by the caller")
 # None to wake the writer (the caller half-closed, the gateway began to drain).
 Item = tuple[int, generation_pb2.GenerateResponse | None, tuple[grpc.StatusCode, str] | None] | None
 
-# generate(request, caller) -> the request's chunks, as the servicer's `generate` streams them.
-Generate = Callable[[generation_pb2.GenerateRequest, Caller], AsyncIterator[generation_pb2.GenerateResponse]]
+# generate(request, caller, sink) -> the request's chunks, as the servicer's `generate` streams
+# them; it may also hand chunks to `sink` directly, in order with the stream's (plain_lane.py).
+Generate = Callable[[generation_pb2.GenerateRequest, Caller, Callable[[generation_pb2.GenerateResponse], None]],
+                    AsyncIterator[generation_pb2.GenerateResponse]]
 
 
 class ManyCall:
@@ -127,8 +129,13 @@ class ManyCall:
 
     async def _run(self, request_id: int, request: generation_pb2.GenerateRequest) -> None:
         put = self._outbox.put
+
+        def sink(chunk: generation_pb2.GenerateResponse) -> None:
+            put((request_id, chunk, None))
+
         try:
-            async with contextlib.aclosing(self._generate(request, self._caller_of(request, request_id))) as chunks:
+            caller = self._caller_of(request, request_id)
+            async with contextlib.aclosing(self._generate(request, caller, sink)) as chunks:
                 async for chunk in chunks:
                     put((request_id, chunk, None))
         except asyncio.CancelledError:

@@ -118,7 +118,11 @@ class GatewayMetrics:
             record.status, record.total_s = status, time.monotonic() - start
             log_request(caller, record)
 
-    async def observe(
+    def observation(self, api: str, caller: Caller) -> RequestObservation:
+        """A request's metrics from now on: `observe` its stream, or `observed` a sink it feeds."""
+        return RequestObservation(self, api, caller)
+
+    def observe(
         self, api: str, caller: Caller, stream: AsyncIterator[generation_pb2.GenerateResponse]
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """Yield `stream`'s chunks unchanged, recording the request's metrics on the way.
@@ -126,44 +130,77 @@ class GatewayMetrics:
         The caller must close this generator (`contextlib.aclosing`) or drain it; a stream
         abandoned early (a disconnected client) counts as CANCELLED.
         """
-        model = self._model()
-        start = last = time.monotonic()
-        num_tokens = 0
-        status, finish = "CANCELLED", ""
-        record = RequestRecord(ROUTES[api])
-        itl = self.itl.labels(model, api)  # looked up once: it is observed for every token
+        return self.observation(api, caller).observe(stream)
+
+
+class RequestObservation:
+    """One request's metrics: its chunks are counted as they pass, whether through `observe`'s
+    generator or, for chunks handed to the caller without it (the gateway's plain-token lane,
+    see router_stream.py), through the sink `observed` wraps."""
+
+    __slots__ = ("_metrics", "_api", "_model", "_start", "_last", "_num_tokens", "_status", "_finish",
+                 "_record", "_itl", "_caller")
+
+    def __init__(self, metrics: GatewayMetrics, api: str, caller: Caller) -> None:
+        self._metrics, self._api = metrics, api
+        self._model = metrics._model()
+        self._start = self._last = time.monotonic()
+        self._num_tokens = 0
+        self._status, self._finish = "CANCELLED", ""
+        self._record = RequestRecord(ROUTES[api])
+        self._itl = metrics.itl.labels(self._model, api)  # looked up once: it is observed for every token
+        self._caller = caller
+
+    def observed(self, sink: Callable[[generation_pb2.GenerateResponse], None]) -> Callable[
+            [generation_pb2.GenerateResponse], None]:
+        """`sink`, each chunk counted before it is passed on."""
+        def observed_sink(chunk: generation_pb2.GenerateResponse) -> None:
+            self._chunk(chunk, time.monotonic())
+            sink(chunk)
+        return observed_sink
+
+    async def observe(
+        self, stream: AsyncIterator[generation_pb2.GenerateResponse]
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """`GatewayMetrics.observe` for this request (one stream, observed once)."""
         try:
             async for chunk in stream:
-                now = time.monotonic()
-                num_chunk_tokens = len(chunk.token_ids)
-                if num_chunk_tokens:
-                    if num_tokens == 0:
-                        record.ttft_s = now - start
-                        self.ttft.labels(model, api).observe(record.ttft_s)
-                    else:
-                        # Tokens that arrive together share the gap since the previous ones.
-                        gap = (now - last) / num_chunk_tokens
-                        for _ in range(num_chunk_tokens):
-                            itl.observe(gap)
-                    num_tokens += num_chunk_tokens
-                    last = now
-                if chunk.HasField("usage"):
-                    self.prompt_tokens.labels(model, api).inc(chunk.usage.prompt_tokens)
-                    self.generation_tokens.labels(model, api).inc(chunk.usage.completion_tokens)
-                    self.cached_prompt_tokens.labels(model, api).inc(chunk.usage.cached_tokens)
-                    record.prompt_tokens = chunk.usage.prompt_tokens
-                    record.cached_tokens = chunk.usage.cached_tokens
-                    record.output_tokens = chunk.usage.completion_tokens
-                if chunk.finish_reason:
-                    status, finish = STATUS_OK, finish_reason_text(chunk.finish_reason)
-                    self.e2e.labels(model, api).observe(now - start)
+                self._chunk(chunk, time.monotonic())
                 yield chunk
         except Exception as exc:
-            status = status_of(exc).name
+            self._status = status_of(exc).name
             raise
         finally:
-            self.requests.labels(model, api, status, finish).inc()
-            record.status, record.finish_reason = status, finish
-            record.output_tokens = record.output_tokens or num_tokens
-            record.total_s = time.monotonic() - start
-            log_request(caller, record)
+            metrics, model, api, record = self._metrics, self._model, self._api, self._record
+            metrics.requests.labels(model, api, self._status, self._finish).inc()
+            record.status, record.finish_reason = self._status, self._finish
+            record.output_tokens = record.output_tokens or self._num_tokens
+            record.total_s = time.monotonic() - self._start
+            log_request(self._caller, record)
+
+    def _chunk(self, chunk: generation_pb2.GenerateResponse, now: float) -> None:
+        metrics, record = self._metrics, self._record
+        num_chunk_tokens = len(chunk.token_ids)
+        if num_chunk_tokens:
+            if self._num_tokens == 0:
+                record.ttft_s = now - self._start
+                metrics.ttft.labels(self._model, self._api).observe(record.ttft_s)
+            else:
+                # Tokens that arrive together share the gap since the previous ones.
+                gap = (now - self._last) / num_chunk_tokens
+                observe = self._itl.observe
+                for _ in range(num_chunk_tokens):
+                    observe(gap)
+            self._num_tokens += num_chunk_tokens
+            self._last = now
+        if chunk.HasField("usage"):
+            usage, model, api = chunk.usage, self._model, self._api
+            metrics.prompt_tokens.labels(model, api).inc(usage.prompt_tokens)
+            metrics.generation_tokens.labels(model, api).inc(usage.completion_tokens)
+            metrics.cached_prompt_tokens.labels(model, api).inc(usage.cached_tokens)
+            record.prompt_tokens = usage.prompt_tokens
+            record.cached_tokens = usage.cached_tokens
+            record.output_tokens = usage.completion_tokens
+        if chunk.finish_reason:
+            self._status, self._finish = STATUS_OK, finish_reason_text(chunk.finish_reason)
+            metrics.e2e.labels(self._model, self._api).observe(now - self._start)

@@ -43,6 +43,11 @@ class OutputAssembler:
         self.drafts = (0, 0)  # the router's (drafted, accepted) draft tokens so far
         self.finished = False
 
+    @property
+    def has_stops(self) -> bool:
+        """Whether stop strings may end the output at any token."""
+        return self._has_stops
+
     def is_cheap(self, token_ids: Sequence[int], logprobs: Sequence[generation_pb2.TokenLogprob] = ()) -> bool:
         """Whether `add` of these is a few microseconds of work: a decode step's token or few over a
         short window, with few logprob texts. Such work costs less on the event loop than the

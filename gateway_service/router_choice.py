@@ -28,7 +28,7 @@ from gateway_service.bounded_load import Bounds, choose_remembered
 from gateway_service.errors import NoRouterAvailable
 from gateway_service.prefix_memory import PrefixMemory
 from gateway_service.rendezvous import Ranking, affinity_key, ranked
-from gateway_service.router_stream import RouterStream, rpc_error
+from gateway_service.router_stream import Lane, RouterStream, rpc_error
 from radixserve.security import Security
 from radixserve.serving import CHANNEL_OPTIONS, KEEPALIVE_TIME_MS, NO_SECURITY
 from radixserve.v1 import router_pb2, router_pb2_grpc
@@ -147,31 +147,34 @@ class RouterPool:
         return report.num_running + report.num_waiting + self._opened[address]
 
     async def generate(
-        self, address: str, request: router_pb2.RouterGenerateRequest, deadline: float | None
+        self, address: str, request: router_pb2.RouterGenerateRequest, deadline: float | None,
+        lane: Lane | None = None,
     ) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
         """One request's responses from the router at `address` (`deadline` on
         `time.monotonic()`): on the gateway's shared Stream call to it, or on a Generate call of
         its own where the router has no Stream (an older one). Raises `grpc.aio.AioRpcError`
-        (UNAVAILABLE for a router drained and closed since the request's order was made)."""
+        (UNAVAILABLE for a router drained and closed since the request's order was made).
+        `lane`: where the request's plain tokens may go instead (router_stream.py; a Generate
+        call has none)."""
         if address not in self._stubs:
             raise rpc_error(grpc.StatusCode.UNAVAILABLE, "the router left the set")
         self._in_flight[address] += 1
         self._opened[address] += 1
         try:
-            async with contextlib.aclosing(self._generate(address, request, deadline)) as responses:
+            async with contextlib.aclosing(self._generate(address, request, deadline, lane)) as responses:
                 async for response in responses:
                     yield response
         finally:
             self._in_flight[address] -= 1
 
     async def _generate(
-        self, address: str, request: router_pb2.RouterGenerateRequest, deadline: float | None
+        self, address: str, request: router_pb2.RouterGenerateRequest, deadline: float | None, lane: Lane | None,
     ) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
         if address not in self._no_stream:
             stream = self._stream(address)
             yielded = False
             try:
-                async with contextlib.aclosing(stream.generate(request, deadline)) as responses:
+                async with contextlib.aclosing(stream.generate(request, deadline, lane)) as responses:
                     async for response in responses:
                         yielded = True
                         yield response
@@ -239,15 +242,15 @@ class RouterPool:
         yield from [a for a in rest if self._up.get(a, False)] + [a for a in rest if not self._up.get(a, False)]
 
     async def generate_failing_over(
-        self, request: router_pb2.RouterGenerateRequest, deadline: float | None
+        self, request: router_pb2.RouterGenerateRequest, deadline: float | None, lane: Lane | None = None,
     ) -> AsyncIterator[router_pb2.RouterGenerateResponse]:
         """The router's responses, failing over to the next router in rendezvous order when
-        one is UNAVAILABLE before it streamed anything."""
+        one is UNAVAILABLE before it streamed anything (`lane`: as `generate`'s)."""
         failures: list[str] = []
         for address in self.order(request.prompt_token_ids):
             streamed = False
             try:
-                async with contextlib.aclosing(self.generate(address, request, deadline)) as responses:
+                async with contextlib.aclosing(self.generate(address, request, deadline, lane)) as responses:
                     async for response in responses:
                         streamed = streamed or bool(response.token_ids) or response.finish_reason != 0
                         yield response

@@ -6,7 +6,14 @@ reads its updates from the inbox; one reader task per call hands each message's 
 their inboxes. A request that ends early (its caller cancelled, a stop string, its deadline)
 sends a cancel. The call asks for bare tokens (radixserve/bare_tokens.py): a request's plain
 tokens come as packed columns of the router's message, and `generate` gives them as `BareTokens`,
-which read as the responses Generate would have streamed. Failures look as they would on
+which read as the responses Generate would have streamed.
+
+A request may also give a lane (`Lane`): a bare token's whole way to its caller, run by the reader
+in place of waking the request's task and passing the token up its chain of generators. The
+reader uses it only while the request's task waits on its inbox with nothing in it, so a token
+in the lane never passes one that went the task's way, and the task learns of the lane's tokens
+(for usage) at its next wake-up. A lane that declines a token (False) leaves it to the task; one
+that raises fails its request alone with that exception. Failures look as they would on
 Generate: a router's error update, the call breaking, or the deadline passing raise
 `grpc.aio.AioRpcError` with the status Generate would have ended with, so failover and the
 mapping to the caller's status stay as they are.
@@ -19,6 +26,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TypeAlias
 
 import grpc
 
@@ -33,6 +41,8 @@ USAGE_FIELDS = ("prompt_tokens", "completion_tokens", "cached_tokens", "draft_to
 _DEADLINE = object()  # what a request's deadline timer puts in its inbox
 # How long a failed write waits for the call's own status from the reader.
 WRITE_FAILURE_WAIT_S = 5.0
+# A bare token's way to the caller without the request's task: True when it took the token.
+Lane: TypeAlias = Callable[[int], bool]
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
@@ -59,7 +69,7 @@ class RouterStream:
         self._reader = asyncio.ensure_future(self._read())
 
     async def generate(
-        self, request: router_pb2.RouterGenerateRequest, deadline: float | None
+        self, request: router_pb2.RouterGenerateRequest, deadline: float | None, lane: Lane | None = None,
     ) -> AsyncIterator[router_pb2.RouterGenerateResponse | BareTokens]:
         """The request's responses, as Generate would stream them (`deadline` on
         `time.monotonic()`); raises `grpc.aio.AioRpcError` as Generate would end.
@@ -68,12 +78,13 @@ class RouterStream:
         behind the router's steps) come as one response: their tokens and logprobs in order,
         the last one's usage and finish reason, as the router's Generate merges what piled up
         for a slow reader. A caller that keeps up gets one response per step. Bare tokens come
-        as `BareTokens`, which has what the gateway reads of a response."""
+        as `BareTokens`, which has what the gateway reads of a response; with a `lane`, those
+        that arrive while the caller waits go by the lane instead, from the first update on."""
         if self.failed is not None:
             raise self.failed
         request_id = request.request_id
         # The request's updates and bare tokens (ints), and at most one failure after them.
-        inbox: Mailbox = Mailbox()
+        inbox = _Inbox()
         self._inboxes[request_id] = inbox
         # The deadline is one timer that puts its error in the inbox, not a timeout per read.
         loop = asyncio.get_running_loop()
@@ -84,7 +95,11 @@ class RouterStream:
         try:
             await self._write(router_pb2.RouterStreamRequest(open=request))
             while not ended:
+                if usage is not None:  # a bare token before the first update is the router's fault
+                    inbox.lane = lane
                 items = await inbox.take()
+                if inbox.lane_tokens:  # they came before `items`
+                    usage, inbox.lane_tokens = _Usage(usage, inbox.lane_tokens), 0
                 if len(items) == 1 and _is_update(items[0]):  # a caller that keeps up: one step's token or update
                     end = 1
                 else:
@@ -98,6 +113,8 @@ class RouterStream:
                 failure = items[end]
                 if failure is _DEADLINE:  # still open on the router: cancelled below
                     raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+                if not isinstance(failure, (grpc.aio.AioRpcError, router_pb2.RouterStreamUpdate)):
+                    raise failure  # the lane's: still open on the router, cancelled below
                 ended = True
                 if isinstance(failure, grpc.aio.AioRpcError):
                     raise failure
@@ -140,7 +157,21 @@ class RouterStream:
                                                               f"for {len(bare_ids)} request ids")
                 for request_id, token_id in zip(bare_ids, bare_token_ids):
                     inbox = inboxes.get(request_id)
-                    if inbox is not None:
+                    if inbox is None:
+                        continue
+                    lane = inbox.lane
+                    if lane is None or not inbox.parked():
+                        inbox.put(token_id)
+                        continue
+                    try:
+                        taken = lane(token_id)
+                    except Exception as exc:  # the request's failure alone, raised in its task
+                        inbox.lane = None
+                        inbox.put(exc)
+                        continue
+                    if taken:
+                        inbox.lane_tokens += 1
+                    else:
                         inbox.put(token_id)
                 for update in message.updates:
                     inbox = inboxes.get(update.request_id)
@@ -177,6 +208,18 @@ class RouterStream:
     async def _cancel(self, request_id: str) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
             await self._write(router_pb2.RouterStreamRequest(cancel=request_id))
+
+
+class _Inbox(Mailbox):
+    """A request's inbox on the call: updates, bare tokens and failures for its task, and the
+    lane the reader may use instead (with the count of tokens it took since the task's wake-up)."""
+
+    __slots__ = ("lane", "lane_tokens")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lane: Lane | None = None
+        self.lane_tokens = 0
 
 
 def _is_update(item) -> bool:

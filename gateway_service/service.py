@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Awaitable
 
 import grpc
 
-from gateway_service.caller import REQUEST_ID_HEADER, Caller, client_key, peer_host, request_id_from
+from gateway_service.caller import REQUEST_ID_HEADER, Caller, grpc_caller
 from gateway_service.chat_format import (ChatFormat, ChatPlan, check_chat_only, check_history,
                                          check_tools, plan_chat, template_kwargs)
 from gateway_service.chat_output import ChatOutputSplitter, ToolCallSplitter
@@ -34,6 +34,7 @@ from gateway_service.errors import GatewayError, InvalidRequest, NoRouterAvailab
 from gateway_service.many_call import ManyCall, request_caller
 from gateway_service.metrics import API_EMBED, API_GRPC, API_GRPC_MANY, GatewayMetrics
 from gateway_service.output import OutputAssembler
+from gateway_service.plain_lane import Sink, plain_lane
 from gateway_service.pooling_config import PoolingConfig
 from gateway_service.reasoning import ReasoningSplitter, opens_inside_block
 from gateway_service.router_choice import RouterPool
@@ -49,7 +50,6 @@ from gateway_service.validation import (
     resolve_sampling,
 )
 from radixserve import constraints, sampling
-from radixserve.security import AUTH_HEADER, BEARER
 from radixserve.v1 import generation_pb2, generation_pb2_grpc, router_pb2
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             remaining = context.time_remaining()
             deadline = None if remaining is None else time.monotonic() + remaining
             max_id_len = self._limits.max_request_id_len
-            call = ManyCall(lambda request, caller: self.generate(request, deadline, API_GRPC_MANY, caller),
+            call = ManyCall(lambda request, caller, sink: self.generate(request, deadline, API_GRPC_MANY, caller,
+                                                                      sink=sink),
                             lambda request, index: request_caller(call_caller, request, index, max_id_len),
                             self._config.max_requests_per_call, lambda: self._draining)
             self._many_calls.add(call)
@@ -190,16 +191,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     def generate(
         self, request: generation_pb2.GenerateRequest, deadline: float | None, api: str, caller: Caller,
-        incremental_calls: bool = True,
+        incremental_calls: bool = True, sink: Sink | None = None,
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """One request's output, validated, measured and logged; `deadline` is on `time.monotonic()`.
 
         Every API (gRPC, the HTTP API's `api` routes) comes through here; errors are raised
         as they are and become a status in `errors.to_status`. `incremental_calls`: tool calls
         stream as they are generated; False (an answer read whole) reports each call once, at
-        the end, and an output whose calls do not parse as content (see chat_output.py).
+        the end, and an output whose calls do not parse as content (see chat_output.py). `sink`:
+        where the caller also takes chunks given to it directly, in order with the stream's
+        (plain_lane.py).
         """
-        return self.metrics.observe(api, caller, self._generate(request, deadline, caller, incremental_calls))
+        observation = self.metrics.observation(api, caller)
+        observed = None if sink is None else observation.observed(sink)
+        return observation.observe(self._generate(request, deadline, caller, incremental_calls, observed))
 
     async def model_info(self) -> generation_pb2.GetModelInfoResponse:
         """The model the routers serve; raises `NoRouterAvailable` while none answers."""
@@ -229,7 +234,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     async def _generate(
         self, request: generation_pb2.GenerateRequest, deadline: float | None, caller: Caller,
-        incremental_calls: bool,
+        incremental_calls: bool, sink: Sink | None,
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         self._refuse_if_draining()
         # Each call runs in its own task (the gRPC handler's, or one per HTTP choice), which
@@ -238,7 +243,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self._in_flight.add(task)
         self._idle.clear()
         try:
-            async for chunk in self._generate_admitted(request, deadline, caller, incremental_calls):
+            async for chunk in self._generate_admitted(request, deadline, caller, incremental_calls, sink):
                 yield chunk
         except asyncio.CancelledError:
             if not self._ending:
@@ -252,7 +257,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     async def _generate_admitted(
         self, request: generation_pb2.GenerateRequest, deadline: float | None, caller: Caller,
-        incremental_calls: bool,
+        incremental_calls: bool, sink: Sink | None,
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         info = await self._server_info()
         tokenizer = self._require_tokenizer()
@@ -291,7 +296,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         assembler = OutputAssembler(tokenizer, request.stop, len(prompt_ids))
         splitter = self._output_splitter(plan, prompt_ids, incremental_calls)
         log.debug("request %s: %d prompt tokens, max_tokens %d", request_id, len(prompt_ids), max_tokens)
-        async with contextlib.aclosing(self._pool.generate_failing_over(routed, deadline)) as stream:
+        lane = None if sink is None else plain_lane(assembler, splitter, sink)
+        async with contextlib.aclosing(self._pool.generate_failing_over(routed, deadline, lane)) as stream:
             async for response in stream:
                 if type(response) is BareTokens:  # plain tokens: usage, drafts, finish as they were
                     add, args = assembler.add_plain, (response.token_ids,)
@@ -368,15 +374,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         return ChatOutputSplitter(reasoning, tools)
 
     def _grpc_caller(self, request: generation_pb2.GenerateRequest, context) -> Caller:
-        """The id from `x-request-id` metadata, else the message's `request_id` (which
-        `check_input` validates), else a new one; the client by its token, else its address."""
-        metadata = {key: value for key, value in context.invocation_metadata() or ()
-                    if isinstance(value, str)}
-        presented = metadata.get(REQUEST_ID_HEADER) or request.request_id
-        request_id = request_id_from(presented, self._limits.max_request_id_len)
-        auth = metadata.get(AUTH_HEADER, "")
-        token = auth[len(BEARER):] if auth.startswith(BEARER) else None
-        return Caller(request_id, client=client_key(token, peer_host(context.peer())))
+        return grpc_caller(request.request_id, context, self._limits.max_request_id_len)
 
     def _refuse_if_draining(self) -> None:
         if self._draining:

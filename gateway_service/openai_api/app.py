@@ -139,7 +139,8 @@ def build_app(
         body, caller, model, prompts = await accepted(
             request, ChatCompletionRequest, API_CHAT, lambda b: [chat_input(b, max_choices)])
         inputs = with_choice_seeds(prompts, body.n)
-        streams = ChoiceStreams(lambda r: servicer.generate(r, None, API_CHAT, caller, body.stream), inputs)
+        streams = ChoiceStreams(lambda r, sink: servicer.generate(r, None, API_CHAT, caller, body.stream, sink),
+                                inputs)
         if body.stream:
             header = bodies.ResponseHeader.new("chatcmpl", bodies.CHAT_CHUNK_OBJECT, model)
             return await _event_stream(streams, _chat_events(header, body, len(inputs)))
@@ -157,7 +158,8 @@ def build_app(
             request, CompletionRequest, API_COMPLETIONS, lambda b: completion_inputs(b, max_choices))
         inputs = with_choice_seeds(prompts, body.n)
         echoed = [await _prompt_text(servicer, r) for r in inputs] if body.echo else [""] * len(inputs)
-        streams = ChoiceStreams(lambda r: servicer.generate(r, None, API_COMPLETIONS, caller), inputs)
+        streams = ChoiceStreams(lambda r, sink: servicer.generate(r, None, API_COMPLETIONS, caller, sink=sink),
+                                inputs)
         header = bodies.ResponseHeader.new("cmpl", bodies.COMPLETION_OBJECT, model)
         if body.stream:
             return await _event_stream(streams, _completion_events(header, body, echoed, len(prompts)))

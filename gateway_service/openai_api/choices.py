@@ -45,14 +45,23 @@ class ChoiceStreams:
     which cancels their router calls.
     """
 
-    def __init__(self, start: Callable[[GenerateRequest], AsyncIterator[Chunk]],
+    def __init__(self, start: Callable[[GenerateRequest, Callable[[Chunk], None]], AsyncIterator[Chunk]],
                  inputs: Sequence[GenerateRequest]) -> None:
+        """`start(request, sink)`: a choice's chunks; it may also hand chunks to `sink` directly,
+        in order with the stream's (plain_lane.py)."""
         self._mailbox: Mailbox[tuple[int, Chunk | None, BaseException | None]] = Mailbox()
         self._tasks = [
-            asyncio.create_task(self._pump(index, start(request)))
+            asyncio.create_task(self._pump(index, start(request, self._sink(index))))
             for index, request in enumerate(inputs)
         ]
         self._num_running = len(self._tasks)
+
+    def _sink(self, index: int) -> Callable[[Chunk], None]:
+        put = self._mailbox.put
+
+        def sink(chunk: Chunk) -> None:
+            put((index, chunk, None))
+        return sink
 
     async def _pump(self, index: int, stream: AsyncIterator[Chunk]) -> None:
         try:

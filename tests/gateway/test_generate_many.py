@@ -190,7 +190,7 @@ def test_a_cancel_right_behind_its_start_ends_the_request(harness, token_ids) ->
 def test_a_cancel_before_the_request_ran_is_its_last_update() -> None:
     """The same at the call's level, where the order is certain: every start is cancelled before
     the loop runs its task."""
-    async def slow(request, caller):
+    async def slow(request, caller, sink):
         while True:
             await asyncio.sleep(0.01)
             yield pb.GenerateResponse(text="x")
@@ -352,7 +352,7 @@ def test_a_caller_that_does_not_read_is_not_read_either(monkeypatch) -> None:
     monkeypatch.setattr(many_call, "MAX_WAITING_UPDATES", 50)
     pulled = 0
 
-    async def refuse(request, caller):
+    async def refuse(request, caller, sink):
         raise InvalidRequest("refused")
         yield  # an async generator, as the servicer's generate
 

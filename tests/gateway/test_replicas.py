@@ -95,9 +95,9 @@ class RouterLog:
         for gateway in gateways:
             generate = gateway.pool.generate
 
-            def logged(address, request, deadline, generate=generate):
+            def logged(address, request, deadline, lane=None, generate=generate):
                 self.router_of[request.request_id.rsplit("-", 1)[0]] = address
-                return generate(address, request, deadline)
+                return generate(address, request, deadline, lane)
 
             gateway.pool.generate = logged
 
