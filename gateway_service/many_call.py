@@ -75,6 +75,12 @@ class ManyCall:
         try:
             while True:
                 items = await self._outbox.take()
+                # The tasks woken with these items run first: a router message's plain tokens
+                # came by their lanes and woke this writer before the tasks of its updates (a
+                # request's first and last tokens) ran; theirs join this message, not one of
+                # their own.
+                await asyncio.sleep(0)
+                items += self._outbox.take_nowait()
                 self._room.set()
                 for message in _messages(items):
                     yield message

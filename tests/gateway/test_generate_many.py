@@ -10,7 +10,7 @@ import asyncio
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
@@ -389,3 +389,41 @@ def test_a_large_outbox_goes_out_in_bounded_messages_in_order() -> None:
     assert ids == [*range(600), 700, 701, 702]
     assert messages[-1].updates[-1].code == grpc.StatusCode.CANCELLED.value[0]
     assert many_call._messages([None, None]) == []
+
+
+def test_a_lanes_chunks_and_the_chunks_of_tasks_woken_with_them_share_one_message() -> None:
+    """As a router message's reader does: request 0's plain token goes by its lane (the sink),
+    which wakes the writer, and in the same callback request 1's task is woken with an update.
+    Both go out in one message, not the lane's alone and then the task's."""
+    sinks: dict[int, Callable] = {}
+    wake: dict[int, asyncio.Future] = {}
+
+    async def generate(request, caller, sink):
+        index = int(caller.request_id)
+        sinks[index] = sink
+        wake[index] = asyncio.get_running_loop().create_future()
+        yield pb.GenerateResponse(text=f"first {index}")
+        await wake[index]
+        yield pb.GenerateResponse(text=f"woken {index}")
+
+    async def requests():
+        for index in range(2):
+            yield pb.ManyRequest(id=index, generate=pb.GenerateRequest(prompt="x"))
+
+    async def scenario() -> list[list[tuple[int, str]]]:
+        call = many_call.ManyCall(generate, lambda request, index: Caller(str(index)), 8, lambda: False)
+        responses = call.responses(requests())
+        seen: list[list[tuple[int, str]]] = []
+        while sum(len(message) for message in seen) < 2:  # the first chunks, in one message or two
+            seen.append([(u.id, u.response.text) for u in (await anext(responses)).updates])
+
+        def router_message() -> None:
+            sinks[0](pb.GenerateResponse(text="lane 0"))
+            wake[1].set_result(None)
+        asyncio.get_running_loop().call_soon(router_message)
+        message = await anext(responses)
+        wake[0].set_result(None)
+        await responses.aclose()
+        return [(u.id, u.response.text) for u in message.updates]
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 10)) == [(0, "lane 0"), (1, "woken 1")]
