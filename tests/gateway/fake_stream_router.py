@@ -47,6 +47,18 @@ class StreamingFakeRouter(FakeRouter):
                      messages: asyncio.Queue[router_pb2.RouterStreamResponse], bare_ok: bool) -> None:
         state = self.state
         state.requests.append(request)
+        if state.fail_with is not None:  # as Generate's scripted failure: the request's last update
+            messages.put_nowait(router_pb2.RouterStreamResponse(updates=[router_pb2.RouterStreamUpdate(
+                request_id=request.request_id, error_code=state.fail_with.value[0], error_message="scripted failure")]))
+            return
+        if not state.token_ids:  # nothing scripted: as Generate, a finish without tokens
+            update = router_pb2.RouterStreamUpdate(request_id=request.request_id)
+            update.response.finish_reason = generation_pb2.FINISH_REASON_LENGTH
+            update.response.usage.prompt_tokens = len(request.prompt_token_ids)
+            update.response.usage.cached_tokens = state.cached_tokens
+            messages.put_nowait(router_pb2.RouterStreamResponse(updates=[update]))
+            state.finished.append(request.request_id)
+            return
         stops = set(request.stop_token_ids)
         if not request.ignore_eos:
             stops.update(self.info.eos_token_ids)

@@ -1,5 +1,6 @@
-"""The agent side of the HTTP API against fake routers that answer scripted token ids, with the
-official openai client: tool calls parsed (whole and streamed), the tool grammar sent to the
+"""The agent side of the HTTP API against fake routers that answer scripted token ids (on
+Generate calls, and on the Stream call with bare tokens, which take the gateway's plain-token
+lane), with the official openai client: tool calls parsed (whole and streamed), the tool grammar sent to the
 router, tools and tool history in the prompt, the reasoning split, token-id prompts and echo,
 /tokenize, /detokenize, /v1/models/{id}, and a 400 naming each field this server does not
 support."""
@@ -13,6 +14,8 @@ import httpx
 import openai
 import pytest
 
+from gateway.fake_router import FakeRouter
+from gateway.fake_stream_router import StreamingFakeRouter
 from gateway.harness import EOS_TOKEN_ID, GatewayHarness, start_harness, stop_harness
 from gateway_service.chat_format import ChatFormat
 
@@ -30,9 +33,11 @@ CHAT = [{"role": "user", "content": "Weather in Paris?"}]
 CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
-@pytest.fixture(scope="module")
-def harness(tokenizer) -> Iterator[GatewayHarness]:
-    running = start_harness(tokenizer, num_routers=1, with_http=True)
+@pytest.fixture(scope="module", params=[FakeRouter, StreamingFakeRouter], ids=["generate", "stream"])
+def harness(tokenizer, request) -> Iterator[GatewayHarness]:
+    """Routers answering on Generate calls, and on the Stream call with bare tokens, which the
+    gateway hands to each choice by its plain-token lane (plain_lane.py) and splits there."""
+    running = start_harness(tokenizer, num_routers=1, with_http=True, router_class=request.param)
     try:
         yield running
     finally:
