@@ -6,8 +6,8 @@ failover, the servicer, metrics) to the caller's outbox. A caller that takes chu
 GenerateMany call's outbox, an HTTP request's mailbox) lets the router stream's reader do a bare
 token's whole way in place instead: the assembler's plain add, the chat's splitter, the metrics
 (`RequestObservation.observed`) and the sink, the same steps in the same order as the chain
-would take them (0.71x the gateway's Python per token, `bench.gateway_token_cost`). The reader
-uses the lane only while the task waits with nothing queued (router_stream.py), so order holds.
+would take them. The reader uses the lane only while the task waits with nothing queued
+(router_stream.py), so order holds.
 
 A request with stop strings has no lane: its text may end at any token, and ending is the task's
 (it cancels the router call). A token whose text is not cheap to make here (the detokenizer
