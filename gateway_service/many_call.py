@@ -29,6 +29,7 @@ import grpc
 from gateway_service.caller import Caller, request_id_from
 from gateway_service.errors import InvalidRequest, ShuttingDown, to_status
 from gateway_service.mailbox import Mailbox
+from gateway_service.plain_lane import Sink
 from radixserve.v1 import generation_pb2
 
 # A response message holds at most this many updates, and stops growing past this many bytes
@@ -47,8 +48,7 @@ Item = tuple[int, generation_pb2.GenerateResponse | None, tuple[grpc.StatusCode,
 
 # generate(request, caller, sink) -> the request's chunks, as the servicer's `generate` streams
 # them; it may also hand chunks to `sink` directly, in order with the stream's (plain_lane.py).
-Generate = Callable[[generation_pb2.GenerateRequest, Caller, Callable[[generation_pb2.GenerateResponse], None]],
-                    AsyncIterator[generation_pb2.GenerateResponse]]
+Generate = Callable[[generation_pb2.GenerateRequest, Caller, Sink], AsyncIterator[generation_pb2.GenerateResponse]]
 
 
 class ManyCall:

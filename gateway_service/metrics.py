@@ -1,6 +1,7 @@
 """The gateway's Prometheus metrics: one observation per request, whichever API it came by.
 
-`GatewayMetrics.observe` wraps a request's output stream: it times the first chunk (time to
+A request's `RequestObservation` (`GatewayMetrics.observation`) wraps its output stream, and
+the sink its plain tokens may take instead (plain_lane.py): it times the first chunk (time to
 first token), the gaps between tokens (inter-token latency) and the whole request, counts
 prompt and generated tokens from the final usage, and counts the request by API, status and
 finish reason. A request that fails counts with the gRPC status name of its error (the same
@@ -23,6 +24,7 @@ from prometheus_client import CollectorRegistry
 from gateway_service.access_log import RequestRecord, log_request
 from gateway_service.caller import Caller
 from gateway_service.errors import status_of
+from gateway_service.plain_lane import Sink
 from radixserve.finish_reason import finish_reason_text
 from radixserve.loop_histogram import LoopHistogram
 from radixserve.metrics import LATENCY_BUCKETS_S, MODEL_LABEL, counter, latency_histogram, name
@@ -119,18 +121,8 @@ class GatewayMetrics:
             log_request(caller, record)
 
     def observation(self, api: str, caller: Caller) -> RequestObservation:
-        """A request's metrics from now on: `observe` its stream, or `observed` a sink it feeds."""
+        """A request's metrics from now on: `observe` its stream, and `observed` a sink it feeds."""
         return RequestObservation(self, api, caller)
-
-    def observe(
-        self, api: str, caller: Caller, stream: AsyncIterator[generation_pb2.GenerateResponse]
-    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        """Yield `stream`'s chunks unchanged, recording the request's metrics on the way.
-
-        The caller must close this generator (`contextlib.aclosing`) or drain it; a stream
-        abandoned early (a disconnected client) counts as CANCELLED.
-        """
-        return self.observation(api, caller).observe(stream)
 
 
 class RequestObservation:
@@ -151,8 +143,7 @@ class RequestObservation:
         self._itl = metrics.itl.labels(self._model, api)  # looked up once: it is observed for every token
         self._caller = caller
 
-    def observed(self, sink: Callable[[generation_pb2.GenerateResponse], None]) -> Callable[
-            [generation_pb2.GenerateResponse], None]:
+    def observed(self, sink: Sink) -> Sink:
         """`sink`, each chunk counted before it is passed on."""
         def observed_sink(chunk: generation_pb2.GenerateResponse) -> None:
             self._chunk(chunk, time.monotonic())
@@ -162,7 +153,9 @@ class RequestObservation:
     async def observe(
         self, stream: AsyncIterator[generation_pb2.GenerateResponse]
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        """`GatewayMetrics.observe` for this request (one stream, observed once)."""
+        """Yield `stream`'s chunks unchanged, recording the request's metrics on the way (one
+        stream, observed once). The caller must close this generator (`contextlib.aclosing`) or
+        drain it; a stream abandoned early (a disconnected client) counts as CANCELLED."""
         try:
             async for chunk in stream:
                 self._chunk(chunk, time.monotonic())

@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from gateway_service.mailbox import Mailbox
+from gateway_service.plain_lane import Sink
 from radixserve.sampling import SEED_MASK
 from radixserve.v1 import generation_pb2
 
@@ -45,7 +46,7 @@ class ChoiceStreams:
     which cancels their router calls.
     """
 
-    def __init__(self, start: Callable[[GenerateRequest, Callable[[Chunk], None]], AsyncIterator[Chunk]],
+    def __init__(self, start: Callable[[GenerateRequest, Sink], AsyncIterator[Chunk]],
                  inputs: Sequence[GenerateRequest]) -> None:
         """`start(request, sink)`: a choice's chunks; it may also hand chunks to `sink` directly,
         in order with the stream's (plain_lane.py)."""
@@ -56,7 +57,7 @@ class ChoiceStreams:
         ]
         self._num_running = len(self._tasks)
 
-    def _sink(self, index: int) -> Callable[[Chunk], None]:
+    def _sink(self, index: int) -> Sink:
         put = self._mailbox.put
 
         def sink(chunk: Chunk) -> None:
