@@ -22,11 +22,15 @@ from collections.abc import Callable
 
 from dataclasses import dataclass
 
-from gateway_service.reasoning import ReasoningSplitter
+from gateway_service.chat_format import ChatFormat, ChatPlan
+from gateway_service.reasoning import ReasoningSplitter, opens_inside_block
+from gateway_service.tokenizer import Tokenizer
 from gateway_service.tool_call_stream import partial_calls
 from gateway_service.tool_parsers import ParsedCall, ToolCallParser
 from radixserve.v1 import generation_pb2
 
+# The end of a chat prompt that says whether the template opened a thinking block for the model.
+PROMPT_TAIL_TOKENS = 16
 STOP = generation_pb2.FINISH_REASON_STOP
 TOOL_CALLS = generation_pb2.FINISH_REASON_TOOL_CALLS
 
@@ -152,3 +156,17 @@ class ChatOutputSplitter:
 
     def _content(self, text: str) -> str:
         return text if self._tools is None else self._tools.feed(text)
+
+
+def output_splitter(plan: ChatPlan, prompt_ids: list[int], tokenizer: Tokenizer, chat: ChatFormat,
+                    incremental_calls: bool) -> ChatOutputSplitter | None:
+    """What splits a request's output into reasoning, content and calls, as `plan` says (None:
+    nothing to split); a reasoning block the prompt's template opened starts the output inside it."""
+    if not plan.split_reasoning and not plan.parse_tools:
+        return None
+    reasoning = None
+    if plan.split_reasoning:
+        tail = tokenizer.decode_all(prompt_ids[-PROMPT_TAIL_TOKENS:])
+        reasoning = ReasoningSplitter(opens_inside_block(tail))
+    tools = ToolCallSplitter(chat.tool_parser, incremental_calls) if plan.parse_tools else None
+    return ChatOutputSplitter(reasoning, tools)

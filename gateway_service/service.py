@@ -25,7 +25,7 @@ import grpc
 from gateway_service.caller import REQUEST_ID_HEADER, Caller, grpc_caller
 from gateway_service.chat_format import (ChatFormat, ChatPlan, check_chat_only, check_history,
                                          check_tools, plan_chat, template_kwargs)
-from gateway_service.chat_output import ChatOutputSplitter, ToolCallSplitter
+from gateway_service.chat_output import output_splitter
 from gateway_service.chat_render import template_input
 from gateway_service.config import GatewayConfig
 from gateway_service.constraint_check import ConstraintChecker
@@ -36,7 +36,6 @@ from gateway_service.metrics import API_EMBED, API_GRPC, API_GRPC_MANY, GatewayM
 from gateway_service.output import OutputAssembler
 from gateway_service.plain_lane import Sink, plain_lane
 from gateway_service.pooling_config import PoolingConfig
-from gateway_service.reasoning import ReasoningSplitter, opens_inside_block
 from gateway_service.router_choice import RouterPool
 from gateway_service.router_stream import BareTokens
 from gateway_service.text_pool import TextPool
@@ -53,9 +52,7 @@ from radixserve import constraints, sampling
 from radixserve.v1 import generation_pb2, generation_pb2_grpc, router_pb2
 
 log = logging.getLogger(__name__)
-
-# The end of a chat prompt that says whether the template opened a thinking block for the model.
-PROMPT_TAIL_TOKENS = 16
+ENDED_BY_DRAIN = "the gateway shut down before the request finished; retry it"
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
@@ -79,9 +76,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         self._draining = False
         # Open GenerateMany calls, told when the drain begins.
         self._many_calls: set[ManyCall] = set()
-        # Generate calls (both APIs) between admission and their last chunk; `_idle` is set
+        # Generate calls (both APIs) between admission and their last chunk, each by its task
+        # and whether its caller holds a chunk (True) or it waits on its router; `_idle` is set
         # while there are none.
-        self._in_flight: set[asyncio.Task] = set()
+        self._in_flight: dict[asyncio.Task, bool] = {}
         self._idle = asyncio.Event()
         self._idle.set()
         # Set by `end_streams`: the calls cancelled from then on end with ShuttingDown.
@@ -227,10 +225,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         await self._idle.wait()
 
     def end_streams(self) -> None:
-        """End every Generate call in flight with `ShuttingDown` (the end of the drain's grace)."""
+        """End every Generate call in flight with `ShuttingDown` (the end of the drain's grace):
+        at once where it waits on its router; where its caller holds a chunk (a gRPC handler
+        while grpc writes it), when the caller asks for the next one. Cancelling that caller's
+        task would end the call as CANCELLED, and only once the server stops."""
         self._ending = True
-        for task in self._in_flight:
-            task.cancel()
+        for task, with_caller in self._in_flight.items():
+            if not with_caller:
+                task.cancel()
 
     async def _generate(
         self, request: generation_pb2.GenerateRequest, deadline: float | None, caller: Caller,
@@ -240,19 +242,26 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         # Each call runs in its own task (the gRPC handler's, or one per HTTP choice), which
         # `end_streams` cancels.
         task = asyncio.current_task()
-        self._in_flight.add(task)
+        in_flight = self._in_flight
+        in_flight[task] = False
         self._idle.clear()
         try:
-            async for chunk in self._generate_admitted(request, deadline, caller, incremental_calls, sink):
-                yield chunk
+            async with contextlib.aclosing(self._generate_admitted(request, deadline, caller, incremental_calls,
+                                                                   sink)) as chunks:
+                async for chunk in chunks:
+                    in_flight[task] = True
+                    yield chunk
+                    in_flight[task] = False
+                    if self._ending:
+                        raise ShuttingDown(ENDED_BY_DRAIN)
         except asyncio.CancelledError:
             if not self._ending:
                 raise
             task.uncancel()
-            raise ShuttingDown("the gateway shut down before the request finished; retry it") from None
+            raise ShuttingDown(ENDED_BY_DRAIN) from None
         finally:
-            self._in_flight.discard(task)
-            if not self._in_flight:
+            in_flight.pop(task, None)
+            if not in_flight:
                 self._idle.set()
 
     async def _generate_admitted(
@@ -294,7 +303,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             constraint=constraints.to_proto(constraint),
         )
         assembler = OutputAssembler(tokenizer, request.stop, len(prompt_ids))
-        splitter = self._output_splitter(plan, prompt_ids, incremental_calls)
+        splitter = output_splitter(plan, prompt_ids, tokenizer, self._require_chat(), incremental_calls)
         log.debug("request %s: %d prompt tokens, max_tokens %d", request_id, len(prompt_ids), max_tokens)
         lane = None if sink is None else plain_lane(assembler, splitter, sink)
         async with contextlib.aclosing(self._pool.generate_failing_over(routed, deadline, lane)) as stream:
@@ -358,20 +367,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         messages, tool_defs = template_input(turns, tools, chat.renders_tools, chat.tool_parser)
         text = tokenizer.apply_template(messages, tool_defs, kwargs, add_generation_prompt)
         return tokenizer.encode_prompt(text) if add_special_tokens else tokenizer.encode_rendered(text)
-
-    def _output_splitter(self, plan: ChatPlan, prompt_ids: list[int],
-                         incremental_calls: bool) -> ChatOutputSplitter | None:
-        """What splits a chat's output into reasoning, content and calls (None: nothing to split)."""
-        if not plan.split_reasoning and not plan.parse_tools:
-            return None
-        reasoning = None
-        if plan.split_reasoning:
-            tail = self._require_tokenizer().decode_all(prompt_ids[-PROMPT_TAIL_TOKENS:])
-            reasoning = ReasoningSplitter(opens_inside_block(tail))
-        tools = None
-        if plan.parse_tools:
-            tools = ToolCallSplitter(self._require_chat().tool_parser, incremental_calls)
-        return ChatOutputSplitter(reasoning, tools)
 
     def _grpc_caller(self, request: generation_pb2.GenerateRequest, context) -> Caller:
         return grpc_caller(request.request_id, context, self._limits.max_request_id_len)
