@@ -47,6 +47,9 @@ class Turn:
     output_ids: list[int]
     arrival_s: float = 0.0
     continues_session: bool = False
+    # Tokens at the head of the prompt that an earlier prompt had: the whole history for a
+    # continued turn, the system prompt for a new session (bench/routing_ceiling.py).
+    shared_len: int = 0
 
 
 def _tokens(rng: random.Random, length: int, token_ids: tuple[int, int]) -> list[int]:
@@ -88,11 +91,12 @@ class TraceSource:
             pick = bisect.bisect_left(self._cumulative, rng.random() * self._cumulative[-1])
             session = Session(list(self._system_prompts[pick]))
             continues = False
+        shared_len = len(session.history)
         prompt = session.history + _tokens(rng, rng.randint(*self.config.user_len), self.config.token_ids)
         output = _tokens(rng, rng.randint(*self.config.output_len), self.config.token_ids)
         session.num_turns += 1
         session.history = prompt + output
-        turn = Turn(session, prompt, output, self.next_arrival_s, continues)
+        turn = Turn(session, prompt, output, self.next_arrival_s, continues, shared_len)
         self.next_arrival_s += self._arrivals.expovariate(self._rate_per_s)
         return turn
 

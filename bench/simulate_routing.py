@@ -25,7 +25,10 @@ mean), the mean itself (per replica, over that time), the share of turns that co
 session, the hit rate over the second half of the arrivals (the replicas' caches warm), copies
 (the (replica, system prompt) pairs the policy made, over the system prompts seen: each pair is
 one replica computing that prompt once) and moved (the continued turns sent to another replica
-than the session's turn before, which recomputes the history there); then the issue's goals for bounded-load affinity as
+than the session's turn before, which recomputes the history there), and the ceiling (the best hit
+rate any policy could reach on that run with busiest/mean within the goal's 1.25: each system
+prompt computed once on each replica its load needs, bench/routing_ceiling.py); then the issue's
+goals for bounded-load affinity as
 ratios, which count the whole trace, and the second half's hit-rate ratios beside them. Last,
 the cost of one routing decision at 8 and 512 replicas (no memo: every affinity decision hashes
 the prompt's key and mixes it with every replica's own hash; the bounded-load policy also hashes
@@ -49,6 +52,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from bench.routing_ceiling import Served, hit_rate_ceiling
 from bench.routing_policies import POLICIES, BoundedLoad, Loads, PrefixAffinity, RoundRobin
 from bench.routing_trace import TraceConfig, TraceSource, Turn
 from gateway_service.config import config_from_args
@@ -116,6 +120,7 @@ class RunResult:
     late_hit_rate: float  # over the second half of the arrivals: the replicas' caches warm
     prompt_copies: float  # (replica, system prompt) pairs routed over system prompts seen
     moved_share: float  # of continued turns, those sent to another replica than the turn before
+    hit_ceiling: float  # the best hit rate with busiest/mean within BUSIEST_GOAL (bench/routing_ceiling.py)
 
     @property
     def completed_per_s(self) -> float:
@@ -143,6 +148,9 @@ def simulate(policy, num_replicas: int, num_requests: int, rate_per_s: float, tr
     # Where each system prompt (its first tokens) and each session's last turn went.
     prompt_replicas: set[tuple[tuple[int, ...], int]] = set()
     last_replica: dict[int, int] = {}
+    system_lens: dict[tuple[int, ...], int] = {}  # each system prompt seen, its length
+    served: list[tuple[tuple[int, ...], int, float]] = []  # per request: its system prompt, tokens shared, arrival
+    finished_s: dict[str, float] = {}
     num_moved = 0
     steps: list[tuple[float, int]] = []  # (finish time, replica) of the steps running
     num_arrived = num_continued = num_completed = 0
@@ -178,6 +186,7 @@ def simulate(policy, num_replicas: int, num_requests: int, rate_per_s: float, tr
                     ttft.append(now - turn.arrival_s)
                 if request.finish_reason is not None:
                     num_completed += 1
+                    finished_s[request.request_id] = now
                     set_load(index, -1)
                     source.answered(turn)
             start_step(index)
@@ -189,7 +198,13 @@ def simulate(policy, num_replicas: int, num_requests: int, rate_per_s: float, tr
         turns[request_id] = turn
         num_continued += turn.continues_session
         index = policy.choose(turn.prompt_ids, loads)
-        prompt_replicas.add((tuple(turn.prompt_ids[:SYSTEM_KEY_TOKENS]), index))
+        key = tuple(turn.prompt_ids[:SYSTEM_KEY_TOKENS])
+        prompt_replicas.add((key, index))
+        if turn.continues_session or key in system_lens:
+            served.append((key, turn.shared_len, now))
+        else:  # the first of its system prompt: nothing earlier to share
+            system_lens[key] = turn.shared_len
+            served.append((key, 0, now))
         num_moved += turn.continues_session and last_replica[id(turn.session)] != index
         last_replica[id(turn.session)] = index
         request = Request(request_id, turn.prompt_ids, max_tokens=len(turn.output_ids))
@@ -206,12 +221,17 @@ def simulate(policy, num_replicas: int, num_requests: int, rate_per_s: float, tr
     prompt_tokens = sum(s.stats.prompt_tokens for s in schedulers)
     hit_tokens = sum(s.stats.cache_hit_tokens for s in schedulers)
     num_prompts_seen = len({key for key, _ in prompt_replicas})
+    ceiling = hit_rate_ceiling(
+        (Served(key, system_lens[key], len(turns[str(number)].prompt_ids), shared_len,
+                min(finished_s.get(str(number), last_arrival_s), last_arrival_s) - arrival_s)
+         for number, (key, shared_len, arrival_s) in enumerate(served)),
+        num_replicas, BUSIEST_GOAL, PAGE_SIZE)
     return RunResult(
         policy.name, num_requests, hit_tokens / prompt_tokens, _percentile(ttft, 0.5),
         _percentile(ttft, 0.99), max(load_area) / statistics.mean(load_area), makespan_s,
         num_continued / num_requests, num_completed, statistics.mean(load_area) / last_arrival_s,
         sum(r.num_cached_tokens for r in late) / sum(r.num_prompt for r in late),
-        len(prompt_replicas) / num_prompts_seen, num_moved / max(num_continued, 1),
+        len(prompt_replicas) / num_prompts_seen, num_moved / max(num_continued, 1), ceiling,
     )
 
 
@@ -266,6 +286,9 @@ def _print_goals(results: dict[str, RunResult]) -> None:
           f"(goal: < 1x at >= 1x: {verdict(p99 < 1 and hit >= 1)})")
     print(f"      second half of the trace (caches warm), hit rate: {mine.late_hit_rate / affinity.late_hit_rate:.2f}x "
           f"prefix affinity's, {mine.late_hit_rate / aware.late_hit_rate:.2f}x cache aware's")
+    print(f"      hit-rate ceiling with busiest/mean <= {BUSIEST_GOAL} (each run's own; the ceiling column): bounded "
+          f"load {mine.hit_rate / mine.hit_ceiling:.3f}x its run's, cache aware {aware.hit_rate / aware.hit_ceiling:.3f}x "
+          f"its run's, prefix affinity {affinity.hit_rate / affinity.hit_ceiling:.3f}x its run's")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -305,7 +328,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n{num_replicas} replicas, {per_replica * num_replicas} requests, "
               f"{trace.num_system_prompts} system prompts; capacity {capacity:.1f} requests/s per replica")
         print(f"{'load':>5} {'policy':<16} {'hit rate':>8} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} "
-              f"{'busiest/mean':>12} {'mean load':>9} {'continued':>9} {'2nd half hit':>12} {'copies':>6} {'moved':>5}")
+              f"{'busiest/mean':>12} {'mean load':>9} {'continued':>9} {'2nd half hit':>12} {'copies':>6} {'moved':>5} "
+              f"{'ceiling':>7}")
         for load in (float(part) for part in args.loads.split(",")):
             results = {}
             for policy_class in policies:
@@ -320,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{load:>5.0%} {result.policy:<16} {result.hit_rate:>8.1%} {result.ttft_p50_s * 1e3:>11.1f} "
                       f"{result.ttft_p99_s * 1e3:>11.1f} {result.busiest_over_mean:>12.2f} "
                       f"{result.mean_load:>9.1f} {result.continued_share:>9.0%} {result.late_hit_rate:>12.1%} "
-                      f"{result.prompt_copies:>6.2f} {result.moved_share:>5.0%}",
+                      f"{result.prompt_copies:>6.2f} {result.moved_share:>5.0%} {result.hit_ceiling:>7.1%}",
                       flush=True)
             if {"bounded load", "prefix affinity", "cache aware"} <= results.keys():
                 _print_goals(results)
