@@ -1,7 +1,7 @@
 """The stack's per-token cost: real gateway and router processes over a fake fast worker group.
 
     .venv/bin/python -m bench.stack_bench [--steps-ms 0,5,25] [--streams 32,128,512] \
-        [--apis grpc,grpc-many,http] [--seconds 8] [--gateway-args "..."] [--router-args "..."]
+        [--apis grpc,grpc-many,client-mux,http] [--seconds 8] [--gateway-args "..."] [--router-args "..."]
 
 For each step time a fake worker group (`bench.fake_worker_group`: the real WorkerService,
 answering each step after the set time, tokens of real text) serves one router process and
@@ -65,7 +65,7 @@ from radixserve.v1 import router_pb2, router_pb2_grpc
 
 PYTHON = sys.executable
 DEFAULT_MODEL = "models/smollm2-135m-instruct"
-GATEWAY_GOAL_US = {"grpc": 40.0, "grpc-many": 40.0, "http": 60.0}
+GATEWAY_GOAL_US = {"grpc": 40.0, "grpc-many": 40.0, "client-mux": 40.0, "http": 60.0}
 ROUTER_STEP_GOAL_S = 1e-3
 ROUTER_TOKEN_GOAL_S = 5e-6
 DELIVERED_GOAL = 0.9

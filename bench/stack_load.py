@@ -1,6 +1,6 @@
 """The stack benchmark's load generator: its own process, so that its CPU is not the gateway's.
 
-    python -m bench.stack_load --api grpc|grpc-many|http --target ADDR --streams N --max-tokens T \
+    python -m bench.stack_load --api grpc|grpc-many|client-mux|http --target ADDR --streams N --max-tokens T \
         --window START END --out FILE
 
 `--streams` closed-loop streams each send completion requests (a short plain prompt,
@@ -8,7 +8,9 @@
 the bench process); the requests still running then finish (only the window is counted). Over gRPC the requests spread over one channel per `STREAMS_PER_CHANNEL`
 (the gateway allows a bounded number of calls per connection); `grpc-many` puts all the streams'
 requests on one GenerateMany call (each message carries every request's new tokens, so a
-message's tokens count as arriving together, each request's gap its own); over HTTP each stream has its
+message's tokens count as arriving together, each request's gap its own); `client-mux` runs each
+stream's requests through the Python client's `AsyncClient(multiplex=True).stream` (its shared
+GenerateMany calls, radixserve_client/shared_call.py), as a user's code would; over HTTP each stream has its
 own connection, written and parsed by hand (chunked SSE lines), so the client costs little.
 Written to FILE as JSON: tokens that arrived inside [START, END), the gaps between consecutive
 tokens of a request in the window (ms; a message that carries several tokens gives its first
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from radixserve.serving import CHANNEL_OPTIONS
+from radixserve_client import AsyncClient, RadixServeError
 from radixserve.v1 import generation_pb2, generation_pb2_grpc
 
 STREAMS_PER_CHANNEL = 64
@@ -147,6 +150,29 @@ async def run_grpc_many(target: str, streams: int, max_tokens: int, tally: Tally
             tally.errors.append(f"{exc.code().name}: {exc.details()}")
 
 
+async def run_client_mux(target: str, streams: int, max_tokens: int, tally: Tally) -> None:
+    """Every stream a loop of `stream` calls on one multiplexing AsyncClient."""
+    async with AsyncClient(target, multiplex=True) as client:
+
+        async def stream_loop(index: int) -> None:
+            count = 0
+            while time.monotonic() < tally.window[1]:
+                previous = None
+                try:
+                    async for chunk in client.stream(prompt=PROMPT.format(index * 1000 + count), max_tokens=max_tokens,
+                                                     ignore_eos=True, temperature=0.0, timeout=600):
+                        now = time.monotonic()
+                        tally.arrived(now, len(chunk.token_ids), previous)
+                        if chunk.token_ids:
+                            previous = now
+                except RadixServeError as exc:
+                    tally.errors.append(str(exc))
+                    return
+                count += 1
+
+        await asyncio.gather(*(stream_loop(index) for index in range(streams)))
+
+
 async def http_stream(host: str, port: int, model: str, index: int, max_tokens: int, tally: Tally) -> None:
     reader, writer = await asyncio.open_connection(host, port)
     count = 0
@@ -195,7 +221,7 @@ async def run_http(target: str, model: str, streams: int, max_tokens: int, tally
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--api", choices=("grpc", "grpc-many", "http"), required=True)
+    parser.add_argument("--api", choices=("grpc", "grpc-many", "client-mux", "http"), required=True)
     parser.add_argument("--target", required=True, help="gRPC address, or host:port of the HTTP API")
     parser.add_argument("--model", default="fake-stack")
     parser.add_argument("--streams", type=int, required=True)
@@ -208,6 +234,8 @@ def main() -> None:
         run = run_grpc(args.target, args.streams, args.max_tokens, tally)
     elif args.api == "grpc-many":
         run = run_grpc_many(args.target, args.streams, args.max_tokens, tally)
+    elif args.api == "client-mux":
+        run = run_client_mux(args.target, args.streams, args.max_tokens, tally)
     else:
         run = run_http(args.target, args.model, args.streams, args.max_tokens, tally)
     asyncio.run(run)
