@@ -111,9 +111,9 @@ class SharedCalls:
                         item = await inbox.get()
                 except TimeoutError:
                     raise DeadlineExceededError("Deadline Exceeded") from None
-                if isinstance(item, RadixServeError):
+                if isinstance(item, RadixServeError):  # the call's failure, one for all its requests
                     ended = True
-                    raise item
+                    raise type(item)(item.message, item.code)
                 if item.code:
                     ended = True
                     raise from_status(item.code, item.message)
