@@ -14,7 +14,7 @@ from radixserve_client.errors import RadixServeError, from_rpc_error
 from radixserve_client.many import DEFAULT_WINDOW, ManyRequests
 from radixserve_client.request import Message, chat_messages, embed_request, generate_request
 from radixserve_client.results import Chunk, GenerateResult, ModelInfo, chunk_from_proto, join_chunks
-from radixserve_client.shared_call import SharedCalls
+from radixserve_client.shared_call import SharedCalls, check_window
 from radixserve.v1 import generation_pb2
 
 
@@ -34,14 +34,9 @@ class AsyncClient(Endpoint):
 
     def __init__(self, address: str = DEFAULT_ADDRESS, *, multiplex: bool = False, window: int | None = None,
                  **connection: Any) -> None:
-        if window is not None and not multiplex:
-            raise ValueError("window is the requests open on one shared call: it goes with multiplex=True")
-        if window is not None and window < 1:
-            raise ValueError(f"window must be at least 1, got {window}")
+        window = check_window(multiplex, window)
         super().__init__(address, **connection)
-        self._shared = None
-        if multiplex:
-            self._shared = SharedCalls(self._stub, self._metadata, DEFAULT_WINDOW if window is None else window)
+        self._shared = SharedCalls(self._stub, self._metadata, window) if multiplex else None
 
     async def __aenter__(self) -> "AsyncClient":
         return self

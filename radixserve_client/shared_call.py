@@ -1,5 +1,5 @@
-"""Concurrent requests of one `AsyncClient` carried on shared GenerateMany calls
-(`AsyncClient(..., multiplex=True)`).
+"""Concurrent requests of one client carried on shared GenerateMany calls
+(`AsyncClient(..., multiplex=True)`, `Client(..., multiplex=True)`).
 
 A Generate call per request costs a gRPC message per chunk on both ends; on one GenerateMany
 call the gateway puts every chunk its requests made since its last write into one message
@@ -10,31 +10,144 @@ timeout) sends the call a cancel for it. A request that fails on the gateway rai
 error, as its Generate call would; a call that ends (the gateway went away) fails the requests
 open on it with the call's status, and the next request opens a new call. A call with no
 request left open is ended, so an idle client holds none.
+
+`CallState` is that bookkeeping, whatever runs it; `SharedCalls` runs it on asyncio (a reader
+task per call), shared_call_threads.py on threads (a reader thread per call).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
+from typing import Protocol
 
 import grpc
 
 from radixserve_client.errors import (
     CancelledError, DeadlineExceededError, RadixServeError, UnavailableError, from_rpc_error, from_status,
 )
+from radixserve_client.many import DEFAULT_WINDOW
 from radixserve.v1 import generation_pb2, generation_pb2_grpc
 
-_Item = generation_pb2.ManyUpdate | RadixServeError
+Item = generation_pb2.ManyUpdate | RadixServeError  # what a request's inbox holds
 
 
-class _Call:
-    """One GenerateMany call: what to send on it, and the inbox of each request open on it."""
+class Box(Protocol):
+    """An inbox or outbox: `asyncio.Queue` or `queue.SimpleQueue`."""
+
+    def put_nowait(self, item, /) -> None: ...
+
+
+def check_window(multiplex: bool, window: int | None) -> int:
+    """The requests one shared call may have open (a client's `window` argument)."""
+    if window is not None and not multiplex:
+        raise ValueError("window is the requests open on one shared call: it goes with multiplex=True")
+    if window is None:
+        return DEFAULT_WINDOW
+    if window < 1:
+        raise ValueError(f"window must be at least 1, got {window}")
+    return window
+
+
+def response_of(item: Item) -> generation_pb2.GenerateResponse:
+    """The response an inbox item carries; raises the request's typed error where it failed
+    (a fresh one for each request of a failed call: one exception object raised in several
+    places would share its traceback)."""
+    if isinstance(item, RadixServeError):
+        raise type(item)(item.message, item.code)
+    if item.code:
+        raise from_status(item.code, item.message)
+    return item.response
+
+
+def call_error(exc: BaseException | None, closing: bool) -> RadixServeError:
+    """Why a call's requests fail when its reading ends: `exc` what ended it (None: the gateway
+    ended the call), `closing` whether the client is being closed."""
+    if closing:
+        return CancelledError("the client was closed")
+    if exc is None:
+        return UnavailableError("the gateway ended the GenerateMany call")
+    if isinstance(exc, grpc.RpcError):
+        return from_rpc_error(exc)
+    return RadixServeError(f"reading the GenerateMany call failed: {exc!r}")  # a fault of ours
+
+
+class CallState:
+    """One shared call's bookkeeping: what to send on it (`outgoing`, None ends the caller's
+    stream) and the inbox of each request open on it. Run by one thread of control at a time
+    (the event loop, or under the threaded client's lock)."""
+
+    def __init__(self, outgoing: Box) -> None:
+        self.outgoing = outgoing
+        self.inboxes: dict[int, Box] = {}
+        self.ended = False  # nothing more may open on it
+        self.closing = False  # the client is being closed
+
+    def open(self, request_id: int, inbox: Box, request: generation_pb2.GenerateRequest) -> None:
+        self.inboxes[request_id] = inbox
+        self.outgoing.put_nowait(generation_pb2.ManyRequest(id=request_id, generate=request))
+
+    def deliver(self, updates: Iterable[generation_pb2.ManyUpdate]) -> None:
+        for update in updates:
+            inbox = self.inboxes.get(update.id)
+            if inbox is not None:  # else: left by its caller, its cancel on the way
+                inbox.put_nowait(update)
+
+    def leave(self, request_id: int, ended: bool) -> None:
+        """Request `request_id`'s caller is done with it (`ended`: it had its last update): a
+        cancel for it if not, and the end of the call if nothing is left open on it."""
+        del self.inboxes[request_id]
+        if self.ended:
+            return
+        if not ended:
+            self.outgoing.put_nowait(generation_pb2.ManyRequest(id=request_id, cancel=True))
+        if not self.inboxes:
+            self.end()
+
+    def end(self) -> None:
+        if not self.ended:
+            self.ended = True
+            self.outgoing.put_nowait(None)
+
+    def fail(self, error: RadixServeError) -> None:
+        """The call is over: every request still open on it fails with `error`."""
+        self.end()
+        for inbox in self.inboxes.values():
+            inbox.put_nowait(error)
+
+
+class CallPool:
+    """The shared calls of one client: a request opens on the first call with room, or on a
+    new one (`new_call`) when none has; calls that ended are dropped."""
+
+    def __init__(self, stub: generation_pb2_grpc.GenerationServiceStub, metadata, window: int) -> None:
+        self._stub = stub
+        self._metadata = metadata
+        self._window = window
+        self._calls: list = []  # of the subclass's calls
+        self._ids = itertools.count()
+
+    def new_call(self):
+        raise NotImplementedError
+
+    def open(self, request: generation_pb2.GenerateRequest, inbox: Box):
+        """Open `request` on a call with room; returns the call and the request's id there."""
+        self._calls = [call for call in self._calls if not call.ended]
+        call = next((call for call in self._calls if len(call.inboxes) < self._window), None)
+        if call is None:
+            call = self.new_call()
+            self._calls.append(call)
+        request_id = next(self._ids)
+        call.open(request_id, inbox, request)
+        return call, request_id
+
+
+class _Call(CallState):
+    """A call run by a reader task."""
 
     def __init__(self, stub: generation_pb2_grpc.GenerationServiceStub, metadata) -> None:
-        self.outgoing: asyncio.Queue[generation_pb2.ManyRequest | None] = asyncio.Queue()
-        self.inboxes: dict[int, asyncio.Queue[_Item]] = {}
-        self.ended = False  # nothing more may open on it
+        super().__init__(asyncio.Queue())
         self._call = stub.GenerateMany(self._messages(), metadata=metadata)
         self.reader = asyncio.ensure_future(self._read())
 
@@ -43,54 +156,24 @@ class _Call:
             yield message
 
     async def _read(self) -> None:
+        ended_by: BaseException | None = None
         try:
             async for reply in self._call:
-                for update in reply.updates:
-                    inbox = self.inboxes.get(update.id)
-                    if inbox is not None:  # else: left by its caller, its cancel on the way
-                        inbox.put_nowait(update)
-            error: RadixServeError = UnavailableError("the gateway ended the GenerateMany call")
-        except grpc.aio.AioRpcError as exc:
-            error = from_rpc_error(exc)
-        except asyncio.CancelledError:
-            error = CancelledError("the client was closed")
-        except Exception as exc:  # a fault of ours: fail the requests rather than leave them waiting
-            error = RadixServeError(f"reading the GenerateMany call failed: {exc!r}")
-        self.ended = True
-        for inbox in self.inboxes.values():
-            inbox.put_nowait(error)
-
-    def end(self) -> None:
-        """Nothing more opens here: the call ends once the gateway has seen the last cancel."""
-        if not self.ended:
-            self.ended = True
-            self.outgoing.put_nowait(None)
+                self.deliver(reply.updates)
+        except (Exception, asyncio.CancelledError) as exc:
+            ended_by = exc
+        self.fail(call_error(ended_by, self.closing))
 
     def cancel(self) -> None:
-        self.ended = True
+        self.closing = True
         self._call.cancel()
 
 
-class SharedCalls:
-    """The GenerateMany calls one client's concurrent requests share."""
+class SharedCalls(CallPool):
+    """The GenerateMany calls one asyncio client's concurrent requests share."""
 
-    def __init__(self, stub: generation_pb2_grpc.GenerationServiceStub, metadata, window: int) -> None:
-        if window < 1:
-            raise ValueError(f"window must be at least 1, got {window}")
-        self._stub = stub
-        self._metadata = metadata
-        self._window = window
-        self._calls: list[_Call] = []  # every call not yet over, ending ones too
-        self._ids = itertools.count()
-
-    def _call_with_room(self) -> _Call:
-        for call in self._calls:
-            if not call.ended and len(call.inboxes) < self._window:
-                return call
-        call = _Call(self._stub, self._metadata)
-        self._calls.append(call)
-        call.reader.add_done_callback(lambda _, call=call: self._calls.remove(call))
-        return call
+    def new_call(self) -> _Call:
+        return _Call(self._stub, self._metadata)
 
     async def stream(self, request: generation_pb2.GenerateRequest,
                      timeout: float | None) -> AsyncIterator[generation_pb2.GenerateResponse]:
@@ -98,11 +181,8 @@ class SharedCalls:
         error as that call would (`timeout`: seconds for the whole request, as Generate's)."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        call = self._call_with_room()
-        request_id = next(self._ids)
-        inbox: asyncio.Queue[_Item] = asyncio.Queue()
-        call.inboxes[request_id] = inbox
-        call.outgoing.put_nowait(generation_pb2.ManyRequest(id=request_id, generate=request))
+        inbox: asyncio.Queue[Item] = asyncio.Queue()
+        call, request_id = self.open(request, inbox)
         ended = False
         try:
             while True:
@@ -111,26 +191,17 @@ class SharedCalls:
                         item = await inbox.get()
                 except TimeoutError:
                     raise DeadlineExceededError("Deadline Exceeded") from None
-                if isinstance(item, RadixServeError):  # the call's failure, one for all its requests
-                    ended = True
-                    raise type(item)(item.message, item.code)
-                if item.code:
-                    ended = True
-                    raise from_status(item.code, item.message)
-                ended = item.response.finish_reason != 0
-                yield item.response
+                ended = True  # if response_of raises: the request failed, nothing to cancel
+                response = response_of(item)
+                ended = response.finish_reason != 0
+                yield response
                 if ended:
                     return
         finally:
-            del call.inboxes[request_id]
-            if not call.ended:
-                if not ended:
-                    call.outgoing.put_nowait(generation_pb2.ManyRequest(id=request_id, cancel=True))
-                if not call.inboxes:
-                    call.end()
+            call.leave(request_id, ended)
 
     async def close(self) -> None:
-        calls = list(self._calls)
+        calls, self._calls = self._calls, []
         for call in calls:
             call.cancel()
         await asyncio.gather(*(call.reader for call in calls))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import queue
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -13,6 +14,8 @@ from radixserve_client.errors import RadixServeError, from_rpc_error
 from radixserve_client.many import DEFAULT_WINDOW, ManyRequests
 from radixserve_client.request import Message, chat_messages, embed_request, generate_request
 from radixserve_client.results import Chunk, GenerateResult, ModelInfo, chunk_from_proto, join_chunks
+from radixserve_client.shared_call import check_window
+from radixserve_client.shared_call_threads import ThreadSharedCalls
 from radixserve.v1 import generation_pb2
 
 __all__ = ["DEFAULT_ADDRESS", "Client"]
@@ -27,7 +30,17 @@ class Client(Endpoint):
 
     TLS: `tls=True` (system roots) or `tls_ca="ca.pem"`; `tls_cert/tls_key` for a server that asks
     for a client certificate. `api_token` is sent as `authorization: Bearer ...` on every call.
+
+    With `multiplex=True`, `stream` and `generate` calls made concurrently from many threads share
+    GenerateMany calls (at most `window` requests open on one; shared_call_threads.py) instead of
+    a Generate call each: the same results and errors, at a fraction of the gRPC messages.
     """
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, multiplex: bool = False, window: int | None = None,
+                 **connection: Any) -> None:
+        window = check_window(multiplex, window)
+        super().__init__(address, **connection)
+        self._shared = ThreadSharedCalls(self._stub, self._metadata, window) if multiplex else None
 
     def __enter__(self) -> "Client":
         return self
@@ -36,6 +49,8 @@ class Client(Endpoint):
         self.close()
 
     def close(self) -> None:
+        if self._shared is not None:
+            self._shared.close()
         self._channel.close()
 
     def stream(
@@ -48,6 +63,11 @@ class Client(Endpoint):
     ) -> Iterator[Chunk]:
         """Yield chunks as they are generated. Closing the iterator early cancels the request."""
         request = generate_request(prompt, messages, **options)
+        if self._shared is not None:
+            with contextlib.closing(self._shared.stream(request, timeout)) as responses:
+                for response in responses:
+                    yield chunk_from_proto(response)
+            return
         call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
         try:
             for response in call:

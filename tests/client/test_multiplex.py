@@ -11,8 +11,9 @@ import grpc
 import pytest
 
 from radixserve_client import AsyncClient, DeadlineExceededError, InvalidArgumentError, UnavailableError
+from client.fakes import FailingFirstCall, counting_many_calls
 from gateway.harness import EOS_TOKEN_ID
-from radixserve.v1 import generation_pb2, generation_pb2_grpc
+from radixserve.v1 import generation_pb2_grpc
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -23,19 +24,6 @@ OPTIONS = [
     {"prompt": "three", "max_tokens": 3, "ignore_eos": True},
     {"prompt": "four", "max_tokens": 50, "temperature": 0},
 ]
-
-
-def counting_many_calls(client: AsyncClient) -> list[int]:
-    """Counts the GenerateMany calls `client` opens (one entry each)."""
-    opened: list[int] = []
-    open_call = client._stub.GenerateMany
-
-    def counted(*args, **kwargs):
-        opened.append(1)
-        return open_call(*args, **kwargs)
-
-    client._stub.GenerateMany = counted
-    return opened
 
 
 async def wait_until(condition, timeout_s: float = 5.0) -> None:
@@ -56,7 +44,8 @@ def test_concurrent_requests_share_a_call_and_get_what_generate_gives(harness, c
             opened = counting_many_calls(client)
             together = await asyncio.gather(*(client.generate(**options) for options in requests))
             chunks = [chunk async for chunk in client.stream(**OPTIONS[0])]
-            await wait_until(lambda: not client._shared._calls)  # ended once nothing is open
+            # Each call ends once nothing is open on it: the gateway finishes it.
+            await wait_until(lambda: all(call.reader.done() for call in client._shared._calls))
             return alone, together, chunks, len(opened)
 
     alone, together, chunks, num_calls = asyncio.run(scenario())
@@ -133,30 +122,6 @@ def test_a_timeout_raises_deadline_exceeded_and_cancels_the_request(harness, cli
 
     waited = asyncio.run(scenario())
     assert 0.5 <= waited < 2.0
-
-
-class FailingFirstCall(generation_pb2_grpc.GenerationServiceServicer):
-    """A gateway whose first GenerateMany call ends with UNAVAILABLE once every request on it
-    has had a chunk; later calls answer each request with one chunk and its finish."""
-
-    def __init__(self, num_first: int) -> None:
-        self.num_calls = 0
-        self.num_first = num_first
-
-    async def GenerateMany(self, request_iterator, context):
-        self.num_calls += 1
-        first = self.num_calls == 1
-        seen = 0
-        async for message in request_iterator:
-            chunk = generation_pb2.GenerateResponse(text="a", token_ids=[7])
-            if first:
-                seen += 1
-                yield generation_pb2.ManyResponse(updates=[generation_pb2.ManyUpdate(id=message.id, response=chunk)])
-                if seen == self.num_first:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "the gateway went away")
-            elif message.HasField("generate"):
-                chunk.finish_reason = generation_pb2.FINISH_REASON_STOP
-                yield generation_pb2.ManyResponse(updates=[generation_pb2.ManyUpdate(id=message.id, response=chunk)])
 
 
 def test_a_call_that_ends_fails_its_open_requests_and_the_next_opens_a_new_one():
