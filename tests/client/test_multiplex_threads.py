@@ -49,8 +49,14 @@ def test_requests_from_many_threads_get_what_generate_gives(harness, client_toke
         alone = [outcome(alone_client, options) for options in OPTIONS]
     with Client(harness.address, multiplex=True) as client:
         opened = counting_many_calls(client)
+        all_started = threading.Barrier(len(requests))
+
+        def together_with_the_others(options: dict):
+            all_started.wait(timeout=30)
+            return outcome(client, options)
+
         with ThreadPoolExecutor(max_workers=len(requests)) as pool:
-            together = list(pool.map(lambda options: outcome(client, options), requests))
+            together = list(pool.map(together_with_the_others, requests))
         # Each call ends once nothing is open on it: the gateway finishes it.
         wait_until(lambda: not any(call.reader.is_alive() for call in client._shared._calls))
     for got, expected in zip(together, alone * 6):
