@@ -65,7 +65,7 @@ from radixserve.v1 import router_pb2, router_pb2_grpc
 
 PYTHON = sys.executable
 DEFAULT_MODEL = "models/smollm2-135m-instruct"
-GATEWAY_GOAL_US = {"grpc": 40.0, "grpc-many": 40.0, "client-mux": 40.0, "http": 60.0}
+GATEWAY_GOAL_US = {"grpc": 40.0, "grpc-many": 40.0, "client-mux": 40.0, "client-threads": 40.0, "client-mux-threads": 40.0, "http": 60.0}
 ROUTER_STEP_GOAL_S = 1e-3
 ROUTER_TOKEN_GOAL_S = 5e-6
 DELIVERED_GOAL = 0.9

@@ -1,6 +1,6 @@
 """The stack benchmark's load generator: its own process, so that its CPU is not the gateway's.
 
-    python -m bench.stack_load --api grpc|grpc-many|client-mux|http --target ADDR --streams N --max-tokens T \
+    python -m bench.stack_load --api grpc|grpc-many|client-mux|client-[mux-]threads|http --target ADDR --streams N --max-tokens T \
         --window START END --out FILE
 
 `--streams` closed-loop streams each send completion requests (a short plain prompt,
@@ -10,7 +10,10 @@ the bench process); the requests still running then finish (only the window is c
 requests on one GenerateMany call (each message carries every request's new tokens, so a
 message's tokens count as arriving together, each request's gap its own); `client-mux` runs each
 stream's requests through the Python client's `AsyncClient(multiplex=True).stream` (its shared
-GenerateMany calls, radixserve_client/shared_call.py), as a user's code would; over HTTP each stream has its
+GenerateMany calls, radixserve_client/shared_call.py), as a user's code would, and
+`client-mux-threads` the same with a thread per stream on one blocking `Client(multiplex=True)`
+(`client-threads`: a Generate call per request from the same threads);
+over HTTP each stream has its
 own connection, written and parsed by hand (chunked SSE lines), so the client costs little.
 Written to FILE as JSON: tokens that arrived inside [START, END), the gaps between consecutive
 tokens of a request in the window (ms; a message that carries several tokens gives its first
@@ -22,13 +25,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
 
 from radixserve.serving import CHANNEL_OPTIONS
-from radixserve_client import AsyncClient, RadixServeError
+from radixserve_client import AsyncClient, Client, RadixServeError
 from radixserve.v1 import generation_pb2, generation_pb2_grpc
 
 STREAMS_PER_CHANNEL = 64
@@ -173,6 +178,32 @@ async def run_client_mux(target: str, streams: int, max_tokens: int, tally: Tall
         await asyncio.gather(*(stream_loop(index) for index in range(streams)))
 
 
+def run_client_threads(target: str, streams: int, max_tokens: int, tally: Tally, multiplex: bool) -> None:
+    """Every stream a thread looping `stream` calls on one blocking Client."""
+    lock = threading.Lock()  # over the tally
+
+    def stream_loop(index: int) -> None:
+        count = 0
+        while time.monotonic() < tally.window[1]:
+            previous = None
+            try:
+                for chunk in client.stream(prompt=PROMPT.format(index * 1000 + count), max_tokens=max_tokens,
+                                           ignore_eos=True, temperature=0.0, timeout=600):
+                    now = time.monotonic()
+                    with lock:
+                        tally.arrived(now, len(chunk.token_ids), previous)
+                    if chunk.token_ids:
+                        previous = now
+            except RadixServeError as exc:
+                with lock:
+                    tally.errors.append(str(exc))
+                return
+            count += 1
+
+    with Client(target, multiplex=multiplex) as client, ThreadPoolExecutor(max_workers=streams) as pool:
+        list(pool.map(stream_loop, range(streams)))
+
+
 async def http_stream(host: str, port: int, model: str, index: int, max_tokens: int, tally: Tally) -> None:
     reader, writer = await asyncio.open_connection(host, port)
     count = 0
@@ -221,7 +252,8 @@ async def run_http(target: str, model: str, streams: int, max_tokens: int, tally
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--api", choices=("grpc", "grpc-many", "client-mux", "http"), required=True)
+    parser.add_argument("--api", required=True, choices=(
+        "grpc", "grpc-many", "client-mux", "client-threads", "client-mux-threads", "http"))
     parser.add_argument("--target", required=True, help="gRPC address, or host:port of the HTTP API")
     parser.add_argument("--model", default="fake-stack")
     parser.add_argument("--streams", type=int, required=True)
@@ -230,7 +262,10 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     tally = Tally(tuple(args.window))
-    if args.api == "grpc":
+    run = None
+    if args.api in ("client-threads", "client-mux-threads"):
+        run_client_threads(args.target, args.streams, args.max_tokens, tally, args.api == "client-mux-threads")
+    elif args.api == "grpc":
         run = run_grpc(args.target, args.streams, args.max_tokens, tally)
     elif args.api == "grpc-many":
         run = run_grpc_many(args.target, args.streams, args.max_tokens, tally)
@@ -238,7 +273,8 @@ def main() -> None:
         run = run_client_mux(args.target, args.streams, args.max_tokens, tally)
     else:
         run = run_http(args.target, args.model, args.streams, args.max_tokens, tally)
-    asyncio.run(run)
+    if run is not None:
+        asyncio.run(run)
     with open(args.out, "w") as out:
         json.dump({"tokens": tally.tokens, "gaps_ms": tally.gaps_ms, "errors": tally.errors[:5],
                    "num_errors": len(tally.errors)}, out)
