@@ -5,6 +5,7 @@ draining on SIGTERM, after which the launcher stops everything (last: it ends th
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -16,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from radixserve_client import Client
+from radixserve_client import AsyncClient, Client
 from e2e.faults import RecordedStream, greedy, serves, wait_until
 from e2e.grpcurl_call import GRPCURL, readme_generate
 from e2e.parity import check_greedy_parity
@@ -90,6 +91,21 @@ def test_chats_on_one_generate_many_call_match_transformers(stack, references):
     with Client(stack.gateway) as client:
         results = client.generate_many(
             [{"messages": chat, "max_tokens": MAX_NEW_TOKENS, "temperature": 0} for chat in CHATS], timeout=240)
+    assert [result.token_ids for result in results] == [reference.output_ids for reference in references]
+
+
+@pytest.mark.timeout(300)
+def test_concurrent_chats_on_a_multiplexing_client_match_transformers(stack, references):
+    """The same chats from asyncio tasks on one AsyncClient(multiplex=True): their requests share
+    a GenerateMany call, and each gives transformers' greedy output."""
+
+    async def ask_all():
+        async with AsyncClient(stack.gateway, multiplex=True) as client:
+            return await asyncio.gather(*(
+                client.generate(messages=chat, max_tokens=MAX_NEW_TOKENS, temperature=0, timeout=240)
+                for chat in CHATS))
+
+    results = asyncio.run(ask_all())
     assert [result.token_ids for result in results] == [reference.output_ids for reference in references]
 
 
