@@ -153,8 +153,7 @@ class RouterStream:
                 bare_ids, bare_token_ids = message.bare_request_ids, message.bare_token_ids
                 if len(bare_ids) != len(bare_token_ids):  # a router bug: no telling whose token is whose
                     self._call.cancel()
-                    raise rpc_error(grpc.StatusCode.INTERNAL, f"the router sent {len(bare_token_ids)} bare tokens "
-                                                              f"for {len(bare_ids)} request ids")
+                    raise _RouterFault(f"the router sent {len(bare_token_ids)} bare tokens for {len(bare_ids)} request ids")
                 for request_id, token_id in zip(bare_ids, bare_token_ids):
                     inbox = inboxes.get(request_id)
                     if inbox is None:
@@ -178,8 +177,16 @@ class RouterStream:
                     if inbox is not None:  # else: cancelled by its caller meanwhile
                         inbox.put(update)
             error = rpc_error(grpc.StatusCode.UNAVAILABLE, "the router ended the stream")
+        except _RouterFault as exc:
+            error = rpc_error(grpc.StatusCode.INTERNAL, str(exc))
         except grpc.aio.AioRpcError as exc:
             error = exc
+            if self.answered and exc.code() in _BROKEN:
+                # The router ends a call it answered on only by finishing it: this status is
+                # grpc's own for a call that broke under it (the router stopping mid-call, say).
+                # Its requests lost their router, as with a connection reset: UNAVAILABLE.
+                error = rpc_error(grpc.StatusCode.UNAVAILABLE,
+                                  f"the stream to the router broke ({exc.code().name}: {exc.details()})")
         except asyncio.CancelledError:
             error = rpc_error(grpc.StatusCode.UNAVAILABLE, self._abandoned or "the gateway closed the stream")
         self.failed = error
@@ -208,6 +215,16 @@ class RouterStream:
     async def _cancel(self, request_id: str) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError):
             await self._write(router_pb2.RouterStreamRequest(cancel=request_id))
+
+
+class _RouterFault(Exception):
+    """A message the gateway cannot read (a router bug): the call fails with INTERNAL."""
+
+
+# What a Stream call the router answered on ends with when it breaks rather than ends: grpc's
+# "Internal error from Core", or a cancel from the server's side (the reader's own cancel is
+# asyncio's CancelledError).
+_BROKEN = (grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED)
 
 
 class _Inbox(Mailbox):
