@@ -119,22 +119,27 @@ class CallState:
 
 class CallPool:
     """The shared calls of one client: a request opens on the first call with room, or on a
-    new one (`new_call`) when none has; calls that ended are dropped."""
+    new one (`new_call`) when none has. A call is kept until it is `over` (its reader done),
+    ended ones too: they still hold a reader, which `close` stops."""
 
     def __init__(self, stub: generation_pb2_grpc.GenerationServiceStub, metadata, window: int) -> None:
         self._stub = stub
         self._metadata = metadata
         self._window = window
-        self._calls: list = []  # of the subclass's calls
+        self._calls: list = []  # of the subclass's calls, until they are over
         self._ids = itertools.count()
 
     def new_call(self):
         raise NotImplementedError
 
+    @staticmethod
+    def over(call) -> bool:
+        raise NotImplementedError
+
     def open(self, request: generation_pb2.GenerateRequest, inbox: Box):
         """Open `request` on a call with room; returns the call and the request's id there."""
-        self._calls = [call for call in self._calls if not call.ended]
-        call = next((call for call in self._calls if len(call.inboxes) < self._window), None)
+        self._calls = [call for call in self._calls if not self.over(call)]
+        call = next((call for call in self._calls if not call.ended and len(call.inboxes) < self._window), None)
         if call is None:
             call = self.new_call()
             self._calls.append(call)
@@ -174,6 +179,10 @@ class SharedCalls(CallPool):
 
     def new_call(self) -> _Call:
         return _Call(self._stub, self._metadata)
+
+    @staticmethod
+    def over(call: _Call) -> bool:
+        return call.reader.done()
 
     async def stream(self, request: generation_pb2.GenerateRequest,
                      timeout: float | None) -> AsyncIterator[generation_pb2.GenerateResponse]:

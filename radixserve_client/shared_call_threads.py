@@ -59,6 +59,10 @@ class ThreadSharedCalls(CallPool):
     def new_call(self) -> _Call:
         return _Call(self._stub, self._metadata, self._lock)
 
+    @staticmethod
+    def over(call: _Call) -> bool:
+        return not call.reader.is_alive()
+
     def stream(self, request: generation_pb2.GenerateRequest,
                timeout: float | None) -> Iterator[generation_pb2.GenerateResponse]:
         """As shared_call.SharedCalls.stream, blocking."""

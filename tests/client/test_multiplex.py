@@ -10,7 +10,9 @@ import time
 import grpc
 import pytest
 
-from radixserve_client import AsyncClient, DeadlineExceededError, InvalidArgumentError, UnavailableError
+from radixserve_client import (
+    AsyncClient, CancelledError, DeadlineExceededError, InvalidArgumentError, UnavailableError,
+)
 from client.fakes import FailingFirstCall, counting_many_calls
 from gateway.harness import EOS_TOKEN_ID
 from radixserve.v1 import generation_pb2_grpc
@@ -122,6 +124,21 @@ def test_a_timeout_raises_deadline_exceeded_and_cancels_the_request(harness, cli
 
     waited = asyncio.run(scenario())
     assert 0.5 <= waited < 2.0
+
+
+def test_closing_the_client_ends_its_open_requests(harness, client_tokenizer):
+    harness.script_all(client_tokenizer.encode_prompt(TEXT * 4), delay_s=0.1)
+
+    async def scenario():
+        client = AsyncClient(harness.address, multiplex=True)
+        pending = asyncio.ensure_future(client.generate(prompt="slow", max_tokens=200))
+        await wait_until(lambda: len(harness.all_requests()) == 1)
+        await client.close()
+        with pytest.raises(CancelledError, match="the client was closed"):
+            await pending
+        await wait_until(lambda: len(harness.all_cancelled()) == 1)  # the gateway cancelled it on the router
+
+    asyncio.run(scenario())
 
 
 def test_a_call_that_ends_fails_its_open_requests_and_the_next_opens_a_new_one():

@@ -14,7 +14,7 @@ import pytest
 from client.fakes import FailingFirstCall, counting_many_calls
 from gateway.background import BackgroundLoop
 from gateway.harness import EOS_TOKEN_ID
-from radixserve_client import Client, DeadlineExceededError, InvalidArgumentError, UnavailableError
+from radixserve_client import Client, CancelledError, DeadlineExceededError, InvalidArgumentError, UnavailableError
 from radixserve.v1 import generation_pb2_grpc
 
 pytestmark = pytest.mark.timeout(60)
@@ -85,6 +85,18 @@ def test_closing_a_stream_early_and_a_timeout_cancel_their_requests(harness, cli
     cancelled = {r.max_tokens for r in harness.all_requests() if r.request_id in harness.all_cancelled()}
     assert cancelled == {200}
     assert 0.5 <= waited < 2.0
+
+
+def test_closing_the_client_ends_its_open_requests(harness, client_tokenizer):
+    harness.script_all(client_tokenizer.encode_prompt(TEXT * 4), delay_s=0.1)
+    client = Client(harness.address, multiplex=True)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = pool.submit(client.generate, prompt="slow", max_tokens=200)
+        wait_until(lambda: len(harness.all_requests()) == 1)
+        client.close()
+        with pytest.raises(CancelledError, match="the client was closed"):
+            pending.result(timeout=10)
+    wait_until(lambda: len(harness.all_cancelled()) == 1)  # the gateway cancelled it on the router
 
 
 def test_a_call_that_ends_fails_its_open_requests_and_the_next_opens_a_new_one():
