@@ -34,6 +34,7 @@ from gateway_service.errors import GatewayError, InvalidRequest, NoRouterAvailab
 from gateway_service.many_call import ManyCall, request_caller
 from gateway_service.metrics import API_EMBED, API_GRPC, API_GRPC_MANY, GatewayMetrics
 from gateway_service.output import OutputAssembler
+from gateway_service.generate_call import mailbox_chunks
 from gateway_service.plain_lane import Sink, plain_lane
 from gateway_service.pooling_config import PoolingConfig
 from gateway_service.router_choice import RouterPool
@@ -95,8 +96,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             await context.send_initial_metadata(((REQUEST_ID_HEADER, caller.request_id),))
             remaining = context.time_remaining()
             deadline = None if remaining is None else time.monotonic() + remaining
-            async for chunk in self.generate(request, deadline, API_GRPC, caller):
-                yield chunk
+            # The request runs as its own task, so that its plain tokens take the lane (generate_call.py).
+            async with contextlib.aclosing(mailbox_chunks(
+                    lambda sink: self.generate(request, deadline, API_GRPC, caller, sink=sink))) as chunks:
+                async for chunk in chunks:
+                    yield chunk
         except Exception as exc:
             await context.abort(*to_status(exc))
 
@@ -239,8 +243,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         incremental_calls: bool, sink: Sink | None,
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         self._refuse_if_draining()
-        # Each call runs in its own task (the gRPC handler's, or one per HTTP choice), which
-        # `end_streams` cancels.
+        # Each request runs in its own task (a Generate call's, generate_call.py; one per HTTP
+        # choice; one per GenerateMany request), which `end_streams` cancels.
         task = asyncio.current_task()
         in_flight = self._in_flight
         in_flight[task] = False
