@@ -3,22 +3,21 @@
 The lane (plain_lane.py) hands a request's bare tokens to a sink from the router stream's
 reader, without waking the request's task and its chain of generators; a Generate handler has
 to write each chunk itself, so it cannot be that sink. Here the request runs as a task of its
-own whose chunks, by the lane or by its stream, go to a mailbox, and the handler writes what the
-mailbox holds at each wake-up: one chunk, or, when several piled up while grpc wrote the last
+own whose chunks, by the lane or by its stream, go to a mailbox (choice_streams.py, as an HTTP
+request's choices do), and the handler writes what the mailbox holds at each wake-up: one chunk, or, when several piled up while grpc wrote the last
 one, those chunks merged into one response (as the router stream merges a slow reader's
 updates), so a caller behind the stream gets fewer, larger messages.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Callable
 
-from gateway_service.mailbox import Mailbox
+from gateway_service.choice_streams import ChoiceStreams
 from gateway_service.plain_lane import Sink
 from radixserve.v1 import generation_pb2
 
+GenerateRequest = generation_pb2.GenerateRequest
 Chunk = generation_pb2.GenerateResponse
 
 
@@ -41,33 +40,15 @@ def merged(chunks: list[Chunk]) -> Chunk:
     return response
 
 
-async def mailbox_chunks(generate: Callable[[Sink], AsyncIterator[Chunk]]) -> AsyncIterator[Chunk]:
-    """The chunks of `generate(sink)` (the servicer's `generate` with `sink`), run as its own
-    task; what piled up between two reads comes merged. Its failure is raised here after the
-    chunks before it; leaving early (or being cancelled) cancels it, and so its router call."""
-    mailbox: Mailbox[Chunk | Exception | None] = Mailbox()
-
-    async def pump() -> None:
-        try:
-            async with contextlib.aclosing(generate(mailbox.put)) as chunks:
-                async for chunk in chunks:
-                    mailbox.put(chunk)
-        except Exception as exc:
-            mailbox.put(exc)
-        else:
-            mailbox.put(None)
-
-    task = asyncio.create_task(pump())
+async def mailbox_chunks(start: Callable[[GenerateRequest, Sink], AsyncIterator[Chunk]],
+                         request: GenerateRequest) -> AsyncIterator[Chunk]:
+    """The chunks of `start(request, sink)` (the servicer's `generate` with `sink`), run as a
+    task of its own (choice_streams.py); what piled up between two reads comes merged. Its
+    failure is raised here after the chunks before it; leaving early (or being cancelled)
+    cancels it, and so its router call."""
+    streams = ChoiceStreams(start, [request])
     try:
-        while True:
-            items = await mailbox.take()
-            end = next((i for i, item in enumerate(items) if not isinstance(item, Chunk)), len(items))
-            if end:
-                yield merged(items if end == len(items) else items[:end])
-            if end < len(items):
-                if items[end] is None:
-                    return
-                raise items[end]
+        async for batch in streams.batches():
+            yield merged([chunk for _, chunk in batch])
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await streams.aclose()

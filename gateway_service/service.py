@@ -98,7 +98,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             deadline = None if remaining is None else time.monotonic() + remaining
             # The request runs as its own task, so that its plain tokens take the lane (generate_call.py).
             async with contextlib.aclosing(mailbox_chunks(
-                    lambda sink: self.generate(request, deadline, API_GRPC, caller, sink=sink))) as chunks:
+                    lambda r, sink: self.generate(r, deadline, API_GRPC, caller, sink=sink), request)) as chunks:
                 async for chunk in chunks:
                     yield chunk
         except Exception as exc:

@@ -1,5 +1,5 @@
-"""What the multiplexing clients' tests share: a gateway whose first GenerateMany call fails,
-and a count of the GenerateMany calls a client opens."""
+"""What the multiplexing clients' tests share: the scripted output and the requests, a gateway
+whose first GenerateMany call fails, and a count of the GenerateMany calls a client opens."""
 
 from __future__ import annotations
 
@@ -7,6 +7,13 @@ import grpc
 
 from radixserve.v1 import generation_pb2, generation_pb2_grpc
 
+TEXT = "Streaming 😀 text, 世界!"
+# Requests of different kinds (plain, chat with logprobs, length-bounded); each test adds one more.
+OPTIONS = [
+    {"prompt": "one", "max_tokens": 50},
+    {"messages": [{"role": "user", "content": "two"}], "max_tokens": 4, "logprobs": True, "top_logprobs": 2},
+    {"prompt": "three", "max_tokens": 3, "ignore_eos": True},
+]
 
 def counting_many_calls(client) -> list[int]:
     """Counts the GenerateMany calls `client` (either kind) opens (one entry each)."""

@@ -13,19 +13,13 @@ import pytest
 from radixserve_client import (
     AsyncClient, CancelledError, DeadlineExceededError, InvalidArgumentError, UnavailableError,
 )
-from client.fakes import FailingFirstCall, counting_many_calls
+from client.fakes import OPTIONS as SHARED_OPTIONS, TEXT, FailingFirstCall, counting_many_calls
 from gateway.harness import EOS_TOKEN_ID
 from radixserve.v1 import generation_pb2_grpc
 
 pytestmark = pytest.mark.timeout(60)
 
-TEXT = "Streaming 😀 text, 世界!"
-OPTIONS = [
-    {"prompt": "one", "max_tokens": 50},
-    {"messages": [{"role": "user", "content": "two"}], "max_tokens": 4, "logprobs": True, "top_logprobs": 2},
-    {"prompt": "three", "max_tokens": 3, "ignore_eos": True},
-    {"prompt": "four", "max_tokens": 50, "temperature": 0},
-]
+OPTIONS = [*SHARED_OPTIONS, {"prompt": "four", "max_tokens": 50, "temperature": 0}]
 
 
 async def wait_until(condition, timeout_s: float = 5.0) -> None:

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from client.fakes import FailingFirstCall, counting_many_calls
+from client.fakes import OPTIONS as SHARED_OPTIONS, TEXT, FailingFirstCall, counting_many_calls
 from gateway.background import BackgroundLoop
 from gateway.harness import EOS_TOKEN_ID
 from radixserve_client import Client, CancelledError, DeadlineExceededError, InvalidArgumentError, UnavailableError
@@ -19,13 +19,7 @@ from radixserve.v1 import generation_pb2_grpc
 
 pytestmark = pytest.mark.timeout(60)
 
-TEXT = "Streaming 😀 text, 世界!"
-OPTIONS = [
-    {"prompt": "one", "max_tokens": 50},
-    {"messages": [{"role": "user", "content": "two"}], "max_tokens": 4, "logprobs": True, "top_logprobs": 2},
-    {"prompt": "three", "max_tokens": 3, "ignore_eos": True},
-    {"prompt": "bad", "temperature": 3.0},
-]
+OPTIONS = [*SHARED_OPTIONS, {"prompt": "bad", "temperature": 3.0}]
 
 
 def outcome(client: Client, options: dict):

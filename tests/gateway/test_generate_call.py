@@ -39,7 +39,7 @@ def test_merged_chunks_say_what_the_chunks_said_in_order() -> None:
 
 
 def test_piled_chunks_come_merged_and_a_failure_after_them() -> None:
-    async def generate(sink):
+    async def generate(request, sink):
         sink(chunk("a", [1]))  # by the lane
         yield chunk("b", [2])  # by the stream
         sink(chunk("c", [3]))
@@ -48,7 +48,7 @@ def test_piled_chunks_come_merged_and_a_failure_after_them() -> None:
     async def scenario():
         got = []
         with pytest.raises(ValueError, match="the request failed"):
-            async for response in mailbox_chunks(generate):
+            async for response in mailbox_chunks(generate, generation_pb2.GenerateRequest()):
                 got.append(response)
         return got
 
@@ -61,7 +61,7 @@ def test_piled_chunks_come_merged_and_a_failure_after_them() -> None:
 def test_leaving_early_cancels_the_requests_task() -> None:
     cancelled = []
 
-    async def generate(sink):
+    async def generate(request, sink):
         try:
             yield chunk("a", [1])
             await asyncio.sleep(30)
@@ -71,7 +71,7 @@ def test_leaving_early_cancels_the_requests_task() -> None:
             raise
 
     async def scenario():
-        async with contextlib.aclosing(mailbox_chunks(generate)) as responses:
+        async with contextlib.aclosing(mailbox_chunks(generate, generation_pb2.GenerateRequest())) as responses:
             async for response in responses:
                 assert response.text == "a"
                 break
