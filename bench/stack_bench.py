@@ -38,7 +38,11 @@ gateway and router under cProfile (`bench.profiled`) and writes one profile per 
 `--baseline-tree DIR` pairs every row: a second router and gateway run from DIR (another
 checkout, e.g. the commit before a change), and each row is measured on both stacks one after
 the other (in alternating order), so that both see the same machine; the last lines give
-the ratios of CPU per token, this tree's over the baseline's. `--baseline-router-args` /
+the ratios of CPU per token, this tree's over the baseline's.
+
+`--real-worker cuda` (or `cpu`) puts a real worker (`worker_service`, `--model`'s weights) in
+place of the fake, with `--steps-ms 0`: the steps take what the device takes, so offered and the
+ITL "added" are not defined (the ITL columns give the whole gaps) and steps/s is the pace. `--baseline-router-args` /
 `--baseline-gateway-args` / `--baseline-gateways` pair the same way with other settings (e.g.
 `--no-overlap` against `--overlap`, one gateway against two), from DIR or from this tree.
 """
@@ -81,16 +85,22 @@ class Stack:
     def __init__(self, procs: Processes, args: argparse.Namespace, step_ms: float, tag: str, tree: Path,
                  router_args: str, gateway_args: str, num_gateways: int) -> None:
         self.procs = procs
-        env = {"PYTHONPATH": str(tree)}
+        env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")]))}
         worker_port, router_port = free_port(), free_port()
         self.grpc_port, self.http_port = free_port(), free_port()
         self.router = f"127.0.0.1:{router_port}"
         self.gateway = f"127.0.0.1:{self.grpc_port}"
         self._wrap = (lambda name: [PYTHON, "-m", "bench.profiled", str(Path(args.profile) / f"{tag}-{name}.prof")]) \
             if args.profile else (lambda name: [PYTHON])
-        self.worker = procs.start(f"worker-{tag}", [
-            PYTHON, "-m", "bench.fake_worker_group", "--port", str(worker_port), "--step-ms", str(step_ms),
-            "--model", args.model, *REALTIME[args.realtime_worker]])
+        if args.real_worker:
+            self.worker = procs.start(f"worker-{tag}", [
+                PYTHON, "-m", "worker_service", "--port", str(worker_port), "--device", args.real_worker,
+                "--model", args.model, "--kv-cache-mb", str(args.kv_cache_mb), "--log-level", "WARNING",
+                "--metrics-port", "0"], env, tree)
+        else:
+            self.worker = procs.start(f"worker-{tag}", [
+                PYTHON, "-m", "bench.fake_worker_group", "--port", str(worker_port), "--step-ms", str(step_ms),
+                "--model", args.model, *REALTIME[args.realtime_worker]])
         self.router_proc = procs.start(f"router-{tag}", [
             *self._wrap("router"), "-m", "router_service", "--port", str(router_port),
             "--workers", f"127.0.0.1:{worker_port}", "--metrics-port", "0", "--log-level", "WARNING",
@@ -160,6 +170,7 @@ async def measure(procs: Processes, stack: Stack, args: argparse.Namespace, step
         "itl_p99_added_ms": percentile(gaps, 99) - step_ms if gaps else None,
         "num_errors": result["num_errors"], "errors": result["errors"],
         "worker_realtime": is_realtime(stack.worker.pid),
+        "worker": args.real_worker or "fake",
     }
 
 
@@ -170,7 +181,8 @@ def _f(value: float | None, digits: int = 0) -> str:
 def print_row(row: dict) -> None:
     cpu = row["cpu_us_per_token"]
     share = row["delivered_tps"] / row["offered_tps"] if row["offered_tps"] else None
-    print(f"| {row['tree']} | {row['step_ms']:g} | {row['api']} | {row['streams']} | {_f(row['offered_tps'])} | "
+    step = f"{row['step_ms']:g}" if row.get("worker", "fake") == "fake" else f"{row['worker']} worker"
+    print(f"| {row['tree']} | {step} | {row['api']} | {row['streams']} | {_f(row['offered_tps'])} | "
           f"{_f(row['delivered_tps'])} | {_f(share and 100 * share)}% | {_f(cpu['gateway'], 1)} | "
           f"{_f(cpu['router'], 1)} | {_f(cpu['worker'], 1)} | {_f(cpu['load'], 1)} | "
           f"{_f(row['router_cpu_per_step_ms'], 2)} | {_f(row['steps_per_s'])} | "
@@ -297,6 +309,9 @@ def main() -> None:
     parser.add_argument("--baseline-gateways", type=int, default=0, help="the baseline's gateway processes (default: --gateways)")
     parser.add_argument("--profile", default="", help="a folder for cProfile output of the gateway and router")
     parser.add_argument("--out", default="", help="write the rows as JSON here")
+    parser.add_argument("--real-worker", default="", choices=["", "cpu", "cuda"],
+                        help="a real worker on this device instead of the fake (--steps-ms 0: its own pace)")
+    parser.add_argument("--kv-cache-mb", type=int, default=8192, help="the real worker's KV page pool")
     parser.add_argument("--no-realtime-worker", dest="realtime_worker", action="store_false",
                         help="run the fake worker group at normal priority (see above)")
     args = parser.parse_args()

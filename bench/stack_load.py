@@ -27,6 +27,7 @@ import asyncio
 import json
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -245,8 +246,15 @@ async def http_stream(host: str, port: int, model: str, index: int, max_tokens: 
         writer.close()
 
 
+def served_model(host: str, port: int) -> str:
+    """The first model id the gateway's `/v1/models` lists (a real worker serves its folder's name)."""
+    with urllib.request.urlopen(f"http://{host}:{port}/v1/models", timeout=30) as response:
+        return json.load(response)["data"][0]["id"]
+
+
 async def run_http(target: str, model: str, streams: int, max_tokens: int, tally: Tally) -> None:
     host, port = target.rsplit(":", 1)
+    model = model or served_model(host, int(port))
     await asyncio.gather(*(http_stream(host, int(port), model, i, max_tokens, tally) for i in range(streams)))
 
 
@@ -255,7 +263,7 @@ def main() -> None:
     parser.add_argument("--api", required=True, choices=(
         "grpc", "grpc-many", "client-mux", "client-threads", "client-mux-threads", "http"))
     parser.add_argument("--target", required=True, help="gRPC address, or host:port of the HTTP API")
-    parser.add_argument("--model", default="fake-stack")
+    parser.add_argument("--model", default="", help="the HTTP requests' model (default: what /v1/models lists first)")
     parser.add_argument("--streams", type=int, required=True)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--window", type=float, nargs=2, required=True)

@@ -5,6 +5,7 @@
 #   tests/gpu/run_on_gpu_machine.sh tests [ARGS]     the CUDA suite (tests/gpu)
 #   tests/gpu/run_on_gpu_machine.sh tp2 [ARGS]       TP=2 over gloo on the machine's CPU cores
 #   tests/gpu/run_on_gpu_machine.sh bench [ARGS]     bench_worker on the GPU beside transformers
+#   tests/gpu/run_on_gpu_machine.sh stack [ARGS]     bench.stack_bench (e.g. --real-worker cuda --steps-ms 0)
 #
 # What must travel with the repository (it is ignored by git): `.whl/` (wheels for the machine's
 # Python, named in docs/gpu.md, "The CUDA suite", and a grpcurl binary), `.gpu_model/` (the
@@ -19,10 +20,11 @@ mkdir -p "$OUT"
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
 
 setup() {
-    if [ -d .whl ]; then
+    if [ -d .whl ] && [ ! -f $SITE/.carried ]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE .whl/*.whl || exit 1
         # the tests look for grpcurl beside the interpreter
         [ -f .whl/grpcurl ] && cp .whl/grpcurl "$(dirname "$(python3 -c 'import sys; print(sys.executable)')")/grpcurl"
+        touch $SITE/.carried
     fi
     if [ ! -f $MODEL/model.safetensors ]; then
         mkdir -p $MODEL && cp .gpu_model/* $MODEL/ && python3 tests/gpu/random_checkpoint.py $MODEL || exit 1
@@ -46,6 +48,10 @@ bench() {
         --transformers "$@" 2>&1 | tee -a "$OUT/bench_worker.log"
 }
 
+stack() {
+    python3 -m bench.stack_bench "$@" 2>&1 | tee -a "$OUT/stack_bench.log"
+}
+
 step=${1:-}
 shift || true
 case "$step" in
@@ -53,5 +59,6 @@ case "$step" in
     tests) setup && tests "$@" ;;
     tp2) setup && tp2 "$@" ;;
     bench) setup && bench "$@" ;;
-    *) echo "usage: $0 setup|tests|tp2|bench [ARGS]" >&2; exit 2 ;;
+    stack) setup && stack "$@" ;;
+    *) echo "usage: $0 setup|tests|tp2|bench|stack [ARGS]" >&2; exit 2 ;;
 esac
