@@ -234,7 +234,8 @@ def paired_ratios(rows: list[dict]) -> list[str]:
         if set(trees) != {"this", "baseline"}:
             continue
         parts = []
-        for key in ("gateway", "router"):
+        real = trees["this"][0].get("worker", "fake") != "fake"
+        for key in ("gateway", "router", "worker") if real else ("gateway", "router"):
             now, before = (statistics.median(r["cpu_us_per_token"][key] or 0 for r in trees[t]) for t in ("this", "baseline"))
             parts.append(f"{key} {now:.1f} / {before:.1f} us = {now / before:.2f}x" if before else f"{key} -")
         now, before = (statistics.median(r["delivered_tps"] for r in trees[t]) for t in ("this", "baseline"))

@@ -25,6 +25,8 @@ def verify_rows(state: RequestState, num_drafts: int) -> list[SampleRow]:
     at most k of them, in the few steps that verify drafts); the last row is the state's own.
     """
     tokens, params, num_prompt = state.token_ids, state.sampling, state.num_prompt_tokens
+    if not num_drafts:  # every row of a step without drafts
+        return [SampleRow(params, tokens, num_prompt, state.token_array)]
     first = len(tokens) - num_drafts
     history = state.token_array
     rows = [SampleRow(params, tokens[: first + j], num_prompt, history) for j in range(num_drafts)]

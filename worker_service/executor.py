@@ -76,6 +76,9 @@ class Executor:
         self.info.CopyFrom(runner.info)
         if num_pages is not None:
             self.info.num_pages = num_pages
+        # The limits every entry is checked against, as ints (a proto field read costs more).
+        self._vocab_size, self._context_len = self.info.vocab_size, self.info.context_len
+        self._num_pages, self._page_size = self.info.num_pages, self.info.page_size
         self.requests = RequestTable()
         self.metrics = metrics
         # Only rank 0 samples; the other ranks never see logits.
@@ -182,17 +185,18 @@ class Executor:
         samples = self.sampler.sample(logits, rows)
         if self.metrics is not None:
             self.metrics.sampler_done(time.monotonic() - started)
+        add = result.tokens.add
         for first, group, (entry, state) in zip(firsts, entry_rows, sampled):
-            drafts = list(entry.token_ids[len(entry.token_ids) - entry.num_draft_tokens:])
-            count = num_accepted(drafts, samples[first:])
+            num_drafts = entry.num_draft_tokens
+            token_ids = entry.token_ids
+            count = num_accepted(list(token_ids[len(token_ids) - num_drafts:]), samples[first:]) if num_drafts else 0
             final = samples[first + count]
             if state.matcher is not None:  # back to the accepted tokens, then the sampled one
                 state.matcher.sync(group[count].output_ids)
                 state.matcher.advance(final.token_id)
-            token = result.tokens.add(request_id=entry.request_id, token_id=final.token_id,
-                                      num_accepted_drafts=count)
-            _add_logprobs(token, final)
+            token = add(request_id=entry.request_id, token_id=final.token_id, num_accepted_drafts=count)
             if final.logprob is not None:
+                _add_logprobs(token, final)
                 for sample in samples[first : first + count]:
                     _add_logprobs(token.accepted_logprobs.add(token_id=sample.token_id), sample)
 
@@ -205,23 +209,28 @@ class Executor:
         released = set(task.release_request_ids)
         seen: set[str] = set()
         states = []
+        requests = None if task.reset else self.requests
         for index, entry in enumerate(task.entries):
-            where = f"entry {index} (request {entry.request_id!r})"
-            if not entry.request_id:
+            request_id = entry.request_id
+            if not request_id:
                 raise InvalidTask(f"entry {index}: request_id is empty")
-            if entry.request_id in seen:
-                raise InvalidTask(f"{where}: request appears more than once in the task")
-            seen.add(entry.request_id)
-            known = None if task.reset or entry.request_id in released else self.requests.get(entry.request_id)
-            if entry.HasField("new_request"):
+            if request_id in seen:
+                raise InvalidTask(f"{_where(index, entry)}: request appears more than once in the task")
+            seen.add(request_id)
+            known = None if requests is None or request_id in released else requests.get(request_id)
+            is_new = entry.HasField("new_request")
+            if is_new:
                 if known is not None:
-                    raise InvalidTask(f"{where}: new_request for a request this rank already knows")
-                state = self._new_state(entry.request_id, entry.new_request, where)
+                    raise InvalidTask(f"{_where(index, entry)}: new_request for a request this rank already knows")
+                state = self._new_state(request_id, entry.new_request, _where(index, entry))
             elif known is None:
-                raise InvalidTask(f"{where}: unknown request id (no new_request and not known to this rank)")
+                raise InvalidTask(
+                    f"{_where(index, entry)}: unknown request id (no new_request and not known to this rank)")
             else:
                 state = known
-            self._check_entry(entry, state, where)
+            problem = self._entry_problem(entry, state, is_new)
+            if problem is not None:
+                raise InvalidTask(f"{_where(index, entry)}: {problem}")
             states.append(state)
         return states
 
@@ -235,8 +244,11 @@ class Executor:
                 f"{where}: num_prompt_tokens {new.num_prompt_tokens} is outside "
                 f"[0, context length {self.info.context_len}]"
             )
-        self._check_token_ids(new.cached_token_ids, f"{where}: cached_token_ids")
-        self._check_token_ids([token_id for token_id, _ in params.logit_bias], f"{where}: logit_bias")
+        for what, token_ids in (("cached_token_ids", new.cached_token_ids),
+                                ("logit_bias", [token_id for token_id, _ in params.logit_bias])):
+            problem = self._token_problem(token_ids)
+            if problem is not None:
+                raise InvalidTask(f"{where}: {what}: {problem}")
         problem = pooling_problem(new)
         if problem is not None:
             raise InvalidTask(f"{where}: {problem}")
@@ -260,52 +272,63 @@ class Executor:
         except InvalidConstraint as exc:
             raise InvalidTask(f"{where}: {exc}") from exc
 
-    def _check_entry(self, entry: worker_pb2.TaskEntry, state: RequestState, where: str) -> None:
-        """Costs what the entry adds (its tokens and pages), not what the state holds."""
-        info = self.info
-        if not entry.token_ids:
-            raise InvalidTask(f"{where}: token_ids is empty")
-        self._check_token_ids(entry.token_ids, f"{where}: token_ids")
+    def _entry_problem(self, entry: worker_pb2.TaskEntry, state: RequestState, is_new: bool) -> str | None:
+        """What is wrong with `entry` against `state`, or None. Costs what the entry adds (its
+        tokens and pages), not what the state holds: a decode entry (one token, no new page)
+        is a few comparisons, as it runs for every row of every step."""
+        token_ids = entry.token_ids
+        num_tokens = len(token_ids)
+        if not num_tokens:
+            return "token_ids is empty"
+        problem = self._token_problem(token_ids)
+        if problem is not None:
+            return f"token_ids: {problem}"
+        start, num_drafts = entry.start_position, entry.num_draft_tokens
         # After a speculative entry the rank does not know how many drafts were kept: the next
         # entry may start anywhere from the first draft on (see worker.proto TaskEntry).
-        if not state.num_written - state.num_unverified <= entry.start_position <= state.num_written:
-            written = "cached_token_ids holds" if entry.HasField("new_request") else "K/V is written for"
+        num_written = len(state.token_ids)
+        if not num_written - state.num_unverified <= start <= num_written:
+            written = "cached_token_ids holds" if is_new else "K/V is written for"
             unverified = f" ({state.num_unverified} of them drafts)" if state.num_unverified else ""
-            raise InvalidTask(
-                f"{where}: start_position {entry.start_position} does not follow the KV written: "
-                f"{written} {state.num_written} tokens{unverified}"
-            )
-        if not 0 <= entry.num_draft_tokens < len(entry.token_ids):
-            raise InvalidTask(
-                f"{where}: num_draft_tokens {entry.num_draft_tokens} must be in [0, {len(entry.token_ids)})"
-            )
-        if entry.num_draft_tokens and not entry.sample:
-            raise InvalidTask(f"{where}: drafts to verify, but sample is false")
-        if entry.num_draft_tokens and state.pooling:
-            raise InvalidTask(f"{where}: drafts for an embedding request")
-        if state.pooling and entry.sample and entry.start_position + len(entry.token_ids) != state.num_prompt_tokens:
-            raise InvalidTask(f"{where}: an embedding request samples only where its prompt ends")
-        end = entry.start_position + len(entry.token_ids)
-        if end > info.context_len:
-            raise InvalidTask(
-                f"{where}: positions up to {end - 1} exceed the context length {info.context_len}"
-            )
-        for page_id in entry.page_ids:
-            if not 0 <= page_id < info.num_pages:
-                raise InvalidTask(f"{where}: page id {page_id} is outside [0, {info.num_pages})")
-        new_pages = set(entry.page_ids)
-        if len(new_pages) != len(entry.page_ids) or not state.page_set.isdisjoint(new_pages):
-            repeated = sorted(p for p in new_pages if p in state.page_set or list(entry.page_ids).count(p) > 1)
-            raise InvalidTask(f"{where}: page table repeats page ids {repeated}")
-        num_pages = len(state.page_table) + len(entry.page_ids)
-        if num_pages * info.page_size < end:
-            raise InvalidTask(f"{where}: {num_pages} pages of {info.page_size} tokens do not cover {end} tokens")
+            return (f"start_position {start} does not follow the KV written: "
+                    f"{written} {num_written} tokens{unverified}")
+        if num_drafts:
+            if not 0 <= num_drafts < num_tokens:
+                return f"num_draft_tokens {num_drafts} must be in [0, {num_tokens})"
+            if not entry.sample:
+                return "drafts to verify, but sample is false"
+            if state.pooling:
+                return "drafts for an embedding request"
+        end = start + num_tokens
+        if state.pooling and entry.sample and end != state.num_prompt_tokens:
+            return "an embedding request samples only where its prompt ends"
+        if end > self._context_len:
+            return f"positions up to {end - 1} exceed the context length {self._context_len}"
+        page_ids = entry.page_ids
+        if page_ids:
+            num_pages = self._num_pages
+            if min(page_ids) < 0 or max(page_ids) >= num_pages:
+                page_id = next(p for p in page_ids if not 0 <= p < num_pages)
+                return f"page id {page_id} is outside [0, {num_pages})"
+            new_pages = set(page_ids)
+            if len(new_pages) != len(page_ids) or not state.page_set.isdisjoint(new_pages):
+                repeated = sorted(p for p in new_pages if p in state.page_set or list(page_ids).count(p) > 1)
+                return f"page table repeats page ids {repeated}"
+        num_pages = len(state.page_table) + len(page_ids)
+        if num_pages * self._page_size < end:
+            return f"{num_pages} pages of {self._page_size} tokens do not cover {end} tokens"
+        return None
 
-    def _check_token_ids(self, token_ids, what: str) -> None:
-        vocab = self.info.vocab_size
-        for token_id in token_ids:
-            if not 0 <= token_id < vocab:
-                raise InvalidTask(f"{what}: token id {token_id} is outside the vocab [0, {vocab})")
+    def _token_problem(self, token_ids) -> str | None:
+        """The first token id outside the vocab, said, or None (the bounds checked in C first)."""
+        vocab = self._vocab_size
+        if len(token_ids) == 1:  # a decode row: no iterator over the proto's field
+            if 0 <= token_ids[0] < vocab:
+                return None
+        elif not token_ids or (0 <= min(token_ids) and max(token_ids) < vocab):
+            return None
+        token_id = next(t for t in token_ids if not 0 <= t < vocab)
+        return f"token id {token_id} is outside the vocab [0, {vocab})"
 
     def _commit(self, task: worker_pb2.DecodeTask, states: list[RequestState]) -> None:
         if task.reset:
@@ -314,6 +337,11 @@ class Executor:
         for entry, state in zip(task.entries, states):
             if entry.HasField("new_request"):
                 self.requests.add(state)
+
+
+def _where(index: int, entry: worker_pb2.TaskEntry) -> str:
+    """How an invalid task's message names the entry (built only when one is refused)."""
+    return f"entry {index} (request {entry.request_id!r})"
 
 
 def _add_logprobs(token: worker_pb2.SampledToken | generation_pb2.TokenLogprob, sample: Sample) -> None:

@@ -18,7 +18,8 @@ import torch
 from radixserve.v1 import worker_pb2
 
 
-@dataclass(slots=True, frozen=True)
+# Not frozen, as SampleRow (sampling/rows.py): one for every row of every step.
+@dataclass(slots=True)
 class ForwardEntry:
     """One request's tokens in one forward pass.
 

@@ -106,7 +106,8 @@ class RequestState:
         del self.token_array[num_tokens:]
 
 
-@dataclass(slots=True, frozen=True)
+# Not frozen, as SampleRow (sampling/rows.py): one for every row of every step.
+@dataclass(slots=True)
 class StepMark:
     """A state's size before a step, and the unverified drafts the step dropped."""
 

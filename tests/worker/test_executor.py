@@ -70,6 +70,11 @@ def known_request(driver: Driver) -> int:
     return driver.ok(first("a", [1, 2, 3, 4, 5], [0, 1]))[0]
 
 
+def with_drafts(task_entry, num_drafts: int):
+    task_entry.num_draft_tokens = num_drafts
+    return task_entry
+
+
 BAD_ENTRIES = {
     "unknown request": (step("zzz", [1], 0), "unknown request id"),
     "new_request for a known id": (first("a", [1], [2]), "already knows"),
@@ -88,6 +93,10 @@ BAD_ENTRIES = {
     ),
     "bad sampling": (first("b", [1], [2], params=SamplingParams(top_p=0.0)), "bad sampling: top_p"),
     "token outside the vocab": (step("a", [64], 5), "token id 64 is outside the vocab [0, 64)"),
+    "negative decode token": (step("a", [-2], 5), "entry 1 (request 'a'): token_ids: token id -2 is outside"),
+    "the first bad token of a prompt": (first("b", [1, 70, 2, 90], [2]), "token id 70 is outside the vocab"),
+    "the first bad page of several": (first("b", [1] * 9, [2, 40, 3, -5]), "page id 40 is outside [0, 32)"),
+    "negative drafts": (with_drafts(step("a", [7, 8], 5), -1), "num_draft_tokens -1 must be in [0, 2)"),
     "cached token outside the vocab": (first("b", [1], [2, 3], cached=[-3]), "cached_token_ids: token id -3"),
     "empty request id": (first("", [1], [2]), "request_id is empty"),
 }

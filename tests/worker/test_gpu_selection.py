@@ -4,6 +4,9 @@ tests/gpu/)."""
 
 from __future__ import annotations
 
+import gc
+import random
+
 import pytest
 import torch
 
@@ -41,7 +44,21 @@ def test_the_plan_holds_each_rows_used_pages_and_length() -> None:
 def test_graph_tables_pad_with_the_padding_page_to_the_widest_used_row() -> None:
     """What a graph replay copies into its static page tables (`cuda_graphs.py`)."""
     tables = padded_tables([[4, 8, 1], [2, 6, 3, 9]], [1, 33], 16, fill=99)
-    assert tables == [[4, 99, 99], [2, 6, 3]]
+    assert tables.dtype == torch.int32 and tables.tolist() == [[4, 99, 99], [2, 6, 3]]
+
+
+def test_padded_tables_equal_padding_each_row_by_hand() -> None:
+    """Rows of every width, on and off page boundaries; the tensor outlives the lists it came from."""
+    rng = random.Random(7)
+    for _ in range(50):
+        lens = [rng.randint(1, 200) for _ in range(rng.randint(1, 40))]
+        tables = [rng.sample(range(1000), -(-n // 16) + rng.randint(0, 3)) for n in lens]
+        expected_width = max(-(-n // 16) for n in lens)
+        expected = [t[:-(-n // 16)] + [7] * (expected_width - -(-n // 16)) for t, n in zip(tables, lens)]
+        got = padded_tables(tables, lens, 16, fill=7)
+        del tables
+        gc.collect()
+        assert got.shape == (len(lens), expected_width) and got.tolist() == expected
 
 
 @pytest.mark.parametrize(("max_batch", "sizes"), [

@@ -122,7 +122,7 @@ class DecodeGraphs:
         self._ints[:, :batch].copy_(host[:, :batch])
         self._context_lens[:batch].copy_(self._host_lens[:batch])
         # Only the columns a row reads need to be current; the padding rows keep `pad_page`.
-        self._block_tables[:num_rows, :len(tables[0])].copy_(torch.tensor(tables, dtype=torch.int32))
+        self._block_tables[:num_rows, :tables.shape[1]].copy_(tables)
         self._block_tables[num_rows:batch, 0] = pad
         graph, logits = self._graphs[batch]
         graph.replay()

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from radixserve.sampling import SamplingParams
 
 
-@dataclass(slots=True, frozen=True)
+# Not frozen: one is built for every row of every step, and a frozen dataclass's __init__
+# (object.__setattr__ per field) costs several times a plain one's.
+@dataclass(slots=True)
 class SampleRow:
     """What the sampler needs of one request this step.
 
