@@ -306,10 +306,10 @@ class Executor:
             return f"positions up to {end - 1} exceed the context length {self._context_len}"
         page_ids = entry.page_ids
         if page_ids:
-            num_pages = self._num_pages
-            if min(page_ids) < 0 or max(page_ids) >= num_pages:
-                page_id = next(p for p in page_ids if not 0 <= p < num_pages)
-                return f"page id {page_id} is outside [0, {num_pages})"
+            limit = self._num_pages
+            if min(page_ids) < 0 or max(page_ids) >= limit:
+                page_id = next(p for p in page_ids if not 0 <= p < limit)
+                return f"page id {page_id} is outside [0, {limit})"
             new_pages = set(page_ids)
             if len(new_pages) != len(page_ids) or not state.page_set.isdisjoint(new_pages):
                 repeated = sorted(p for p in new_pages if p in state.page_set or list(page_ids).count(p) > 1)

@@ -51,14 +51,14 @@ def padded_tables(tables: list[list[int]], context_lens: list[int], page_size: i
     row's: a CPU int32 tensor `[rows, width]`. Built in one flat int32 array (C-speed list
     copies) rather than `torch.tensor` of nested lists, which converts every int in Python: this
     runs for every decode step, over every page of every row."""
-    counts = [pages_of(length, page_size) for length in context_lens]
-    width = max(counts)
+    used = [table[:pages_of(length, page_size)] for table, length in zip(tables, context_lens)]
+    width = max(len(row) for row in used)
     flat = array("i")
-    for table, count in zip(tables, counts):
-        flat.extend(table[:count])
-        if count < width:
-            flat.extend([fill] * (width - count))
-    return torch.frombuffer(flat, dtype=torch.int32).view(len(counts), width)
+    for row in used:
+        flat.extend(row)
+        if len(row) < width:
+            flat.extend([fill] * (width - len(row)))
+    return torch.frombuffer(flat, dtype=torch.int32).view(len(used), width)
 
 
 def plan_gpu_decode(tables: list[list[int]], context_lens: list[int], page_size: int,
