@@ -133,6 +133,8 @@ def check(config: Any) -> None:
         if bound.choices is not None and value is not None and value not in bound.choices:
             raise ValueError(f"--{flag.name} must be one of "
                              f"{', '.join(map(show, bound.choices))}, got {show(value)!r}")
+        if value is None:
+            continue  # unset: its consumer's own default, decided where the setting is used
         size, (verb, what) = ((len(value), ("have", " items")) if isinstance(value, tuple)
                               else (value, ("be", "")))
         for limit, relation, holds in ((bound.min, ">=", operator.ge), (bound.max, "<=", operator.le),

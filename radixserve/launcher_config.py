@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -24,6 +26,13 @@ PASSED_TO = {"router": RouterConfig, "gateway": GatewayConfig}
 # launcher's own settings of the same name are passed down from the launcher's.
 _DECIDED = frozenset({"workers", "routers"})
 MAX_GATEWAYS = 8
+# `--gateways` unset with CUDA workers: one gateway per this many of the host's cores, at most
+# MAX_CUDA_GATEWAYS. A gateway process runs one event loop, and on a GPU host's core it streams
+# about a third of what a small model's GPU group makes at batch 128 to HTTP or per-request gRPC
+# callers (docs/deployment.md, "Sizing the gateways"); the other cores stay the router's and the
+# ranks'.
+CORES_PER_CUDA_GATEWAY = 4
+MAX_CUDA_GATEWAYS = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,9 +58,11 @@ class UpConfig:
     replicas: int = setting(1, "model replicas: each a router with its own group of --tp worker ranks; the "
                             "gateway routes over them all", min=1, max=8)
     host: str = setting("127.0.0.1", "address the gateway listens on")
-    gateways: int = setting(1, "gateway processes, sharing the gateway's gRPC and HTTP ports (SO_REUSEPORT: "
-                            "the kernel spreads new connections over them); gateway i > 0 serves /metrics after "
-                            "every rank's, on M+9+replicas*tp+i-1", min=1, max=MAX_GATEWAYS)
+    gateways: int | None = setting(None, "gateway processes, sharing the gateway's gRPC and HTTP ports "
+                                   "(SO_REUSEPORT: the kernel spreads new connections over them); gateway i > 0 "
+                                   "serves /metrics after every rank's, on M+9+replicas*tp+i-1; unset: 1 where "
+                                   "the workers run on the CPU, on CUDA one per 4 of the host's cores, 1 to "
+                                   f"{MAX_CUDA_GATEWAYS}", min=1, max=MAX_GATEWAYS)
     http_port: int = HTTP_PORT(help="the gateway's OpenAI-compatible HTTP API port (0: off)")
     metrics_port: int = METRICS_PORT(50151, help="Prometheus /metrics of the gateway M; router M+1, worker "
                                      "rank r M+9+r (0: all off)")
@@ -93,10 +104,11 @@ def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParse
 def config_from_args(
     argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 ) -> UpConfig:
-    """`radixserve up ...` (argv starts with `up`) as a config."""
+    """`radixserve up ...` (argv starts with `up`) as a config, `--gateways` decided
+    (`with_gateways_decided`)."""
     parser = build_parser(env)
     config = flags.parse_into(UpConfig, parser, argv)
-    return dataclasses.replace(config, passed=passed_values(parser.parse_args(argv)))
+    return with_gateways_decided(dataclasses.replace(config, passed=passed_values(parser.parse_args(argv))))
 
 
 def passed_flags() -> dict[str, tuple[Flag, tuple[str, ...]]]:
@@ -133,3 +145,36 @@ def passed_values(args: argparse.Namespace) -> tuple[PassedValue, ...]:
 
 def _dest(name: str) -> str:
     return "passed_" + name.replace("-", "_")
+
+
+def default_gateways(on_cuda: bool, num_cores: int) -> int:
+    """`--gateways` unset: 1 where the workers run on the CPU (the router, the ranks and the
+    gateway already share its cores: a second gateway only competes with them), else one per
+    `CORES_PER_CUDA_GATEWAY` cores, 1 to `MAX_CUDA_GATEWAYS`."""
+    if not on_cuda:
+        return 1
+    return max(1, min(MAX_CUDA_GATEWAYS, num_cores // CORES_PER_CUDA_GATEWAY))
+
+
+def workers_on_cuda(device: str | None) -> bool:
+    """Whether the workers will run on CUDA: `--device`, or unset, the workers' own default (CUDA
+    where torch sees a GPU). A CPU build of torch (its version ends `+cpu`) is known without
+    importing it."""
+    if device is not None:
+        return device == "cuda"
+    try:
+        if importlib.metadata.version("torch").endswith("+cpu"):
+            return False
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    import torch  # only here: the launcher itself needs no torch
+
+    return torch.cuda.is_available()
+
+
+def with_gateways_decided(config: UpConfig) -> UpConfig:
+    """`config` with `--gateways` set: as given, or `default_gateways` for where the workers run."""
+    if config.gateways is not None:
+        return config
+    return dataclasses.replace(
+        config, gateways=default_gateways(workers_on_cuda(config.device), os.cpu_count() or 1))

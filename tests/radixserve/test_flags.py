@@ -47,9 +47,10 @@ def _two_values(flag: Flag) -> tuple[str, str]:
     if declared.choices is not None:
         texts = [show(c) for c in declared.choices if show(c).upper() != default.upper()]
         return texts[0], texts[-1] if len(texts) > 1 else texts[0]
-    kind = type(flag.convert(default)) if default != "unset" else str
+    unset = default == "unset"
+    kind = type(flag.convert("1" if unset else default))  # an unset number's kind from its converter
     if kind in (int, float):
-        low = max(float(default), declared.min or 0, declared.above or 0)
+        low = max(0 if unset else float(default), declared.min or 0, declared.above or 0)
         first, second = low + 1, low + 2
         if declared.max is not None:
             first, second = declared.max - 2, declared.max - 1

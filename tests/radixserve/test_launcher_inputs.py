@@ -1,6 +1,6 @@
 """`radixserve up` with a model folder that is not there, a device this torch cannot use, or ports
 that cannot all be listened on: one line naming the flag, exit status 1, no traceback, nothing
-started."""
+started. And what it decides itself from its inputs: the gateway processes when unset."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from procs import ROOT
-from radixserve.launcher_config import config_from_args
+from radixserve import launcher_config
+from radixserve.launcher_config import config_from_args, default_gateways, workers_on_cuda
 from radixserve.stack_plan import port_problem
 
 
@@ -74,3 +75,26 @@ def test_an_empty_or_foreign_gguf_file_is_one_line(tmp_path):
     (tmp_path / "random.gguf").write_bytes(bytes(range(256)) * 4)
     line = _one_line_error(_up("--model", str(tmp_path / "random.gguf"), "--device", "cpu"))
     assert line.endswith("it is not a GGUF file (it starts with b'\\x00\\x01\\x02\\x03', not b'GGUF')")
+
+
+@pytest.mark.parametrize("on_cuda, num_cores, expected", [
+    (False, 2, 1), (False, 64, 1),  # CPU workers: the gateway shares the cores with the forward pass
+    (True, 2, 1), (True, 4, 1), (True, 8, 2), (True, 12, 3), (True, 16, 3), (True, 128, 3),
+])
+def test_unset_gateways_follow_the_device_and_the_cores(on_cuda, num_cores, expected):
+    assert default_gateways(on_cuda, num_cores) == expected
+
+
+def test_gateways_given_are_kept_and_unset_is_decided_for_the_workers_device(monkeypatch):
+    assert config_from_args(["up", "--gateways", "5", "--device", "cuda"]).gateways == 5
+    assert config_from_args(["up", "--device", "cpu"]).gateways == 1
+    monkeypatch.setattr(launcher_config.os, "cpu_count", lambda: 16)
+    assert config_from_args(["up", "--device", "cuda"]).gateways == 3
+    assert config_from_args(["up", "--device", "cpu"]).gateways == 1
+    with pytest.raises(SystemExit):
+        config_from_args(["up", "--gateways", "0"])
+
+
+def test_an_unset_device_is_the_workers_default():
+    assert workers_on_cuda("cuda") and not workers_on_cuda("cpu")
+    assert workers_on_cuda(None) == torch.cuda.is_available()
