@@ -36,7 +36,8 @@ class SampleRow:
         return max(0, len(self.token_ids) - self.num_prompt_tokens)
 
 
-@dataclass(slots=True, frozen=True)
+# Not frozen, as SampleRow: one for every row of every step.
+@dataclass(slots=True)
 class Sample:
     """One drawn token; `logprob` and `top_logprobs` are filled only when asked for."""
 

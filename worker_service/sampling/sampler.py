@@ -125,12 +125,12 @@ class Sampler:
         ids = token_ids.tolist()
         wanted = [index for index, row in enumerate(rows) if row.params.logprobs or row.params.top_logprobs > 0]
         if not wanted:
-            return [Sample(token_id=token) for token in ids]
+            return [Sample(token) for token in ids]
         picked = torch.tensor(wanted, device=raw.device)
         num_top = max(rows[index].params.top_logprobs for index in wanted)
         chosen, top_ids, top_values = self._ops.logprobs(raw, picked, token_ids[picked], num_top)
         chosen = chosen.tolist()
-        samples = [Sample(token_id=token) for token in ids]
+        samples = [Sample(token) for token in ids]
         for slot, index in enumerate(wanted):
             count = rows[index].params.top_logprobs
             top = None
