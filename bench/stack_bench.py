@@ -5,7 +5,8 @@
 
 For each step time a fake worker group (`bench.fake_worker_group`: the real WorkerService,
 answering each step after the set time, tokens of real text) serves one router process and
-one gateway process (or --gateways of them sharing the ports). For each API and stream count
+the gateway processes `radixserve up` starts by default for a GPU group on this host (one per 4
+cores, 1 to 3; --gateways N: N of them, sharing the ports). For each API and stream count
 a load generator process (`bench.stack_load`) runs closed-loop streams through the gateway;
 over a measuring window after a warm-up the bench reads every process's CPU time from
 /proc/<pid>/stat and the router's step count (GetStats). Printed per row:
@@ -65,6 +66,7 @@ import grpc
 
 from bench.processes import ROOT, Processes, cpu_seconds, free_port, is_realtime, wait_serving
 from bench.records import percentile
+from radixserve.launcher_config import default_gateways
 from radixserve.v1 import router_pb2, router_pb2_grpc
 
 PYTHON = sys.executable
@@ -299,7 +301,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=8.0, help="the measuring window of each row")
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--gateways", type=int, default=1)
+    parser.add_argument("--gateways", type=int, default=0,
+                        help="gateway processes (0: what `radixserve up` starts by default for such a worker "
+                             "on this host: the fake stands for a GPU)")
     parser.add_argument("--rounds", type=int, default=1, help="measurements of each row (per stack, alternating)")
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--gateway-args", default="")
@@ -316,6 +320,8 @@ def main() -> None:
     parser.add_argument("--no-realtime-worker", dest="realtime_worker", action="store_false",
                         help="run the fake worker group at normal priority (see above)")
     args = parser.parse_args()
+    if not args.gateways:
+        args.gateways = default_gateways(args.real_worker != "cpu", os.cpu_count() or 1)
     os.chdir(ROOT)
     asyncio.run(main_async(args))
 
