@@ -25,6 +25,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from radixserve import sampling  # noqa: E402
+from radixserve.heap import freeze_startup_heap  # noqa: E402
 from radixserve.v1 import worker_pb2  # noqa: E402
 from worker_service.executor import Executor  # noqa: E402
 from worker_service.forward_batch import ForwardEntry  # noqa: E402
@@ -85,6 +86,7 @@ def main() -> None:
                         help="logits per row (a real model's, e.g. 49152, to count the sampler's argmax)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    freeze_startup_heap("bench_step_overhead")  # as the worker does once loaded: no full scans of torch's objects
     contexts = sorted(int(c) for c in args.contexts.split(","))
     medians = {}
     for context in contexts:
