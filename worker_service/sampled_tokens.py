@@ -38,24 +38,29 @@ class SampledTokens:
     def resolve(self, task: worker_pb2.DecodeTask) -> int:
         """Write every referred token into its entry, in place; returns how many. Raises
         `BadReference` (on every rank alike, before any collective)."""
-        refers = [entry for entry in task.entries if entry.sampled_in_task]
+        refers, request_ids = [], []
+        task_id, sampled_ids, reset = self._task_id, self._sampled_ids, task.reset
+        for index, entry in enumerate(task.entries):
+            referred = entry.sampled_in_task
+            if not referred:
+                continue
+            request_id = entry.request_id
+            if reset or entry.HasField("new_request"):
+                raise BadReference(f"{_where(index, request_id)}: a request's first entry cannot refer to a "
+                                   "sampled token")
+            if referred != task_id:
+                raise BadReference(
+                    f"{_where(index, request_id)}: refers to task {referred}, but the last task applied "
+                    f"is {task_id}"
+                )
+            if request_id not in sampled_ids:
+                raise BadReference(f"{_where(index, request_id)}: task {task_id} sampled no token for it")
+            refers.append(entry)
+            request_ids.append(request_id)
         if not refers:
             return 0
-        for index, entry in enumerate(task.entries):
-            if not entry.sampled_in_task:
-                continue
-            where = f"entry {index} (request {entry.request_id!r})"
-            if task.reset or entry.HasField("new_request"):
-                raise BadReference(f"{where}: a request's first entry cannot refer to a sampled token")
-            if entry.sampled_in_task != self._task_id:
-                raise BadReference(
-                    f"{where}: refers to task {entry.sampled_in_task}, but the last task applied "
-                    f"is {self._task_id}"
-                )
-            if entry.request_id not in self._sampled_ids:
-                raise BadReference(f"{where}: task {self._task_id} sampled no token for it")
         if self._group.is_first:
-            token_ids = [self._tokens[entry.request_id] for entry in refers]
+            token_ids = [self._tokens[request_id] for request_id in request_ids]
         else:
             token_ids = [0] * len(refers)
         token_ids = broadcast_ids(token_ids, self._group, self._device)
@@ -72,3 +77,8 @@ class SampledTokens:
         self._sampled_ids = frozenset(entry.request_id for entry in task.entries if entry.sample)
         if self._group.is_first:
             self._tokens = {token.request_id: token.token_id for token in result.tokens}
+
+
+def _where(index: int, request_id: str) -> str:
+    """How a refused reference names its entry (built only when one is refused)."""
+    return f"entry {index} (request {request_id!r})"

@@ -44,8 +44,11 @@ def test_references_to_the_last_task_are_written_into_the_entries() -> None:
 def test_other_references_are_refused(entry, reset: bool, problem: str) -> None:
     sampled = SampledTokens(TPGroup(0, 1), "cpu")
     applied(sampled, 7, {"a": 11})
-    with pytest.raises(BadReference, match=problem):
-        sampled.resolve(worker_pb2.DecodeTask(task_id=8, reset=reset, entries=[entry]))
+    good = worker_pb2.TaskEntry(request_id="b", token_ids=[5])
+    task = worker_pb2.DecodeTask(task_id=8, reset=reset, entries=[good, entry])
+    with pytest.raises(BadReference, match=rf"^entry 1 \(request '{entry.request_id}'\): .*{problem}"):
+        sampled.resolve(task)
+    assert [list(e.token_ids) for e in task.entries] == [[5], []]  # nothing written
 
 
 def test_a_refused_task_leaves_the_last_applied_one() -> None:
