@@ -39,13 +39,15 @@ gateway and router under cProfile (`bench.profiled`) and writes one profile per 
 `--baseline-tree DIR` pairs every row: a second router and gateway run from DIR (another
 checkout, e.g. the commit before a change), and each row is measured on both stacks one after
 the other (in alternating order), so that both see the same machine; the last lines give
-the ratios of CPU per token, this tree's over the baseline's.
-
-`--real-worker cuda` (or `cpu`) puts a real worker (`worker_service`, `--model`'s weights) in
-place of the fake, with `--steps-ms 0`: the steps take what the device takes, so offered and the
-ITL "added" are not defined (the ITL columns give the whole gaps) and steps/s is the pace. `--baseline-router-args` /
+the ratios of CPU per token, this tree's over the baseline's. `--baseline-router-args` /
 `--baseline-gateway-args` / `--baseline-gateways` pair the same way with other settings (e.g.
 `--no-overlap` against `--overlap`, one gateway against two), from DIR or from this tree.
+
+`--real-worker cuda` (or `cpu`) puts a real worker (`worker_service`, `--model`'s weights; with
+`--baseline-tree`, each stack's from its tree) in place of the fake, with `--steps-ms 0`: the
+steps take what the device takes, so offered and the ITL "added" are not defined (the ITL
+columns give the whole gaps), steps/s is the pace, and the paired lines give the worker's CPU
+per token too.
 """
 
 from __future__ import annotations
@@ -183,7 +185,7 @@ def _f(value: float | None, digits: int = 0) -> str:
 def print_row(row: dict) -> None:
     cpu = row["cpu_us_per_token"]
     share = row["delivered_tps"] / row["offered_tps"] if row["offered_tps"] else None
-    step = f"{row['step_ms']:g}" if row.get("worker", "fake") == "fake" else f"{row['worker']} worker"
+    step = f"{row['step_ms']:g}" if row["worker"] == "fake" else f"{row['worker']} worker"
     print(f"| {row['tree']} | {step} | {row['api']} | {row['streams']} | {_f(row['offered_tps'])} | "
           f"{_f(row['delivered_tps'])} | {_f(share and 100 * share)}% | {_f(cpu['gateway'], 1)} | "
           f"{_f(cpu['router'], 1)} | {_f(cpu['worker'], 1)} | {_f(cpu['load'], 1)} | "
@@ -236,7 +238,7 @@ def paired_ratios(rows: list[dict]) -> list[str]:
         if set(trees) != {"this", "baseline"}:
             continue
         parts = []
-        real = trees["this"][0].get("worker", "fake") != "fake"
+        real = trees["this"][0]["worker"] != "fake"
         for key in ("gateway", "router", "worker") if real else ("gateway", "router"):
             now, before = (statistics.median(r["cpu_us_per_token"][key] or 0 for r in trees[t]) for t in ("this", "baseline"))
             parts.append(f"{key} {now:.1f} / {before:.1f} us = {now / before:.2f}x" if before else f"{key} -")
@@ -320,6 +322,8 @@ def main() -> None:
     parser.add_argument("--no-realtime-worker", dest="realtime_worker", action="store_false",
                         help="run the fake worker group at normal priority (see above)")
     args = parser.parse_args()
+    if args.real_worker and args.steps_ms != "0":
+        parser.error("--real-worker runs at the device's own pace: give --steps-ms 0")
     if not args.gateways:
         args.gateways = default_gateways(args.real_worker != "cpu", os.cpu_count() or 1)
     os.chdir(ROOT)

@@ -24,14 +24,12 @@ def verify_rows(state: RequestState, num_drafts: int) -> list[SampleRow]:
     entry's position j. Only a row before the last copies a prefix of the sequence (there are
     at most k of them, in the few steps that verify drafts); the last row is the state's own.
     """
-    tokens, params, num_prompt = state.token_ids, state.sampling, state.num_prompt_tokens
+    tokens, params, num_prompt, history = state.token_ids, state.sampling, state.num_prompt_tokens, state.token_array
+    last = SampleRow(params, tokens, num_prompt, history)
     if not num_drafts:  # every row of a step without drafts
-        return [SampleRow(params, tokens, num_prompt, state.token_array)]
+        return [last]
     first = len(tokens) - num_drafts
-    history = state.token_array
-    rows = [SampleRow(params, tokens[: first + j], num_prompt, history) for j in range(num_drafts)]
-    rows.append(SampleRow(params, tokens, num_prompt, history))
-    return rows
+    return [*(SampleRow(params, tokens[: first + j], num_prompt, history) for j in range(num_drafts)), last]
 
 
 def num_accepted(drafts: list[int], samples: list[Sample]) -> int:

@@ -187,9 +187,10 @@ class Executor:
             self.metrics.sampler_done(time.monotonic() - started)
         add = result.tokens.add
         for first, group, (entry, state) in zip(firsts, entry_rows, sampled):
-            num_drafts = entry.num_draft_tokens
-            token_ids = entry.token_ids
-            count = num_accepted(list(token_ids[len(token_ids) - num_drafts:]), samples[first:]) if num_drafts else 0
+            count = 0
+            if num_drafts := entry.num_draft_tokens:
+                token_ids = entry.token_ids
+                count = num_accepted(list(token_ids[len(token_ids) - num_drafts:]), samples[first:])
             final = samples[first + count]
             if state.matcher is not None:  # back to the accepted tokens, then the sampled one
                 state.matcher.sync(group[count].output_ids)
@@ -215,22 +216,23 @@ class Executor:
             if not request_id:
                 raise InvalidTask(f"entry {index}: request_id is empty")
             if request_id in seen:
-                raise InvalidTask(f"{_where(index, entry)}: request appears more than once in the task")
+                raise InvalidTask(f"{entry_name(index, request_id)}: request appears more than once in the task")
             seen.add(request_id)
             known = None if requests is None or request_id in released else requests.get(request_id)
             is_new = entry.HasField("new_request")
             if is_new:
                 if known is not None:
-                    raise InvalidTask(f"{_where(index, entry)}: new_request for a request this rank already knows")
-                state = self._new_state(request_id, entry.new_request, _where(index, entry))
+                    raise InvalidTask(
+                        f"{entry_name(index, request_id)}: new_request for a request this rank already knows")
+                state = self._new_state(request_id, entry.new_request, entry_name(index, request_id))
             elif known is None:
                 raise InvalidTask(
-                    f"{_where(index, entry)}: unknown request id (no new_request and not known to this rank)")
+                    f"{entry_name(index, request_id)}: unknown request id (no new_request and not known to this rank)")
             else:
                 state = known
             problem = self._entry_problem(entry, state, is_new)
             if problem is not None:
-                raise InvalidTask(f"{_where(index, entry)}: {problem}")
+                raise InvalidTask(f"{entry_name(index, request_id)}: {problem}")
             states.append(state)
         return states
 
@@ -339,9 +341,10 @@ class Executor:
                 self.requests.add(state)
 
 
-def _where(index: int, entry: worker_pb2.TaskEntry) -> str:
-    """How an invalid task's message names the entry (built only when one is refused)."""
-    return f"entry {index} (request {entry.request_id!r})"
+def entry_name(index: int, request_id: str) -> str:
+    """How a refused task's message names one of its entries (built only when one is refused;
+    sampled_tokens.py names them so too)."""
+    return f"entry {index} (request {request_id!r})"
 
 
 def _add_logprobs(token: worker_pb2.SampledToken | generation_pb2.TokenLogprob, sample: Sample) -> None:

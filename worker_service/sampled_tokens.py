@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from radixserve.v1 import worker_pb2
 from worker_service.distributed import TPGroup, broadcast_ids
+from worker_service.executor import entry_name
 
 
 class BadReference(ValueError):
@@ -46,15 +47,15 @@ class SampledTokens:
                 continue
             request_id = entry.request_id
             if reset or entry.HasField("new_request"):
-                raise BadReference(f"{_where(index, request_id)}: a request's first entry cannot refer to a "
+                raise BadReference(f"{entry_name(index, request_id)}: a request's first entry cannot refer to a "
                                    "sampled token")
             if referred != task_id:
                 raise BadReference(
-                    f"{_where(index, request_id)}: refers to task {referred}, but the last task applied "
+                    f"{entry_name(index, request_id)}: refers to task {referred}, but the last task applied "
                     f"is {task_id}"
                 )
             if request_id not in sampled_ids:
-                raise BadReference(f"{_where(index, request_id)}: task {task_id} sampled no token for it")
+                raise BadReference(f"{entry_name(index, request_id)}: task {task_id} sampled no token for it")
             refers.append(entry)
             request_ids.append(request_id)
         if not refers:
@@ -78,7 +79,3 @@ class SampledTokens:
         if self._group.is_first:
             self._tokens = {token.request_id: token.token_id for token in result.tokens}
 
-
-def _where(index: int, request_id: str) -> str:
-    """How a refused reference names its entry (built only when one is refused)."""
-    return f"entry {index} (request {request_id!r})"
