@@ -24,13 +24,15 @@ from gateway_service.metrics import API_EMBEDDINGS
 from gateway_service.openai_api.body import parse_body
 from gateway_service.openai_api.errors import ModelNotFound
 from gateway_service.openai_api.protocol import INT32_MAX, INT32_MIN
+from gateway_service.openai_api.unsupported import EMBEDDINGS, refuse_unsupported
 from gateway_service.service import GenerationServicer
 from gateway_service.validation import RequestLimits, check_user
 from radixserve.v1 import generation_pb2
 
 
 class EmbeddingRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Undeclared fields are kept for `unsupported.refuse_unsupported`.
+    model_config = ConfigDict(extra="allow")
 
     model: str
     input: str | list[str] | list[int] | list[list[int]]
@@ -82,6 +84,7 @@ def add_embedding_routes(
         started, caller = time.monotonic(), caller_of(request)
         try:
             body = await parse_body(request, EmbeddingRequest, limits)
+            refuse_unsupported(body.model_extra, EMBEDDINGS)
             if body.user is not None:
                 check_user(body.user, limits)
                 caller = caller_of(request, body.user)

@@ -2,8 +2,9 @@
 
 pydantic checks only the JSON types here; every range and rule (temperature in [0, 2], stop
 strings, top_logprobs, chat roles, constraints...) is checked by `gateway_service.validation`
-and the constraint checker, the same code the gRPC API goes through. Unknown fields are
-ignored, as OpenAI does; the types are strict (`openai_api.body` validates with `strict=True`:
+and the constraint checker, the same code the gRPC API goes through. A field the body does not
+declare is a 400 naming it unless it changes nothing (`unsupported`), as OpenAI answers
+"Unrecognized request argument"; the types are strict (`openai_api.body` validates with `strict=True`:
 a string is not a boolean). `user` is the caller's end-user id, for logs only. Structured output
 comes as OpenAI's `response_format` (`json_schema`, `json_object`; `text` is no constraint) or
 as the `guided_*` extras other servers accept; at most one of them per request.
@@ -38,7 +39,12 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
+    # vLLM's `continuous_usage_stats` and the like would change the stream's shape: refused.
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
+    # OpenAI's padding against length side channels: none is added here either way.
+    include_obfuscation: bool | None = None
 
 
 class JsonSchemaFormat(_Body):

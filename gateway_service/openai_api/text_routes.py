@@ -17,13 +17,15 @@ from pydantic import BaseModel, ConfigDict
 from gateway_service.openai_api import tool_protocol
 from gateway_service.openai_api.body import parse_body
 from gateway_service.openai_api.errors import ModelNotFound
+from gateway_service.openai_api.unsupported import DETOKENIZE, MESSAGE, TOKENIZE, refuse_unsupported
 from gateway_service.service import GenerationServicer
 from gateway_service.validation import RequestLimits
 from radixserve.v1 import generation_pb2
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Undeclared fields are kept for `unsupported.refuse_unsupported`.
+    model_config = ConfigDict(extra="allow")
 
 
 class _Message(_Body):
@@ -79,6 +81,9 @@ def add_text_routes(
     @answers_errors
     async def tokenize(request: Request) -> dict:
         body = await parse_body(request, TokenizeBody, limits)
+        refuse_unsupported(body.model_extra, TOKENIZE)
+        for index, message in enumerate(body.messages or ()):
+            refuse_unsupported(message.model_extra, MESSAGE, f"messages[{index}].")
         info = await check_model(body.model)
         request = generation_pb2.TokenizeRequest(
             prompt=body.prompt or "",
@@ -100,5 +105,6 @@ def add_text_routes(
     @answers_errors
     async def detokenize(request: Request) -> dict:
         body = await parse_body(request, DetokenizeBody, limits)
+        refuse_unsupported(body.model_extra, DETOKENIZE)
         await check_model(body.model)
         return {"prompt": await servicer.detokenize(body.tokens)}

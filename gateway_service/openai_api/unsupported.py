@@ -8,11 +8,14 @@ or sends one endpoint's field to the other (`tools` or `chat_template_kwargs` to
 wrong answer, so each is a 400 naming the field and, where there is one, what to send instead.
 A value that asks for what the server does anyway (`modalities: ["text"]`,
 `skip_special_tokens: true`, `best_of: 1`) passes. Fields that change nothing in the output
-(`store`, `metadata`, `service_tier`, `prediction`, `user`) and fields no API defines are
-ignored, as OpenAI ignores what it does not know.
+(`HARMLESS`: `store`, `metadata`, `service_tier`, `prediction`...; in an echoed assistant message
+its `reasoning_content` and `annotations`) are accepted and not used. Any other field the body
+does not declare is a 400 too, as OpenAI answers "Unrecognized request argument": a typo
+(`max_token`) or another server's extra (`repetition_penalty_range`, `regex`) would otherwise
+be a 200 that dropped it. A field sent as null asks for nothing and passes.
 
 The request bodies keep the fields they do not declare (`model_extra`); `refuse_unsupported`
-reads them there, so this table is the one place a field is refused.
+reads them there, so this module is the one place a field is refused.
 """
 
 from __future__ import annotations
@@ -27,6 +30,21 @@ CHAT, COMPLETIONS = "chat", "completions"
 BOTH = (CHAT, COMPLETIONS)
 # A chat message's own fields (`messages[i].<field>`).
 MESSAGE = "message"
+# The bodies of /v1/embeddings, /tokenize and /detokenize: only HARMLESS fields besides theirs.
+EMBEDDINGS, TOKENIZE, DETOKENIZE = "embeddings", "tokenize", "detokenize"
+
+# Undeclared fields accepted and not used: they change nothing in what the server answers.
+_ACCOUNTING = frozenset({"store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier"})
+HARMLESS = {
+    CHAT: _ACCOUNTING | {"prediction"},  # a predicted output only speeds up what it matches
+    COMPLETIONS: _ACCOUNTING,
+    # What an OpenAI-style answer holds and a client sends back in the history; the chat
+    # template is given the turn's content and tool calls.
+    MESSAGE: frozenset({"reasoning_content", "reasoning", "annotations"}),
+    EMBEDDINGS: _ACCOUNTING,
+    TOKENIZE: frozenset(),
+    DETOKENIZE: frozenset(),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,11 +117,17 @@ _BY_NAME = {(field.name, endpoint): field for field in FIELDS for endpoint in fi
 
 def refuse_unsupported(extra: Mapping[str, Any] | None, endpoint: str, where: str = "") -> None:
     """`InvalidRequest` naming the first field of `extra` (a body's or, for `MESSAGE`, a chat
-    message's undeclared fields) that asks for something this server does not do on `endpoint`;
-    `where` goes before the field's name (`messages[2].`)."""
+    message's undeclared fields) that asks for something this server does not do on `endpoint`,
+    or that it does not know (not null, not `HARMLESS`); `where` goes before the field's name
+    (`messages[2].`)."""
     for name, value in (extra or {}).items():
         field = _BY_NAME.get((name, endpoint))
-        if field is None or not field.asks(value):
+        if field is None:
+            if value is None or name in HARMLESS[endpoint]:
+                continue
+            raise InvalidRequest(f"{where}{name} is not a field this server knows (unrecognized request "
+                                 f"argument); it would be ignored, so it is refused")
+        if not field.asks(value):
             continue
         shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:37]}..."
         hint = f"; {field.instead}" if field.instead else ""

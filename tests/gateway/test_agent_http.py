@@ -194,6 +194,14 @@ def test_tokenize_detokenize_and_model_routes(harness, tokenizer) -> None:
     assert bad.status_code == 400 and "token_ids[0]" in bad.json()["error"]["message"]
     wrong = httpx.post(f"{base}/tokenize", json={"model": "other", "prompt": "x"}, timeout=TIMEOUT_S)
     assert wrong.status_code == 404
+    # vLLM's fields this server does not have are named, not dropped.
+    for path, body, named in [("/tokenize", {"prompt": "x", "return_token_strs": True}, "return_token_strs"),
+                              ("/tokenize", {"messages": [{"role": "user", "content": "x", "prefix": True}]},
+                               "messages[0].prefix"),
+                              ("/detokenize", {"tokens": [1], "skip_special_tokens": False}, "skip_special_tokens"),
+                              ("/v1/embeddings", {"model": MODEL, "input": "x", "normalize": False}, "normalize")]:
+        refused = httpx.post(f"{base}{path}", json=body, timeout=TIMEOUT_S)
+        assert refused.status_code == 400 and f"{named} is not a field" in refused.json()["error"]["message"], path
     card = httpx.get(f"{base}/v1/models/{MODEL}", timeout=TIMEOUT_S)
     assert card.status_code == 200 and card.json()["id"] == MODEL and card.json()["object"] == "model"
     assert httpx.get(f"{base}/v1/models/nope", timeout=TIMEOUT_S).status_code == 404
@@ -224,6 +232,16 @@ UNSUPPORTED = [
     ("completions", {"skip_special_tokens": False}, "skip_special_tokens"),
     ("chat", {"messages": [{"role": "user", "content": "x", "tool_calls": [
         {"type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages[0].tool_calls"),
+    # Fields no API of ours defines: a typo, another server's extras (each a 200 that dropped it).
+    ("chat", {"max_token": 3}, "max_token is not a field this server knows"),
+    ("chat", {"frobnicate": 1}, "frobnicate is not a field"),
+    ("chat", {"reasoning_effort": "high"}, "reasoning_effort is not a field"),
+    ("chat", {"regex": "[0-9]+"}, "regex is not a field"),
+    ("completions", {"prediction": {"type": "content", "content": "x"}}, "prediction is not a field"),
+    ("completions", {"parallel_tool_calls": False}, "parallel_tool_calls is not a field"),
+    ("chat", {"messages": [{"role": "user", "content": "x", "prefix": True}]}, "messages[0].prefix is not a field"),
+    ("chat", {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
     # Found by sending them to a running stack: each was a 200 that dropped it.
     ("chat", {"stream_options": {"include_usage": True}}, "stream_options needs stream: true"),
     ("completions", {"stream_options": {"include_usage": True}}, "stream_options needs stream: true"),
@@ -254,17 +272,20 @@ def test_fields_that_would_be_ignored_are_a_400_naming_them(harness, endpoint, f
     assert len(harness.all_requests()) == before  # refused before any router saw it
 
 
-def test_fields_asking_what_the_server_does_anyway_and_unknown_ones_pass(harness, tokenizer) -> None:
+def test_fields_asking_what_the_server_does_anyway_and_harmless_ones_pass(harness, tokenizer) -> None:
     _say(harness, tokenizer, "Fine.")
-    # An echoed OpenAI message (its null fields), and participants' names as agent frameworks send them.
-    messages = [{"role": "assistant", "content": "Hi.", "refusal": None, "audio": None, "function_call": None},
+    # An echoed OpenAI message (its null fields, its annotations, a reasoning model's reasoning),
+    # and participants' names as agent frameworks send them.
+    messages = [{"role": "assistant", "content": "Hi.", "refusal": None, "audio": None, "function_call": None,
+                 "annotations": [], "reasoning_content": "They greeted me."},
                 {"role": "user", "content": "Weather in Paris?", "name": "alice"},
                 {"role": "assistant", "content": "Which Paris?", "name": "research_agent"},
                 {"role": "user", "content": "France.", "name": "alice"}]
     body = {"model": MODEL, "messages": messages, "max_tokens": 4, "modalities": ["text"], "best_of": 1,
             "skip_special_tokens": True, "store": True, "metadata": {"a": "b"}, "service_tier": "auto",
-            "prediction": {"type": "content", "content": "Fine."}, "not_a_field": 1,
-            "add_special_tokens": False}
+            "prediction": {"type": "content", "content": "Fine."}, "prompt_cache_key": "agent-7",
+            "safety_identifier": "u-1", "not_a_field": None, "add_special_tokens": False,
+            "stream_options": None}
     reply = httpx.post(f"{_base(harness)}/v1/chat/completions", json=body, timeout=TIMEOUT_S)
     assert reply.status_code == 200, reply.text
     assert reply.json()["choices"][0]["message"]["content"] == "Fine."
