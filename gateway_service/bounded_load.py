@@ -54,7 +54,10 @@ def capacity(total_load: int, num_replicas: int, bound: float) -> int:
         raise ValueError("at least one replica is needed")
     if bound < 1:
         raise ValueError(f"the load bound must be >= 1, got {bound}")
-    return max(math.floor(bound * (total_load + 1) / num_replicas), -(-(total_load + 1) // num_replicas))
+    allowed = bound * (total_load + 1) / num_replicas
+    if allowed >= total_load + 1:  # a bound past every load (inf too): pure affinity
+        return total_load + 1
+    return max(math.floor(allowed), -(-(total_load + 1) // num_replicas))
 
 
 def choose_bounded(
