@@ -38,8 +38,8 @@ class GatewayConfig:
     router_dns_interval_s: float = setting(5.0, "seconds between resolutions of --router-dns", above=0)
     load_bound: float = setting(1.1, "bounded-load prefix affinity: a request goes to the first router in its "
                                 "order whose outstanding requests, with it, stay within this many times the "
-                                "mean, rounded down but never below the mean rounded up (1: even load; inf or "
-                                "large: pure prefix affinity)", min=1)
+                                "mean, rounded down but never below the mean rounded up (1: even load; large: "
+                                "pure prefix affinity)", min=1)
     memory_load_bound: float = setting(1.4, "the bound for the routers the prefix memory names as holding a "
                                        "request's longest known shared prefix (a system prompt spilled over a "
                                        "few routers stays on those): taken while their outstanding requests, "

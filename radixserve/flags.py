@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import math
 import operator
 import os
 import types
@@ -26,6 +27,8 @@ from typing import Any
 
 ENV_PREFIX = "RADIXSERVE_"
 MAX_PORT = 65535
+# The longest duration a `...-s` setting may give (see `_check_number`).
+MAX_SECONDS = 1e7
 _SETTING = "radixserve.setting"
 _NESTED = "radixserve.nested"
 _TRUE = {"1", "true", "yes", "on"}
@@ -135,6 +138,8 @@ def check(config: Any) -> None:
                              f"{', '.join(map(show, bound.choices))}, got {show(value)!r}")
         if value is None:
             continue  # unset: its consumer's own default, decided where the setting is used
+        if isinstance(value, float):
+            _check_number(flag.name, value)
         size, (verb, what) = ((len(value), ("have", " items")) if isinstance(value, tuple)
                               else (value, ("be", "")))
         for limit, relation, holds in ((bound.min, ">=", operator.ge), (bound.max, "<=", operator.le),
@@ -142,6 +147,16 @@ def check(config: Any) -> None:
             if limit is not None and not holds(size, limit):
                 raise ValueError(f"--{flag.name} must {verb} {relation} {limit:g}{what}, "
                                  f"got {show(value)}")
+
+
+def _check_number(name: str, value: float) -> None:
+    """A number must be finite, and a duration (a flag named `...-s`) at most `MAX_SECONDS`:
+    past ~1e10 s a gRPC deadline overflows into one already passed, so "wait forever" would
+    fail every call at once."""
+    if not math.isfinite(value):
+        raise ValueError(f"--{name} must be a finite number, got {value}")
+    if name.endswith("-s") and value > MAX_SECONDS:
+        raise ValueError(f"--{name} must be <= {MAX_SECONDS:g} seconds (about 115 days), got {value:g}")
 
 
 def add_settings(

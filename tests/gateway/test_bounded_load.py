@@ -63,8 +63,8 @@ def test_a_huge_bound_is_pure_affinity_and_bad_input_is_refused() -> None:
     loads = {address: 0 for address in ADDRESSES}
     loads[order[0]] = 1000
     assert choose_bounded(order, loads, 1e9) == order[0]
-    # Larger than any float product (inf is what a flag's "inf" parses to): still pure affinity,
-    # and every replica can take the request.
+    # A bound whose product with the load overflows a float (the flags refuse inf, not 1e308):
+    # still pure affinity, and every replica can take the request.
     for bound in (1e308, float("inf")):
         assert choose_bounded(order, loads, bound) == order[0]
         assert capacity(1000, len(ADDRESSES), bound) == 1001

@@ -12,7 +12,7 @@ import pytest
 from gateway_service.config import PROGRAM as GATEWAY
 from procs import ROOT
 from radixserve import launcher_config
-from radixserve.flags import Flag, flags_of, show
+from radixserve.flags import MAX_SECONDS, Flag, flags_of, show
 from radixserve.health_probe import PROGRAM as PROBE
 from router_service.config import PROGRAM as ROUTER
 from worker_service.config import PROGRAM as WORKER
@@ -92,6 +92,23 @@ def test_every_flag_is_settable_from_its_variable_and_the_flag_wins(program):
         assert _value(parse(words, base | {flag.env: from_env}), flag) == expected_env, flag.name
         config = parse([*words, f"--{flag.name}", from_flag], base | {flag.env: from_env})
         assert _value(config, flag) == expected_flag, flag.name
+
+
+@pytest.mark.parametrize("program", PROGRAMS)
+def test_a_number_that_is_not_finite_or_a_duration_past_what_grpc_can_wait_is_refused(program, capsys):
+    """inf and nan name their flag; so does a duration past `MAX_SECONDS` (a gRPC deadline of
+    1e10 s or more overflows into one already passed: "wait forever" would fail every call)."""
+    cls, parse, words = PROGRAMS[program]
+    numbers = [flag for flag in flags_of(cls) if flag.convert is float]
+    durations = [flag for flag in numbers if flag.name.endswith("-s")]
+    assert numbers
+    for flag in numbers:
+        for text in ("inf", "nan", *(["1e10"] if flag in durations else [])):
+            with pytest.raises(SystemExit):
+                parse([*words, f"--{flag.name}", text], BASE_ENV)
+            assert f"--{flag.name} must be" in capsys.readouterr().err, (flag.name, text)
+    for flag in durations:  # the largest allowed still parses
+        assert _value(parse([*words, f"--{flag.name}", str(MAX_SECONDS)], BASE_ENV), flag) == MAX_SECONDS
 
 
 # The flags reference: one `## `heading`` per program, its table listing every declared flag.
