@@ -123,6 +123,9 @@ class GatewayConfig:
         flags.check(self)
         if not self.routers and not self.router_dns:
             raise ValueError("--routers or --router-dns must name at least one router")
+        flags.check_addresses("routers", self.routers)  # one named twice is one router
+        if self.router_dns:
+            flags.split_address(self.router_dns, "router-dns")
 
 
 PROGRAM = flags.Program(

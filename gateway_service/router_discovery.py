@@ -18,17 +18,11 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
+from radixserve.flags import split_address
+
 log = logging.getLogger(__name__)
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
-
-
-def split_host_port(name: str) -> tuple[str, int]:
-    """`host:port` (a bracketed IPv6 host allowed); ValueError naming the flag otherwise."""
-    host, sep, port = name.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--router-dns must be host:port, got {name!r}")
-    return host.strip("[]"), int(port)
 
 
 async def resolve(host: str, port: int) -> list[str]:
@@ -46,7 +40,7 @@ class RouterDiscovery:
         self, static: Sequence[str], dns_name: str, interval_s: float, resolver: Resolver = resolve
     ) -> None:
         self._static = tuple(static)
-        self._dns = split_host_port(dns_name) if dns_name else None
+        self._dns = split_address(dns_name, "router-dns") if dns_name else None
         self._interval_s = interval_s
         self._resolver = resolver
         self._found: list[str] = []

@@ -159,6 +159,24 @@ def _check_number(name: str, value: float) -> None:
         raise ValueError(f"--{name} must be <= {MAX_SECONDS:g} seconds (about 115 days), got {value:g}")
 
 
+def split_address(text: str, flag: str) -> tuple[str, int]:
+    """`host:port` (a bracketed IPv6 host allowed) -> (host, port); ValueError naming `--flag`
+    otherwise (no port, a port outside 1-65535, a scheme or path such as `http://`)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host.strip("[]") or "/" in host or not port.isdigit() or not 0 < int(port) <= MAX_PORT:
+        raise ValueError(f"--{flag} must be host:port, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def check_addresses(flag: str, addresses: Sequence[str], distinct: bool = False) -> None:
+    """Each of `addresses` (a list setting) is host:port; with `distinct`, none twice."""
+    for address in addresses:
+        split_address(address, flag)
+    if distinct and len(set(addresses)) < len(addresses):
+        twice = next(address for address in addresses if addresses.count(address) > 1)
+        raise ValueError(f"--{flag} names {twice} more than once")
+
+
 def add_settings(
     parser: argparse.ArgumentParser, cls: type, env: Mapping[str, str] | None = None
 ) -> None:

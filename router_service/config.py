@@ -56,6 +56,7 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         flags.check(self)
+        flags.check_addresses("workers", self.workers, distinct=True)  # one rank each
 
 
 PROGRAM = flags.Program(

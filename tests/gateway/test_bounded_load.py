@@ -167,6 +167,11 @@ def test_the_gateway_needs_a_router_address_or_a_dns_name() -> None:
     with pytest.raises(ValueError, match="--routers or --router-dns"):
         GatewayConfig(routers=())
     assert GatewayConfig(routers=(), router_dns="routers:50052").router_dns == "routers:50052"
+    # Refused when the gateway starts, not a router that is down forever.
+    for routers, dns in [(("127.0.0.1",), ""), (("a:1", "http://b:2"), ""), (("a:1",), "routers")]:
+        with pytest.raises(ValueError, match="must be host:port"):
+            GatewayConfig(routers=routers, router_dns=dns)
+    assert GatewayConfig(routers=("a:1", "a:1")).routers == ("a:1", "a:1")  # one router, as discovery reads it
 
 
 def test_by_work_a_request_stays_until_the_excess_load_outweighs_what_it_would_recompute() -> None:

@@ -8,7 +8,8 @@ import socket
 
 import pytest
 
-from gateway_service.router_discovery import RouterDiscovery, resolve, split_host_port
+from gateway_service.router_discovery import RouterDiscovery, resolve
+from radixserve.flags import split_address
 
 
 def test_re_resolved_on_its_interval_and_a_failure_keeps_the_last_answer(monkeypatch) -> None:
@@ -55,8 +56,11 @@ def test_static_only_and_bad_names() -> None:
     discovery = RouterDiscovery(("a:1", "b:2", "a:1"), "", 1.0)
     assert not discovery.dynamic
     assert asyncio.run(discovery.addresses()) == ("a:1", "b:2")
-    assert split_host_port("[fd00::1]:50052") == ("fd00::1", 50052)
-    for bad in ("routers", "routers:", ":50052", "routers:http", "routers:70000"):
-        with pytest.raises(ValueError, match="--router-dns"):
-            split_host_port(bad)
+    assert split_address("[fd00::1]:50052", "router-dns") == ("fd00::1", 50052)
+    for bad in ("routers", "routers:", ":50052", "[]:50052", "routers:http", "routers:70000", "routers:0",
+                "http://routers:50052"):
+        with pytest.raises(ValueError, match="--router-dns must be host:port"):
+            split_address(bad, "router-dns")
+        with pytest.raises(ValueError, match="--router-dns must be host:port"):
+            RouterDiscovery((), bad, 1.0)
     assert asyncio.run(resolve("127.0.0.1", 50052)) == ["127.0.0.1:50052"]

@@ -60,6 +60,8 @@ def _two_values(flag: Flag) -> tuple[str, str]:
         return (str(int(first)), str(int(second))) if kind is int else (f"{first}", f"{second}")
     if kind is tuple:
         return "a:1,b:2", "c:3"
+    if flag.name == "router-dns":  # a host:port, checked as one
+        return "routers-env:1", "routers-flag:2"
     return "from-env", "from-flag"
 
 

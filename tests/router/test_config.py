@@ -30,6 +30,20 @@ def test_flags_and_environment(monkeypatch: pytest.MonkeyPatch) -> None:
         config_from_args(["--policy", "random"])
 
 
+@pytest.mark.parametrize("workers, named", [
+    ("127.0.0.1", "--workers must be host:port, got '127.0.0.1'"),
+    ("a:1,b:99999", "--workers must be host:port, got 'b:99999'"),
+    ("http://a:1", "--workers must be host:port"),
+    ("a:1,b:2,a:1", "--workers names a:1 more than once"),  # two ranks cannot share one process
+])
+def test_a_worker_address_that_cannot_be_a_rank_is_refused_at_start(workers, named, capsys) -> None:
+    with pytest.raises(SystemExit):
+        config_from_args(["--workers", workers])
+    assert named in capsys.readouterr().err
+    with pytest.raises(ValueError, match="--workers"):
+        RouterConfig(workers=tuple(workers.split(",")))
+
+
 @pytest.mark.timeout(60)
 def test_help_documents_every_flag() -> None:
     result = subprocess.run(
