@@ -1,7 +1,8 @@
 """A request body, bounded, parsed and typed before it costs more than its size allows.
 
 The order is the point: the route's token check has run on the headers alone (the body is
-not read for a caller without a token); then `Content-Length` over `--max-request-bytes` is 413
+not read for a caller without a token); a compressed body (`Content-Encoding` other than
+identity) is 415 before any byte is read; then `Content-Length` over `--max-request-bytes` is 413
 before any byte is read, and a body that streams past it (chunked) is 413 as soon as it does;
 a body that has not arrived whole `--http-body-timeout-s` after its head is 408 (`BodyTimeout`),
 and a client that disconnects while sending it is `ClientGone`, not a failure of ours;
@@ -24,7 +25,7 @@ from fastapi import Request
 from starlette.requests import ClientDisconnect
 
 from gateway_service.errors import InvalidRequest
-from gateway_service.openai_api.errors import BodyTimeout, ClientGone, PayloadTooLarge
+from gateway_service.openai_api.errors import BodyTimeout, ClientGone, PayloadTooLarge, UnsupportedEncoding
 from gateway_service.validation import RequestLimits
 
 Model = TypeVar("Model", bound=pydantic.BaseModel)
@@ -38,6 +39,9 @@ PARSE_ON_LOOP_BYTES = 64 * 1024
 async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes:
     """The whole body, refused with `PayloadTooLarge` as soon as it passes `max_bytes`, with
     `BodyTimeout` when it is not whole `timeout_s` from now."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("identity", ""):
+        raise UnsupportedEncoding(f"Content-Encoding {encoding!r} is not supported: send the body uncompressed")
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():

@@ -48,6 +48,14 @@ class BodyTimeout(HttpError):
     http_status = 408
 
 
+class UnsupportedEncoding(HttpError):
+    """The body is compressed (`Content-Encoding: gzip`...): read as it came it would be
+    refused as invalid UTF-8, which says nothing of the cause."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    http_status = 415
+
+
 class RouteNotFound(HttpError):
     code = grpc.StatusCode.NOT_FOUND
     http_status = 404

@@ -6,6 +6,7 @@ requests_total, whose labelled series exist at 0."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 from collections.abc import Iterator
@@ -101,6 +102,15 @@ def test_bodies_over_the_limit_are_413(harness) -> None:
             yield b" " * 65536
 
     assert_openai_error(post(harness, "/v1/completions", chunks()), 413, "limit")
+
+
+def test_a_compressed_body_is_415_naming_its_encoding(harness) -> None:
+    body = encoded({"model": MODEL, "prompt": "hi"})
+    for encoding in ("gzip", "br", "deflate, gzip"):
+        reply = post(harness, "/v1/completions", gzip.compress(body), {"Content-Encoding": encoding})
+        assert_openai_error(reply, 415, f"Content-Encoding {encoding!r} is not supported")
+    harness.script_all([11, 12, 2])
+    assert post(harness, "/v1/completions", body, {"Content-Encoding": "identity"}).status_code == 200
 
 
 def test_user_is_any_unicode_within_its_bound_and_not_the_request_id(harness) -> None:
