@@ -8,9 +8,12 @@ last chunk, and an output whose calls do not parse gives its held text back as c
 parser's contract). Incremental calls (streams): a call's first delta (index, id, name and the
 arguments so far) goes out as soon as its name is complete, then each chunk carries the new
 arguments text (`tool_call_stream`), and the last chunk the rest; the arguments' pieces
-concatenate to the text the model wrote (valid JSON whenever the calls parse). Once a call has
-been streamed, an output that ends without parsing (cut by max_tokens) gives nothing back as
-content: the deltas sent stand, and the finish reason says why it ended.
+concatenate to the text the model wrote (valid JSON whenever the calls parse). The chunk that
+ends the output may hold whole calls (tokens coalesced for a consumer behind, drafts accepted
+together): they go out there, named, as if streamed. Once a piece of a call has been streamed,
+an output that ends without parsing (cut by max_tokens) gives nothing back as content: the
+deltas sent stand, with the last chunk's piece, and the finish reason says why it ended; cut
+before any piece went out, its text is content, as in a non-streamed answer.
 A chunk's finish reason becomes TOOL_CALLS when calls were parsed from an output that ended by
 itself (a LENGTH end stays LENGTH).
 """
@@ -76,8 +79,13 @@ class ToolCallSplitter:
         return found
 
     def final_deltas(self, calls: tuple[ParsedCall, ...]) -> list[CallDelta]:
-        """The parsed `calls` (from `finish`) as the pieces not streamed yet: the rest of each
-        streamed call's arguments text, and every call not streamed, whole."""
+        """The parsed `calls` (from `finish`) as the pieces not streamed yet: what the calls
+        gained in the last chunk (a call's first piece too: the whole output may come in one
+        chunk), the rest of each streamed call's arguments text, and every call not streamed,
+        whole. Calls that do not parse give pieces only when some were streamed before (the
+        output then ends with them, cut); else their text was content (`finish`)."""
+        if not calls and not self._streamed:
+            return []
         found = self.deltas()
         for index, call in enumerate(calls):
             if index >= len(self._streamed):
@@ -104,8 +112,8 @@ class ToolCallSplitter:
         return out
 
     def finish(self) -> tuple[str, tuple[ParsedCall, ...]]:
-        """The rest of the content and the calls."""
-        self.deltas()  # incremental: what is streamed is settled before the parse
+        """The rest of the content and the calls (then `final_deltas`: the pieces of the last
+        chunk are not taken here, so none is lost)."""
         parsed = self._parser.parse(self._text)
         sent = self._text[:self._sent]
         if parsed.calls and parsed.content.startswith(sent):

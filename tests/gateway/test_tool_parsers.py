@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from gateway_service.chat_output import ToolCallSplitter
+from gateway_service.chat_output import ChatOutputSplitter, ToolCallSplitter
 from gateway_service.tool_parsers import (
     HermesParser,
     Llama3JsonParser,
@@ -18,6 +18,7 @@ from gateway_service.tool_parsers import (
     detect_tool_parser,
     tool_parser,
 )
+from radixserve.v1 import generation_pb2 as pb
 
 WEATHER = ParsedCall("get_weather", '{"city": "Paris", "unit": "celsius"}')
 TIME = ParsedCall("get_time", '{"zone": "CET"}')
@@ -173,3 +174,52 @@ def test_a_streamed_call_cut_short_is_not_repeated_as_content() -> None:
     content, calls, _ = _incremental_feed(HermesParser(), MALFORMED[0][1], 5)
     assert content == "" and calls[0][0] == "get_weather"
     assert "".join(calls[0][1]) == '{"city": "Par'
+
+
+def _stream_chunks(parser, text: str, size: int, finish: int) -> tuple[str, dict[int, list], int]:
+    """`text` through `ChatOutputSplitter` as a stream's chunks of `size` characters, the last
+    one carrying `finish` (as the gateway applies it to each chunk, the last one included):
+    (content, per call index its name and argument pieces, the last chunk's finish reason)."""
+    splitter = ChatOutputSplitter(None, ToolCallSplitter(parser, incremental=True))
+    pieces = [text[i:i + size] for i in range(0, len(text), size)]
+    content, calls, chunk = [], {}, None
+    for index, piece in enumerate(pieces):
+        chunk = pb.GenerateResponse(text=piece, finish_reason=finish if index == len(pieces) - 1 else 0)
+        splitter.apply(chunk)
+        content.append(chunk.text)
+        for call in chunk.tool_calls:
+            if call.name:
+                assert call.index not in calls and call.id.startswith("call_"), "named once, with an id"
+                calls[call.index] = [call.name, []]
+            assert call.index in calls, "a piece of a call that was never named"
+            calls[call.index][1].append(call.arguments)
+    return "".join(content), calls, chunk.finish_reason
+
+
+@pytest.mark.parametrize("parser, text, content, expected", RECORDED)
+@pytest.mark.parametrize("size", [2, 7, 10_000])
+def test_a_streams_last_chunk_may_hold_whole_calls(parser, text, content, expected, size) -> None:
+    """Coalesced tokens (a consumer behind, accepted drafts) can put a call, or the whole
+    output, in the chunk that ends the stream: its calls go out named, whole, once."""
+    got_content, calls, finish = _stream_chunks(parser(), text, size, pb.FINISH_REASON_STOP)
+    assert got_content == content
+    assert [(name, json.loads("".join(pieces))) for name, pieces in calls.values()] == [
+        (call.name, json.loads(call.arguments)) for call in expected]
+    assert finish == (pb.FINISH_REASON_TOOL_CALLS if expected else pb.FINISH_REASON_STOP)
+
+
+@pytest.mark.parametrize("parser, text", MALFORMED)
+@pytest.mark.parametrize("size", [10_000])
+def test_a_call_cut_before_any_piece_streamed_is_content_as_when_not_streamed(parser, text, size) -> None:
+    whole = ToolCallSplitter(parser())
+    whole.feed(text)
+    expected_content, _ = whole.finish()
+    assert _stream_chunks(parser(), text, size, pb.FINISH_REASON_LENGTH)[:2] == (expected_content, {})
+    assert expected_content == text
+
+
+def test_a_call_cut_after_its_name_streamed_ends_with_its_last_piece() -> None:
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "cel'
+    content, calls, finish = _stream_chunks(HermesParser(), text, len(text) - 6, pb.FINISH_REASON_LENGTH)
+    assert content == "" and finish == pb.FINISH_REASON_LENGTH
+    assert calls[0][0] == "get_weather" and "".join(calls[0][1]) == '{"city": "Paris", "unit": "cel'
