@@ -100,7 +100,11 @@ class HermesParser(ToolCallParser):
         calls, rest, end = [], [], 0
         for match in self._BLOCK.finditer(text):
             rest.append(text[end:match.start()])
-            calls.append(self._call(json.loads(match.group(1))))
+            body = match.group(1)
+            if match.end() == len(text) and not text.endswith(self.closing):
+                # The last block, unclosed: a closing tag cut short (max_tokens) ends it too.
+                body = body[:len(body) - partial_suffix(body, self.closing)]
+            calls.append(self._call(json.loads(body)))
             end = match.end()
         rest.append(text[end:])
         between = "".join(rest)

@@ -35,6 +35,9 @@ RECORDED = [
     (HermesParser, 'Let me look that up.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}'
      '\n</tool_call>', "Let me look that up.\n", (TIME,)),
     (HermesParser, '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}', "", (TIME,)),
+    # Cut by max_tokens inside the last closing tag: every call is whole.
+    (HermesParser, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
+     '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_c', "", (WEATHER, TIME)),
     (HermesParser, '<tool_call>{"name": "get_time", "arguments": "{\\"zone\\": \\"CET\\"}"}</tool_call>', "",
      (TIME,)),
     (HermesParser, "The weather is fine.", "The weather is fine.", ()),
