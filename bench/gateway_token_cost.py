@@ -38,7 +38,7 @@ from gateway_service.tokenizer import Tokenizer
 from radixserve.heap import freeze_startup_heap
 from radixserve.v1 import generation_pb2, router_pb2
 
-ADDRESS = "in-process"
+ADDRESS = "in-process:1"  # never dialled: the pool gets a fake stub for it (a host:port, as the config checks)
 PROMPT = "Request {}: write a short story about a lighthouse keeper and the sea."
 CONTEXT_LEN = 4096
 OPEN_TIMEOUT_S = 30.0

@@ -26,6 +26,7 @@ from router_service.config import RouterConfig
 from router_service.engine import Engine
 from router_service.request_stream import RequestStream
 
+WORKER_ADDRESS = "in-process:1"  # never dialled: the engine gets the fake group (a host:port, as the config checks)
 PROMPT_LEN = 40  # tokens of each request's prompt (distinct prompts: no cache hits to speak of)
 
 
@@ -35,7 +36,7 @@ class InProcessGroup:
     def __init__(self, fake: FakeWorkerGroup) -> None:
         self.fake = fake
         self.broken = asyncio.Event()
-        self.addresses = ["in-process"]
+        self.addresses = [WORKER_ADDRESS]
         self._results: list[worker_pb2.TaskResult] = []
         self.fake_s = 0.0  # thread CPU spent in the fake (taken out of the figures)
 
@@ -66,7 +67,7 @@ async def measure(streams: int, steps: int, max_tokens: int, model: str, bare_to
     """(router CPU us per step, tokens per step) over `steps` steps after a warm-up."""
     token_ids, vocab_size, eos = text_token_ids(model)
     fake = FakeWorkerGroup(0.0, token_ids, vocab_size, eos)
-    config = RouterConfig(workers=("in-process",), max_running_requests=streams, overlap=None)
+    config = RouterConfig(workers=(WORKER_ADDRESS,), max_running_requests=streams, overlap=None)
     engine = Engine(config)
     group = InProcessGroup(fake)
     engine.group = group  # type: ignore[assignment]
