@@ -104,7 +104,13 @@ def error_body(exc: BaseException) -> tuple[int, dict]:
     }
 
 
+# Seconds a client told "busy" (429) or "unavailable" (503) should wait before it retries: the
+# openai client and most HTTP clients wait this long instead of guessing with their own backoff.
+RETRY_AFTER_S = 1
+_HEADERS = {401: {"WWW-Authenticate": "Bearer"}, 429: {"Retry-After": str(RETRY_AFTER_S)},
+            503: {"Retry-After": str(RETRY_AFTER_S)}}
+
+
 def error_response(exc: BaseException) -> JSONResponse:
     http_status, body = error_body(exc)
-    headers = {"WWW-Authenticate": "Bearer"} if http_status == 401 else None
-    return JSONResponse(body, status_code=http_status, headers=headers)
+    return JSONResponse(body, status_code=http_status, headers=_HEADERS.get(http_status))

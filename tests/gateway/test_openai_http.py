@@ -55,16 +55,17 @@ def test_full_queue_is_429_and_no_router_is_503(harness) -> None:
         router.script([], fail_with=grpc.StatusCode.RESOURCE_EXHAUSTED)
     with pytest.raises(openai.RateLimitError) as full:
         client(harness).completions.create(model=MODEL, prompt="hello")
-    assert full.value.status_code == 429
+    assert full.value.status_code == 429 and full.value.response.headers["retry-after"] == "1"
     # Streamed too: the status line waits for the first token, so the error is a real 429.
     reply = httpx.post(f"{base_url(harness)}/completions", headers={"Authorization": f"Bearer {TOKEN}"},
                        json={"model": MODEL, "prompt": "hello", "stream": True}, timeout=TIMEOUT_S)
     assert reply.status_code == 429 and reply.json()["error"]["type"] == "rate_limit_error"
+    assert reply.headers["retry-after"] == "1"
     for router in harness.routers:
         router.script([], fail_with=grpc.StatusCode.UNAVAILABLE)
     with pytest.raises(openai.InternalServerError) as down:
         client(harness).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
-    assert down.value.status_code == 503
+    assert down.value.status_code == 503 and down.value.response.headers["retry-after"] == "1"
 
 
 def test_client_that_gives_up_cancels_the_router_call(harness) -> None:
