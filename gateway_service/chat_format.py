@@ -13,6 +13,9 @@ import json
 import re
 from dataclasses import dataclass, field
 
+import jinja2
+from jinja2 import meta
+
 from gateway_service.errors import InvalidRequest
 from gateway_service.reasoning import CLOSE, OPEN, detect_reasoning
 from gateway_service.tokenizer import Tokenizer
@@ -45,6 +48,10 @@ class ChatFormat:
     renders_tools: bool
     reasoning: bool
     marker_token: int | None = None
+    # The variables a request's chat_template_kwargs may set: what the template reads, and
+    # enable_thinking when outputs are split (it turns the split off). None: any (the template
+    # could not be read here).
+    template_reads: frozenset[str] | None = None
 
     @classmethod
     def detect(cls, tokenizer: Tokenizer, tool_parser_name: str, reasoning_parser_name: str) -> "ChatFormat":
@@ -56,7 +63,10 @@ class ChatFormat:
         if reasoning:
             for tag in (OPEN, CLOSE):
                 tokenizer.keep_special(tag)
-        return cls(parser, "tools" in template, reasoning, tokenizer.keep_special(parser.marker))
+        reads = template_variables(template)
+        if reads is not None and reasoning:
+            reads |= {ENABLE_THINKING}
+        return cls(parser, "tools" in template, reasoning, tokenizer.keep_special(parser.marker), reads)
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,8 +81,21 @@ class ChatPlan:
     split_reasoning: bool = False
 
 
-def template_kwargs(text: str) -> dict:
-    """`chat_template_kwargs` (a JSON object) as a dict."""
+def template_variables(template: str) -> frozenset[str] | None:
+    """The variables a chat template reads from its context, found by parsing it as
+    transformers compiles it (None where that fails: then no variable is refused)."""
+    try:  # transformers' own environment (its extensions, its globals); a private name
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        environment = _compile_jinja_template(template).environment
+        return frozenset(meta.find_undeclared_variables(environment.parse(template)))
+    except (ImportError, jinja2.TemplateError):
+        return None
+
+
+def template_kwargs(text: str, reads: frozenset[str] | None = None) -> dict:
+    """`chat_template_kwargs` (a JSON object) as a dict; with `reads` (`ChatFormat.template_reads`),
+    a variable outside it is refused: the template would never see it."""
     if not text:
         return {}
     if len(text) > MAX_TEMPLATE_KWARGS_CHARS:
@@ -86,6 +109,11 @@ def template_kwargs(text: str) -> dict:
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
     if reserved:
         raise InvalidRequest(f"chat_template_kwargs.{reserved[0]} is set by the gateway itself")
+    unread = sorted(kwargs.keys() - reads) if reads is not None else []
+    if unread:
+        settable = sorted(reads - RESERVED_TEMPLATE_KWARGS)
+        raise InvalidRequest(f"chat_template_kwargs.{unread[0]}: this model's chat template does not read it, so it "
+                             f"would change nothing (it reads {', '.join(settable) or 'no variable of yours'})")
     return kwargs
 
 
@@ -152,7 +180,7 @@ def plan_chat(request: generation_pb2.GenerateRequest, chat: ChatFormat, max_cha
     check_chat_only(request)
     check_tools(tools, max_chars)
     check_history(request.messages, max_chars)
-    kwargs = template_kwargs(request.chat_template_kwargs)
+    kwargs = template_kwargs(request.chat_template_kwargs, chat.template_reads)
     split_reasoning = chat.reasoning and bool(request.messages) and kwargs.get(ENABLE_THINKING, True) is not False
     named = request.tool_choice.function_name if choice == "function_name" else None
     mode = request.tool_choice.mode if choice == "mode" else Mode.TOOL_CHOICE_MODE_AUTO

@@ -358,7 +358,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     def _encode_tokenize(self, request: generation_pb2.TokenizeRequest) -> list[int]:
         if request.messages:
             add_generation_prompt = not request.HasField("add_generation_prompt") or request.add_generation_prompt
-            return self._encode_chat(request.messages, request.tools, template_kwargs(request.chat_template_kwargs),
+            return self._encode_chat(request.messages, request.tools,
+                                     template_kwargs(request.chat_template_kwargs, self._require_chat().template_reads),
                                      add_generation_prompt, request.add_special_tokens)
         add_special_tokens = not request.HasField("add_special_tokens") or request.add_special_tokens
         return self._require_tokenizer().encode_prompt(request.prompt, add_special_tokens)

@@ -52,6 +52,9 @@ def test_token_id_prompt_and_detokenize(harness, tokenizer) -> None:
     (dict(messages=CHAT, tools=[TOOL, TOOL]), "tools[1].function.name 'get_time' is given twice"),
     (dict(messages=CHAT, tools=[pb.Tool(name="f", parameters="[1]")]), "tools[0].function.parameters"),
     (dict(messages=CHAT, chat_template_kwargs="[]"), "chat_template_kwargs must be a JSON object"),
+    # SmolLM2's template reads no variable of the caller's, and this gateway splits no reasoning.
+    (dict(messages=CHAT, chat_template_kwargs='{"enable_thinking": false}'),
+     "chat_template_kwargs.enable_thinking: this model's chat template does not read it"),
     (dict(prompt="hi", prompt_token_ids=[1]), "prompt_token_ids alone"),
     (dict(messages=[pb.ChatMessage(role="assistant", content="", tool_calls=[
         pb.ToolCall(name="f", arguments="[]")])]), "messages[0].tool_calls[0].function.arguments"),
@@ -67,6 +70,13 @@ def test_bad_agent_fields_are_invalid_argument_naming_them(harness, fields, name
     with pytest.raises(grpc.RpcError) as caught:
         harness.stub.Detokenize(pb.DetokenizeRequest(token_ids=[1] * 600), timeout=TIMEOUT_S)
     assert caught.value.details() == "token_ids has 600 tokens, more than the limit of 512"
+
+
+def test_tokenize_refuses_a_template_variable_the_template_does_not_read(harness) -> None:
+    with pytest.raises(grpc.RpcError) as caught:
+        harness.stub.Tokenize(pb.TokenizeRequest(messages=CHAT, chat_template_kwargs='{"documents_v2": 1}'),
+                              timeout=TIMEOUT_S)
+    assert "chat_template_kwargs.documents_v2: this model's chat template does not read it" in caught.value.details()
 
 
 def test_tokenize_checks_the_tool_history_too(harness) -> None:
