@@ -109,6 +109,7 @@ class Gateway:
             security=security,
             max_receive_bytes=config.limits.max_request_bytes,
             extra_options=public_grpc_options(config),
+            share_port=True,  # `radixserve up --gateways N`: one port, N processes
         )
         gateway = cls(config, server, health, port, pool, servicer, discovery)
         log.info("gateway listening on %s:%d (NOT_SERVING until ready)", config.host, port)

@@ -34,7 +34,9 @@ from radixserve.launcher_config import UpConfig, config_from_args
 from radixserve.launcher_token import launch_security
 from radixserve.model_source import HF_CONFIG, ModelNotFound, resolve_model
 from radixserve.security import Security, SecurityConfig, SecurityError, load_security
-from radixserve.stack_plan import ChildSpec, StackPlan, plan_stack, plan_workers, port_problem, replica_suffix
+from radixserve.stack_plan import (
+    ChildSpec, StackPlan, plan_stack, plan_workers, port_problem, port_taken, replica_suffix,
+)
 
 # How often the launcher looks at its children and their health.
 POLL_INTERVAL_S = 0.25
@@ -61,7 +63,7 @@ def run_up(config: UpConfig) -> int:
 def unusable_input(config: UpConfig) -> str | None:
     """What makes the stack unable to start, found before anything starts (one line for the
     user, where the workers would end in a traceback), or None."""
-    problem = port_problem(config)
+    problem = port_problem(config) or port_taken(config)
     if problem is not None:
         return problem
     try:

@@ -77,11 +77,19 @@ class MetricsServer:
         self._thread.join(timeout=5)
 
 
+class CannotListen(OSError):
+    """A service's port (gRPC, or /metrics) cannot be listened on: the service stops with this
+    one line (`serving.run_service`), not a traceback."""
+
+
 def serve_metrics(registry: CollectorRegistry, host: str, port: int, what: str) -> MetricsServer | None:
     """Serve `registry` at http://host:port/metrics; None when `port` is 0 (metrics off)."""
     if port == 0:
         return None
-    server, thread = start_http_server(port, addr=host, registry=registry)
+    try:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise CannotListen(f"cannot serve /metrics on {host}:{port}: {exc.strerror or exc}") from None
     bound = server.server_address[1]
     log.info("%s metrics on http://%s:%d/metrics", what, host, bound)
     return MetricsServer(bound, server, thread)

@@ -28,6 +28,7 @@ from radixserve.flags import Program
 from radixserve.guard import Guard
 from radixserve.health import Health
 from radixserve.log_format import setup_logging
+from radixserve.metrics import CannotListen
 from radixserve.model_source import ModelNotFound, ModelUnreadable
 from radixserve.security import NO_SECURITY, Security, SecurityError
 
@@ -68,6 +69,7 @@ async def start_server(
     security: Security = NO_SECURITY,
     max_receive_bytes: int = MAX_MESSAGE_BYTES,
     extra_options: Iterable[tuple[str, Any]] = (),
+    share_port: bool = False,
 ) -> tuple[grpc.aio.Server, Health, int]:
     """Start a grpc.aio server with health (NOT_SERVING at first) and reflection.
 
@@ -75,13 +77,17 @@ async def start_server(
     when `security` has server credentials, and every call but health checks needs one of its
     accepted tokens when it has any. Requests over `max_receive_bytes` are refused by gRPC
     (RESOURCE_EXHAUSTED) before they are read whole. `extra_options` are further gRPC server
-    arguments (a public port's connection limits). Returns the server, its health handle and
-    the bound port (useful when `port` is 0).
+    arguments (a public port's connection limits). With `share_port` (the gateways of one host)
+    other processes may listen on the same port (SO_REUSEPORT); otherwise a port something
+    already listens on is an OSError, never a port shared with a stranger that would get half
+    the connections (gRPC's default). Returns the server, its health handle and the bound port
+    (useful when `port` is 0).
     """
     names = list(service_names)
     options = [o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
     options.append(("grpc.max_receive_message_length", max_receive_bytes))
     options.extend(extra_options)
+    options.append(("grpc.so_reuseport", int(share_port)))
     server = grpc.aio.server(options=options, interceptors=[Guard(security.accepted_tokens)])
     for add in register:
         add(server)
@@ -89,12 +95,15 @@ async def start_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_handle.servicer, server)
     await health_handle.set(False)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    if security.server_credentials is None:
-        bound = server.add_insecure_port(f"{host}:{port}")
-    else:
-        bound = server.add_secure_port(f"{host}:{port}", security.server_credentials)
+    try:  # grpc.aio raises RuntimeError where the sync server returns 0
+        if security.server_credentials is None:
+            bound = server.add_insecure_port(f"{host}:{port}")
+        else:
+            bound = server.add_secure_port(f"{host}:{port}", security.server_credentials)
+    except RuntimeError:
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot bind {host}:{port}")
+        raise CannotListen(f"cannot listen on {host}:{port} (is another process listening there?)")
     await server.start()
     return server, health_handle, bound
 
@@ -105,7 +114,7 @@ def run_service(program: Program, start: Start, argv: list[str] | None = None) -
     setup_logging(config.log_level, config.log_format)
     try:
         status = asyncio.run(serve_until_signal(start, config))
-    except (SecurityError, ModelNotFound, ModelUnreadable) as exc:  # the input, not the code
+    except (SecurityError, ModelNotFound, ModelUnreadable, CannotListen) as exc:  # the input, not the code
         raise SystemExit(f"{program.prog}: {exc}") from None
     raise SystemExit(status)
 

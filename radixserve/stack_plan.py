@@ -15,6 +15,7 @@ gateway's environment (command lines are visible to other users).
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import sys
@@ -74,7 +75,7 @@ def port_problem(config: UpConfig) -> str | None:
         return ("--port 0: the router's and the workers' ports are derived from the gateway's "
                 f"(P+{ROUTER_PORT_OFFSET}, P+{WORKER_PORT_OFFSET}+r): give a port")
     owners: dict[int, str] = {}
-    for port, owner in _listening_ports(config):
+    for port, owner, _ in _listening_ports(config):
         if port > MAX_PORT:
             return f"{owner} would be port {port}, above {MAX_PORT}: give a lower port"
         if port in owners:
@@ -83,25 +84,48 @@ def port_problem(config: UpConfig) -> str | None:
     return None
 
 
-def _listening_ports(config: UpConfig) -> list[tuple[int, str]]:
-    """Every fixed port of the stack, with the flag it derives from (in plan order)."""
-    found = [(config.port, f"--port {config.port} (the gateway)")]
+def port_taken(config: UpConfig) -> str | None:
+    """The first of the stack's ports that something on this host already listens on (another
+    `radixserve up` left running, say), named with its flag, or None. Checked before anything
+    starts: the health checks would otherwise find the other process and call the stack ready,
+    its routers and ranks half-sharing ports with strangers."""
+    for port, owner, host in _listening_ports(config):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed one's TIME_WAIT is no owner
+            try:
+                probe.bind((host, port))
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return (f"{owner}: port {port} on {host} is in use (another radixserve up still running?): "
+                            "stop it, or give another --port")
+                if exc.errno == errno.EACCES:
+                    return f"{owner}: port {port} on {host} needs privileges this user lacks: give a port above 1023"
+    return None
+
+
+def _listening_ports(config: UpConfig) -> list[tuple[int, str, str]]:
+    """Every fixed port of the stack, with the flag it derives from and the host it is bound on
+    (in plan order): the gateways' on --host, the rest on loopback."""
+    public, internal = config.host, INTERNAL_HOST
+    found = [(config.port, f"--port {config.port} (the gateway)", public)]
     if config.http_port:
-        found.append((config.http_port, f"--http-port {config.http_port}"))
+        found.append((config.http_port, f"--http-port {config.http_port}", public))
     for replica in range(config.replicas):
-        found.append((config.port + ROUTER_PORT_OFFSET + replica, f"--port {config.port}'s router {replica}"))
+        found.append((config.port + ROUTER_PORT_OFFSET + replica, f"--port {config.port}'s router {replica}", internal))
         found += [(config.port + WORKER_PORT_OFFSET + replica * config.tp + rank,
-                   f"--port {config.port}'s worker rank {rank} of replica {replica}") for rank in range(config.tp)]
+                   f"--port {config.port}'s worker rank {rank} of replica {replica}", internal)
+                  for rank in range(config.tp)]
     if config.metrics_port:
         for replica in range(config.replicas):
             gateway, router, ranks = metrics_ports(config.metrics_port, config.tp, replica)
             if not replica:
-                found.append((gateway, f"--metrics-port {config.metrics_port} (the gateway's)"))
-            found.append((router, f"--metrics-port {config.metrics_port}'s router {replica}"))
-            found += [(port, f"--metrics-port {config.metrics_port}'s worker rank {rank} of replica {replica}")
-                      for rank, port in enumerate(ranks)]
-        found += [(_gateway_metrics_port(config, index), f"--metrics-port {config.metrics_port}'s gateway {index}")
-                  for index in range(1, config.gateways)]
+                found.append((gateway, f"--metrics-port {config.metrics_port} (the gateway's)", public))
+            found.append((router, f"--metrics-port {config.metrics_port}'s router {replica}", internal))
+            found += [(port, f"--metrics-port {config.metrics_port}'s worker rank {rank} of replica {replica}",
+                       internal) for rank, port in enumerate(ranks)]
+        found += [(_gateway_metrics_port(config, index), f"--metrics-port {config.metrics_port}'s gateway {index}",
+                   public) for index in range(1, config.gateways)]
     return found
 
 

@@ -1,10 +1,11 @@
 """`radixserve up` with a model folder that is not there, a device this torch cannot use, or ports
-that cannot all be listened on: one line naming the flag, exit status 1, no traceback, nothing
+that cannot all be listened on (or that something already listens on): one line naming the flag, exit status 1, no traceback, nothing
 started. And what it decides itself from its inputs: the gateway processes when unset."""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -60,6 +61,22 @@ def test_ports_that_cannot_all_be_listened_on_are_one_line(smollm2_dir):
 def test_each_derived_port_is_checked_against_the_others(args, expected):
     problem = port_problem(config_from_args(["up", "--model", "m", *args]))
     assert problem is not None and problem.startswith(expected), problem
+
+
+@pytest.mark.parametrize("offset, owner", [(0, "--port {p} (the gateway)"), (2, "--port {p}'s router 1"),
+                                           (10, "--port {p}'s worker rank 0 of replica 1")])
+def test_a_port_something_listens_on_is_one_line_naming_it(smollm2_dir, offset, owner):
+    """Another stack left running: its router would answer this one's health checks (ready, and
+    half the connections to a stranger); refused before anything starts."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        taken.listen()
+        base = port - offset
+        line = _one_line_error(_up("--model", str(smollm2_dir), "--device", "cpu", "--port", str(base),
+                                   "--http-port", "0", "--metrics-port", "0", "--replicas", "2"))
+    assert line == (f"radixserve up: {owner.format(p=base)}: port {port} on 127.0.0.1 is in use (another "
+                    "radixserve up still running?): stop it, or give another --port")
 
 
 def test_the_default_ports_and_spread_replicas_pass():
