@@ -216,6 +216,9 @@ UNSUPPORTED = [
     ("completions", {"logit_bias": {"1": 100.5}}, "logit_bias[1]"),
     ("completions", {"logit_bias": {"one": 5}}, "logit_bias: key 'one'"),
     ("completions", {"echo": True, "logprobs": 1}, "echo with logprobs"),
+    # An empty prompt of a batch is named (the lone prompt's message named neither).
+    ("completions", {"prompt": ["a", ""]}, "prompt[1] is empty"),
+    ("completions", {"prompt": [[1, 2], []]}, "prompt[1] is empty"),
     ("chat", {"tool_choice": "required"}, "no tools"),
     ("chat", {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "'nope'"),
     ("chat", {"tools": [WEATHER], "response_format": {"type": "json_object"}}, "either tools or"),
