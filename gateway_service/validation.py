@@ -147,6 +147,8 @@ def check_input(request: generation_pb2.GenerateRequest, vocab_size: int, limits
 PUBLIC_DEFAULTS = SamplingParams(temperature=1.0)
 # The optional fields of the public SamplingParams; each has a SamplingParams field of its name.
 # (logit_bias, a map, is not optional: it is resolved on its own.)
+# vLLM's top_k that keeps every token (as 0 does).
+VLLM_TOP_K_OFF = -1
 SAMPLING_FIELDS = tuple(field.name for field in generation_pb2.SamplingParams.DESCRIPTOR.fields
                         if field.name != "logit_bias")
 
@@ -156,9 +158,12 @@ def resolve_sampling(
 ) -> SamplingParams:
     """Fill the unset fields with the public defaults and check every value's range.
 
-    top_k larger than the vocabulary means "keep everything", so it is clamped.
+    top_k larger than the vocabulary means "keep everything", so it is clamped; -1 is vLLM's
+    other way of saying it (its clients send it), so it is 0, off.
     """
     given = {name: getattr(sampling, name) for name in SAMPLING_FIELDS if sampling.HasField(name)}
+    if given.get("top_k") == VLLM_TOP_K_OFF:
+        given["top_k"] = 0
     params = replace(PUBLIC_DEFAULTS, **given, logprobs=logprobs, top_logprobs=top_logprobs,
                      logit_bias=tuple(sorted(sampling.logit_bias.items())))
     problems = params.problems() + logit_bias_problems(params.logit_bias, vocab_size)

@@ -38,7 +38,7 @@ BAD_REQUESTS = [
     (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(temperature=math.nan)), "finite"),
     (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(top_p=0)), "sampling.top_p must be in (0, 1]"),
     (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(top_p=math.inf)), "sampling.top_p"),
-    (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(top_k=-1)), "sampling.top_k"),
+    (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(top_k=-2)), "sampling.top_k"),
     (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(min_p=1.5)), "sampling.min_p"),
     (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(repetition_penalty=0)), "sampling.repetition_penalty"),
     (pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(presence_penalty=-2.5)), "sampling.presence_penalty"),
@@ -53,6 +53,14 @@ def test_bad_request_is_invalid_argument(harness, request_, message):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in err.value.details()
     assert not harness.all_requests()  # nothing reached a router
+
+
+def test_top_k_minus_one_is_vllms_off(harness):
+    """vLLM's clients send top_k -1 for "every token": served as 0, off (-2 is still refused)."""
+    harness.script_all([11, 12, EOS_TOKEN_ID])
+    list(harness.stub.Generate(pb.GenerateRequest(prompt="a", sampling=pb.SamplingParams(top_k=-1, temperature=1)),
+                               timeout=10))
+    assert harness.all_requests()[-1].sampling.top_k == 0
 
 
 def test_tokenize_validates_too(harness):
