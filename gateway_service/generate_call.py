@@ -4,9 +4,10 @@ The lane (plain_lane.py) hands a request's bare tokens to a sink from the router
 reader, without waking the request's task and its chain of generators; a Generate handler has
 to write each chunk itself, so it cannot be that sink. Here the request runs as a task of its
 own whose chunks, by the lane or by its stream, go to a mailbox (choice_streams.py, as an HTTP
-request's choices do), and the handler writes what the mailbox holds at each wake-up: one chunk, or, when several piled up while grpc wrote the last
-one, those chunks merged into one response (as the router stream merges a slow reader's
-updates), so a caller behind the stream gets fewer, larger messages.
+request's choices do), and the handler writes what the mailbox holds at each wake-up: one
+chunk, or, when several piled up while grpc wrote the last one, those chunks merged into one
+response (as the router stream merges a slow reader's updates), so a caller behind the stream
+gets fewer, larger messages.
 """
 
 from __future__ import annotations

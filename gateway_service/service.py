@@ -31,10 +31,10 @@ from gateway_service.config import GatewayConfig
 from gateway_service.constraint_check import ConstraintChecker
 from gateway_service.embedding import Embedder
 from gateway_service.errors import GatewayError, InvalidRequest, NoRouterAvailable, ShuttingDown, to_status
+from gateway_service.generate_call import mailbox_chunks
 from gateway_service.many_call import ManyCall, request_caller
 from gateway_service.metrics import API_EMBED, API_GRPC, API_GRPC_MANY, GatewayMetrics
 from gateway_service.output import OutputAssembler
-from gateway_service.generate_call import mailbox_chunks
 from gateway_service.plain_lane import Sink, plain_lane
 from gateway_service.pooling_config import PoolingConfig
 from gateway_service.router_choice import RouterPool

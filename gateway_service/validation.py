@@ -145,10 +145,10 @@ def check_input(request: generation_pb2.GenerateRequest, vocab_size: int, limits
 
 # The public API's defaults (generation.proto): temperature 1, everything else off.
 PUBLIC_DEFAULTS = SamplingParams(temperature=1.0)
-# The optional fields of the public SamplingParams; each has a SamplingParams field of its name.
-# (logit_bias, a map, is not optional: it is resolved on its own.)
 # vLLM's top_k that keeps every token (as 0 does).
 VLLM_TOP_K_OFF = -1
+# The optional fields of the public SamplingParams; each has a SamplingParams field of its name.
+# (logit_bias, a map, is not optional: it is resolved on its own.)
 SAMPLING_FIELDS = tuple(field.name for field in generation_pb2.SamplingParams.DESCRIPTOR.fields
                         if field.name != "logit_bias")
 

@@ -78,4 +78,3 @@ class SampledTokens:
         self._sampled_ids = frozenset(entry.request_id for entry in task.entries if entry.sample)
         if self._group.is_first:
             self._tokens = {token.request_id: token.token_id for token in result.tokens}
-

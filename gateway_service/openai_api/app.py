@@ -26,11 +26,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from gateway_service.caller import Caller, client_key
+from gateway_service.choice_streams import ChoiceStreams
 from gateway_service.errors import InvalidRequest
 from gateway_service.metrics import API_CHAT, API_COMPLETIONS, ROUTES
 from gateway_service.openai_api import responses as bodies
 from gateway_service.openai_api.body import describe, parse_body
-from gateway_service.choice_streams import ChoiceStreams
 from gateway_service.openai_api.choices import with_choice_seeds
 from gateway_service.openai_api.errors import (
     ClientGone,

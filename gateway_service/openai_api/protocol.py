@@ -164,8 +164,9 @@ def completion_inputs(body: CompletionRequest, max_choices: int) -> list[generat
     prompts = completion_prompts(body.prompt)
     if not prompts:
         raise InvalidRequest("prompt is empty")
-    if len(prompts) > 1 and (empty := next((i for i, prompt in enumerate(prompts) if not prompt), None)) is not None:
-        raise InvalidRequest(f"prompt[{empty}] is empty")  # one prompt alone: the gRPC API's message
+    empty = [index for index, prompt in enumerate(prompts) if not prompt]
+    if empty and len(prompts) > 1:  # one prompt alone gets the gRPC API's message
+        raise InvalidRequest(f"prompt[{empty[0]}] is empty")
     check_choices(body.n * len(prompts), max_choices)
     return [
         _input(body, body.max_tokens, logprobs=body.logprobs is not None, top_logprobs=body.logprobs or 0,

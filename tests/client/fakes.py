@@ -15,6 +15,7 @@ OPTIONS = [
     {"prompt": "three", "max_tokens": 3, "ignore_eos": True},
 ]
 
+
 def counting_many_calls(client) -> list[int]:
     """Counts the GenerateMany calls `client` (either kind) opens (one entry each)."""
     opened: list[int] = []
