@@ -62,8 +62,10 @@ def run_up(config: UpConfig) -> int:
 
 def unusable_input(config: UpConfig) -> str | None:
     """What makes the stack unable to start, found before anything starts (one line for the
-    user, where the workers would end in a traceback), or None."""
-    problem = port_problem(config) or port_taken(config)
+    user, where the workers would end in a traceback), or None. What was asked for is checked
+    before what this host holds (a port something listens on), so the answer to a wrong flag
+    does not depend on what else runs here."""
+    problem = port_problem(config)
     if problem is not None:
         return problem
     try:
@@ -89,7 +91,7 @@ def unusable_input(config: UpConfig) -> str | None:
         if not torch.cuda.is_available():
             build = "a CPU-only build" if torch.version.cuda is None else "no visible GPU"
             return f"--device cuda, but this torch ({torch.__version__}) has {build}"
-    return None
+    return port_taken(config)
 
 
 def _run_stack(config: UpConfig, stop: threading.Event) -> int:
