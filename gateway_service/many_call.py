@@ -28,6 +28,7 @@ import grpc
 
 from gateway_service.caller import Caller, request_id_from
 from gateway_service.errors import InvalidRequest, ShuttingDown, to_status
+from gateway_service.known_fields import check_known_fields
 from gateway_service.mailbox import Mailbox
 from gateway_service.plain_lane import Sink
 from radixserve.v1 import generation_pb2
@@ -106,6 +107,7 @@ class ManyCall:
                 if len(self._outbox) >= MAX_WAITING_UPDATES:
                     self._room.clear()
                     await self._room.wait()
+                check_known_fields(message, nested=False)  # its request is checked when it starts
                 action = message.WhichOneof("action")
                 if action == "generate":
                     self._start(message.id, message.generate)

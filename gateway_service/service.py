@@ -32,6 +32,7 @@ from gateway_service.constraint_check import ConstraintChecker
 from gateway_service.embedding import Embedder
 from gateway_service.errors import GatewayError, InvalidRequest, NoRouterAvailable, ShuttingDown, to_status
 from gateway_service.generate_call import mailbox_chunks
+from gateway_service.known_fields import check_known_fields
 from gateway_service.many_call import ManyCall, request_caller
 from gateway_service.metrics import API_EMBED, API_GRPC, API_GRPC_MANY, GatewayMetrics
 from gateway_service.output import OutputAssembler
@@ -135,6 +136,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     async def tokenize(self, request: generation_pb2.TokenizeRequest) -> generation_pb2.TokenizeResponse:
         """The token ids of a prompt or a chat (both APIs)."""
         self._refuse_if_draining()
+        check_known_fields(request)
         check_text_input(request, self._limits)
         check_tools(request.tools, self._limits.max_prompt_chars)
         check_history(request.messages, self._limits.max_prompt_chars)
@@ -146,6 +148,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     async def Detokenize(self, request, context) -> generation_pb2.DetokenizeResponse:
         try:
+            check_known_fields(request)
             return generation_pb2.DetokenizeResponse(text=await self.detokenize(request.token_ids))
         except Exception as exc:
             await context.abort(*to_status(exc))
@@ -162,6 +165,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     async def Embed(self, request, context) -> generation_pb2.EmbedResponse:
         try:
+            check_known_fields(request)
             caller = self._grpc_caller(request, context)
             remaining = context.time_remaining()
             deadline = None if remaining is None else time.monotonic() + remaining
@@ -185,6 +189,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     async def GetModelInfo(self, request, context) -> generation_pb2.GetModelInfoResponse:
         try:
+            check_known_fields(request)
             return await self.model_info()
         except Exception as exc:
             await context.abort(*to_status(exc))

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from gateway_service.errors import InvalidRequest
+from gateway_service.known_fields import check_known_fields
 from radixserve.flags import check, setting
 from radixserve.sampling import MAX_TOP_LOGPROBS, SamplingParams, logit_bias_problems
 from radixserve.v1 import generation_pb2
@@ -114,6 +115,7 @@ def check_prompt_token_ids(token_ids, vocab_size: int, name: str = "prompt_token
 
 def check_input(request: generation_pb2.GenerateRequest, vocab_size: int, limits: RequestLimits) -> None:
     """Everything that can be checked before tokenizing, sizes first."""
+    check_known_fields(request)
     check_request_id(request.request_id, limits)
     check_text_input(request, limits)
     check_prompt_token_ids(request.prompt_token_ids, vocab_size)
