@@ -30,12 +30,12 @@ from worker_service.allocator import keep_freed_memory
 from worker_service.config import WorkerConfig
 from worker_service.distributed import init_distributed
 from worker_service.executor import Executor
-from worker_service.metrics import WorkerMetrics
 from worker_service.grammar import ConstraintMasks
+from worker_service.metrics import WorkerMetrics
 from worker_service.model_runner import ModelRunner, RunnerConfig
-from worker_service.models.config_checks import UnsupportedModel
 from worker_service.peer_watch import PeerWatch, leave_group
 from worker_service.service import SERVICE_NAME, WorkerService
+from worker_service.unsupported import UnsupportedModel
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ import torch
 
 from worker.tiny_models import assert_matches_reference
 from worker.tiny_prequantized import dequantize, pack, quantize, write_prequantized
-from worker_service.models.config_checks import UnsupportedModel
 from worker_service.quant.prequantized import awq_weight, gptq_weight, prequantized_scheme
+from worker_service.unsupported import UnsupportedModel
 
 PROMPT_IDS = list(range(3, 40))
 NUM_NEW_TOKENS = 8

@@ -36,3 +36,26 @@ def test_rotation_equals_transformers(dtype: torch.dtype) -> None:
     rope = rotary.lookup(positions)
     assert torch.equal(apply_rotary(q, *rope), q_ref.squeeze(0).transpose(0, 1))
     assert torch.equal(apply_rotary(k, *rope), k_ref.squeeze(0).transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("params", [
+    {"factor": 4.0, "original_max_position_embeddings": 16},
+    {"factor": 8.0, "original_max_position_embeddings": 8, "beta_fast": 16, "beta_slow": 2, "truncate": False},
+    {"factor": 2.0, "original_max_position_embeddings": 32, "mscale": 0.9, "mscale_all_dim": 0.5},
+    {"factor": 3.0, "original_max_position_embeddings": 32, "attention_factor": 1.25},
+], ids=["plain", "betas-untruncated", "mscale", "attention-factor"])
+def test_yarn_tables_equal_transformers(params: dict, dtype: torch.dtype) -> None:
+    """YaRN's frequencies and attention factor: the worker's cos/sin tables are transformers'
+    cos/sin (times its attention scaling) at every position, rounded the same."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = LlamaConfig(hidden_size=4 * HEAD_DIM, num_attention_heads=4, max_position_embeddings=MAX_POSITIONS,
+                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, **params})
+    rotary = RotaryEmbedding(config, HEAD_DIM, MAX_POSITIONS, dtype, torch.device("cpu"))
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS["yarn"](config, torch.device("cpu"))
+    assert scaling != 1.0 or params.get("attention_factor") == 1.0
+    angles = torch.outer(torch.arange(MAX_POSITIONS).float(), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    assert torch.equal(rotary.cos, (angles.cos() * scaling).to(dtype))
+    assert torch.equal(rotary.sin.abs(), (angles.sin() * scaling).to(dtype).abs())

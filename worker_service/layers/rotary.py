@@ -1,8 +1,11 @@
 """Rotary position embedding (RoPE), half-split layout as in the Hugging Face Llama/Qwen2 code.
 
 The inverse frequencies honour the config's scaling (`rope_parameters` in transformers 5, else
-`rope_scaling` + `rope_theta`): "default", "linear" and "llama3". cos/sin are tabulated once for
-every position up to the context length and indexed by position each step.
+`rope_scaling` + `rope_theta`): "default", "linear", "llama3" and "yarn" (whose attention factor
+scales the tables, as transformers scales its cos/sin). cos/sin are tabulated once for every
+position up to the context length and indexed by position each step. Types whose frequencies
+change with the sequence's length ("dynamic", "longrope") are refused: a cached prefix's keys
+would have been rotated for another length.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+from worker_service.unsupported import UnsupportedModel
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -20,6 +25,10 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    context = getattr(config, "max_position_embeddings", None)
+    if params["rope_type"] == "yarn" and context is not None:  # transformers' own defaults
+        params.setdefault("original_max_position_embeddings", context)
+        params.setdefault("max_position_embeddings", context)
     return params
 
 
@@ -27,14 +36,36 @@ def inverse_frequencies(params: dict[str, Any], rotary_dim: int) -> torch.Tensor
     """float32 [rotary_dim / 2] inverse frequencies, scaled as `params["rope_type"]` says."""
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"unsupported RoPE type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        raise UnsupportedModel(f"unsupported RoPE type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim
-    inv_freq = 1.0 / (params["rope_theta"] ** exponents)
+    wavelengths = params["rope_theta"] ** exponents  # over 2 pi
+    inv_freq = 1.0 / wavelengths
     if rope_type == "linear":
         return inv_freq / params["factor"]
     if rope_type == "llama3":
         return _llama3_scaling(inv_freq, params)
+    if rope_type == "yarn":
+        return _yarn_scaling(wavelengths, params, rotary_dim)
     return inv_freq
+
+
+def attention_factor(params: dict[str, Any]) -> float:
+    """What the cos/sin tables are multiplied by: YaRN's attention temperature, else 1.
+
+    Given, or 0.1 ln(factor) + 1 (the YaRN paper's sqrt(1/t)), or with DeepSeek's `mscale` and
+    `mscale_all_dim` the ratio of that formula at the two."""
+    if params["rope_type"] != "yarn":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = _yarn_factor(params)
+
+    def temperature(scale: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    if params.get("mscale") and params.get("mscale_all_dim"):
+        return temperature(params["mscale"]) / temperature(params["mscale_all_dim"])
+    return temperature()
 
 
 def _llama3_scaling(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
@@ -50,6 +81,39 @@ def _llama3_scaling(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Ten
     return torch.where(is_medium, blended, scaled)
 
 
+def _yarn_factor(params: dict[str, Any]) -> float:
+    """The context's stretch: given, or the ratio of the two lengths (DeepSeek-V3's configs)."""
+    if params.get("factor") is not None:
+        return params["factor"]
+    if params.get("max_position_embeddings") is None:
+        raise UnsupportedModel("yarn RoPE without a factor")
+    return params["max_position_embeddings"] / params["original_max_position_embeddings"]
+
+
+def _yarn_scaling(wavelengths: torch.Tensor, params: dict[str, Any], rotary_dim: int) -> torch.Tensor:
+    """YaRN ("NTK-by-parts"): the dimensions that turn more than `beta_fast` times over the
+    original context keep their frequency, those turning fewer than `beta_slow` times are
+    slowed by `factor`, and a linear ramp over the dimension index blends the two between."""
+    factor = _yarn_factor(params)
+    old_context = params["original_max_position_embeddings"]
+    base = params["rope_theta"]
+
+    def dimension_turning(times: float) -> float:
+        """The (fractional) dimension index whose wavelength fits `times` into the old context."""
+        return rotary_dim * math.log(old_context / (times * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dimension_turning(params.get("beta_fast") or 32), dimension_turning(params.get("beta_slow") or 1)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # 1: the original frequency (fast dimensions); 0: slowed by the factor
+    # 1 / (factor * w), not (1 / w) / factor: transformers' rounding, bit for bit.
+    return 1.0 / (factor * wavelengths) * (1 - kept) + 1.0 / wavelengths * kept
+
+
 class RotaryEmbedding(torch.nn.Module):
     def __init__(
         self,
@@ -62,15 +126,16 @@ class RotaryEmbedding(torch.nn.Module):
         super().__init__()
         params = rope_parameters(config)
         if params.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError("partial rotary embeddings are not supported")
+            raise UnsupportedModel("partial rotary embeddings are not supported")
         inv_freq = inverse_frequencies(params, head_dim)
+        scale = attention_factor(params)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         # [max_positions, head_dim]: the half-split layout repeats each frequency twice.
         angles = torch.cat([angles, angles], dim=-1)
-        self.register_buffer("cos", angles.cos().to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("cos", (angles.cos() * scale).to(device=device, dtype=dtype), persistent=False)
         # sin with the first half negated: `apply_rotary` then needs no negation of its own.
         signs = torch.cat([-torch.ones(head_dim // 2), torch.ones(head_dim // 2)])
-        self.register_buffer("sin", (angles.sin() * signs).to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("sin", (angles.sin() * scale * signs).to(device=device, dtype=dtype), persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin `[T, 1, head_dim]` for positions `[T]`; looked up once per step, used by every layer."""

@@ -6,7 +6,6 @@ from typing import Any
 
 from radixserve.architectures import unsupported
 from worker_service.models.base import CausalLM
-from worker_service.models.config_checks import UnsupportedModel
 from worker_service.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from worker_service.models.granite import GraniteForCausalLM
 from worker_service.models.llama import LlamaForCausalLM
@@ -18,6 +17,7 @@ from worker_service.models.phi3 import Phi3ForCausalLM
 from worker_service.models.qwen2 import Qwen2ForCausalLM
 from worker_service.models.qwen3 import Qwen3ForCausalLM
 from worker_service.models.qwen3_moe import Qwen3MoeForCausalLM
+from worker_service.unsupported import UnsupportedModel
 
 # Exactly radixserve.architectures.SUPPORTED_ARCHITECTURES (which the launcher checks folders against).
 MODEL_CLASSES: dict[str, type[CausalLM]] = {

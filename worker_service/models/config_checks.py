@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-
-class UnsupportedModel(ValueError):
-    """A checkpoint this worker cannot run as it is; the message says what and why."""
+from worker_service.unsupported import UnsupportedModel
 
 
 def refuse_sliding_window(config: Any, family: str) -> None:

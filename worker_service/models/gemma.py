@@ -7,11 +7,14 @@ What differs from Llama, all of it here:
 - the embeddings are scaled by sqrt(hidden_size) (rounded to the dtype first, as the reference);
 - the MLP gates with GELU (tanh approximation): `Backend.gelu_tanh_mul`;
 - attention scales scores by `query_pre_attn_scalar ** -0.5`, may soft-cap them
-  (`attn_logit_softcapping`), and layers of type "sliding_attention" see only the last
+  (`attn_logit_softcapping`; Gemma 2 only: transformers' Gemma 3 keeps the setting but never
+  applies it, and the weights were trained without it), and layers of type "sliding_attention" see only the last
   `sliding_window` positions (`AttentionOptions`, computed by PyTorch's ops on every backend:
   `attention/windowed.py`); the final logits may be soft-capped (`final_logit_softcapping`);
 - Gemma 3 adds a per-head `GemmaRMSNorm` on q and k before RoPE, and its sliding and full layers
   rotate with their own RoPE settings (`rope_parameters` per layer type).
+`use_bidirectional_attention` (an encoder such as EmbeddingGemma: every position sees the later
+ones) is refused: a cached prefix would have to be recomputed as each token arrives.
 Its layer is not Llama's: no fusable layer.
 """
 
@@ -29,16 +32,22 @@ from worker_service.layers.gemma_norm import GemmaRMSNorm
 from worker_service.layers.rotary import RotaryEmbedding
 from worker_service.layers.sharding import shard_heads
 from worker_service.models.base import CausalLM
-from worker_service.models.config_checks import UnsupportedModel
 from worker_service.models.llama import LlamaAttention, LlamaMLP, head_dim_of
+from worker_service.unsupported import UnsupportedModel
 
 SLIDING = "sliding_attention"
 
 
+def attention_softcap(config: Any) -> float | None:
+    """The attention logits' soft cap: Gemma 2's setting; Gemma 3 has none (see the module doc)."""
+    if config.model_type.startswith("gemma3"):
+        return None
+    return getattr(config, "attn_logit_softcapping", None)
+
+
 def layer_options(config: Any, layer: int) -> AttentionOptions:
     sliding = config.layer_types[layer] == SLIDING
-    return AttentionOptions(window=config.sliding_window if sliding else None,
-                            softcap=getattr(config, "attn_logit_softcapping", None),
+    return AttentionOptions(window=config.sliding_window if sliding else None, softcap=attention_softcap(config),
                             scale=config.query_pre_attn_scalar ** -0.5)
 
 
@@ -109,6 +118,9 @@ class Gemma2ForCausalLM(CausalLM):
         super().__init__()
         if getattr(config, "attention_bias", False):
             raise UnsupportedModel(f"{type(self).__name__} with attention_bias=True is not supported")
+        if getattr(config, "use_bidirectional_attention", False):
+            raise UnsupportedModel(f"{type(self).__name__} with use_bidirectional_attention=True (an encoder: "
+                                   "each position sees the later ones) is not supported")
         self.backend = backend
         self.config = config
         self.num_kv_heads = shard_heads(config.num_attention_heads, config.num_key_value_heads,
@@ -137,7 +149,7 @@ class Gemma2ForCausalLM(CausalLM):
         ops = ["GELU-tanh gating", "attention scaled by query_pre_attn_scalar"]
         if SLIDING in config.layer_types:
             ops.append("sliding-window attention")
-        if getattr(config, "attn_logit_softcapping", None) is not None:
+        if attention_softcap(config) is not None:
             ops.append("attention logit soft-capping")
         return tuple(ops)
 

@@ -27,7 +27,7 @@ from worker_service.layers.norm import RMSNorm
 from worker_service.layers.rotary import RotaryEmbedding
 from worker_service.layers.sharding import balanced_range, shard_heads
 from worker_service.models.base import CausalLM
-from worker_service.models.config_checks import UnsupportedModel
+from worker_service.unsupported import UnsupportedModel
 
 
 def head_dim_of(config: Any) -> int:

@@ -12,9 +12,10 @@ import torch
 
 from worker_service.backends.base import Backend
 from worker_service.distributed import TPGroup
-from worker_service.models.config_checks import UnsupportedModel, refuse_sliding_window
+from worker_service.models.config_checks import refuse_sliding_window
 from worker_service.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from worker_service.models.moe import ExpertLayout, Routing, RoutesExperts, SparseMoE
+from worker_service.unsupported import UnsupportedModel
 
 LAYOUT = ExpertLayout("block_sparse_moe", "w1", "w3", "w2")
 

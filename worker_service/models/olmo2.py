@@ -15,11 +15,11 @@ import torch
 
 from worker_service.backends.base import Backend, Rope, StepContext
 from worker_service.distributed import TPGroup
-from worker_service.models.config_checks import UnsupportedModel
 from worker_service.layers.norm import RMSNorm
 from worker_service.layers.qk_norm import WidthNorm
 from worker_service.layers.sharding import shard_heads
 from worker_service.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, head_dim_of
+from worker_service.unsupported import UnsupportedModel
 
 
 class WidthNormAttention(LlamaAttention):

@@ -12,10 +12,10 @@ import torch
 
 from worker_service.backends.base import Backend
 from worker_service.distributed import TPGroup
-from worker_service.models.config_checks import UnsupportedModel
 from worker_service.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from worker_service.models.moe import ExpertLayout, Routing, RoutesExperts, SparseMoE
 from worker_service.models.olmo2 import WidthNormAttention
+from worker_service.unsupported import UnsupportedModel
 
 LAYOUT = ExpertLayout("mlp", "gate_proj", "up_proj", "down_proj")
 

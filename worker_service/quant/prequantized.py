@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from worker_service.models.config_checks import UnsupportedModel
 from worker_service.quant.format import INT4_BLOCK, QuantizedWeight, pack_int4
+from worker_service.unsupported import UnsupportedModel
 
 METHODS = ("gptq", "awq")
 BITS = 4

@@ -1,0 +1,76 @@
+"""Checkpoint settings beyond the family tests' one configuration each: every variant either
+computes what transformers computes (prompt and decode logits, float32, the PyTorch backend) or
+is refused at load with `UnsupportedModel` naming the setting, which the worker reports in one
+line. Never a third outcome: a setting that is neither implemented nor refused is computed some
+other way without a word.
+
+The variants are settings real checkpoints carry (or that transformers reads differently per
+family, as Gemma 3's attention soft-cap, which it keeps but never applies). The reference runs
+transformers' eager attention, the only one that applies every setting it does apply.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from worker.families import make_family
+from worker.test_model_families import ATOL, PROMPT_LEN, prompt, runner_for
+from worker_service.forward_batch import ForwardEntry
+from worker_service.unsupported import UnsupportedModel
+
+pytestmark = pytest.mark.timeout(300)
+NUM_DECODE_STEPS = 4
+
+
+def rope(**params) -> dict:
+    return {"rope_parameters": {"rope_theta": 10000.0, **params}}
+
+
+# (family, settings over the family's, what a refusal must name; None: must match transformers)
+VARIANTS = [
+    ("gemma3", dict(attn_logit_softcapping=5.0, final_logit_softcapping=3.0), None),
+    ("gemma3", dict(use_bidirectional_attention=True), "use_bidirectional_attention=True"),
+    ("gemma2", dict(attn_logit_softcapping=None, final_logit_softcapping=None), None),
+    ("qwen3", dict(head_dim=32), None),
+    ("qwen3", rope(rope_type="yarn", factor=4.0, original_max_position_embeddings=64), None),
+    ("mistral", rope(rope_type="yarn", factor=8.0, original_max_position_embeddings=32, beta_fast=16, beta_slow=2,
+                   mscale=0.9, mscale_all_dim=0.5, truncate=False), None),
+    ("gemma3", dict(rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e6, "attention_factor": 1.3}}), None),
+    ("qwen3", rope(rope_type="dynamic", factor=2.0), "unsupported RoPE type 'dynamic'"),
+    ("phi3", rope(rope_type="longrope", short_factor=[1.0] * 8, long_factor=[2.0] * 8,
+                  original_max_position_embeddings=64), "unsupported RoPE type 'longrope'"),
+    ("phi3", rope(rope_type="default", partial_rotary_factor=0.5), "partial rotary"),
+    ("mistral", dict(num_key_value_heads=1), None),
+    ("qwen3_moe", dict(decoder_sparse_step=2, mlp_only_layers=[]), None),
+    ("mixtral", dict(num_experts_per_tok=3), None),
+    ("olmoe", dict(norm_topk_prob=True), None),
+    ("granite", dict(tie_word_embeddings=True), None),
+    ("olmoe", dict(clip_qkv=0.5), "clip_qkv=0.5"),
+]
+
+
+@pytest.mark.parametrize(("family", "settings", "refusal"), VARIANTS,
+                         ids=[f"{f}-{'-'.join(s)}" for f, s, _ in VARIANTS])
+def test_a_variant_matches_transformers_or_is_refused_by_name(family, settings, refusal, tmp_path: Path) -> None:
+    model_dir = make_family(family, tmp_path / "model", **settings)
+    if refusal is not None:
+        with pytest.raises(UnsupportedModel, match=refusal):
+            runner_for(model_dir, "torch")
+        return
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                     attn_implementation="eager").eval()
+    runner = runner_for(model_dir, "torch")
+    token_ids, following = prompt(), prompt(7, NUM_DECODE_STEPS)
+    pages = list(range(3, 3 + (PROMPT_LEN + NUM_DECODE_STEPS) // 4 + 1))
+    logits = [runner.forward([ForwardEntry(token_ids, 0, pages, True)])[0]]
+    for step, token in enumerate(following[:-1]):
+        logits.append(runner.forward([ForwardEntry([token], PROMPT_LEN + step, pages, True)])[0])
+    with torch.no_grad():
+        expected = reference(torch.tensor([token_ids + following])).logits[0][PROMPT_LEN - 1:-1]
+    torch.testing.assert_close(torch.stack(logits), expected, atol=ATOL, rtol=0)
