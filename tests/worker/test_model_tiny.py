@@ -14,6 +14,7 @@ from worker.backend_params import backend_params
 from worker.tiny_models import VOCAB_SIZE, greedy_tokens, make_tiny_llama, make_tiny_qwen2, reference_greedy
 from worker_service.forward_batch import ForwardEntry
 from worker_service.model_runner import ModelRunner, RunnerConfig
+from worker_service.unsupported import UnsupportedModel
 
 # fp32 on a 2-layer model: measured differences are ~3e-7; 1e-4 leaves room for other CPUs'
 # kernels while still catching any real mistake (a wrong RoPE or bias moves logits by >1e-2).
@@ -118,10 +119,9 @@ def test_info_and_page_budget(tiny) -> None:
 def test_unsupported_rope_type_is_a_clear_error(tmp_path) -> None:
     out_dir = make_tiny_llama(tmp_path)
     config = json.loads((out_dir / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
-                                 "original_max_position_embeddings": 64}
+    config["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
     (out_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="unsupported RoPE type 'yarn'"):
+    with pytest.raises(UnsupportedModel, match="unsupported RoPE type 'dynamic'"):
         ModelRunner(RunnerConfig(model_dir=out_dir, kv_cache_bytes=KV_BYTES))
 
 
