@@ -9,7 +9,7 @@ from collections.abc import Sequence
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM",
     "GraniteForCausalLM", "Olmo2ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM",
-    "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+    "Gemma2ForCausalLM", "Gemma3ForCausalLM", "SmolLM3ForCausalLM",
 )
 
 

@@ -42,6 +42,8 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "granite": ("GraniteConfig", "GraniteForCausalLM", dict(
         embedding_multiplier=6.0, residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=4.0)),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict()),
+    # Its middle layer without RoPE (NoPE).
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(num_hidden_layers=3, no_rope_layers=[1, 0, 1])),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
         num_hidden_layers=3, mlp_only_layers=[1])),

@@ -52,11 +52,22 @@ VARIANTS = [
     ("olmoe", dict(norm_topk_prob=True), None),
     ("granite", dict(tie_word_embeddings=True), None),
     ("olmoe", dict(clip_qkv=0.5), "clip_qkv=0.5"),
+    ("smollm3", dict(no_rope_layers=[0, 0, 0]), None),
+    ("smollm3", dict(use_sliding_window=True, sliding_window=8), "SmolLM3 with sliding-window attention"),
 ]
 
 
+def variant_id(family: str, settings: dict) -> str:
+    """The family and its settings' names; a RoPE variant by its type (per layer type on Gemma 3)
+    and any partial rotation."""
+    rope_params = settings.get("rope_parameters", {})
+    layers = [p for p in rope_params.values() if isinstance(p, dict)] or [rope_params]
+    rope = [f"rope-{p['rope_type']}" for p in layers if p] + ["partial"] * ("partial_rotary_factor" in rope_params)
+    return "-".join([family, *(name for name in settings if name != "rope_parameters"), *rope])
+
+
 @pytest.mark.parametrize(("family", "settings", "refusal"), VARIANTS,
-                         ids=[f"{f}-{'-'.join(s)}" for f, s, _ in VARIANTS])
+                         ids=[variant_id(f, s) for f, s, _ in VARIANTS])
 def test_a_variant_matches_transformers_or_is_refused_by_name(family, settings, refusal, tmp_path: Path) -> None:
     model_dir = make_family(family, tmp_path / "model", **settings)
     if refusal is not None:

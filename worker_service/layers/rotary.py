@@ -122,13 +122,16 @@ class RotaryEmbedding(torch.nn.Module):
         max_positions: int,
         dtype: torch.dtype,
         device: torch.device,
+        rotate: bool = True,
     ) -> None:
+        """`rotate=False`: the tables of a layer without RoPE (cos 1, sin 0; SmolLM3's NoPE layers),
+        through which a rotation returns its input exactly."""
         super().__init__()
         params = rope_parameters(config)
         if params.get("partial_rotary_factor", 1.0) != 1.0:
             raise UnsupportedModel("partial rotary embeddings are not supported")
-        inv_freq = inverse_frequencies(params, head_dim)
-        scale = attention_factor(params)
+        inv_freq = inverse_frequencies(params, head_dim) if rotate else torch.zeros(head_dim // 2)
+        scale = attention_factor(params) if rotate else 1.0
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         # [max_positions, head_dim]: the half-split layout repeats each frequency twice.
         angles = torch.cat([angles, angles], dim=-1)

@@ -17,6 +17,7 @@ from worker_service.models.phi3 import Phi3ForCausalLM
 from worker_service.models.qwen2 import Qwen2ForCausalLM
 from worker_service.models.qwen3 import Qwen3ForCausalLM
 from worker_service.models.qwen3_moe import Qwen3MoeForCausalLM
+from worker_service.models.smollm3 import SmolLM3ForCausalLM
 from worker_service.unsupported import UnsupportedModel
 
 # Exactly radixserve.architectures.SUPPORTED_ARCHITECTURES (which the launcher checks folders against).
@@ -33,6 +34,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
 }
 
 

@@ -1,0 +1,47 @@
+"""SmolLM3: Llama's layer, with RoPE left out of some layers (`no_rope_layers[i]` is 0 for such a
+"NoPE" layer: its queries and keys carry no position, every fourth layer by default).
+
+A NoPE layer goes through the same backend step as the others, with an unrotated table (cos 1,
+sin 0: the rotation returns its input exactly), so the backends need nothing of their own. The
+compiled whole-layer Llama path applies one table to every layer: no fusable layer. Sliding
+windows (`use_sliding_window`, on the NoPE layers) are refused, as for Llama's other families.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from worker_service.backends.base import Backend, StepContext
+from worker_service.distributed import TPGroup
+from worker_service.layers.rotary import RotaryEmbedding
+from worker_service.models.config_checks import refuse_sliding_window
+from worker_service.models.llama import LlamaForCausalLM, head_dim_of
+from worker_service.unsupported import UnsupportedModel
+
+
+class SmolLM3ForCausalLM(LlamaForCausalLM):
+    """Checkpoint names follow Hugging Face's `SmolLM3ForCausalLM` (Llama's)."""
+
+    fusable_layer = None
+
+    def __init__(self, config: Any, group: TPGroup, dtype: torch.dtype, device: torch.device,
+                 backend: Backend) -> None:
+        refuse_sliding_window(config, "SmolLM3")
+        uses_rope = [bool(flag) for flag in config.no_rope_layers]
+        if len(uses_rope) != config.num_hidden_layers:
+            raise UnsupportedModel(f"SmolLM3 with {len(uses_rope)} no_rope_layers entries for "
+                                   f"{config.num_hidden_layers} layers")
+        super().__init__(config, group, dtype, device, backend)
+        self.uses_rope = uses_rope
+        self.unrotated = RotaryEmbedding(config, head_dim_of(config), config.max_position_embeddings, dtype, device,
+                                         rotate=False)
+
+    def run_layers(self, hidden: torch.Tensor, step: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        rope = self.backend.rope(self.rotary, step.positions)
+        no_rope = self.backend.rope(self.unrotated, step.positions) if not all(self.uses_rope) else rope
+        residual = None
+        for layer, uses_rope in zip(self.layers, self.uses_rope):
+            hidden, residual = layer(hidden, residual, step, rope if uses_rope else no_rope)
+        return hidden, residual
