@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from worker_service.unsupported import UnsupportedModel
+
 
 def balanced_range(total: int, num_parts: int, part: int) -> range:
     """The `part`-th of `num_parts` contiguous ranges covering `range(total)`, sizes differing by <= 1.
@@ -50,7 +52,7 @@ def shard_heads(num_q_heads: int, num_kv_heads: int, world_size: int, rank: int)
     query heads; every rank must get at least one query head.
     """
     if num_q_heads % num_kv_heads:
-        raise ValueError(f"{num_q_heads} query heads do not form groups over {num_kv_heads} KV heads")
+        raise UnsupportedModel(f"{num_q_heads} query heads do not form groups over {num_kv_heads} KV heads")
     group_size = num_q_heads // num_kv_heads
     if world_size <= num_kv_heads:
         kv = balanced_range(num_kv_heads, world_size, rank)
@@ -59,7 +61,7 @@ def shard_heads(num_q_heads: int, num_kv_heads: int, world_size: int, rank: int)
     sharing = [r for r in range(world_size) if r * num_kv_heads // world_size == kv_head]
     q_in_group = balanced_range(group_size, len(sharing), sharing.index(rank))
     if not q_in_group:
-        raise ValueError(
+        raise UnsupportedModel(
             f"TP={world_size} leaves rank {rank} without a query head "
             f"({num_q_heads} query heads, {num_kv_heads} KV heads)"
         )

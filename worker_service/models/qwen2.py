@@ -8,6 +8,7 @@ import torch
 
 from worker_service.backends.base import Backend
 from worker_service.distributed import TPGroup
+from worker_service.models.config_checks import refuse_sliding_window
 from worker_service.models.llama import LlamaForCausalLM
 
 
@@ -18,6 +19,5 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: Any, group: TPGroup, dtype: torch.dtype, device: torch.device,
                  backend: Backend) -> None:
-        if getattr(config, "use_sliding_window", False):
-            raise ValueError("Qwen2 sliding-window attention is not supported")
+        refuse_sliding_window(config, "Qwen2")
         super().__init__(config, group, dtype, device, backend)
