@@ -47,6 +47,10 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
         num_hidden_layers=3, mlp_only_layers=[1])),
+    # A shared expert beside the routed ones, its middle layer dense.
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=80,
+        norm_topk_prob=False, num_hidden_layers=3, mlp_only_layers=[1])),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
         num_local_experts=8, num_experts_per_tok=2, sliding_window=None)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)),

@@ -52,6 +52,8 @@ VARIANTS = [
     ("olmoe", dict(norm_topk_prob=True), None),
     ("granite", dict(tie_word_embeddings=True), None),
     ("olmoe", dict(clip_qkv=0.5), "clip_qkv=0.5"),
+    ("qwen2_moe", dict(norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[]), None),
+    ("qwen2_moe", dict(qkv_bias=False), "qkv_bias=False"),
     ("smollm3", dict(no_rope_layers=[0, 0, 0]), None),
     ("smollm3", dict(use_sliding_window=True, sliding_window=8), "SmolLM3 with sliding-window attention"),
 ]

@@ -15,6 +15,7 @@ from worker_service.models.olmo2 import Olmo2ForCausalLM
 from worker_service.models.olmoe import OlmoeForCausalLM
 from worker_service.models.phi3 import Phi3ForCausalLM
 from worker_service.models.qwen2 import Qwen2ForCausalLM
+from worker_service.models.qwen2_moe import Qwen2MoeForCausalLM
 from worker_service.models.qwen3 import Qwen3ForCausalLM
 from worker_service.models.qwen3_moe import Qwen3MoeForCausalLM
 from worker_service.models.smollm3 import SmolLM3ForCausalLM
@@ -35,6 +36,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
 }
 
 

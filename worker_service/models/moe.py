@@ -103,11 +103,15 @@ class SparseMoE(torch.nn.Module):
                 expert_down.adopt(down)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return all_reduce_sum(self.partial(hidden), self.group)
+
+    def partial(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the routed experts' output (the group sums the shares)."""
         weights, expert_ids = self.route(hidden)
         out = None if self.experts is None else self.experts(hidden, expert_ids, weights)
         if out is None:
             out = self.per_expert(hidden, expert_ids, weights)
-        return all_reduce_sum(out, self.group)
+        return out
 
     def per_expert(self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The grouped product in PyTorch: one gate/up and one down product per routed expert."""
