@@ -1,6 +1,7 @@
 """GGUF files served as they are: each kept block type maps exactly onto our layouts, and a tiny
 random Llama written by the `gguf` package in each type gives transformers' logits and greedy
-tokens (transformers dequantizing the same file), its linear weights kept quantized."""
+tokens (transformers dequantizing the same file), its linear weights kept quantized; so do
+Qwen2 and Qwen3 files."""
 
 from __future__ import annotations
 
@@ -106,3 +107,22 @@ def test_model_source_finds_the_gguf_file(gguf_files, tmp_path) -> None:
     with pytest.raises(ModelNotFound, match="not a .gguf file"):
         resolve_model(tmp_path / "weights.bin")
 
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("arch", "qtype"), [("qwen2", MIXED), ("qwen3", MIXED), ("qwen3", "Q4_1")])
+def test_qwen_files_match_transformers_reading_them(arch, qtype, tmp_path) -> None:
+    """`qwen2` (q/k/v biases) and `qwen3` (per-head q/k norms) files, their q/k rows as they are,
+    with a tied head, as llama.cpp writes them: transformers' logits and greedy tokens, the linear
+    weights kept as the file's."""
+    from transformers import AutoModelForCausalLM
+
+    from worker_service.model_runner import ModelRunner, RunnerConfig
+
+    path = write_tiny_gguf(tmp_path / f"{arch}-{qtype}.gguf", qtype, arch=arch)
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
+                                                     dtype=torch.float32).eval()
+    runner = ModelRunner(RunnerConfig(model_dir=path, kv_cache_bytes=16 << 20, activation_quantization="none"))
+    assert type(runner.model).__name__ == type(reference).__name__ == f"Qwen{arch[-1]}ForCausalLM"
+    assert runner.info.quantization == ("gguf:Q4_K+Q6_K" if qtype == MIXED else "gguf:Q4_1+Q8_0")
+    assert_matches_reference(runner, reference, PROMPT_IDS, NUM_NEW_TOKENS)

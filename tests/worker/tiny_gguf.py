@@ -1,4 +1,4 @@
-"""Tiny random Llama GGUF files written by the `gguf` package, in each type we keep.
+"""Tiny random Llama (or Qwen2, Qwen3) GGUF files written by the `gguf` package, in each type we keep.
 
 The shapes are multiples of 256 (the K-quants' super-block). Q8_0, Q4_0 and Q4_1 are quantized
 from a random transformers Llama by `gguf.quants.quantize`; the package cannot quantize Q4_K or
@@ -23,7 +23,8 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 MIXED = "Q4_K_M"
 TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", MIXED)
@@ -32,6 +33,13 @@ SMALL_VOCAB = 512
 # Where each random block's half-precision scales sit, and how large they may be.
 RANDOM_BLOCK_HALVES = {T.Q4_K: ((0, 5e-4), (2, 5e-4)), T.Q6_K: ((208, 2e-4),)}
 TIED_EMBEDDING_TYPES = {"Q4_1": T.Q8_0}
+# The architectures written (`general.architecture`), with transformers' classes for the random
+# model; only llama's q/k rows are interleaved (`_interleave_heads`), as llama.cpp's converter does.
+ARCHITECTURES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                 "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+# transformers reads a qwen3 file's head size as Qwen3Config's default, 128 (every Qwen3's), not
+# from `attention.key_length`: the file is written with that size.
+HEAD_DIMS = {"qwen3": 128}
 
 
 def _type_of(name: str, qtype: str) -> T:
@@ -79,27 +87,39 @@ def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer_dir: Path) -> int:
     return len(tokens)
 
 
-def write_tiny_gguf(out: Path, qtype: str, tokenizer_dir: Path | None = None, seed: int = 0) -> Path:
-    """A 2-layer random Llama (4 q / 2 KV heads, tied embeddings) as `out` in `qtype` (`TYPES`)."""
+def write_tiny_gguf(out: Path, qtype: str, tokenizer_dir: Path | None = None, seed: int = 0,
+                    arch: str = "llama") -> Path:
+    """A 2-layer random model (4 q / 2 KV heads, tied embeddings) of `arch` (`ARCHITECTURES`) as
+    `out` in `qtype` (`TYPES`), written as llama.cpp's converter writes that architecture."""
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(out, "llama")
+    writer = gguf.GGUFWriter(out, arch)
     vocab_size = _add_tokenizer(writer, tokenizer_dir) if tokenizer_dir is not None else SMALL_VOCAB
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-                         num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                         head_dim=HEAD_DIM, rms_norm_eps=1e-5, tie_word_embeddings=True, initializer_range=0.1)
-    model = LlamaForCausalLM(config).eval()
+    config_class, model_class = ARCHITECTURES[arch]
+    head_dim = HEAD_DIMS.get(arch, HEAD_DIM)
+    config = config_class(vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                          num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                          head_dim=head_dim, rms_norm_eps=1e-5, tie_word_embeddings=True, initializer_range=0.1)
+    model = model_class(config).eval()
+    with torch.no_grad():  # norms away from ones and biases from zeros, so that one read wrong shows
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                param.uniform_(-0.5, 0.5)
     writer.add_block_count(LAYERS)
     writer.add_context_length(512)
     writer.add_embedding_length(HIDDEN)
     writer.add_feed_forward_length(INTERMEDIATE)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_dimension_count(HEAD_DIM)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab_size)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, LAYERS)
+    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), LAYERS)
     for hf_name, tensor in model.state_dict().items():
         base, _, suffix = hf_name.rpartition(".")
         gguf_name = f"{names.get_name(base)}.{suffix}"
@@ -113,7 +133,7 @@ def write_tiny_gguf(out: Path, qtype: str, tokenizer_dir: Path | None = None, se
         if "embed_tokens" in hf_name and not tied:
             writer.add_tensor(gguf_name, weight.astype(np.float16))
             continue
-        if ".q_proj." in hf_name or ".k_proj." in hf_name:
+        if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
             weight = _interleave_heads(weight, HEADS if ".q_proj." in hf_name else KV_HEADS)
         kind = TIED_EMBEDDING_TYPES[qtype] if "embed_tokens" in hf_name else _type_of(gguf_name, qtype)
         if kind in RANDOM_BLOCK_HALVES:
