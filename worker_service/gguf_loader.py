@@ -110,10 +110,10 @@ def _kept_blocks(tensors: GGUFTensors, module: torch.nn.Module) -> list[Quantize
 
 
 @torch.inference_mode()
-def load_gguf_weights(model: torch.nn.Module, path: Path, hf_config: Any, keep_head: bool = True) -> str:
-    """Fill `model` from the GGUF file at `path` (module doc). Returns how the quantization is
-    reported: `gguf:` and the types kept, e.g. `gguf:Q4_1+Q8_0` (`gguf:none` where none was)."""
-    tensors = GGUFTensors(path, hf_config)
+def load_gguf_weights(model: torch.nn.Module, tensors: GGUFTensors, keep_head: bool = True) -> str:
+    """Fill `model` from the GGUF file `tensors` reads (module doc). Returns how the quantization
+    is reported: `gguf:` and the types kept, e.g. `gguf:Q4_1+Q8_0` (`gguf:none` where none was)."""
+    path = tensors.path
     kept: Counter[str] = Counter()
     done: set[int] = set()
     for module in model.modules():

@@ -29,9 +29,11 @@ from worker_service.backends.base import PrefillChunk
 from worker_service.distributed import TPGroup
 from worker_service.dtypes import DTYPES, resolve_dtype
 from worker_service.forward_batch import ForwardEntry, StepOutput
-from worker_service.gguf_loader import load_gguf_weights
+from worker_service.gguf_loader import GGUFTensors, load_gguf_weights
+from worker_service.gguf_rope import gguf_rope_parameters
 from worker_service.kv_pool import KVPool
 from worker_service.layers.linear import pack_linear_weights
+from worker_service.layers.rotary import rope_parameters
 from worker_service.loader import load_weights
 from worker_service.prequantized_loader import load_prequantized_weights
 from worker_service.quant.prequantized import prequantized_scheme
@@ -115,6 +117,10 @@ class ModelRunner:
         source = resolve_model(config.model_dir)
         self.hf_config = load_config(source)
         gguf_path = source.gguf_path
+        gguf_tensors = None if gguf_path is None else GGUFTensors(gguf_path, self.hf_config)
+        if gguf_tensors is not None:  # the file's RoPE scaling, which transformers' config leaves out
+            self.hf_config.rope_parameters = gguf_rope_parameters(gguf_tensors.reader, gguf_tensors.architecture,
+                                                                  rope_parameters(self.hf_config))
         # A GPTQ/AWQ checkpoint (`quantization_config`); an unsupported one is refused here.
         prequantized = None if gguf_path is not None else prequantized_scheme(self.hf_config)
         group = TPGroup(config.rank, config.world_size)
@@ -140,8 +146,7 @@ class ModelRunner:
         if gguf_path is not None:
             # The file's quantized linear weights are kept; `--quantization` applies to its plain ones.
             # Its quantized LM head too, unless `--lm-head-quantization` asks for a copy of its own.
-            kept = load_gguf_weights(self.model, gguf_path, self.hf_config,
-                                     keep_head=config.lm_head_quantization == "none")
+            kept = load_gguf_weights(self.model, gguf_tensors, keep_head=config.lm_head_quantization == "none")
             quantization = kept if config.quantization == "none" else f"{kept}+{quantization}"
         elif prequantized is not None:
             # As for GGUF: the checkpoint's int4 layers are kept, `--quantization` applies to its plain ones.
@@ -155,7 +160,7 @@ class ModelRunner:
                             quantizer(config.lm_head_quantization))
         if config.lm_head_quantization != "none":
             quantization += f"+lm_head:{config.lm_head_quantization}"
-        if self.int8_activations:
+        if self.int8_activations and quantization != "gguf:none":  # a file of plain weights has no quantized product
             quantization += "+activations:int8"
         self.model.eval()
 

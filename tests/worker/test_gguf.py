@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as T
 from radixserve.model_source import ModelNotFound, resolve_model
 from worker.tiny_gguf import (HEAD_DIM, HIDDEN, INTERMEDIATE, KV_HEADS, LAYERS, MIXED,
                               RANDOM_BLOCK_HALVES, TIED_EMBEDDING_TYPES, TYPES, random_blocks,
-                              write_tiny_gguf)
+                              tiny_model, write_tiny_gguf)
 from worker.tiny_models import assert_matches_reference
 from worker_service.backends.linear_quant import GEMV_MAX_ROWS, DequantizingLinear
 from worker_service.quant.gguf_types import KEPT_TYPES, to_quantized
@@ -126,3 +126,44 @@ def test_qwen_files_match_transformers_reading_them(arch, qtype, tmp_path) -> No
     assert type(runner.model).__name__ == type(reference).__name__ == f"Qwen{arch[-1]}ForCausalLM"
     assert runner.info.quantization == ("gguf:Q4_K+Q6_K" if qtype == MIXED else "gguf:Q4_1+Q8_0")
     assert_matches_reference(runner, reference, PROMPT_IDS, NUM_NEW_TOKENS)
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rope", [
+    LLAMA3_ROPE,
+    {"rope_type": "linear", "factor": 3.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+], ids=["llama3-rope_freqs", "linear", "yarn"])
+def test_a_files_rope_scaling_gives_the_checkpoints_logits(rope, tmp_path) -> None:
+    """RoPE scaling as llama.cpp's converter writes it (Llama 3's as a `rope_freqs` tensor, linear
+    and YaRN as metadata), all of which transformers' reading of the file leaves out: served, the
+    float32 file gives the logits and greedy tokens of the checkpoint it was written from."""
+    from transformers import AutoModelForCausalLM
+
+    from worker_service.model_runner import ModelRunner, RunnerConfig
+
+    path = write_tiny_gguf(tmp_path / "scaled.gguf", "F32", rope=rope)
+    checkpoint = tiny_model(rope=rope)
+    runner = ModelRunner(RunnerConfig(model_dir=path, kv_cache_bytes=16 << 20))
+    assert runner.info.quantization == "gguf:none"
+    assert_matches_reference(runner, checkpoint, PROMPT_IDS, NUM_NEW_TOKENS)
+    # What transformers reads of the file (plain RoPE) is another model: the scaling matters here.
+    plain = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ids = torch.tensor([PROMPT_IDS])
+        assert (plain(ids).logits - checkpoint(ids).logits).abs().max() > 1e-2
+
+
+def test_a_files_rope_scaling_it_cannot_follow_is_refused(tmp_path) -> None:
+    """A YaRN attn_factor (llama.cpp's own temperature) is refused by name, not served as plain RoPE."""
+    from worker_service.model_runner import ModelRunner, RunnerConfig
+    from worker_service.unsupported import UnsupportedModel
+
+    path = write_tiny_gguf(tmp_path / "attn-factor.gguf", "Q8_0", rope={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "gguf_attn_factor": 0.7})
+    with pytest.raises(UnsupportedModel, match="YaRN attn_factor 0.7"):
+        ModelRunner(RunnerConfig(model_dir=path, kv_cache_bytes=16 << 20))

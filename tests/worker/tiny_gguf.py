@@ -40,6 +40,8 @@ ARCHITECTURES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config
 # transformers reads a qwen3 file's head size as Qwen3Config's default, 128 (every Qwen3's), not
 # from `attention.key_length`: the file is written with that size.
 HEAD_DIMS = {"qwen3": 128}
+CONTEXT = 512
+ROPE_THETA = 10000.0
 
 
 def _type_of(name: str, qtype: str) -> T:
@@ -87,19 +89,16 @@ def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer_dir: Path) -> int:
     return len(tokens)
 
 
-def write_tiny_gguf(out: Path, qtype: str, tokenizer_dir: Path | None = None, seed: int = 0,
-                    arch: str = "llama") -> Path:
-    """A 2-layer random model (4 q / 2 KV heads, tied embeddings) of `arch` (`ARCHITECTURES`) as
-    `out` in `qtype` (`TYPES`), written as llama.cpp's converter writes that architecture."""
+def tiny_model(arch: str = "llama", vocab_size: int = SMALL_VOCAB, seed: int = 0, rope: dict | None = None):
+    """The random transformers model `write_tiny_gguf` writes (2 layers, 4 q / 2 KV heads, tied
+    embeddings, norms and biases random), with `rope` as its `rope_parameters` where given."""
     torch.manual_seed(seed)
-    rng = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(out, arch)
-    vocab_size = _add_tokenizer(writer, tokenizer_dir) if tokenizer_dir is not None else SMALL_VOCAB
     config_class, model_class = ARCHITECTURES[arch]
-    head_dim = HEAD_DIMS.get(arch, HEAD_DIM)
+    extra = {} if rope is None else {"rope_parameters": {"rope_theta": ROPE_THETA, **rope}}
     config = config_class(vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
                           num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                          head_dim=head_dim, rms_norm_eps=1e-5, tie_word_embeddings=True, initializer_range=0.1)
+                          head_dim=HEAD_DIMS.get(arch, HEAD_DIM), rms_norm_eps=1e-5, tie_word_embeddings=True,
+                          initializer_range=0.1, max_position_embeddings=CONTEXT, **extra)
     model = model_class(config).eval()
     with torch.no_grad():  # norms away from ones and biases from zeros, so that one read wrong shows
         for name, param in model.named_parameters():
@@ -107,8 +106,49 @@ def write_tiny_gguf(out: Path, qtype: str, tokenizer_dir: Path | None = None, se
                 param.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 param.uniform_(-0.5, 0.5)
+    return model
+
+
+def _add_rope_scaling(writer: gguf.GGUFWriter, rope: dict, head_dim: int) -> None:
+    """`rope` as llama.cpp's converter writes it: Llama 3's as a `rope_freqs` tensor of
+    per-frequency divisors, linear and YaRN as `rope.scaling.*` metadata."""
+    kind = rope["rope_type"]
+    if kind == "llama3":
+        factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+        old_context = rope["original_max_position_embeddings"]
+        divisors = []
+        for frequency in 1.0 / ROPE_THETA ** (np.arange(0, head_dim, 2) / head_dim):
+            wavelength = 2 * np.pi / frequency
+            if wavelength < old_context / high:
+                divisors.append(1.0)
+            elif wavelength > old_context / low:
+                divisors.append(factor)
+            else:  # between: the reciprocal of the blend of slowed and kept
+                smooth = (old_context / wavelength - low) / (high - low)
+                divisors.append(1 / ((1 - smooth) / factor + smooth))
+        writer.add_tensor("rope_freqs.weight", np.array(divisors, dtype=np.float32))
+        return
+    writer.add_rope_scaling_type(gguf.RopeScalingType(kind))
+    writer.add_rope_scaling_factor(rope["factor"])
+    if kind == "yarn":
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if "gguf_attn_factor" in rope:  # llama.cpp's own key, which no Hugging Face setting stands for
+        writer.add_rope_scaling_attn_factors(rope["gguf_attn_factor"])
+
+
+def write_tiny_gguf(out: Path, qtype: str, tokenizer_dir: Path | None = None, seed: int = 0,
+                    arch: str = "llama", rope: dict | None = None) -> Path:
+    """`tiny_model(arch, ..., seed, rope)` as `out` in `qtype` (`TYPES`, or "F32": every tensor in
+    float32, none kept quantized), written as llama.cpp's converter writes that architecture."""
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(out, arch)
+    vocab_size = _add_tokenizer(writer, tokenizer_dir) if tokenizer_dir is not None else SMALL_VOCAB
+    model = tiny_model(arch, vocab_size, seed, rope)
+    head_dim = HEAD_DIMS.get(arch, HEAD_DIM)
+    if rope is not None:
+        _add_rope_scaling(writer, rope, head_dim)
     writer.add_block_count(LAYERS)
-    writer.add_context_length(512)
+    writer.add_context_length(CONTEXT)
     writer.add_embedding_length(HIDDEN)
     writer.add_feed_forward_length(INTERMEDIATE)
     writer.add_head_count(HEADS)
@@ -116,7 +156,7 @@ def write_tiny_gguf(out: Path, qtype: str, tokenizer_dir: Path | None = None, se
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_freq_base(ROPE_THETA)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab_size)
     names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), LAYERS)
@@ -130,11 +170,14 @@ def write_tiny_gguf(out: Path, qtype: str, tokenizer_dir: Path | None = None, se
         tied = qtype in TIED_EMBEDDING_TYPES
         if hf_name == "lm_head.weight" and tied:
             continue
+        if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
+            weight = _interleave_heads(weight, HEADS if ".q_proj." in hf_name else KV_HEADS)
+        if qtype == "F32":
+            writer.add_tensor(gguf_name, weight)
+            continue
         if "embed_tokens" in hf_name and not tied:
             writer.add_tensor(gguf_name, weight.astype(np.float16))
             continue
-        if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
-            weight = _interleave_heads(weight, HEADS if ".q_proj." in hf_name else KV_HEADS)
         kind = TIED_EMBEDDING_TYPES[qtype] if "embed_tokens" in hf_name else _type_of(gguf_name, qtype)
         if kind in RANDOM_BLOCK_HALVES:
             data = random_blocks(weight.shape, kind, rng)

@@ -3,7 +3,8 @@
 The inverse frequencies honour the config's scaling (`rope_parameters` in transformers 5, else
 `rope_scaling` + `rope_theta`): "default", "linear", "llama3" and "yarn" (whose attention factor
 scales the tables, as transformers scales its cos/sin). cos/sin are tabulated once for every
-position up to the context length and indexed by position each step. Types whose frequencies
+position up to the context length and indexed by position each step. A GGUF file's per-frequency
+divisors (`freq_factors`, its `rope_freqs` tensor) divide the frequencies last. Types whose frequencies
 change with the sequence's length ("dynamic", "longrope") are refused: a cached prefix's keys
 would have been rotated for another length.
 """
@@ -41,11 +42,16 @@ def inverse_frequencies(params: dict[str, Any], rotary_dim: int) -> torch.Tensor
     wavelengths = params["rope_theta"] ** exponents  # over 2 pi
     inv_freq = 1.0 / wavelengths
     if rope_type == "linear":
-        return inv_freq / params["factor"]
-    if rope_type == "llama3":
-        return _llama3_scaling(inv_freq, params)
-    if rope_type == "yarn":
-        return _yarn_scaling(wavelengths, params, rotary_dim)
+        inv_freq = inv_freq / params["factor"]
+    elif rope_type == "llama3":
+        inv_freq = _llama3_scaling(inv_freq, params)
+    elif rope_type == "yarn":
+        inv_freq = _yarn_scaling(wavelengths, params, rotary_dim)
+    factors = params.get("freq_factors")  # a GGUF file's per-frequency divisors (worker_service/gguf_rope.py)
+    if factors is not None:
+        if len(factors) != rotary_dim // 2:
+            raise UnsupportedModel(f"{len(factors)} RoPE frequency factors for {rotary_dim // 2} frequencies")
+        inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float32)
     return inv_freq
 
 
