@@ -22,7 +22,9 @@ as transformers does when it loads the same file.
 from __future__ import annotations
 
 import logging
+import re
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,22 @@ from worker_service.quant.format import QuantizedWeight, merge_row_blocks
 from worker_service.quant.gguf_types import KEPT_TYPES, to_quantized
 
 log = logging.getLogger(__name__)
+
+# An MoE layer's expert e as Hugging Face names it; llama.cpp keeps a layer's experts of one
+# projection in one 3-D tensor (`blk.N.ffn_gate_exps`: [experts, rows, columns]).
+EXPERT = re.compile(r"(?P<layer>.+\.experts)\.(?P<index>\d+)\.(?P<projection>\w+)\.weight")
+# One-row matrices llama.cpp writes as vectors (Qwen2-MoE's shared expert gate).
+ONE_ROW_MATRICES = ("shared_expert_gate",)
+
+
+@dataclass(frozen=True)
+class _Matrix:
+    """A 2-D matrix the file holds inside another tensor, read like one of its own tensors."""
+
+    data: np.ndarray
+    tensor_type: Any
+    shape: tuple[int, int]  # the gguf reader's order: columns, rows
+    name: str
 
 ARCHITECTURE_KEY = "general.architecture"
 # Architectures whose q/k rows llama.cpp interleaves per head (see the module doc).
@@ -59,11 +77,18 @@ class GGUFTensors:
         self.path = path
 
     def tensor(self, hf_name: str):
+        expert = EXPERT.fullmatch(hf_name)
+        if expert is not None:  # one expert's matrix of the file's 3-D tensor of them all
+            merged = self.tensor(f"{expert['layer']}.{expert['projection']}.weight")
+            index = int(expert["index"])
+            return _Matrix(merged.data[index], merged.tensor_type, tuple(merged.shape[:2]), hf_name)
         base, _, suffix = hf_name.rpartition(".")
         gguf_name = self._names.get_name(base)
         tensor = None if gguf_name is None else self._tensors.get(f"{gguf_name}.{suffix}")
         if tensor is None:
             raise KeyError(f"{hf_name} is not in {self.path.name}")
+        if base.endswith(ONE_ROW_MATRICES) and len(tensor.shape) == 1:
+            return _Matrix(tensor.data.reshape(1, -1), tensor.tensor_type, (int(tensor.shape[0]), 1), hf_name)
         return tensor
 
     def is_kept(self, piece: WeightSlice) -> bool:

@@ -30,10 +30,9 @@ from worker_service.distributed import TPGroup
 from worker_service.dtypes import DTYPES, resolve_dtype
 from worker_service.forward_batch import ForwardEntry, StepOutput
 from worker_service.gguf_loader import GGUFTensors, load_gguf_weights
-from worker_service.gguf_rope import gguf_rope_parameters
+from worker_service.gguf_config import complete_config
 from worker_service.kv_pool import KVPool
 from worker_service.layers.linear import pack_linear_weights
-from worker_service.layers.rotary import rope_parameters
 from worker_service.loader import load_weights
 from worker_service.prequantized_loader import load_prequantized_weights
 from worker_service.quant.prequantized import prequantized_scheme
@@ -118,9 +117,8 @@ class ModelRunner:
         self.hf_config = load_config(source)
         gguf_path = source.gguf_path
         gguf_tensors = None if gguf_path is None else GGUFTensors(gguf_path, self.hf_config)
-        if gguf_tensors is not None:  # the file's RoPE scaling, which transformers' config leaves out
-            self.hf_config.rope_parameters = gguf_rope_parameters(gguf_tensors.reader, gguf_tensors.architecture,
-                                                                  rope_parameters(self.hf_config))
+        if gguf_tensors is not None:  # what transformers' reading of the file leaves out (gguf_config.py)
+            complete_config(gguf_tensors.reader, gguf_tensors.architecture, self.hf_config)
         # A GPTQ/AWQ checkpoint (`quantization_config`); an unsupported one is refused here.
         prequantized = None if gguf_path is not None else prequantized_scheme(self.hf_config)
         group = TPGroup(config.rank, config.world_size)

@@ -167,3 +167,34 @@ def test_a_files_rope_scaling_it_cannot_follow_is_refused(tmp_path) -> None:
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "gguf_attn_factor": 0.7})
     with pytest.raises(UnsupportedModel, match="YaRN attn_factor 0.7"):
         ModelRunner(RunnerConfig(model_dir=path, kv_cache_bytes=16 << 20))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
+def test_moe_files_give_the_checkpoints_logits_with_their_experts_kept(arch, tmp_path) -> None:
+    """Qwen3-MoE and Qwen2-MoE files as llama.cpp writes them (a layer's experts in one 3-D tensor
+    per projection, routers in float32, Qwen2-MoE's shared expert and its one-row gate as a
+    vector). transformers' reading of such a file leaves out the experts' widths (gguf_config.py):
+    a float32 file gives the logits and greedy tokens of the checkpoint it was written from
+    (Qwen3-MoE's renormalised top-k included, as llama.cpp applies it), and a Q4_K_M file those of
+    transformers reading it with the widths put back, its experts kept quantized."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from worker.tiny_gguf import EXPERT_WIDTH
+    from worker_service.model_runner import ModelRunner, RunnerConfig
+
+    plain = write_tiny_gguf(tmp_path / f"{arch}-F32.gguf", "F32", arch=arch)
+    runner = ModelRunner(RunnerConfig(model_dir=plain, kv_cache_bytes=16 << 20))
+    assert_matches_reference(runner, tiny_model(arch), PROMPT_IDS, NUM_NEW_TOKENS)
+
+    path = write_tiny_gguf(tmp_path / f"{arch}-{MIXED}.gguf", MIXED, arch=arch)
+    config = AutoConfig.from_pretrained(str(tmp_path), gguf_file=path.name)
+    config.moe_intermediate_size = EXPERT_WIDTH
+    if arch == "qwen2moe":
+        config.shared_expert_intermediate_size = EXPERT_WIDTH
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, config=config,
+                                                     dtype=torch.float32).eval()
+    runner = ModelRunner(RunnerConfig(model_dir=path, kv_cache_bytes=16 << 20, activation_quantization="none"))
+    assert_matches_reference(runner, reference, PROMPT_IDS, NUM_NEW_TOKENS)
+    experts = runner.model.layers[0].mlp  # each expert multiplies with the file's quantized values
+    assert all(isinstance(linear.packed, DequantizingLinear) for linear in [*experts.gate_up, *experts.down])

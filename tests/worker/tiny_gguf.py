@@ -23,8 +23,8 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
-from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM)
+from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig,
+                          Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 MIXED = "Q4_K_M"
 TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", MIXED)
@@ -36,10 +36,20 @@ TIED_EMBEDDING_TYPES = {"Q4_1": T.Q8_0}
 # The architectures written (`general.architecture`), with transformers' classes for the random
 # model; only llama's q/k rows are interleaved (`_interleave_heads`), as llama.cpp's converter does.
 ARCHITECTURES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-                 "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+                 "qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen3moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+                 "qwen2moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM)}
 # transformers reads a qwen3 file's head size as Qwen3Config's default, 128 (every Qwen3's), not
 # from `attention.key_length`: the file is written with that size.
-HEAD_DIMS = {"qwen3": 128}
+HEAD_DIMS = {"qwen3": 128, "qwen3moe": 128}
+# The MoE architectures' experts (4, top 2, of 256: a whole K-quant super-block) and how llama.cpp
+# routes them: `qwen3moe` always renormalises the chosen weights, `qwen2moe` never.
+EXPERTS, EXPERTS_USED, EXPERT_WIDTH = 4, 2, 256
+MOE_SETTINGS = {
+    "qwen3moe": dict(num_experts=EXPERTS, num_experts_per_tok=EXPERTS_USED, moe_intermediate_size=EXPERT_WIDTH,
+                     norm_topk_prob=True),
+    "qwen2moe": dict(num_experts=EXPERTS, num_experts_per_tok=EXPERTS_USED, moe_intermediate_size=EXPERT_WIDTH,
+                     shared_expert_intermediate_size=EXPERT_WIDTH, norm_topk_prob=False),
+}
 CONTEXT = 512
 ROPE_THETA = 10000.0
 
@@ -50,14 +60,15 @@ def _type_of(name: str, qtype: str) -> T:
     return T.Q6_K if ("attn_v" in name or "ffn_down" in name or name == "output.weight") else T.Q4_K
 
 
-def random_blocks(shape: tuple[int, int], qtype: T, rng: np.random.Generator) -> np.ndarray:
+def random_blocks(shape: tuple[int, ...], qtype: T, rng: np.random.Generator) -> np.ndarray:
+    """Random valid blocks of `qtype` for a tensor of `shape` (its last dimension the columns)."""
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    rows, cols = shape
-    blocks = rng.integers(0, 256, size=(rows, cols // block_size, type_size), dtype=np.uint8)
+    *leading, cols = shape
+    blocks = rng.integers(0, 256, size=(*leading, cols // block_size, type_size), dtype=np.uint8)
     for offset, scale in RANDOM_BLOCK_HALVES[qtype]:
-        halves = (rng.random((rows, cols // block_size, 1)) * scale).astype(np.float16)
-        blocks[:, :, offset:offset + 2] = halves.view(np.uint8)
-    return blocks.reshape(rows, -1)
+        halves = (rng.random((*leading, cols // block_size, 1)) * scale).astype(np.float16)
+        blocks[..., offset:offset + 2] = halves.view(np.uint8)
+    return blocks.reshape(*leading, -1)
 
 
 def _interleave_heads(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -98,7 +109,8 @@ def tiny_model(arch: str = "llama", vocab_size: int = SMALL_VOCAB, seed: int = 0
     config = config_class(vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
                           num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                           head_dim=HEAD_DIMS.get(arch, HEAD_DIM), rms_norm_eps=1e-5, tie_word_embeddings=True,
-                          initializer_range=0.1, max_position_embeddings=CONTEXT, **extra)
+                          initializer_range=0.1, max_position_embeddings=CONTEXT, **extra,
+                          **MOE_SETTINGS.get(arch, {}))
     model = model_class(config).eval()
     with torch.no_grad():  # norms away from ones and biases from zeros, so that one read wrong shows
         for name, param in model.named_parameters():
@@ -136,6 +148,27 @@ def _add_rope_scaling(writer: gguf.GGUFWriter, rope: dict, head_dim: int) -> Non
         writer.add_rope_scaling_attn_factors(rope["gguf_attn_factor"])
 
 
+def _tensors(model, names) -> list[tuple[str, np.ndarray, str]]:
+    """(Hugging Face name, float32 values, GGUF name) of each tensor, as llama.cpp's converter
+    names and shapes them: a layer's experts in one 3-D tensor per projection, the shared expert's
+    gate (one row) as a vector."""
+    out = []
+    for hf_name, tensor in model.state_dict().items():
+        weight = tensor.float().numpy()
+        base, _, suffix = hf_name.rpartition(".")
+        if suffix == "gate_up_proj":  # [experts, 2 * width, hidden]: gate rows, then up rows
+            gate, up = np.split(weight, 2, axis=1)
+            out += [(hf_name, gate, f"{names.get_name(base + '.gate_proj')}.weight"),
+                    (hf_name, up, f"{names.get_name(base + '.up_proj')}.weight")]
+        elif suffix == "down_proj" and weight.ndim == 3:
+            out.append((hf_name, weight, f"{names.get_name(base + '.down_proj')}.weight"))
+        elif base.endswith("shared_expert_gate"):
+            out.append((hf_name, weight.reshape(-1), f"{names.get_name(base)}.{suffix}"))
+        else:
+            out.append((hf_name, weight, f"{names.get_name(base)}.{suffix}"))
+    return out
+
+
 def write_tiny_gguf(out: Path, qtype: str, tokenizer_dir: Path | None = None, seed: int = 0,
                     arch: str = "llama", rope: dict | None = None) -> Path:
     """`tiny_model(arch, ..., seed, rope)` as `out` in `qtype` (`TYPES`, or "F32": every tensor in
@@ -159,12 +192,15 @@ def write_tiny_gguf(out: Path, qtype: str, tokenizer_dir: Path | None = None, se
     writer.add_rope_freq_base(ROPE_THETA)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab_size)
+    if arch in MOE_SETTINGS:
+        writer.add_expert_count(EXPERTS)
+        writer.add_expert_used_count(EXPERTS_USED)
+        writer.add_expert_feed_forward_length(EXPERT_WIDTH)
+        if arch == "qwen2moe":
+            writer.add_expert_shared_feed_forward_length(EXPERT_WIDTH)
     names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), LAYERS)
-    for hf_name, tensor in model.state_dict().items():
-        base, _, suffix = hf_name.rpartition(".")
-        gguf_name = f"{names.get_name(base)}.{suffix}"
-        weight = tensor.float().numpy()
-        if weight.ndim == 1:
+    for hf_name, weight, gguf_name in _tensors(model, names):
+        if weight.ndim == 1 or ".ffn_gate_inp" in gguf_name:  # llama.cpp keeps routers in float32
             writer.add_tensor(gguf_name, weight)
             continue
         tied = qtype in TIED_EMBEDDING_TYPES

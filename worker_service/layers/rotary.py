@@ -47,7 +47,7 @@ def inverse_frequencies(params: dict[str, Any], rotary_dim: int) -> torch.Tensor
         inv_freq = _llama3_scaling(inv_freq, params)
     elif rope_type == "yarn":
         inv_freq = _yarn_scaling(wavelengths, params, rotary_dim)
-    factors = params.get("freq_factors")  # a GGUF file's per-frequency divisors (worker_service/gguf_rope.py)
+    factors = params.get("freq_factors")  # a GGUF file's per-frequency divisors (worker_service/gguf_config.py)
     if factors is not None:
         if len(factors) != rotary_dim // 2:
             raise UnsupportedModel(f"{len(factors)} RoPE frequency factors for {rotary_dim // 2} frequencies")

@@ -1,0 +1,76 @@
+"""What a GGUF file says about the model that transformers' reading of it leaves out.
+
+The worker's config is transformers' reading of the file's metadata (radixserve/model_source.py),
+which for these architectures drops settings llama.cpp reads; served from it, the file would be
+another model than the checkpoint it was made from. `complete_config` puts them back:
+
+- **RoPE scaling**, written by llama.cpp's converter in two ways:
+  - a `rope_freqs` tensor of per-frequency divisors (Llama 3.x: its `llama3` scaling, computed
+    once by the converter): each inverse frequency is divided by its factor, as llama.cpp does;
+  - `<arch>.rope.scaling.*` metadata: `linear` (factor) and `yarn` (factor, the original context,
+    and the betas where given) map onto the same settings of a Hugging Face config. A YaRN
+    `attn_factor` other than 1 (llama.cpp's own scaling of the attention temperature) and other
+    types are refused by name, never served as plain RoPE.
+- **Mixture-of-experts widths**: the experts' and the shared expert's
+  (`expert_feed_forward_length`, `expert_shared_feed_forward_length`), which transformers leaves
+  at its config's defaults (Qwen3-MoE's 768, Qwen2-MoE's 1,408 and 5,632: any other model's
+  file would not load).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from worker_service.layers.rotary import rope_parameters
+from worker_service.unsupported import UnsupportedModel
+
+ROPE_FREQS = "rope_freqs.weight"
+# `<arch>.<key>` -> the config setting it sizes.
+MOE_SIZES = {"expert_feed_forward_length": "moe_intermediate_size",
+             "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
+# `<arch>.rope.scaling.<key>` -> the Hugging Face rope parameter it sets, for YaRN.
+YARN_KEYS = {"factor": "factor", "original_context_length": "original_max_position_embeddings",
+             "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow"}
+
+
+def complete_config(reader: GGUFReader, architecture: str, config: Any) -> None:
+    """Set on `config` (transformers' reading of the file) what the file says and it left out."""
+    config.rope_parameters = rope_parameters_of(reader, architecture, rope_parameters(config))
+    fields = reader.fields
+    for key, setting in MOE_SIZES.items():
+        if f"{architecture}.{key}" in fields and hasattr(config, setting):
+            setattr(config, setting, int(_value(reader, f"{architecture}.{key}")))
+
+
+def rope_parameters_of(reader: GGUFReader, architecture: str, params: dict[str, Any]) -> dict[str, Any]:
+    """`params` (the config's flat `rope_parameters`) with what the file says about RoPE scaling."""
+    params = dict(params)
+    prefix = f"{architecture}.rope.scaling."
+    scaling = {key[len(prefix):]: _value(reader, key) for key in reader.fields if key.startswith(prefix)}
+    kind = scaling.pop("type", "none")
+    if kind == "linear":
+        params.update(rope_type="linear", factor=float(scaling["factor"]))
+    elif kind == "yarn":
+        if float(scaling.get("attn_factor", 1.0)) != 1.0:
+            raise UnsupportedModel(f"a GGUF file's YaRN attn_factor {float(scaling['attn_factor']):g} (llama.cpp's own "
+                                   "attention scaling) is not supported")
+        params.update(rope_type="yarn", **{ours: float(scaling[key]) for key, ours in YARN_KEYS.items()
+                                           if key in scaling})
+        if "original_max_position_embeddings" in params:
+            params["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
+    elif kind != "none" and float(scaling.get("factor", 1.0)) != 1.0:
+        raise UnsupportedModel(f"a GGUF file's RoPE scaling type {kind!r} is not supported")
+    tensor = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if tensor is not None:
+        factors = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(-1)
+        params["freq_factors"] = factors.tolist()
+    return params
+
+
+def _value(reader: GGUFReader, key: str) -> Any:
+    value = reader.fields[key].contents()
+    return value.decode() if isinstance(value, bytes) else value
