@@ -11,6 +11,8 @@ another model than the checkpoint it was made from. `complete_config` puts them 
     and the betas where given) map onto the same settings of a Hugging Face config. A YaRN
     `attn_factor` other than 1 (llama.cpp's own scaling of the attention temperature) and other
     types are refused by name, never served as plain RoPE.
+- **The head size** (`attention.key_length`), which transformers takes as its config's default
+  for `qwen3` and `qwen3moe` files, 128 (a file of other heads would not load);
 - **Mixture-of-experts widths**: the experts' and the shared expert's
   (`expert_feed_forward_length`, `expert_shared_feed_forward_length`), which transformers leaves
   at its config's defaults (Qwen3-MoE's 768, Qwen2-MoE's 1,408 and 5,632: any other model's
@@ -39,8 +41,11 @@ YARN_KEYS = {"factor": "factor", "original_context_length": "original_max_positi
 
 def complete_config(reader: GGUFReader, architecture: str, config: Any) -> None:
     """Set on `config` (transformers' reading of the file) what the file says and it left out."""
-    config.rope_parameters = rope_parameters_of(reader, architecture, rope_parameters(config))
     fields = reader.fields
+    key_length = f"{architecture}.attention.key_length"
+    if key_length in fields and hasattr(config, "head_dim"):
+        config.head_dim = int(_value(reader, key_length))
+    config.rope_parameters = rope_parameters_of(reader, architecture, rope_parameters(config))
     for key, setting in MOE_SIZES.items():
         if f"{architecture}.{key}" in fields and hasattr(config, setting):
             setattr(config, setting, int(_value(reader, f"{architecture}.{key}")))

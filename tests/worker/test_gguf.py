@@ -158,6 +158,18 @@ def test_a_files_rope_scaling_gives_the_checkpoints_logits(rope, tmp_path) -> No
         assert (plain(ids).logits - checkpoint(ids).logits).abs().max() > 1e-2
 
 
+@pytest.mark.timeout(120)
+def test_a_qwen3_file_whose_heads_are_not_128_wide(tmp_path) -> None:
+    """Heads of `attention.key_length` where transformers' reading of a `qwen3` file takes its
+    default, 128: the checkpoint's logits and greedy tokens."""
+    from worker_service.model_runner import ModelRunner, RunnerConfig
+
+    path = write_tiny_gguf(tmp_path / "qwen3-64.gguf", "F32", arch="qwen3", head_dim=64)
+    runner = ModelRunner(RunnerConfig(model_dir=path, kv_cache_bytes=16 << 20))
+    assert runner.hf_config.head_dim == 64
+    assert_matches_reference(runner, tiny_model("qwen3", head_dim=64), PROMPT_IDS, NUM_NEW_TOKENS)
+
+
 def test_a_files_rope_scaling_it_cannot_follow_is_refused(tmp_path) -> None:
     """A YaRN attn_factor (llama.cpp's own temperature) is refused by name, not served as plain RoPE."""
     from worker_service.model_runner import ModelRunner, RunnerConfig

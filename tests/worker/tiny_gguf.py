@@ -100,15 +100,18 @@ def _add_tokenizer(writer: gguf.GGUFWriter, tokenizer_dir: Path) -> int:
     return len(tokens)
 
 
-def tiny_model(arch: str = "llama", vocab_size: int = SMALL_VOCAB, seed: int = 0, rope: dict | None = None):
+def tiny_model(arch: str = "llama", vocab_size: int = SMALL_VOCAB, seed: int = 0, rope: dict | None = None,
+               head_dim: int | None = None):
     """The random transformers model `write_tiny_gguf` writes (2 layers, 4 q / 2 KV heads, tied
-    embeddings, norms and biases random), with `rope` as its `rope_parameters` where given."""
+    embeddings, norms and biases random), with `rope` as its `rope_parameters` and heads
+    `head_dim` wide where given."""
     torch.manual_seed(seed)
     config_class, model_class = ARCHITECTURES[arch]
     extra = {} if rope is None else {"rope_parameters": {"rope_theta": ROPE_THETA, **rope}}
     config = config_class(vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
                           num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                          head_dim=HEAD_DIMS.get(arch, HEAD_DIM), rms_norm_eps=1e-5, tie_word_embeddings=True,
+                          head_dim=head_dim or HEAD_DIMS.get(arch, HEAD_DIM), rms_norm_eps=1e-5,
+                          tie_word_embeddings=True,
                           initializer_range=0.1, max_position_embeddings=CONTEXT, **extra,
                           **MOE_SETTINGS.get(arch, {}))
     model = model_class(config).eval()
@@ -170,14 +173,14 @@ def _tensors(model, names) -> list[tuple[str, np.ndarray, str]]:
 
 
 def write_tiny_gguf(out: Path, qtype: str, tokenizer_dir: Path | None = None, seed: int = 0,
-                    arch: str = "llama", rope: dict | None = None) -> Path:
-    """`tiny_model(arch, ..., seed, rope)` as `out` in `qtype` (`TYPES`, or "F32": every tensor in
+                    arch: str = "llama", rope: dict | None = None, head_dim: int | None = None) -> Path:
+    """`tiny_model(arch, ..., seed, rope, head_dim)` as `out` in `qtype` (`TYPES`, or "F32": every tensor in
     float32, none kept quantized), written as llama.cpp's converter writes that architecture."""
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(out, arch)
     vocab_size = _add_tokenizer(writer, tokenizer_dir) if tokenizer_dir is not None else SMALL_VOCAB
-    model = tiny_model(arch, vocab_size, seed, rope)
-    head_dim = HEAD_DIMS.get(arch, HEAD_DIM)
+    model = tiny_model(arch, vocab_size, seed, rope, head_dim)
+    head_dim = head_dim or HEAD_DIMS.get(arch, HEAD_DIM)
     if rope is not None:
         _add_rope_scaling(writer, rope, head_dim)
     writer.add_block_count(LAYERS)
