@@ -9,8 +9,11 @@ another model than the checkpoint it was made from. `complete_config` puts them 
     once by the converter): each inverse frequency is divided by its factor, as llama.cpp does;
   - `<arch>.rope.scaling.*` metadata: `linear` (factor) and `yarn` (factor, the original context,
     and the betas where given) map onto the same settings of a Hugging Face config. A YaRN
-    `attn_factor` other than 1 (llama.cpp's own scaling of the attention temperature) and other
-    types are refused by name, never served as plain RoPE.
+    `attn_factor` other than 1 (llama.cpp's own scaling of the attention temperature), Phi-3's
+    longrope factors and other types are refused by name, never served as plain RoPE.
+- **A sliding window** (`attention.sliding_window`), which transformers reads for Gemma only:
+  set on the config, so that a family without windowed attention refuses it by name (Phi-3's
+  2,047 under a 4,096 context) rather than attending to everything;
 - **The head size** (`attention.key_length`), which transformers takes as its config's default
   for `qwen3` and `qwen3moe` files, 128 (a file of other heads would not load);
 - **Mixture-of-experts widths**: the experts' and the shared expert's
@@ -31,6 +34,7 @@ from worker_service.layers.rotary import rope_parameters
 from worker_service.unsupported import UnsupportedModel
 
 ROPE_FREQS = "rope_freqs.weight"
+LONGROPE_FACTORS = {"rope_factors_long.weight", "rope_factors_short.weight"}
 # `<arch>.<key>` -> the config setting it sizes.
 MOE_SIZES = {"expert_feed_forward_length": "moe_intermediate_size",
              "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
@@ -45,6 +49,9 @@ def complete_config(reader: GGUFReader, architecture: str, config: Any) -> None:
     key_length = f"{architecture}.attention.key_length"
     if key_length in fields and hasattr(config, "head_dim"):
         config.head_dim = int(_value(reader, key_length))
+    window = f"{architecture}.attention.sliding_window"
+    if window in fields and hasattr(config, "sliding_window"):  # the family refuses a window it lacks
+        config.sliding_window = int(_value(reader, window))
     config.rope_parameters = rope_parameters_of(reader, architecture, rope_parameters(config))
     for key, setting in MOE_SIZES.items():
         if f"{architecture}.{key}" in fields and hasattr(config, setting):
@@ -69,6 +76,10 @@ def rope_parameters_of(reader: GGUFReader, architecture: str, params: dict[str, 
             params["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
     elif kind != "none" and float(scaling.get("factor", 1.0)) != 1.0:
         raise UnsupportedModel(f"a GGUF file's RoPE scaling type {kind!r} is not supported")
+    names = {t.name for t in reader.tensors}
+    if LONGROPE_FACTORS & names:
+        raise UnsupportedModel("a GGUF file's long-context RoPE factors (rope_factors_long/short: Phi-3's longrope, "
+                               "which changes the frequencies with the sequence's length) are not supported")
     tensor = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     if tensor is not None:
         factors = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(-1)

@@ -110,20 +110,22 @@ def test_model_source_finds_the_gguf_file(gguf_files, tmp_path) -> None:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("arch", "qtype"), [("qwen2", MIXED), ("qwen3", MIXED), ("qwen3", "Q4_1")])
-def test_qwen_files_match_transformers_reading_them(arch, qtype, tmp_path) -> None:
-    """`qwen2` (q/k/v biases) and `qwen3` (per-head q/k norms) files, their q/k rows as they are,
-    with a tied head, as llama.cpp writes them: transformers' logits and greedy tokens, the linear
-    weights kept as the file's."""
-    from transformers import AutoModelForCausalLM
+@pytest.mark.parametrize(("arch", "qtype"), [("qwen2", MIXED), ("qwen3", MIXED), ("qwen3", "Q4_1"), ("phi3", MIXED)])
+def test_qwen_and_phi3_files_match_transformers_reading_them(arch, qtype, tmp_path) -> None:
+    """`qwen2` (q/k/v biases), `qwen3` (per-head q/k norms) and `phi3` (merged q/k/v and gate/up)
+    files, their q/k rows as they are, with a tied head, as llama.cpp writes them: transformers'
+    logits and greedy tokens, the linear weights kept as the file's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from worker_service.model_runner import ModelRunner, RunnerConfig
 
     path = write_tiny_gguf(tmp_path / f"{arch}-{qtype}.gguf", qtype, arch=arch)
-    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
+    config = AutoConfig.from_pretrained(str(tmp_path), gguf_file=path.name)
+    config.pad_token_id = 0  # Phi-3's default, 32,000, is outside the tiny vocabulary
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, config=config,
                                                      dtype=torch.float32).eval()
     runner = ModelRunner(RunnerConfig(model_dir=path, kv_cache_bytes=16 << 20, activation_quantization="none"))
-    assert type(runner.model).__name__ == type(reference).__name__ == f"Qwen{arch[-1]}ForCausalLM"
+    assert type(runner.model).__name__ == type(reference).__name__
     assert runner.info.quantization == ("gguf:Q4_K+Q6_K" if qtype == MIXED else "gguf:Q4_1+Q8_0")
     assert_matches_reference(runner, reference, PROMPT_IDS, NUM_NEW_TOKENS)
 
@@ -170,14 +172,21 @@ def test_a_qwen3_file_whose_heads_are_not_128_wide(tmp_path) -> None:
     assert_matches_reference(runner, tiny_model("qwen3", head_dim=64), PROMPT_IDS, NUM_NEW_TOKENS)
 
 
-def test_a_files_rope_scaling_it_cannot_follow_is_refused(tmp_path) -> None:
-    """A YaRN attn_factor (llama.cpp's own temperature) is refused by name, not served as plain RoPE."""
+@pytest.mark.parametrize(("arch", "settings", "refusal"), [
+    ("llama", dict(rope={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                         "gguf_attn_factor": 0.7}), "YaRN attn_factor 0.7"),
+    ("phi3", dict(rope={"rope_type": "longrope", "short_factor": [1.0] * 32, "long_factor": [2.0] * 32,
+                        "original_max_position_embeddings": 128}), "rope_factors_long/short"),
+    ("phi3", dict(sliding_window=64), r"Phi-3 with sliding-window attention \(sliding_window=64"),
+], ids=["yarn-attn-factor", "phi3-longrope", "phi3-window"])
+def test_what_a_file_says_and_the_worker_cannot_follow_is_refused(arch, settings, refusal, tmp_path) -> None:
+    """A YaRN attn_factor (llama.cpp's own temperature), Phi-3's longrope factors and a sliding
+    window in the metadata are refused by name: never served as plain RoPE or full attention."""
     from worker_service.model_runner import ModelRunner, RunnerConfig
     from worker_service.unsupported import UnsupportedModel
 
-    path = write_tiny_gguf(tmp_path / "attn-factor.gguf", "Q8_0", rope={
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "gguf_attn_factor": 0.7})
-    with pytest.raises(UnsupportedModel, match="YaRN attn_factor 0.7"):
+    path = write_tiny_gguf(tmp_path / "refused.gguf", "Q8_0", arch=arch, **settings)
+    with pytest.raises(UnsupportedModel, match=refusal):
         ModelRunner(RunnerConfig(model_dir=path, kv_cache_bytes=16 << 20))
 
 

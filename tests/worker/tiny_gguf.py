@@ -23,8 +23,9 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
-from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig,
-                          Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 MIXED = "Q4_K_M"
 TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", MIXED)
@@ -37,14 +38,15 @@ TIED_EMBEDDING_TYPES = {"Q4_1": T.Q8_0}
 # model; only llama's q/k rows are interleaved (`_interleave_heads`), as llama.cpp's converter does.
 ARCHITECTURES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
                  "qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen3moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
-                 "qwen2moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM)}
+                 "qwen2moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM)}
 # transformers reads a qwen3 file's head size as Qwen3Config's default, 128 (every Qwen3's), not
 # from `attention.key_length`: the file is written with that size.
 HEAD_DIMS = {"qwen3": 128, "qwen3moe": 128}
 # The MoE architectures' experts (4, top 2, of 256: a whole K-quant super-block) and how llama.cpp
 # routes them: `qwen3moe` always renormalises the chosen weights, `qwen2moe` never.
 EXPERTS, EXPERTS_USED, EXPERT_WIDTH = 4, 2, 256
-MOE_SETTINGS = {
+ARCH_SETTINGS = {
+    "phi3": dict(pad_token_id=0),
     "qwen3moe": dict(num_experts=EXPERTS, num_experts_per_tok=EXPERTS_USED, moe_intermediate_size=EXPERT_WIDTH,
                      norm_topk_prob=True),
     "qwen2moe": dict(num_experts=EXPERTS, num_experts_per_tok=EXPERTS_USED, moe_intermediate_size=EXPERT_WIDTH,
@@ -113,7 +115,7 @@ def tiny_model(arch: str = "llama", vocab_size: int = SMALL_VOCAB, seed: int = 0
                           head_dim=head_dim or HEAD_DIMS.get(arch, HEAD_DIM), rms_norm_eps=1e-5,
                           tie_word_embeddings=True,
                           initializer_range=0.1, max_position_embeddings=CONTEXT, **extra,
-                          **MOE_SETTINGS.get(arch, {}))
+                          **ARCH_SETTINGS.get(arch, {}))
     model = model_class(config).eval()
     with torch.no_grad():  # norms away from ones and biases from zeros, so that one read wrong shows
         for name, param in model.named_parameters():
@@ -142,6 +144,10 @@ def _add_rope_scaling(writer: gguf.GGUFWriter, rope: dict, head_dim: int) -> Non
                 smooth = (old_context / wavelength - low) / (high - low)
                 divisors.append(1 / ((1 - smooth) / factor + smooth))
         writer.add_tensor("rope_freqs.weight", np.array(divisors, dtype=np.float32))
+        return
+    if kind == "longrope":  # Phi-3's: one set of divisors for short sequences, one for long
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
         return
     writer.add_rope_scaling_type(gguf.RopeScalingType(kind))
     writer.add_rope_scaling_factor(rope["factor"])
@@ -173,9 +179,11 @@ def _tensors(model, names) -> list[tuple[str, np.ndarray, str]]:
 
 
 def write_tiny_gguf(out: Path, qtype: str, tokenizer_dir: Path | None = None, seed: int = 0,
-                    arch: str = "llama", rope: dict | None = None, head_dim: int | None = None) -> Path:
-    """`tiny_model(arch, ..., seed, rope, head_dim)` as `out` in `qtype` (`TYPES`, or "F32": every tensor in
-    float32, none kept quantized), written as llama.cpp's converter writes that architecture."""
+                    arch: str = "llama", rope: dict | None = None, head_dim: int | None = None,
+                    sliding_window: int | None = None) -> Path:
+    """`tiny_model(arch, ..., seed, rope, head_dim)` as `out` in `qtype` (`TYPES`, or "F32": every
+    tensor in float32, none kept quantized), written as llama.cpp's converter writes that
+    architecture; `sliding_window` only in the metadata."""
     rng = np.random.default_rng(seed)
     writer = gguf.GGUFWriter(out, arch)
     vocab_size = _add_tokenizer(writer, tokenizer_dir) if tokenizer_dir is not None else SMALL_VOCAB
@@ -195,7 +203,9 @@ def write_tiny_gguf(out: Path, qtype: str, tokenizer_dir: Path | None = None, se
     writer.add_rope_freq_base(ROPE_THETA)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab_size)
-    if arch in MOE_SETTINGS:
+    if sliding_window is not None:
+        writer.add_sliding_window(sliding_window)
+    if arch in ("qwen3moe", "qwen2moe"):
         writer.add_expert_count(EXPERTS)
         writer.add_expert_used_count(EXPERTS_USED)
         writer.add_expert_feed_forward_length(EXPERT_WIDTH)
