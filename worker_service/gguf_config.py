@@ -9,8 +9,11 @@ another model than the checkpoint it was made from. `complete_config` puts them 
     once by the converter): each inverse frequency is divided by its factor, as llama.cpp does;
   - `<arch>.rope.scaling.*` metadata: `linear` (factor) and `yarn` (factor, the original context,
     and the betas where given) map onto the same settings of a Hugging Face config. A YaRN
-    `attn_factor` other than 1 (llama.cpp's own scaling of the attention temperature), Phi-3's
-    longrope factors and other types are refused by name, never served as plain RoPE.
+    `attn_factor` other than 1 (llama.cpp's own scaling of the attention temperature) and other
+    types are refused by name, never served as plain RoPE;
+  - Phi-3's longrope as `rope_factors_short/long` tensors, with the original context and the
+    attention factor in the metadata: served within the original context, as a config's longrope
+    is (`rotary.served_context`).
 - **A sliding window** (`attention.sliding_window`), which transformers reads for Gemma only:
   set on the config, so that a family without windowed attention refuses it by name (Phi-3's
   2,047 under a 4,096 context) rather than attending to everything;
@@ -34,7 +37,8 @@ from worker_service.layers.rotary import rope_parameters
 from worker_service.unsupported import UnsupportedModel
 
 ROPE_FREQS = "rope_freqs.weight"
-LONGROPE_FACTORS = {"rope_factors_long.weight", "rope_factors_short.weight"}
+LONG_FACTORS, SHORT_FACTORS = "rope_factors_long.weight", "rope_factors_short.weight"
+LONGROPE_FACTORS = {LONG_FACTORS, SHORT_FACTORS}
 # `<arch>.<key>` -> the config setting it sizes.
 MOE_SIZES = {"expert_feed_forward_length": "moe_intermediate_size",
              "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
@@ -74,17 +78,24 @@ def rope_parameters_of(reader: GGUFReader, architecture: str, params: dict[str, 
                                            if key in scaling})
         if "original_max_position_embeddings" in params:
             params["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
-    elif kind != "none" and float(scaling.get("factor", 1.0)) != 1.0:
+    elif kind not in ("none", "longrope") and float(scaling.get("factor", 1.0)) != 1.0:
         raise UnsupportedModel(f"a GGUF file's RoPE scaling type {kind!r} is not supported")
-    names = {t.name for t in reader.tensors}
-    if LONGROPE_FACTORS & names:
-        raise UnsupportedModel("a GGUF file's long-context RoPE factors (rope_factors_long/short: Phi-3's longrope, "
-                               "which changes the frequencies with the sequence's length) are not supported")
-    tensor = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    tensors = {t.name: t for t in reader.tensors}
+    if LONGROPE_FACTORS <= tensors.keys():  # Phi-3's longrope, served within its original context
+        params.update(rope_type="longrope", short_factor=_floats(tensors[SHORT_FACTORS]),
+                      long_factor=_floats(tensors[LONG_FACTORS]))
+        if "original_context_length" in scaling:
+            params["original_max_position_embeddings"] = int(scaling["original_context_length"])
+        if "attn_factor" in scaling:
+            params["attention_factor"] = float(scaling["attn_factor"])
+    tensor = tensors.get(ROPE_FREQS)
     if tensor is not None:
-        factors = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(-1)
-        params["freq_factors"] = factors.tolist()
+        params["freq_factors"] = _floats(tensor)
     return params
+
+
+def _floats(tensor) -> list[float]:
+    return np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32).reshape(-1).tolist()
 
 
 def _value(reader: GGUFReader, key: str) -> Any:

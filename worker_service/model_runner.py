@@ -33,6 +33,7 @@ from worker_service.gguf_loader import GGUFTensors, load_gguf_weights
 from worker_service.gguf_config import complete_config
 from worker_service.kv_pool import KVPool
 from worker_service.layers.linear import pack_linear_weights
+from worker_service.layers.rotary import served_context
 from worker_service.loader import load_weights
 from worker_service.prequantized_loader import load_prequantized_weights
 from worker_service.quant.prequantized import prequantized_scheme
@@ -168,6 +169,11 @@ class ModelRunner:
         self.pool = KVPool(shape[0], num_pages + self.backend.extra_pages, config.page_size, shape[2], shape[3],
                            self.dtype, self.device)
         self.fused = self.backend.fused_layers(self.model, self.pool)
+        context_len = served_context(self.hf_config)
+        if context_len < self.hf_config.max_position_embeddings:
+            log.info("rank %d serves %d tokens of the model's %d: its longrope RoPE is followed within its "
+                     "original context only (docs/models.md)", config.rank, context_len,
+                     self.hf_config.max_position_embeddings)
         # What this rank reports (GetWorkerInfo); the executor copies it with the group's page count.
         self.info = worker_pb2.GetWorkerInfoResponse(
             model_name=source.name,
@@ -175,7 +181,7 @@ class ModelRunner:
             device=str(self.device),
             page_size=config.page_size,
             num_pages=num_pages,
-            context_len=self.hf_config.max_position_embeddings,
+            context_len=context_len,
             vocab_size=self.hf_config.vocab_size,
             eos_token_ids=eos_token_ids(source, self.hf_config.eos_token_id),
             rank=config.rank,

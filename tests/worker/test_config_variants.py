@@ -43,8 +43,10 @@ VARIANTS = [
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         "full_attention": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e6, "attention_factor": 1.3}}), None),
     ("qwen3", rope(rope_type="dynamic", factor=2.0), "unsupported RoPE type 'dynamic'"),
-    ("phi3", rope(rope_type="longrope", short_factor=[1.0] * 8, long_factor=[2.0] * 8,
-                  original_max_position_embeddings=64), "unsupported RoPE type 'longrope'"),
+    # Served within its original context (64 here, where Phi-3's config keeps it: the test's
+    # sequences are 41 long), with the short factors and the attention factor of 256 / 64.
+    ("phi3", {**rope(rope_type="longrope", short_factor=[1.0 + i / 4 for i in range(8)], long_factor=[2.0] * 8),
+              "original_max_position_embeddings": 64}, None),
     ("phi3", rope(rope_type="default", partial_rotary_factor=0.5), "partial rotary"),
     ("mistral", dict(num_key_value_heads=1), None),
     ("qwen3_moe", dict(decoder_sparse_step=2, mlp_only_layers=[]), None),
@@ -87,3 +89,12 @@ def test_a_variant_matches_transformers_or_is_refused_by_name(family, settings, 
     with torch.no_grad():
         expected = reference(torch.tensor([token_ids + following])).logits[0][PROMPT_LEN - 1:-1]
     torch.testing.assert_close(torch.stack(logits), expected, atol=ATOL, rtol=0)
+
+
+def test_longrope_is_served_within_its_original_context(tmp_path: Path) -> None:
+    """Past its original context longrope switches every position to its long factors, which
+    cached keys cannot follow: the worker reports the original context as the model's, so no
+    request grows past it (the router and gateway hold every request to it)."""
+    model_dir = make_family("phi3", tmp_path / "model", original_max_position_embeddings=64, **rope(
+        rope_type="longrope", short_factor=[1.0] * 8, long_factor=[2.0] * 8))
+    assert runner_for(model_dir, "torch").info.context_len == 64

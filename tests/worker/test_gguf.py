@@ -14,7 +14,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from radixserve.model_source import ModelNotFound, resolve_model
-from worker.tiny_gguf import (HEAD_DIM, HIDDEN, INTERMEDIATE, KV_HEADS, LAYERS, MIXED,
+from worker.tiny_gguf import (CONTEXT, HEAD_DIM, HIDDEN, INTERMEDIATE, KV_HEADS, LAYERS, MIXED,
                               RANDOM_BLOCK_HALVES, TIED_EMBEDDING_TYPES, TYPES, random_blocks,
                               tiny_model, write_tiny_gguf)
 from worker.tiny_models import assert_matches_reference
@@ -135,26 +135,34 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("rope", [
-    LLAMA3_ROPE,
-    {"rope_type": "linear", "factor": 3.0},
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
-], ids=["llama3-rope_freqs", "linear", "yarn"])
-def test_a_files_rope_scaling_gives_the_checkpoints_logits(rope, tmp_path) -> None:
+@pytest.mark.parametrize(("arch", "rope"), [
+    ("llama", LLAMA3_ROPE),
+    ("llama", {"rope_type": "linear", "factor": 3.0}),
+    ("llama", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
+    ("phi3", {"rope_type": "longrope", "short_factor": [1.0 + i / 32 for i in range(32)], "long_factor": [2.0] * 32,
+              "original_max_position_embeddings": 128}),
+], ids=["llama3-rope_freqs", "linear", "yarn", "phi3-longrope"])
+def test_a_files_rope_scaling_gives_the_checkpoints_logits(arch, rope, tmp_path) -> None:
     """RoPE scaling as llama.cpp's converter writes it (Llama 3's as a `rope_freqs` tensor, linear
-    and YaRN as metadata), all of which transformers' reading of the file leaves out: served, the
-    float32 file gives the logits and greedy tokens of the checkpoint it was written from."""
-    from transformers import AutoModelForCausalLM
+    and YaRN as metadata, Phi-3's longrope as two tensors of factors), all of which transformers'
+    reading of the file leaves out: served, the float32 file gives the logits and greedy tokens of
+    the checkpoint it was written from (longrope within its original context, which the worker
+    reports as the model's)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from worker_service.model_runner import ModelRunner, RunnerConfig
 
-    path = write_tiny_gguf(tmp_path / "scaled.gguf", "F32", rope=rope)
-    checkpoint = tiny_model(rope=rope)
+    path = write_tiny_gguf(tmp_path / "scaled.gguf", "F32", arch=arch, rope=rope)
+    checkpoint = tiny_model(arch, rope=rope)
     runner = ModelRunner(RunnerConfig(model_dir=path, kv_cache_bytes=16 << 20))
     assert runner.info.quantization == "gguf:none"
+    assert runner.info.context_len == (rope["original_max_position_embeddings"] if arch == "phi3" else CONTEXT)
     assert_matches_reference(runner, checkpoint, PROMPT_IDS, NUM_NEW_TOKENS)
     # What transformers reads of the file (plain RoPE) is another model: the scaling matters here.
-    plain = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32).eval()
+    config = AutoConfig.from_pretrained(str(tmp_path), gguf_file=path.name)
+    config.pad_token_id = 0  # Phi-3's default is outside the tiny vocabulary
+    plain = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, config=config,
+                                                 dtype=torch.float32).eval()
     with torch.no_grad():
         ids = torch.tensor([PROMPT_IDS])
         assert (plain(ids).logits - checkpoint(ids).logits).abs().max() > 1e-2
@@ -175,13 +183,11 @@ def test_a_qwen3_file_whose_heads_are_not_128_wide(tmp_path) -> None:
 @pytest.mark.parametrize(("arch", "settings", "refusal"), [
     ("llama", dict(rope={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
                          "gguf_attn_factor": 0.7}), "YaRN attn_factor 0.7"),
-    ("phi3", dict(rope={"rope_type": "longrope", "short_factor": [1.0] * 32, "long_factor": [2.0] * 32,
-                        "original_max_position_embeddings": 128}), "rope_factors_long/short"),
     ("phi3", dict(sliding_window=64), r"Phi-3 with sliding-window attention \(sliding_window=64"),
-], ids=["yarn-attn-factor", "phi3-longrope", "phi3-window"])
+], ids=["yarn-attn-factor", "phi3-window"])
 def test_what_a_file_says_and_the_worker_cannot_follow_is_refused(arch, settings, refusal, tmp_path) -> None:
-    """A YaRN attn_factor (llama.cpp's own temperature), Phi-3's longrope factors and a sliding
-    window in the metadata are refused by name: never served as plain RoPE or full attention."""
+    """A YaRN attn_factor (llama.cpp's own temperature) and a sliding window in the metadata are
+    refused by name: never served as plain RoPE or full attention."""
     from worker_service.model_runner import ModelRunner, RunnerConfig
     from worker_service.unsupported import UnsupportedModel
 

@@ -17,6 +17,7 @@ parses in a moment) and its chat template in its metadata.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import gguf
@@ -110,6 +111,8 @@ def tiny_model(arch: str = "llama", vocab_size: int = SMALL_VOCAB, seed: int = 0
     torch.manual_seed(seed)
     config_class, model_class = ARCHITECTURES[arch]
     extra = {} if rope is None else {"rope_parameters": {"rope_theta": ROPE_THETA, **rope}}
+    if arch == "phi3" and rope is not None:  # Phi-3's config keeps it outside, over the rope parameters'
+        extra["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
     config = config_class(vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
                           num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                           head_dim=head_dim or HEAD_DIMS.get(arch, HEAD_DIM), rms_norm_eps=1e-5,
@@ -148,6 +151,9 @@ def _add_rope_scaling(writer: gguf.GGUFWriter, rope: dict, head_dim: int) -> Non
     if kind == "longrope":  # Phi-3's: one set of divisors for short sequences, one for long
         writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+        old_context = rope["original_max_position_embeddings"]
+        writer.add_rope_scaling_orig_ctx_len(old_context)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(CONTEXT / old_context) / math.log(old_context)))
         return
     writer.add_rope_scaling_type(gguf.RopeScalingType(kind))
     writer.add_rope_scaling_factor(rope["factor"])

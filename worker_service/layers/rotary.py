@@ -1,12 +1,13 @@
 """Rotary position embedding (RoPE), half-split layout as in the Hugging Face Llama/Qwen2 code.
 
 The inverse frequencies honour the config's scaling (`rope_parameters` in transformers 5, else
-`rope_scaling` + `rope_theta`): "default", "linear", "llama3" and "yarn" (whose attention factor
-scales the tables, as transformers scales its cos/sin). cos/sin are tabulated once for every
+`rope_scaling` + `rope_theta`): "default", "linear", "llama3", "yarn" and "longrope" (within its
+original context: `served_context`); YaRN's and longrope's attention factor scales the tables, as
+transformers scales its cos/sin. cos/sin are tabulated once for every
 position up to the context length and indexed by position each step. A GGUF file's per-frequency
 divisors (`freq_factors`, its `rope_freqs` tensor) divide the frequencies last. Types whose frequencies
-change with the sequence's length ("dynamic", "longrope") are refused: a cached prefix's keys
-would have been rotated for another length.
+change with the sequence's length ("dynamic") are refused: a cached prefix's keys would have
+been rotated for another length.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from worker_service.unsupported import UnsupportedModel
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -27,10 +28,23 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     context = getattr(config, "max_position_embeddings", None)
-    if params["rope_type"] == "yarn" and context is not None:  # transformers' own defaults
-        params.setdefault("original_max_position_embeddings", context)
+    if params["rope_type"] in ("yarn", "longrope") and context is not None:  # transformers' own defaults
+        params.setdefault("original_max_position_embeddings",
+                          getattr(config, "original_max_position_embeddings", None) or context)
         params.setdefault("max_position_embeddings", context)
     return params
+
+
+def served_context(config: Any) -> int:
+    """The longest sequence served: the model's context, but for longrope its original context.
+
+    Longrope (Phi-3.5, the 128k Phi-3s) switches every position to its long factors once the
+    sequence outgrows the original context, which the keys already cached cannot follow; within
+    it, transformers rotates by the short factors, as here."""
+    params = rope_parameters(config)
+    if params["rope_type"] == "longrope":
+        return min(config.max_position_embeddings, params["original_max_position_embeddings"])
+    return config.max_position_embeddings
 
 
 def inverse_frequencies(params: dict[str, Any], rotary_dim: int) -> torch.Tensor:
@@ -47,6 +61,8 @@ def inverse_frequencies(params: dict[str, Any], rotary_dim: int) -> torch.Tensor
         inv_freq = _llama3_scaling(inv_freq, params)
     elif rope_type == "yarn":
         inv_freq = _yarn_scaling(wavelengths, params, rotary_dim)
+    elif rope_type == "longrope":  # the short factors: see `served_context`
+        inv_freq = 1.0 / (torch.tensor(params["short_factor"], dtype=torch.float32) * wavelengths)
     factors = params.get("freq_factors")  # a GGUF file's per-frequency divisors (worker_service/gguf_config.py)
     if factors is not None:
         if len(factors) != rotary_dim // 2:
@@ -56,15 +72,18 @@ def inverse_frequencies(params: dict[str, Any], rotary_dim: int) -> torch.Tensor
 
 
 def attention_factor(params: dict[str, Any]) -> float:
-    """What the cos/sin tables are multiplied by: YaRN's attention temperature, else 1.
+    """What the cos/sin tables are multiplied by: YaRN's or longrope's attention temperature, else 1.
 
     Given, or 0.1 ln(factor) + 1 (the YaRN paper's sqrt(1/t)), or with DeepSeek's `mscale` and
     `mscale_all_dim` the ratio of that formula at the two."""
-    if params["rope_type"] != "yarn":
+    if params["rope_type"] not in ("yarn", "longrope"):
         return 1.0
     if params.get("attention_factor") is not None:
         return float(params["attention_factor"])
     factor = _yarn_factor(params)
+    if params["rope_type"] == "longrope":  # sqrt(1 + ln(factor) / ln(original context))
+        old_context = params["original_max_position_embeddings"]
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_context))
 
     def temperature(scale: float = 1.0) -> float:
         return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
@@ -88,7 +107,7 @@ def _llama3_scaling(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Ten
 
 
 def _yarn_factor(params: dict[str, Any]) -> float:
-    """The context's stretch: given, or the ratio of the two lengths (DeepSeek-V3's configs)."""
+    """The context's stretch: given, or the ratio of the two lengths (DeepSeek-V3's and Phi-3's configs)."""
     if params.get("factor") is not None:
         return params["factor"]
     if params.get("max_position_embeddings") is None:
