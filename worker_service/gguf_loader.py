@@ -33,6 +33,7 @@ import torch
 from gguf import MODEL_ARCH_NAMES, GGUFReader, get_tensor_name_map
 from gguf.quants import dequantize
 
+from radixserve.model_source import ModelUnreadable
 from worker_service.layers.embedding import ParallelLMHead
 from worker_service.layers.linear import PackableLinear
 from worker_service.layers.weights import WeightSlice
@@ -86,7 +87,7 @@ class GGUFTensors:
         gguf_name = self._names.get_name(base)
         tensor = None if gguf_name is None else self._tensors.get(f"{gguf_name}.{suffix}")
         if tensor is None:
-            raise KeyError(f"{hf_name} is not in {self.path.name}")
+            raise ModelUnreadable(f"{self.path.name} has no tensor {gguf_name or hf_name} (our {hf_name})")
         if base.endswith(ONE_ROW_MATRICES) and len(tensor.shape) == 1:
             return _Matrix(tensor.data.reshape(1, -1), tensor.tensor_type, (int(tensor.shape[0]), 1), hf_name)
         return tensor
@@ -164,7 +165,8 @@ def load_gguf_weights(model: torch.nn.Module, tensors: GGUFTensors, keep_head: b
         dequantized.update(tensors.tensor(piece.name).tensor_type.name for piece in pieces)
         values = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         if values.shape != param.shape:
-            raise ValueError(f"{pieces[0].name}: read {tuple(values.shape)}, expected {tuple(param.shape)}")
+            raise ModelUnreadable(f"{path.name}: {pieces[0].name} read {tuple(values.shape)}, expected "
+                                  f"{tuple(param.shape)}")
         param.copy_(values)
     log.info("%s: linear weights kept as %s; read as plain weights: %s", path.name, dict(kept) or "none",
              dict(dequantized))

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from radixserve.model_source import ModelUnreadable
 from worker_service.layers.weights import WeightSlice
 
 SINGLE_FILE = "model.safetensors"
@@ -47,7 +48,7 @@ def read_slice(handle, piece: WeightSlice) -> torch.Tensor:
 @torch.inference_mode()
 def load_weights(model: torch.nn.Module, model_dir: Path, skip: set[int] | None = None) -> None:
     """Copy every parameter's slices into it, but those whose `id` is in `skip` (read by another
-    loader); KeyError names a tensor the checkpoint lacks."""
+    loader); `ModelUnreadable` names a tensor the checkpoint lacks or holds in another shape."""
     files = checkpoint_files(model_dir)
     with ExitStack() as stack:
         handles = {}
@@ -60,12 +61,13 @@ def load_weights(model: torch.nn.Module, model_dir: Path, skip: set[int] | None 
             parts = []
             for piece in pieces:
                 if piece.name not in files:
-                    raise KeyError(f"{piece.name} is not in the checkpoint at {model_dir}")
+                    raise ModelUnreadable(f"{piece.name} is not in the checkpoint at {model_dir}")
                 path = files[piece.name]
                 if path not in handles:
                     handles[path] = stack.enter_context(safe_open(path, framework="pt"))
                 parts.append(read_slice(handles[path], piece))
             values = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
             if values.shape != param.shape:
-                raise ValueError(f"{pieces[0].name}: read {tuple(values.shape)}, expected {tuple(param.shape)}")
+                raise ModelUnreadable(f"{pieces[0].name}: read {tuple(values.shape)}, expected {tuple(param.shape)} "
+                                      f"(the checkpoint at {model_dir} does not fit its config.json)")
             param.copy_(values)

@@ -98,3 +98,21 @@ def test_longrope_is_served_within_its_original_context(tmp_path: Path) -> None:
     model_dir = make_family("phi3", tmp_path / "model", original_max_position_embeddings=64, **rope(
         rope_type="longrope", short_factor=[1.0] * 8, long_factor=[2.0] * 8))
     assert runner_for(model_dir, "torch").info.context_len == 64
+
+
+def test_a_checkpoint_without_a_tensor_or_with_one_of_another_shape_is_named(tmp_path: Path) -> None:
+    """The worker's one line ('rank 0 cannot serve ...'), naming the tensor, not a traceback."""
+    from safetensors.torch import load_file, save_file
+
+    from radixserve.model_source import ModelUnreadable
+
+    model_dir = make_family("qwen3", tmp_path / "model")
+    tensors = load_file(model_dir / "model.safetensors")
+    missing = "model.layers.1.self_attn.k_norm.weight"
+    save_file({name: t for name, t in tensors.items() if name != missing}, model_dir / "model.safetensors",
+              metadata={"format": "pt"})
+    with pytest.raises(ModelUnreadable, match=f"{missing} is not in the checkpoint"):
+        runner_for(model_dir, "torch")
+    save_file({**tensors, missing: tensors[missing][:8]}, model_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelUnreadable, match=rf"{missing}: read \(8,\), expected \(16,\)"):
+        runner_for(model_dir, "torch")
