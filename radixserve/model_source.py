@@ -19,7 +19,7 @@ HF_CONFIG = "config.json"
 # Our model class for each GGUF architecture we serve (the file names no `architectures`).
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                       "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                      "phi3": "Phi3ForCausalLM"}
+                      "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
 class ModelNotFound(ValueError):

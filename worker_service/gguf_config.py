@@ -19,6 +19,11 @@ another model than the checkpoint it was made from. `complete_config` puts them 
   2,047 under a 4,096 context) rather than attending to everything;
 - **The head size** (`attention.key_length`), which transformers takes as its config's default
   for `qwen3` and `qwen3moe` files, 128 (a file of other heads would not load);
+- **Gemma's settings**: its soft-caps (`attn_logit_softcapping`, `final_logit_softcapping`),
+  its query scale (`query_pre_attn_scalar`, which no key holds: llama.cpp's rule, the head size
+  but hidden / heads for the 27B models), and Gemma 3's RoPE per layer type (the file's scaling
+  for the full layers, its SWA base for the sliding ones, as llama.cpp applies them);
+  transformers leaves all of them at its defaults;
 - **Mixture-of-experts widths**: the experts' and the shared expert's
   (`expert_feed_forward_length`, `expert_shared_feed_forward_length`), which transformers leaves
   at its config's defaults (Qwen3-MoE's 768, Qwen2-MoE's 1,408 and 5,632: any other model's
@@ -42,6 +47,10 @@ LONGROPE_FACTORS = {LONG_FACTORS, SHORT_FACTORS}
 # `<arch>.<key>` -> the config setting it sizes.
 MOE_SIZES = {"expert_feed_forward_length": "moe_intermediate_size",
              "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
+GEMMA = ("gemma2", "gemma3")
+# llama.cpp scales a Gemma 27B's queries by hidden / heads, every other Gemma's by the head size
+# (as their configs' query_pre_attn_scalar say); it tells the 27B models by their layer count.
+WIDE_QUERY_SCALE_LAYERS = {"gemma2": 46, "gemma3": 62}
 # `<arch>.rope.scaling.<key>` -> the Hugging Face rope parameter it sets, for YaRN.
 YARN_KEYS = {"factor": "factor", "original_context_length": "original_max_position_embeddings",
              "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow"}
@@ -56,10 +65,34 @@ def complete_config(reader: GGUFReader, architecture: str, config: Any) -> None:
     window = f"{architecture}.attention.sliding_window"
     if window in fields and hasattr(config, "sliding_window"):  # the family refuses a window it lacks
         config.sliding_window = int(_value(reader, window))
-    config.rope_parameters = rope_parameters_of(reader, architecture, rope_parameters(config))
+    if architecture in GEMMA:
+        _complete_gemma(reader, architecture, config)
+    else:
+        config.rope_parameters = rope_parameters_of(reader, architecture, rope_parameters(config))
     for key, setting in MOE_SIZES.items():
         if f"{architecture}.{key}" in fields and hasattr(config, setting):
             setattr(config, setting, int(_value(reader, f"{architecture}.{key}")))
+
+
+def _complete_gemma(reader: GGUFReader, architecture: str, config: Any) -> None:
+    """Gemma's soft-caps, its query scale as llama.cpp derives it, and (Gemma 3) each layer
+    type's RoPE: the file's scaling for the full layers, its SWA base for the sliding ones."""
+    fields = reader.fields
+    for setting in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if f"{architecture}.{setting}" in fields:
+            setattr(config, setting, float(_value(reader, f"{architecture}.{setting}")))
+    wide = config.num_hidden_layers == WIDE_QUERY_SCALE_LAYERS[architecture]
+    config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads if wide else config.head_dim
+    by_type = config.rope_parameters
+    if not all(isinstance(params, dict) for params in by_type.values()):  # Gemma 2: one RoPE
+        config.rope_parameters = rope_parameters_of(reader, architecture, rope_parameters(config))
+        return
+    sliding = dict(by_type["sliding_attention"])  # the full layers' base transformers does read
+    if f"{architecture}.rope.freq_base_swa" in fields:
+        sliding["rope_theta"] = float(_value(reader, f"{architecture}.rope.freq_base_swa"))
+    config.rope_parameters = {"sliding_attention": sliding,
+                              "full_attention": rope_parameters_of(reader, architecture,
+                                                                   dict(by_type["full_attention"]))}
 
 
 def rope_parameters_of(reader: GGUFReader, architecture: str, params: dict[str, Any]) -> dict[str, Any]:

@@ -61,6 +61,9 @@ class _Matrix:
 ARCHITECTURE_KEY = "general.architecture"
 # Architectures whose q/k rows llama.cpp interleaves per head (see the module doc).
 PERMUTED_QK = ("llama",)
+# Architectures whose norms llama.cpp's converter stores as 1 + w (Gemma's (1 + w) RMSNorm,
+# which our layers apply to w as the checkpoint holds it): read back as w.
+NORMS_PLUS_ONE = ("gemma2", "gemma3")
 
 
 class GGUFTensors:
@@ -117,6 +120,8 @@ class GGUFTensors:
         tensor = self.tensor(piece.name)
         if len(tensor.shape) == 1:
             values = dequantize(tensor.data, tensor.tensor_type).reshape(-1)[_bounds(piece.rows)]
+            if self.architecture in NORMS_PLUS_ONE and piece.name.endswith("norm.weight"):
+                values = values - 1
             return torch.from_numpy(np.array(values))  # a copy: the file's mapping is read-only
         num_rows = int(tensor.shape[1])
         values = dequantize(tensor.data[self._rows(piece, num_rows)], tensor.tensor_type)

@@ -225,3 +225,33 @@ def test_moe_files_give_the_checkpoints_logits_with_their_experts_kept(arch, tmp
     assert_matches_reference(runner, reference, PROMPT_IDS, NUM_NEW_TOKENS)
     experts = runner.model.layers[0].mlp  # each expert multiplies with the file's quantized values
     assert all(isinstance(linear.packed, DequantizingLinear) for linear in [*experts.gate_up, *experts.down])
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_files_give_the_checkpoints_logits(arch, tmp_path) -> None:
+    """Gemma files as llama.cpp writes them: norms as 1 + w, a sliding window shorter than the
+    prompt, Gemma 2's soft-caps in the metadata, Gemma 3's full-layer RoPE base as the file's base
+    and its sliding layers' as the SWA base, and no key for the query scale (llama.cpp's rule: the
+    head size). transformers' reading leaves all but the window at its defaults (gguf_config.py):
+    a float32 file gives the checkpoint's logits and greedy tokens, and a Q4_K_M file those of
+    transformers reading it with the checkpoint's settings put back."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from worker_service.model_runner import ModelRunner, RunnerConfig
+
+    checkpoint = tiny_model(arch)
+    checkpoint.config._attn_implementation = "eager"  # the attention that applies Gemma 2's soft-cap
+    plain = write_tiny_gguf(tmp_path / f"{arch}-F32.gguf", "F32", arch=arch)
+    runner = ModelRunner(RunnerConfig(model_dir=plain, kv_cache_bytes=16 << 20))
+    assert_matches_reference(runner, checkpoint, PROMPT_IDS, NUM_NEW_TOKENS)
+
+    path = write_tiny_gguf(tmp_path / f"{arch}-{MIXED}.gguf", MIXED, arch=arch)
+    config = AutoConfig.from_pretrained(str(tmp_path), gguf_file=path.name)
+    for setting in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "rope_parameters"):
+        setattr(config, setting, getattr(checkpoint.config, setting))
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, config=config,
+                                                     dtype=torch.float32, attn_implementation="eager").eval()
+    runner = ModelRunner(RunnerConfig(model_dir=path, kv_cache_bytes=16 << 20, activation_quantization="none"))
+    assert runner.info.quantization == "gguf:Q4_K+Q6_K"
+    assert_matches_reference(runner, reference, PROMPT_IDS, NUM_NEW_TOKENS)

@@ -24,13 +24,16 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
-from transformers import (AutoTokenizer, LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
+from transformers import (AutoTokenizer, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
+                          LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM,
                           Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 MIXED = "Q4_K_M"
 TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", MIXED)
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 256, 512, 4, 2, 64, 2
+CONTEXT = 512
+ROPE_THETA = 10000.0
 SMALL_VOCAB = 512
 # Where each random block's half-precision scales sit, and how large they may be.
 RANDOM_BLOCK_HALVES = {T.Q4_K: ((0, 5e-4), (2, 5e-4)), T.Q6_K: ((208, 2e-4),)}
@@ -39,22 +42,30 @@ TIED_EMBEDDING_TYPES = {"Q4_1": T.Q8_0}
 # model; only llama's q/k rows are interleaved (`_interleave_heads`), as llama.cpp's converter does.
 ARCHITECTURES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
                  "qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen3moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
-                 "qwen2moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM)}
+                 "qwen2moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM),
+                 "gemma2": (Gemma2Config, Gemma2ForCausalLM), "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}
 # transformers reads a qwen3 file's head size as Qwen3Config's default, 128 (every Qwen3's), not
 # from `attention.key_length`: the file is written with that size.
 HEAD_DIMS = {"qwen3": 128, "qwen3moe": 128}
 # The MoE architectures' experts (4, top 2, of 256: a whole K-quant super-block) and how llama.cpp
 # routes them: `qwen3moe` always renormalises the chosen weights, `qwen2moe` never.
 EXPERTS, EXPERTS_USED, EXPERT_WIDTH = 4, 2, 256
+# Gemma: a window (8) shorter than the prompts, soft-caps that bite, the query scale llama.cpp
+# gives every Gemma but the 27Bs (the head size); Gemma 3 with six layers, its sixth full (its
+# pattern), and RoPE bases other than transformers' defaults (the sliding layers' as the SWA base).
+GEMMA_WINDOW, GEMMA3_FULL_THETA, GEMMA3_SLIDING_THETA = 8, 100.0, 500.0
 ARCH_SETTINGS = {
     "phi3": dict(pad_token_id=0),
+    "gemma2": dict(query_pre_attn_scalar=HEAD_DIM, sliding_window=GEMMA_WINDOW, attn_logit_softcapping=5.0,
+                   final_logit_softcapping=3.0),
+    "gemma3": dict(query_pre_attn_scalar=HEAD_DIM, sliding_window=GEMMA_WINDOW, num_hidden_layers=6,
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_SLIDING_THETA},
+                                    "full_attention": {"rope_type": "default", "rope_theta": GEMMA3_FULL_THETA}}),
     "qwen3moe": dict(num_experts=EXPERTS, num_experts_per_tok=EXPERTS_USED, moe_intermediate_size=EXPERT_WIDTH,
                      norm_topk_prob=True),
     "qwen2moe": dict(num_experts=EXPERTS, num_experts_per_tok=EXPERTS_USED, moe_intermediate_size=EXPERT_WIDTH,
                      shared_expert_intermediate_size=EXPERT_WIDTH, norm_topk_prob=False),
 }
-CONTEXT = 512
-ROPE_THETA = 10000.0
 
 
 def _type_of(name: str, qtype: str) -> T:
@@ -113,12 +124,12 @@ def tiny_model(arch: str = "llama", vocab_size: int = SMALL_VOCAB, seed: int = 0
     extra = {} if rope is None else {"rope_parameters": {"rope_theta": ROPE_THETA, **rope}}
     if arch == "phi3" and rope is not None:  # Phi-3's config keeps it outside, over the rope parameters'
         extra["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
+    settings = {"num_hidden_layers": LAYERS, **extra, **ARCH_SETTINGS.get(arch, {})}
     config = config_class(vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-                          num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                          num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                           head_dim=head_dim or HEAD_DIMS.get(arch, HEAD_DIM), rms_norm_eps=1e-5,
                           tie_word_embeddings=True,
-                          initializer_range=0.1, max_position_embeddings=CONTEXT, **extra,
-                          **ARCH_SETTINGS.get(arch, {}))
+                          initializer_range=0.1, max_position_embeddings=CONTEXT, **settings)
     model = model_class(config).eval()
     with torch.no_grad():  # norms away from ones and biases from zeros, so that one read wrong shows
         for name, param in model.named_parameters():
@@ -197,7 +208,8 @@ def write_tiny_gguf(out: Path, qtype: str, tokenizer_dir: Path | None = None, se
     head_dim = head_dim or HEAD_DIMS.get(arch, HEAD_DIM)
     if rope is not None:
         _add_rope_scaling(writer, rope, head_dim)
-    writer.add_block_count(LAYERS)
+    config = model.config
+    writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(CONTEXT)
     writer.add_embedding_length(HIDDEN)
     writer.add_feed_forward_length(INTERMEDIATE)
@@ -206,7 +218,16 @@ def write_tiny_gguf(out: Path, qtype: str, tokenizer_dir: Path | None = None, se
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_rope_freq_base(ROPE_THETA)
+    if arch == "gemma3":  # the full layers' base, and the sliding layers' own
+        writer.add_rope_freq_base(GEMMA3_FULL_THETA)
+        writer.add_rope_freq_base_swa(GEMMA3_SLIDING_THETA)
+    else:
+        writer.add_rope_freq_base(ROPE_THETA)
+    if arch in ("gemma2", "gemma3"):
+        writer.add_sliding_window(GEMMA_WINDOW)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(vocab_size)
     if sliding_window is not None:
@@ -217,9 +238,12 @@ def write_tiny_gguf(out: Path, qtype: str, tokenizer_dir: Path | None = None, se
         writer.add_expert_feed_forward_length(EXPERT_WIDTH)
         if arch == "qwen2moe":
             writer.add_expert_shared_feed_forward_length(EXPERT_WIDTH)
-    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch), LAYERS)
+    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch),
+                                     config.num_hidden_layers)
     for hf_name, weight, gguf_name in _tensors(model, names):
         if weight.ndim == 1 or ".ffn_gate_inp" in gguf_name:  # llama.cpp keeps routers in float32
+            if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
+                weight = weight + 1  # Gemma's norms, as 1 + w
             writer.add_tensor(gguf_name, weight)
             continue
         tied = qtype in TIED_EMBEDDING_TYPES
