@@ -50,7 +50,16 @@ class SharedExpertMoE(SparseMoE):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         shared = self.shared_down(self.backend.silu_mul(self.shared_gate_up(hidden)))
-        return all_reduce_sum(self.partial(hidden) + torch.sigmoid(self.shared_gate(hidden)) * shared, self.group)
+        return all_reduce_sum(self.partial(hidden) + row_sigmoid(self.shared_gate(hidden)) * shared, self.group)
+
+
+def row_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """sigmoid of each row's one value `[T, 1]`, as the softmax of [x, 0]: computed row by row,
+    so a row's bits do not depend on the step's other rows (`--deterministic`). torch.sigmoid
+    over `[T, 1]` takes its vector or its scalar path by the row's place in the step, and the two
+    round differently. Within 1e-7 of torch.sigmoid in float32."""
+    pair = torch.cat([x, torch.zeros_like(x)], dim=-1)
+    return torch.softmax(pair, dim=-1, dtype=torch.float32)[:, :1].to(x.dtype)
 
 
 def qwen2_moe_mlp(config: Any, layer: int, group: TPGroup, dtype: torch.dtype, device: torch.device,
