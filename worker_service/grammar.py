@@ -29,7 +29,7 @@ import torch
 
 from radixserve.constraints import Constraint
 from radixserve.grammar_compiler import GrammarCompiler
-from radixserve.model_source import load_tokenizer, resolve_model
+from radixserve.model_source import ModelUnreadable, load_tokenizer, resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,9 @@ class ConstraintMasks:
         except (OSError, ValueError) as exc:
             log.warning("no tokenizer in %s, so constrained requests are refused: %s", model_dir, exc)
             return None
+        if len(hf_tokenizer) > vocab_size:  # its last tokens would have no row of logits or embeddings
+            raise ModelUnreadable(f"the tokenizer has {len(hf_tokenizer)} tokens, more than the model's vocabulary "
+                                  f"of {vocab_size}")
         compiler = GrammarCompiler.from_hf(hf_tokenizer, cache_size, vocab_size, eos_token_ids)
         return cls(compiler, vocab_size, eos_token_ids, num_threads)
 

@@ -255,3 +255,15 @@ def test_gemma_files_give_the_checkpoints_logits(arch, tmp_path) -> None:
     runner = ModelRunner(RunnerConfig(model_dir=path, kv_cache_bytes=16 << 20, activation_quantization="none"))
     assert runner.info.quantization == "gguf:Q4_K+Q6_K"
     assert_matches_reference(runner, reference, PROMPT_IDS, NUM_NEW_TOKENS)
+
+
+def test_a_tokenizer_larger_than_the_model_is_named(smollm2_dir, tmp_path) -> None:
+    """transformers' Gemma tokenizer adds a `<mask>` token a file's vocabulary may lack (this
+    one, which carries a 512-token BPE under a 512-row model): the worker's one line says so,
+    where the grammar library's 'vocab size too small' came with a traceback."""
+    from radixserve.model_source import ModelUnreadable
+    from worker_service.grammar import ConstraintMasks
+
+    path = write_tiny_gguf(tmp_path / "gemma3-tokenizer.gguf", "Q8_0", tokenizer_dir=smollm2_dir, arch="gemma3")
+    with pytest.raises(ModelUnreadable, match="the tokenizer has 513 tokens, more than the model's vocabulary of 512"):
+        ConstraintMasks.load(path, 512, [2], 16, 1)
