@@ -24,6 +24,8 @@ another model than the checkpoint it was made from. `complete_config` puts them 
   but hidden / heads for the 27B models), and Gemma 3's RoPE per layer type (the file's scaling
   for the full layers, its SWA base for the sliding ones, as llama.cpp applies them);
   transformers leaves all of them at its defaults;
+- **Mixtral**, which llama.cpp writes as a `llama` file with experts (`expert_count`,
+  `expert_used_count`) and transformers reads as a Llama without them: served as Mixtral;
 - **Mixture-of-experts widths**: the experts' and the shared expert's
   (`expert_feed_forward_length`, `expert_shared_feed_forward_length`), which transformers leaves
   at its config's defaults (Qwen3-MoE's 768, Qwen2-MoE's 1,408 and 5,632: any other model's
@@ -72,6 +74,12 @@ def complete_config(reader: GGUFReader, architecture: str, config: Any) -> None:
     for key, setting in MOE_SIZES.items():
         if f"{architecture}.{key}" in fields and hasattr(config, setting):
             setattr(config, setting, int(_value(reader, f"{architecture}.{key}")))
+    experts = f"{architecture}.expert_count"
+    if architecture == "llama" and int(_value(reader, experts) if experts in fields else 0) > 0:
+        # Mixtral, which llama.cpp writes as a Llama with experts (of `feed_forward_length`)
+        config.architectures = ["MixtralForCausalLM"]
+        config.num_local_experts = int(_value(reader, experts))
+        config.num_experts_per_tok = int(_value(reader, f"{architecture}.expert_used_count"))
 
 
 def _complete_gemma(reader: GGUFReader, architecture: str, config: Any) -> None:

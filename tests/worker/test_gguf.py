@@ -267,3 +267,21 @@ def test_a_tokenizer_larger_than_the_model_is_named(smollm2_dir, tmp_path) -> No
     path = write_tiny_gguf(tmp_path / "gemma3-tokenizer.gguf", "Q8_0", tokenizer_dir=smollm2_dir, arch="gemma3")
     with pytest.raises(ModelUnreadable, match="the tokenizer has 513 tokens, more than the model's vocabulary of 512"):
         ConstraintMasks.load(path, 512, [2], 16, 1)
+
+
+@pytest.mark.timeout(120)
+def test_a_mixtral_file_is_served_as_mixtral(tmp_path) -> None:
+    """llama.cpp writes Mixtral as a `llama` file with experts, which transformers reads as a
+    Llama without them: served as Mixtral (gguf_config.py), a float32 file gives the checkpoint's
+    logits and greedy tokens, and a Q4_K_M file's experts are multiplied quantized."""
+    from worker_service.model_runner import ModelRunner, RunnerConfig
+
+    plain = write_tiny_gguf(tmp_path / "mixtral-F32.gguf", "F32", arch="mixtral")
+    runner = ModelRunner(RunnerConfig(model_dir=plain, kv_cache_bytes=16 << 20))
+    assert type(runner.model).__name__ == "MixtralForCausalLM"
+    assert_matches_reference(runner, tiny_model("mixtral"), PROMPT_IDS, NUM_NEW_TOKENS)
+    path = write_tiny_gguf(tmp_path / f"mixtral-{MIXED}.gguf", MIXED, arch="mixtral")
+    runner = ModelRunner(RunnerConfig(model_dir=path, kv_cache_bytes=16 << 20))
+    experts = runner.model.layers[0].mlp
+    assert runner.info.quantization.startswith("gguf:Q4_K+Q6_K")
+    assert all(isinstance(linear.packed, DequantizingLinear) for linear in [*experts.gate_up, *experts.down])

@@ -25,9 +25,9 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 from transformers import (AutoTokenizer, Gemma2Config, Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
-                          LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM,
-                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
+                          LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config,
+                          Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 MIXED = "Q4_K_M"
 TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K", MIXED)
@@ -43,7 +43,10 @@ TIED_EMBEDDING_TYPES = {"Q4_1": T.Q8_0}
 ARCHITECTURES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
                  "qwen3": (Qwen3Config, Qwen3ForCausalLM), "qwen3moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
                  "qwen2moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM), "phi3": (Phi3Config, Phi3ForCausalLM),
-                 "gemma2": (Gemma2Config, Gemma2ForCausalLM), "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM)}
+                 "gemma2": (Gemma2Config, Gemma2ForCausalLM), "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
+                 "mixtral": (MixtralConfig, MixtralForCausalLM)}
+# The `general.architecture` llama.cpp writes where it is not the key above.
+GGUF_ARCHITECTURE = {"mixtral": "llama"}
 # transformers reads a qwen3 file's head size as Qwen3Config's default, 128 (every Qwen3's), not
 # from `attention.key_length`: the file is written with that size.
 HEAD_DIMS = {"qwen3": 128, "qwen3moe": 128}
@@ -61,6 +64,7 @@ ARCH_SETTINGS = {
     "gemma3": dict(query_pre_attn_scalar=HEAD_DIM, sliding_window=GEMMA_WINDOW, num_hidden_layers=6,
                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_SLIDING_THETA},
                                     "full_attention": {"rope_type": "default", "rope_theta": GEMMA3_FULL_THETA}}),
+    "mixtral": dict(num_local_experts=EXPERTS, num_experts_per_tok=EXPERTS_USED, intermediate_size=EXPERT_WIDTH),
     "qwen3moe": dict(num_experts=EXPERTS, num_experts_per_tok=EXPERTS_USED, moe_intermediate_size=EXPERT_WIDTH,
                      norm_topk_prob=True),
     "qwen2moe": dict(num_experts=EXPERTS, num_experts_per_tok=EXPERTS_USED, moe_intermediate_size=EXPERT_WIDTH,
@@ -121,15 +125,15 @@ def tiny_model(arch: str = "llama", vocab_size: int = SMALL_VOCAB, seed: int = 0
     `head_dim` wide where given."""
     torch.manual_seed(seed)
     config_class, model_class = ARCHITECTURES[arch]
-    extra = {} if rope is None else {"rope_parameters": {"rope_theta": ROPE_THETA, **rope}}
+    # The base the file is written with, whatever the family's default (Mixtral's is 1e6).
+    extra = {"rope_parameters": {"rope_type": "default", "rope_theta": ROPE_THETA, **(rope or {})}}
     if arch == "phi3" and rope is not None:  # Phi-3's config keeps it outside, over the rope parameters'
         extra["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
-    settings = {"num_hidden_layers": LAYERS, **extra, **ARCH_SETTINGS.get(arch, {})}
-    config = config_class(vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-                          num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                          head_dim=head_dim or HEAD_DIMS.get(arch, HEAD_DIM), rms_norm_eps=1e-5,
-                          tie_word_embeddings=True,
-                          initializer_range=0.1, max_position_embeddings=CONTEXT, **settings)
+    settings = {"num_hidden_layers": LAYERS, "intermediate_size": INTERMEDIATE, **extra, **ARCH_SETTINGS.get(arch, {})}
+    config = config_class(vocab_size=vocab_size, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                          num_key_value_heads=KV_HEADS, head_dim=head_dim or HEAD_DIMS.get(arch, HEAD_DIM),
+                          rms_norm_eps=1e-5, tie_word_embeddings=True, initializer_range=0.1,
+                          max_position_embeddings=CONTEXT, **settings)
     model = model_class(config).eval()
     with torch.no_grad():  # norms away from ones and biases from zeros, so that one read wrong shows
         for name, param in model.named_parameters():
@@ -202,7 +206,8 @@ def write_tiny_gguf(out: Path, qtype: str, tokenizer_dir: Path | None = None, se
     tensor in float32, none kept quantized), written as llama.cpp's converter writes that
     architecture; `sliding_window` only in the metadata."""
     rng = np.random.default_rng(seed)
-    writer = gguf.GGUFWriter(out, arch)
+    file_arch = GGUF_ARCHITECTURE.get(arch, arch)
+    writer = gguf.GGUFWriter(out, file_arch)
     vocab_size = _add_tokenizer(writer, tokenizer_dir) if tokenizer_dir is not None else SMALL_VOCAB
     model = tiny_model(arch, vocab_size, seed, rope, head_dim)
     head_dim = head_dim or HEAD_DIMS.get(arch, HEAD_DIM)
@@ -212,7 +217,7 @@ def write_tiny_gguf(out: Path, qtype: str, tokenizer_dir: Path | None = None, se
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(CONTEXT)
     writer.add_embedding_length(HIDDEN)
-    writer.add_feed_forward_length(INTERMEDIATE)
+    writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
     writer.add_key_length(head_dim)
@@ -232,13 +237,14 @@ def write_tiny_gguf(out: Path, qtype: str, tokenizer_dir: Path | None = None, se
     writer.add_vocab_size(vocab_size)
     if sliding_window is not None:
         writer.add_sliding_window(sliding_window)
-    if arch in ("qwen3moe", "qwen2moe"):
+    if arch in ("qwen3moe", "qwen2moe", "mixtral"):
         writer.add_expert_count(EXPERTS)
         writer.add_expert_used_count(EXPERTS_USED)
-        writer.add_expert_feed_forward_length(EXPERT_WIDTH)
+        if arch != "mixtral":  # Mixtral's experts are `feed_forward_length` wide
+            writer.add_expert_feed_forward_length(EXPERT_WIDTH)
         if arch == "qwen2moe":
             writer.add_expert_shared_feed_forward_length(EXPERT_WIDTH)
-    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch),
+    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == file_arch),
                                      config.num_hidden_layers)
     for hf_name, weight, gguf_name in _tensors(model, names):
         if weight.ndim == 1 or ".ffn_gate_inp" in gguf_name:  # llama.cpp keeps routers in float32
@@ -249,7 +255,7 @@ def write_tiny_gguf(out: Path, qtype: str, tokenizer_dir: Path | None = None, se
         tied = qtype in TIED_EMBEDDING_TYPES
         if hf_name == "lm_head.weight" and tied:
             continue
-        if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
+        if file_arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
             weight = _interleave_heads(weight, HEADS if ".q_proj." in hf_name else KV_HEADS)
         if qtype == "F32":
             writer.add_tensor(gguf_name, weight)
