@@ -17,6 +17,8 @@ another model than the checkpoint it was made from. `complete_config` puts them 
 - **A sliding window** (`attention.sliding_window`), which transformers reads for Gemma only:
   set on the config, so that a family without windowed attention refuses it by name (Phi-3's
   2,047 under a 4,096 context) rather than attending to everything;
+- **A partial rotation** (`rope.dimension_count` under the head size: Phi-4-mini's 96 of 128),
+  which transformers leaves out for `phi3`;
 - **The head size** (`attention.key_length`), which transformers takes as its config's default
   for `qwen3` and `qwen3moe` files, 128 (a file of other heads would not load);
 - **Gemma's settings**: its soft-caps (`attn_logit_softcapping`, `final_logit_softcapping`),
@@ -67,6 +69,11 @@ def complete_config(reader: GGUFReader, architecture: str, config: Any) -> None:
     window = f"{architecture}.attention.sliding_window"
     if window in fields and hasattr(config, "sliding_window"):  # the family refuses a window it lacks
         config.sliding_window = int(_value(reader, window))
+    rope_dims = f"{architecture}.rope.dimension_count"
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if rope_dims in fields and int(_value(reader, rope_dims)) < head_dim:  # a partial rotation (Phi-4-mini)
+        config.rope_parameters = {**rope_parameters(config),
+                                  "partial_rotary_factor": int(_value(reader, rope_dims)) / head_dim}
     if architecture in GEMMA:
         _complete_gemma(reader, architecture, config)
     else:

@@ -153,6 +153,7 @@ class ModelRunner:
             quantization = kept if config.quantization == "none" else f"{kept}+{quantization}"
         else:
             load_weights(self.model, source.folder)
+        self.model.after_load()
         # After loading: packed weights cannot be loaded into.
         pack_linear_weights(self.model, self.backend,
                             quantizer(config.quantization, config.quantization_group_size),

@@ -47,7 +47,13 @@ VARIANTS = [
     # sequences are 41 long), with the short factors and the attention factor of 256 / 64.
     ("phi3", {**rope(rope_type="longrope", short_factor=[1.0 + i / 4 for i in range(8)], long_factor=[2.0] * 8),
               "original_max_position_embeddings": 64}, None),
-    ("phi3", rope(rope_type="default", partial_rotary_factor=0.5), "partial rotary"),
+    # Phi-3's class rotates part of each head (Phi-4-mini: 0.75, with longrope); transformers'
+    # Llama-family classes rotate whole heads whatever the setting says: refused there.
+    ("phi3", rope(rope_type="default", partial_rotary_factor=0.75), None),
+    ("phi3", {**rope(rope_type="longrope", partial_rotary_factor=0.75, short_factor=[1.0 + i / 8 for i in range(6)],
+                     long_factor=[2.0] * 6), "original_max_position_embeddings": 64}, None),
+    ("mistral", rope(rope_type="default", partial_rotary_factor=0.5), r"partial rotary embeddings \(8 of 16 dims\)"),
+    ("qwen3", rope(rope_type="default", partial_rotary_factor=0.5), "partial rotary"),
     ("mistral", dict(num_key_value_heads=1), None),
     ("qwen3_moe", dict(decoder_sparse_step=2, mlp_only_layers=[]), None),
     ("mixtral", dict(num_experts_per_tok=3), None),

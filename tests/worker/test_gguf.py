@@ -141,11 +141,12 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
     ("llama", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
     ("phi3", {"rope_type": "longrope", "short_factor": [1.0 + i / 32 for i in range(32)], "long_factor": [2.0] * 32,
               "original_max_position_embeddings": 128}),
-], ids=["llama3-rope_freqs", "linear", "yarn", "phi3-longrope"])
+    ("phi3", {"rope_type": "default", "partial_rotary_factor": 0.75}),
+], ids=["llama3-rope_freqs", "linear", "yarn", "phi3-longrope", "phi3-partial"])
 def test_a_files_rope_scaling_gives_the_checkpoints_logits(arch, rope, tmp_path) -> None:
     """RoPE scaling as llama.cpp's converter writes it (Llama 3's as a `rope_freqs` tensor, linear
-    and YaRN as metadata, Phi-3's longrope as two tensors of factors), all of which transformers'
-    reading of the file leaves out: served, the float32 file gives the logits and greedy tokens of
+    and YaRN as metadata, Phi-3's longrope as two tensors of factors, Phi-4-mini's partial rotation
+    as `rope.dimension_count`), all of which transformers' reading of the file leaves out: served, the float32 file gives the logits and greedy tokens of
     the checkpoint it was written from (longrope within its original context, which the worker
     reports as the model's)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -156,7 +157,8 @@ def test_a_files_rope_scaling_gives_the_checkpoints_logits(arch, rope, tmp_path)
     checkpoint = tiny_model(arch, rope=rope)
     runner = ModelRunner(RunnerConfig(model_dir=path, kv_cache_bytes=16 << 20))
     assert runner.info.quantization == "gguf:none"
-    assert runner.info.context_len == (rope["original_max_position_embeddings"] if arch == "phi3" else CONTEXT)
+    assert runner.info.context_len == (rope["original_max_position_embeddings"] if rope["rope_type"] == "longrope"
+                                       else CONTEXT)
     assert_matches_reference(runner, checkpoint, PROMPT_IDS, NUM_NEW_TOKENS)
     # What transformers reads of the file (plain RoPE) is another model: the scaling matters here.
     config = AutoConfig.from_pretrained(str(tmp_path), gguf_file=path.name)
@@ -184,10 +186,13 @@ def test_a_qwen3_file_whose_heads_are_not_128_wide(tmp_path) -> None:
     ("llama", dict(rope={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
                          "gguf_attn_factor": 0.7}), "YaRN attn_factor 0.7"),
     ("phi3", dict(sliding_window=64), r"Phi-3 with sliding-window attention \(sliding_window=64"),
-], ids=["yarn-attn-factor", "phi3-window"])
+    ("phi3", dict(rope={"rope_type": "default", "partial_rotary_factor": 0.75}),
+     "partial rotary embeddings over a GGUF or GPTQ/AWQ checkpoint's quantized q/k weights"),
+], ids=["yarn-attn-factor", "phi3-window", "phi3-partial-quantized"])
 def test_what_a_file_says_and_the_worker_cannot_follow_is_refused(arch, settings, refusal, tmp_path) -> None:
-    """A YaRN attn_factor (llama.cpp's own temperature) and a sliding window in the metadata are
-    refused by name: never served as plain RoPE or full attention."""
+    """A YaRN attn_factor (llama.cpp's own temperature), a sliding window in the metadata and a
+    partial rotation over quantized q/k weights (whose rows are not put in its order) are refused
+    by name: never served as plain RoPE, full attention or a whole-head rotation."""
     from worker_service.model_runner import ModelRunner, RunnerConfig
     from worker_service.unsupported import UnsupportedModel
 

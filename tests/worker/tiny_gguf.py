@@ -127,7 +127,8 @@ def tiny_model(arch: str = "llama", vocab_size: int = SMALL_VOCAB, seed: int = 0
     config_class, model_class = ARCHITECTURES[arch]
     # The base the file is written with, whatever the family's default (Mixtral's is 1e6).
     extra = {"rope_parameters": {"rope_type": "default", "rope_theta": ROPE_THETA, **(rope or {})}}
-    if arch == "phi3" and rope is not None:  # Phi-3's config keeps it outside, over the rope parameters'
+    if arch == "phi3" and rope is not None and "original_max_position_embeddings" in rope:
+        # Phi-3's config keeps it outside, over the rope parameters'
         extra["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
     settings = {"num_hidden_layers": LAYERS, "intermediate_size": INTERMEDIATE, **extra, **ARCH_SETTINGS.get(arch, {})}
     config = config_class(vocab_size=vocab_size, hidden_size=HIDDEN, num_attention_heads=HEADS,
@@ -146,8 +147,11 @@ def tiny_model(arch: str = "llama", vocab_size: int = SMALL_VOCAB, seed: int = 0
 
 def _add_rope_scaling(writer: gguf.GGUFWriter, rope: dict, head_dim: int) -> None:
     """`rope` as llama.cpp's converter writes it: Llama 3's as a `rope_freqs` tensor of
-    per-frequency divisors, linear and YaRN as `rope.scaling.*` metadata."""
+    per-frequency divisors, linear and YaRN as `rope.scaling.*` metadata (a partial rotation is
+    only `rope.dimension_count`, written with the other sizes)."""
     kind = rope["rope_type"]
+    if kind == "default":
+        return
     if kind == "llama3":
         factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
         old_context = rope["original_max_position_embeddings"]
@@ -222,7 +226,7 @@ def write_tiny_gguf(out: Path, qtype: str, tokenizer_dir: Path | None = None, se
     writer.add_head_count_kv(KV_HEADS)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(int(head_dim * (rope or {}).get("partial_rotary_factor", 1.0)))
     if arch == "gemma3":  # the full layers' base, and the sliding layers' own
         writer.add_rope_freq_base(GEMMA3_FULL_THETA)
         writer.add_rope_freq_base_swa(GEMMA3_SLIDING_THETA)

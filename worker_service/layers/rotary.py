@@ -148,27 +148,50 @@ class RotaryEmbedding(torch.nn.Module):
         dtype: torch.dtype,
         device: torch.device,
         rotate: bool = True,
+        allow_partial: bool = False,
     ) -> None:
         """`rotate=False`: the tables of a layer without RoPE (cos 1, sin 0; SmolLM3's NoPE layers),
-        through which a rotation returns its input exactly."""
+        through which a rotation returns its input exactly.
+
+        A partial rotation (`partial_rotary_factor`: the first `rotary_dim` of a head's dims
+        rotate, in halves of `rotary_dim / 2`, the rest pass through) is served on the whole-head
+        layout: `permutation` is the order of a head's dims that puts the two rotary halves at
+        the head's two halves and the passing dims after them, and the tables hold cos 1, sin 0
+        for those. A model that permutes its q and k rows so at load (the scores are the same
+        sums, over dims in another order) asks for it with `allow_partial`."""
         super().__init__()
         params = rope_parameters(config)
-        if params.get("partial_rotary_factor", 1.0) != 1.0:
-            raise UnsupportedModel("partial rotary embeddings are not supported")
-        inv_freq = inverse_frequencies(params, head_dim) if rotate else torch.zeros(head_dim // 2)
+        rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        self.permutation: torch.Tensor | None = None
+        if rotary_dim != head_dim:
+            if not allow_partial or rotary_dim % 2 or (head_dim - rotary_dim) % 2:
+                raise UnsupportedModel(f"partial rotary embeddings ({rotary_dim} of {head_dim} dims) are not "
+                                       "supported for this model")
+            self.permutation = partial_rotary_order(head_dim, rotary_dim)
+        inv_freq = inverse_frequencies(params, rotary_dim) if rotate else torch.zeros(rotary_dim // 2)
         scale = attention_factor(params) if rotate else 1.0
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        passing = (head_dim - rotary_dim) // 2
+        cos = torch.cat([angles.cos() * scale, torch.ones(max_positions, passing)], dim=-1)
+        sin = torch.cat([angles.sin() * scale, torch.zeros(max_positions, passing)], dim=-1)
         # [max_positions, head_dim]: the half-split layout repeats each frequency twice.
-        angles = torch.cat([angles, angles], dim=-1)
-        self.register_buffer("cos", (angles.cos() * scale).to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("cos", torch.cat([cos, cos], dim=-1).to(device=device, dtype=dtype), persistent=False)
         # sin with the first half negated: `apply_rotary` then needs no negation of its own.
-        signs = torch.cat([-torch.ones(head_dim // 2), torch.ones(head_dim // 2)])
-        self.register_buffer("sin", (angles.sin() * scale * signs).to(device=device, dtype=dtype), persistent=False)
+        self.register_buffer("sin", torch.cat([-sin, sin], dim=-1).to(device=device, dtype=dtype), persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin `[T, 1, head_dim]` for positions `[T]`; looked up once per step, used by every layer."""
         return (self.cos.index_select(0, positions).unsqueeze(1),
                 self.sin.index_select(0, positions).unsqueeze(1))
+
+
+def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The order of a head's dims under which a rotation of the first `rotary_dim` (pairs i and
+    i + rotary_dim / 2) becomes the whole head's (pairs i and i + head_dim / 2): each half of the
+    head holds one rotary half, then half of the passing dims."""
+    half, passing = rotary_dim // 2, (head_dim - rotary_dim) // 2
+    return torch.cat([torch.arange(0, half), torch.arange(rotary_dim, rotary_dim + passing),
+                      torch.arange(half, rotary_dim), torch.arange(rotary_dim + passing, head_dim)])
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

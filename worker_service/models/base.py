@@ -27,6 +27,10 @@ class CausalLM(torch.nn.Module):
         (e.g. "sliding-window attention"), named for the backend selection's reason; default none."""
         return ()
 
+    def after_load(self) -> None:
+        """What the model does to its weights once they are read, before the backend packs them
+        (Llama's family: q and k rows in a partial rotation's order); default nothing."""
+
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Hidden states `[T, hidden]` of the step's tokens."""
         raise NotImplementedError

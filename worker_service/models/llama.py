@@ -63,6 +63,19 @@ class LlamaAttention(torch.nn.Module):
     def prepare_qk(self, qkv: torch.Tensor) -> None:
         """What a family does to q and k between the projection and RoPE, in place (Llama: nothing)."""
 
+    def reorder_qk(self, order: torch.Tensor) -> None:
+        """Put each q and k head's rows (and biases) in `order` (`RotaryEmbedding.permutation`);
+        v's stay. q . k sums the same products in another order."""
+        if self.qkv_proj.checkpoint_quantized is not None:
+            raise UnsupportedModel("partial rotary embeddings over a GGUF or GPTQ/AWQ checkpoint's quantized q/k "
+                                   "weights are not supported")
+        d, qk_heads = self.head_dim, self.num_q_heads + self.num_kv_heads
+        rows = torch.cat([head * d + order for head in range(qk_heads)] +
+                         [torch.arange(qk_heads * d, (qk_heads + self.num_kv_heads) * d)])
+        for param in (self.qkv_proj.weight, self.qkv_proj.bias):
+            if param is not None:
+                param.data = param.data.index_select(0, rows.to(param.device))
+
     def forward(self, hidden: torch.Tensor, step: StepContext, rope: Rope) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden).view(num_tokens, self.num_q_heads + 2 * self.num_kv_heads, self.head_dim)
@@ -138,6 +151,10 @@ class LlamaForCausalLM(CausalLM):
 
     qkv_bias = False
     fusable_layer = "llama"
+    # Whether the family rotates only `partial_rotary_factor` of a head's dims, as transformers'
+    # class does (Phi-3's); transformers' Llama, Qwen2, Mistral, Granite and Mixtral rotate whole
+    # heads whatever the setting says, so there the setting is refused rather than guessed at.
+    partial_rotary = False
     layer_class: type[torch.nn.Module] = LlamaDecoderLayer
 
     def __init__(self, config: Any, group: TPGroup, dtype: torch.dtype, device: torch.device,
@@ -155,16 +172,26 @@ class LlamaForCausalLM(CausalLM):
         self.embed_tokens = VocabParallelEmbedding(
             "model.embed_tokens.weight", config.vocab_size, config.hidden_size, group, dtype, device
         )
-        self.rotary = RotaryEmbedding(config, head_dim_of(config), config.max_position_embeddings, dtype, device)
+        self.rotary = RotaryEmbedding(config, head_dim_of(config), config.max_position_embeddings, dtype, device,
+                                      allow_partial=self.partial_rotary)
         self.layers = torch.nn.ModuleList(
             self.layer_class(config, i, group, self.qkv_bias, dtype, device, backend)
             for i in range(config.num_hidden_layers)
         )
+        has_qk_norms = type(self.layers[0].self_attn).prepare_qk is not LlamaAttention.prepare_qk
+        if self.rotary.permutation is not None and has_qk_norms:
+            raise UnsupportedModel(f"{type(self).__name__} with partial rotary embeddings (q/k norms over a "
+                                   "head's dims in their order) is not supported")
         self.norm = RMSNorm("model.norm.weight", config.hidden_size, config.rms_norm_eps, dtype, device, backend)
         self.lm_head = ParallelLMHead(
             "lm_head.weight", config.vocab_size, config.hidden_size, group, dtype, device,
             tied_to=self.embed_tokens if config.tie_word_embeddings else None,
         )
+
+    def after_load(self) -> None:
+        if self.rotary.permutation is not None:
+            for layer in self.layers:
+                layer.self_attn.reorder_qk(self.rotary.permutation)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(token_ids)

@@ -3,7 +3,10 @@
 The merged checkpoint tensors are split at load, per TP shard: this rank's q, k and v rows are
 three row ranges of `qkv_proj` (q at 0, k after all query heads, v after all key heads), its gate
 and up rows two ranges of `gate_up_proj`, read with the same `get_slice` as separate tensors.
-The computation is Llama's exactly, so the model keeps Llama's fusable layer.
+The computation is Llama's exactly, so the model keeps Llama's fusable layer. Phi-3 (Phi-4-mini)
+may rotate only part of each head (`partial_rotary_factor`, as transformers' class does): its q
+and k rows are put in the order `RotaryEmbedding.permutation` gives at load, so that every
+backend's whole-head rotation over tables that leave the other dims alone computes it.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class Phi3DecoderLayer(LlamaDecoderLayer):
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     layer_class = Phi3DecoderLayer
+    partial_rotary = True  # Phi-4-mini's 0.75 (see `RotaryEmbedding`)
 
     def __init__(self, config: Any, group: TPGroup, dtype: torch.dtype, device: torch.device,
                  backend: Backend) -> None:
