@@ -146,9 +146,9 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 def test_a_files_rope_scaling_gives_the_checkpoints_logits(arch, rope, tmp_path) -> None:
     """RoPE scaling as llama.cpp's converter writes it (Llama 3's as a `rope_freqs` tensor, linear
     and YaRN as metadata, Phi-3's longrope as two tensors of factors, Phi-4-mini's partial rotation
-    as `rope.dimension_count`), all of which transformers' reading of the file leaves out: served, the float32 file gives the logits and greedy tokens of
-    the checkpoint it was written from (longrope within its original context, which the worker
-    reports as the model's)."""
+    as `rope.dimension_count`), all of which transformers' reading of the file leaves out:
+    served, the float32 file gives the logits and greedy tokens of the checkpoint it was written
+    from (longrope within its original context, which the worker reports as the model's)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from worker_service.model_runner import ModelRunner, RunnerConfig
@@ -186,13 +186,10 @@ def test_a_qwen3_file_whose_heads_are_not_128_wide(tmp_path) -> None:
     ("llama", dict(rope={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
                          "gguf_attn_factor": 0.7}), "YaRN attn_factor 0.7"),
     ("phi3", dict(sliding_window=64), r"Phi-3 with sliding-window attention \(sliding_window=64"),
-    ("phi3", dict(rope={"rope_type": "default", "partial_rotary_factor": 0.75}),
-     "partial rotary embeddings over a GGUF or GPTQ/AWQ checkpoint's quantized q/k weights"),
-], ids=["yarn-attn-factor", "phi3-window", "phi3-partial-quantized"])
+], ids=["yarn-attn-factor", "phi3-window"])
 def test_what_a_file_says_and_the_worker_cannot_follow_is_refused(arch, settings, refusal, tmp_path) -> None:
-    """A YaRN attn_factor (llama.cpp's own temperature), a sliding window in the metadata and a
-    partial rotation over quantized q/k weights (whose rows are not put in its order) are refused
-    by name: never served as plain RoPE, full attention or a whole-head rotation."""
+    """A YaRN attn_factor (llama.cpp's own temperature) and a sliding window in the metadata are
+    refused by name: never served as plain RoPE or full attention."""
     from worker_service.model_runner import ModelRunner, RunnerConfig
     from worker_service.unsupported import UnsupportedModel
 
@@ -290,3 +287,25 @@ def test_a_mixtral_file_is_served_as_mixtral(tmp_path) -> None:
     experts = runner.model.layers[0].mlp
     assert runner.info.quantization.startswith("gguf:Q4_K+Q6_K")
     assert all(isinstance(linear.packed, DequantizingLinear) for linear in [*experts.gate_up, *experts.down])
+
+
+@pytest.mark.timeout(120)
+def test_a_phi3_file_with_a_partial_rotation_keeps_its_quantized_rows(tmp_path) -> None:
+    """Phi-4-mini's partial rotation (`rope.dimension_count` 3/4 of its heads) over a Q4_K_M
+    file: the quantized q/k rows are put in the rotation's order as they are (each row whole),
+    giving transformers' logits and greedy tokens for the file read with that rotation."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from worker_service.model_runner import ModelRunner, RunnerConfig
+
+    rope = {"rope_type": "default", "partial_rotary_factor": 0.75}
+    path = write_tiny_gguf(tmp_path / "phi3-partial.gguf", MIXED, arch="phi3", rope=rope)
+    config = AutoConfig.from_pretrained(str(tmp_path), gguf_file=path.name)
+    config.pad_token_id = 0
+    config.rope_parameters = {**config.rope_parameters, **rope}
+    reference = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, config=config,
+                                                     dtype=torch.float32).eval()
+    runner = ModelRunner(RunnerConfig(model_dir=path, kv_cache_bytes=16 << 20, activation_quantization="none"))
+    assert runner.info.quantization == "gguf:Q4_K+Q6_K"
+    assert isinstance(runner.model.layers[0].self_attn.qkv_proj.packed, DequantizingLinear)
+    assert_matches_reference(runner, reference, PROMPT_IDS, NUM_NEW_TOKENS)

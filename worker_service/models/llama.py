@@ -27,6 +27,7 @@ from worker_service.layers.norm import RMSNorm
 from worker_service.layers.rotary import RotaryEmbedding
 from worker_service.layers.sharding import balanced_range, shard_heads
 from worker_service.models.base import CausalLM
+from worker_service.quant.format import QuantizedWeight
 from worker_service.unsupported import UnsupportedModel
 
 
@@ -65,16 +66,17 @@ class LlamaAttention(torch.nn.Module):
 
     def reorder_qk(self, order: torch.Tensor) -> None:
         """Put each q and k head's rows (and biases) in `order` (`RotaryEmbedding.permutation`);
-        v's stay. q . k sums the same products in another order."""
-        if self.qkv_proj.checkpoint_quantized is not None:
-            raise UnsupportedModel("partial rotary embeddings over a GGUF or GPTQ/AWQ checkpoint's quantized q/k "
-                                   "weights are not supported")
+        v's stay. q . k sums the same products in another order. A GGUF or GPTQ/AWQ checkpoint's
+        quantized rows are reordered as they are (each row is whole)."""
         d, qk_heads = self.head_dim, self.num_q_heads + self.num_kv_heads
         rows = torch.cat([head * d + order for head in range(qk_heads)] +
                          [torch.arange(qk_heads * d, (qk_heads + self.num_kv_heads) * d)])
         for param in (self.qkv_proj.weight, self.qkv_proj.bias):
-            if param is not None:
+            if param is not None and param.numel():
                 param.data = param.data.index_select(0, rows.to(param.device))
+        blocks = self.qkv_proj.checkpoint_quantized
+        if blocks is not None:
+            self.qkv_proj.checkpoint_quantized = _reorder_blocks(blocks, rows)
 
     def forward(self, hidden: torch.Tensor, step: StepContext, rope: Rope) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -83,6 +85,20 @@ class LlamaAttention(torch.nn.Module):
         k_slots, v_slots = step.pool.slots(self.layer)
         attended = self.backend.attention(qkv, self.num_q_heads, k_slots, v_slots, step, rope, self.options)
         return self.o_proj(attended.reshape(num_tokens, self.num_q_heads * self.head_dim))
+
+
+def _reorder_blocks(blocks: list[QuantizedWeight], rows: torch.Tensor) -> list[QuantizedWeight]:
+    """Row blocks (q/k and v may differ in layout) with their rows in the order `rows` gives;
+    a block's rows must stay in it (they do: heads are whole within the q, k and v tensors)."""
+    reordered, start = [], 0
+    for block in blocks:
+        stop = start + block.out_features
+        local = rows[start:stop] - start
+        if local.min() < 0 or local.max() >= block.out_features:
+            raise UnsupportedModel("partial rotary embeddings over quantized q/k rows whose blocks cut a head")
+        reordered.append(block.take_rows(local))
+        start = stop
+    return reordered
 
 
 class LlamaMLP(torch.nn.Module):

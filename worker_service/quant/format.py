@@ -88,6 +88,13 @@ class QuantizedWeight:
                                None if self.offsets is None else self.offsets[part].contiguous(),
                                self.group_size, self.in_features)
 
+    def take_rows(self, index: torch.Tensor) -> QuantizedWeight:
+        """Output rows in the order `index` gives (a permutation of them: every row is whole)."""
+        index = index.to(self.values.device)
+        return QuantizedWeight(self.format, self.values.index_select(0, index), self.scales.index_select(0, index),
+                               None if self.offsets is None else self.offsets.index_select(0, index),
+                               self.group_size, self.in_features)
+
     def cols(self, selection: range) -> QuantizedWeight:
         """Input columns `selection` (a row-parallel shard): it must start on a group boundary and
         end on one or at the last column, so that every group stays whole."""
