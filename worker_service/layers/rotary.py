@@ -80,7 +80,7 @@ def attention_factor(params: dict[str, Any]) -> float:
         return 1.0
     if params.get("attention_factor") is not None:
         return float(params["attention_factor"])
-    factor = _yarn_factor(params)
+    factor = _stretch(params)
     if params["rope_type"] == "longrope":  # sqrt(1 + ln(factor) / ln(original context))
         old_context = params["original_max_position_embeddings"]
         return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_context))
@@ -106,8 +106,9 @@ def _llama3_scaling(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Ten
     return torch.where(is_medium, blended, scaled)
 
 
-def _yarn_factor(params: dict[str, Any]) -> float:
-    """The context's stretch: given, or the ratio of the two lengths (DeepSeek-V3's and Phi-3's configs)."""
+def _stretch(params: dict[str, Any]) -> float:
+    """YaRN's or longrope's stretch of the context: given, or the ratio of the two lengths
+    (DeepSeek-V3's and Phi-3's configs)."""
     if params.get("factor") is not None:
         return params["factor"]
     if params.get("max_position_embeddings") is None:
@@ -119,7 +120,7 @@ def _yarn_scaling(wavelengths: torch.Tensor, params: dict[str, Any], rotary_dim:
     """YaRN ("NTK-by-parts"): the dimensions that turn more than `beta_fast` times over the
     original context keep their frequency, those turning fewer than `beta_slow` times are
     slowed by `factor`, and a linear ramp over the dimension index blends the two between."""
-    factor = _yarn_factor(params)
+    factor = _stretch(params)
     old_context = params["original_max_position_embeddings"]
     base = params["rope_theta"]
 

@@ -24,7 +24,7 @@ from worker_service.distributed import TPGroup
 from worker_service.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker_service.layers.linear import ColumnParallelLinear, RowParallelLinear
 from worker_service.layers.norm import RMSNorm
-from worker_service.layers.rotary import RotaryEmbedding
+from worker_service.layers.rotary import RotaryEmbedding, served_context
 from worker_service.layers.sharding import balanced_range, shard_heads
 from worker_service.models.base import CausalLM
 from worker_service.quant.format import QuantizedWeight
@@ -105,18 +105,21 @@ class LlamaMLP(torch.nn.Module):
     activation = "silu"  # the checkpoint's activation this MLP computes (`activate`)
 
     def __init__(self, config: Any, layer: int, group: TPGroup, dtype: torch.dtype, device: torch.device,
-                 backend: Backend) -> None:
+                 backend: Backend, prefix: str | None = None, intermediate_size: int | None = None,
+                 reduce: bool = True) -> None:
+        """The layer's MLP, or another of the same kind (Qwen2-MoE's shared expert: its `prefix`,
+        its width, and with `reduce=False` this rank's partial output, which the caller sums)."""
         super().__init__()
         self.backend = backend
         activation = getattr(config, "hidden_activation", None) or config.hidden_act
         if activation != self.activation:
             raise UnsupportedModel(f"unsupported activation {activation!r} (only {self.activation})")
-        prefix = f"model.layers.{layer}.mlp"
-        features = balanced_range(config.intermediate_size, group.world_size, group.rank)
+        prefix = prefix or f"model.layers.{layer}.mlp"
+        features = balanced_range(intermediate_size or config.intermediate_size, group.world_size, group.rank)
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, self.gate_up_pieces(config, prefix, features),
                                                  False, dtype, device)
         self.down_proj = RowParallelLinear(f"{prefix}.down_proj", features, config.hidden_size, group,
-                                           dtype, device)
+                                           dtype, device, reduce=reduce)
 
     def gate_up_pieces(self, config: Any, prefix: str, features: range) -> list[tuple[str, range]]:
         """Where this rank's gate and up rows are in the checkpoint (separate projections here)."""
@@ -188,7 +191,8 @@ class LlamaForCausalLM(CausalLM):
         self.embed_tokens = VocabParallelEmbedding(
             "model.embed_tokens.weight", config.vocab_size, config.hidden_size, group, dtype, device
         )
-        self.rotary = RotaryEmbedding(config, head_dim_of(config), config.max_position_embeddings, dtype, device,
+        # Tables for the positions served (a longrope model's original context, not its 128k).
+        self.rotary = RotaryEmbedding(config, head_dim_of(config), served_context(config), dtype, device,
                                       allow_partial=self.partial_rotary)
         self.layers = torch.nn.ModuleList(
             self.layer_class(config, i, group, self.qkv_bias, dtype, device, backend)

@@ -1,15 +1,14 @@
 """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's attention (q/k/v biases) with a sparse
 mixture-of-experts MLP that adds a shared expert to the routed ones.
 
-The shared expert is a SwiGLU MLP of `shared_expert_intermediate_size` that every token runs,
+The shared expert is a `LlamaMLP` of `shared_expert_intermediate_size` that every token runs,
 its output scaled per token by sigmoid(`shared_expert_gate` · x) and added to the routed experts'
 (`moe.SparseMoE`: top `num_experts_per_tok` of `num_experts`, renormalised when
-`norm_topk_prob`). Tensor parallel: the shared expert's intermediate dimension is split like the
-dense MLP's; its gate (one output) is replicated, and since the scaling is per token it applies
-to each rank's partial product, so the group still sums once per layer, routed and shared
-together. Layers in `mlp_only_layers` or off the `decoder_sparse_step` stride keep a dense MLP.
-No fusable layer.
-"""
+`norm_topk_prob`). Tensor parallel: the shared expert's intermediate dimension is split like any
+LlamaMLP's, its output left to the caller's sum; its gate (one output) is replicated, and since
+the scaling is per token it applies to each rank's partial product, so the group still sums
+once per layer, routed and shared together. Layers in `mlp_only_layers` or off the
+`decoder_sparse_step` stride keep a dense MLP. No fusable layer."""
 
 from __future__ import annotations
 
@@ -19,15 +18,12 @@ import torch
 
 from worker_service.backends.base import Backend
 from worker_service.distributed import TPGroup, all_reduce_sum
-from worker_service.layers.linear import ColumnParallelLinear, RowParallelLinear
-from worker_service.layers.sharding import balanced_range
+from worker_service.layers.linear import ColumnParallelLinear
 from worker_service.models.llama import LlamaDecoderLayer, LlamaMLP
-from worker_service.models.moe import ExpertLayout, Routing, RoutesExperts, SparseMoE
+from worker_service.models.moe import Routing, RoutesExperts, SparseMoE
 from worker_service.models.qwen2 import Qwen2ForCausalLM
-from worker_service.models.qwen3_moe import is_sparse
+from worker_service.models.qwen3_moe import LAYOUT, is_sparse
 from worker_service.unsupported import UnsupportedModel
-
-LAYOUT = ExpertLayout("mlp", "gate_proj", "up_proj", "down_proj")
 
 
 class SharedExpertMoE(SparseMoE):
@@ -39,18 +35,14 @@ class SharedExpertMoE(SparseMoE):
         super().__init__(layer, config.hidden_size, config.moe_intermediate_size, routing, LAYOUT, group, dtype,
                          device, backend)
         prefix = f"model.layers.{layer}.mlp"
-        features = balanced_range(config.shared_expert_intermediate_size, group.world_size, group.rank)
-        self.shared_gate_up = ColumnParallelLinear(
-            config.hidden_size, [(f"{prefix}.shared_expert.gate_proj", features),
-                                 (f"{prefix}.shared_expert.up_proj", features)], False, dtype, device)
-        self.shared_down = RowParallelLinear(f"{prefix}.shared_expert.down_proj", features, config.hidden_size,
-                                             group, dtype, device, reduce=False)
+        self.shared_expert = LlamaMLP(config, layer, group, dtype, device, backend, f"{prefix}.shared_expert",
+                                      config.shared_expert_intermediate_size, reduce=False)
         self.shared_gate = ColumnParallelLinear(config.hidden_size, [(f"{prefix}.shared_expert_gate", range(1))],
                                                 False, dtype, device)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        shared = self.shared_down(self.backend.silu_mul(self.shared_gate_up(hidden)))
-        return all_reduce_sum(self.partial(hidden) + row_sigmoid(self.shared_gate(hidden)) * shared, self.group)
+        shared = row_sigmoid(self.shared_gate(hidden)) * self.shared_expert(hidden)
+        return all_reduce_sum(self.partial(hidden) + shared, self.group)
 
 
 def row_sigmoid(x: torch.Tensor) -> torch.Tensor:
@@ -83,6 +75,4 @@ class Qwen2MoeForCausalLM(RoutesExperts, Qwen2ForCausalLM):
                  backend: Backend) -> None:
         if not getattr(config, "qkv_bias", True):
             raise UnsupportedModel("Qwen2-MoE with qkv_bias=False is not supported")
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise UnsupportedModel(f"unsupported activation {config.hidden_act!r} (only silu)")
         super().__init__(config, group, dtype, device, backend)

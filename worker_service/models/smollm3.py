@@ -15,7 +15,7 @@ import torch
 
 from worker_service.backends.base import Backend, StepContext
 from worker_service.distributed import TPGroup
-from worker_service.layers.rotary import RotaryEmbedding
+from worker_service.layers.rotary import RotaryEmbedding, served_context
 from worker_service.models.config_checks import refuse_sliding_window
 from worker_service.models.llama import LlamaForCausalLM, head_dim_of
 from worker_service.unsupported import UnsupportedModel
@@ -35,7 +35,7 @@ class SmolLM3ForCausalLM(LlamaForCausalLM):
                                    f"{config.num_hidden_layers} layers")
         super().__init__(config, group, dtype, device, backend)
         self.uses_rope = uses_rope
-        self.unrotated = RotaryEmbedding(config, head_dim_of(config), config.max_position_embeddings, dtype, device,
+        self.unrotated = RotaryEmbedding(config, head_dim_of(config), served_context(config), dtype, device,
                                          rotate=False)
 
     def run_layers(self, hidden: torch.Tensor, step: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
