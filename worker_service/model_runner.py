@@ -153,7 +153,8 @@ class ModelRunner:
             quantization = kept if config.quantization == "none" else f"{kept}+{quantization}"
         else:
             load_weights(self.model, source.folder)
-        self.model.after_load()
+        with torch.inference_mode():  # its tensors are the model's: inference tensors, as the loader's are
+            self.model.after_load()
         # After loading: packed weights cannot be loaded into.
         pack_linear_weights(self.model, self.backend,
                             quantizer(config.quantization, config.quantization_group_size),

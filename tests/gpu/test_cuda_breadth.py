@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from worker.families import FAMILIES, VOCAB_SIZE, make_family
 from worker.test_prequantized import CASES as PREQUANTIZED
 from worker.test_quant_model import dequantized_reference
-from worker.tiny_gguf import TYPES, write_tiny_gguf
+from worker.tiny_gguf import MIXED, TYPES, tiny_model, write_tiny_gguf
 from worker.tiny_models import make_tiny_llama, reference_greedy
 from worker.tiny_prequantized import write_prequantized
 from worker_service.backends.linear_quant import DequantizingLinear
@@ -167,3 +167,83 @@ def test_gptq_and_awq_checkpoints_on_cuda(prequantized, case) -> None:
     runner = runner_for(quantized, "torch", 0)
     assert runner.info.quantization == f"{PREQUANTIZED[case][0]}:int4-g{PREQUANTIZED[case][1]}"
     check_against(runner, reference, list(range(3, 40)))
+
+
+def rope(**params) -> dict:
+    return {"rope_parameters": {"rope_theta": 10000.0, **params}}
+
+
+# RoPE settings the CPU suite holds to transformers (test_config_variants.py), here with heads of 64
+# so Triton's row kernel applies their tables too: YaRN (with DeepSeek's mscale), Gemma 3's per-layer
+# YaRN, Phi-3's longrope within its original context and its partial rotation (Phi-4-mini's 0.75,
+# rotary dims first after the load's reordering of q/k rows).
+PHI3_WIDE = dict(hidden_size=256)  # Phi-3's heads are hidden / heads wide, whatever head_dim says
+ROPE_VARIANTS = {
+    "qwen3-yarn": ("qwen3", rope(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)),
+    "mistral-yarn-mscale": ("mistral", rope(rope_type="yarn", factor=8.0, original_max_position_embeddings=32,
+                                            beta_fast=16, beta_slow=2, mscale=0.9, mscale_all_dim=0.5,
+                                            truncate=False)),
+    "gemma3-yarn-full-layers": ("gemma3", dict(rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e6, "attention_factor": 1.3}})),
+    "phi3-longrope": ("phi3", {**rope(rope_type="longrope", short_factor=[1.0 + i / 16 for i in range(32)],
+                                      long_factor=[2.0] * 32), "original_max_position_embeddings": 64,
+                                **PHI3_WIDE}),
+    "phi3-partial-longrope": ("phi3", {**rope(rope_type="longrope", partial_rotary_factor=0.75,
+                                              short_factor=[1.0 + i / 16 for i in range(24)], long_factor=[2.0] * 24),
+                                       "original_max_position_embeddings": 64, **PHI3_WIDE}),
+}
+
+
+@pytest.mark.parametrize(("kernel", "graphs"), PATHS, ids=IDS)
+@pytest.mark.parametrize("variant", sorted(ROPE_VARIANTS))
+def test_rope_variants_match_transformers_on_cuda(variant, kernel, graphs, tmp_path) -> None:
+    family, settings = ROPE_VARIANTS[variant]
+    model_dir = make_family(family, tmp_path / variant, head_dim=HEAD_DIM, **settings)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                     attn_implementation="eager").eval()
+    check_against(runner_for(model_dir, kernel, graphs), reference, prompt(3))
+
+
+# GGUF architectures beyond llama, and what a file says that transformers' reading leaves out (its
+# RoPE scaling, Gemma's norms, soft-caps and query scale, MoE widths, Mixtral's experts): a float32
+# file against the checkpoint it was written from.
+GGUF_CASES = {
+    **{arch: (arch, None) for arch in ("qwen3", "qwen3moe", "qwen2moe", "phi3", "gemma2", "gemma3", "mixtral")},
+    "llama3-rope_freqs": ("llama", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "phi3-partial": ("phi3", {"rope_type": "default", "partial_rotary_factor": 0.75}),
+}
+
+
+@pytest.mark.parametrize(("kernel", "graphs"), PATHS, ids=IDS)
+@pytest.mark.parametrize("case", sorted(GGUF_CASES))
+def test_gguf_architectures_give_the_checkpoints_logits_on_cuda(case, kernel, graphs, tmp_path) -> None:
+    arch, rope_params = GGUF_CASES[case]
+    path = write_tiny_gguf(tmp_path / f"{case}.gguf", "F32", arch=arch, rope=rope_params)
+    checkpoint = tiny_model(arch, rope=rope_params)
+    checkpoint.config._attn_implementation = "eager"  # Gemma 2's soft-cap is applied by eager alone
+    check_against(runner_for(path, kernel, graphs), checkpoint, list(range(3, 40)))
+
+
+def test_quantized_moe_and_partial_rotation_files_on_cuda(tmp_path) -> None:
+    """A Q4_K_M qwen3moe file's experts and a Q4_K_M phi3 file's reordered q/k rows, kept quantized
+    on the GPU, against transformers reading each file with what its reading leaves out put back."""
+    from transformers import AutoConfig
+
+    from worker.tiny_gguf import EXPERT_WIDTH
+    for arch, rope_params in [("qwen3moe", None), ("phi3", {"rope_type": "default", "partial_rotary_factor": 0.75})]:
+        folder = tmp_path / arch
+        folder.mkdir()
+        path = write_tiny_gguf(folder / f"{arch}.gguf", MIXED, arch=arch, rope=rope_params)
+        config = AutoConfig.from_pretrained(str(folder), gguf_file=path.name)
+        config.pad_token_id = 0
+        if arch == "qwen3moe":
+            config.moe_intermediate_size = EXPERT_WIDTH
+        else:
+            config.rope_parameters = {**config.rope_parameters, **rope_params}
+        reference = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=path.name, config=config,
+                                                         dtype=torch.float32).eval()
+        runner = runner_for(path, "torch", 0, activation_quantization="none")
+        assert runner.info.quantization == "gguf:Q4_K+Q6_K"
+        check_against(runner, reference, list(range(3, 40)))

@@ -20,6 +20,8 @@ from transformers import AutoModelForCausalLM
 from worker.families import make_family
 from worker.test_model_families import ATOL, PROMPT_LEN, prompt, runner_for
 from worker_service.forward_batch import ForwardEntry
+from worker_service.model_runner import ModelRunner, RunnerConfig
+from worker_service.quant import quantizer
 from worker_service.unsupported import UnsupportedModel
 
 pytestmark = pytest.mark.timeout(300)
@@ -122,3 +124,26 @@ def test_a_checkpoint_without_a_tensor_or_with_one_of_another_shape_is_named(tmp
     save_file({**tensors, missing: tensors[missing][:8]}, model_dir / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelUnreadable, match=rf"{missing}: read \(8,\), expected \(16,\)"):
         runner_for(model_dir, "torch")
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_a_partial_rotation_with_weights_quantized_at_load(quantization, tmp_path: Path) -> None:
+    """Phi-4-mini's partial rotation under `--quantization`: its q/k rows are reordered at load
+    before they are quantized (a row's scales stay its own, so the order commutes with them).
+    It was an error at the first step ('Inference tensors do not track version counter': the
+    reordered rows were made outside inference mode), as on every backend that does not repack
+    them, CUDA's included."""
+    model_dir = make_family("phi3", tmp_path / "model", **rope(rope_type="default", partial_rotary_factor=0.75))
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    quantize = quantizer(quantization)
+    with torch.no_grad():
+        for module in reference.model.layers.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(quantize(module.weight).dequantize())
+    runner = ModelRunner(RunnerConfig(model_dir=model_dir, page_size=4, kv_cache_bytes=4 << 20,
+                                      quantization=quantization, activation_quantization="none"))
+    token_ids = prompt()
+    logits = runner.forward([ForwardEntry(token_ids, 0, list(range(3, 3 + PROMPT_LEN // 4 + 1)), True)])[0]
+    with torch.no_grad():
+        expected = reference(torch.tensor([token_ids])).logits[0, -1]
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
