@@ -1,9 +1,10 @@
 """A running gateway: the gRPC server, the HTTP API, its router pool, and the probe loop that
 drives health (started and stopped by `radixserve.serving.run_service`).
 
-Health is NOT_SERVING until the tokenizer is loaded, the constraint compile processes are up
-and at least one router answers GetServerInfo; it goes back to NOT_SERVING while no router
-answers.
+The public gRPC and HTTP ports are listened on once the tokenizer is loaded and the constraint
+compile processes are up: the host's gateways share them (`radixserve up --gateways N`), and the
+kernel hands a listening process its share of new connections, ready or not. Health is
+NOT_SERVING until at least one router answers GetServerInfo, and again while none does.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from radixserve.guard import token_accepted
 from radixserve.metrics import MetricsServer, serve_metrics
 from radixserve.security import load_security
 from radixserve.health import Health
-from radixserve.serving import start_server
+from radixserve.serving import build_server, check_can_listen, listen
 from radixserve.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -85,7 +86,9 @@ class Gateway:
         cls, config: GatewayConfig, tokenizer: Tokenizer | None = None,
         token_check: TokenCheck | None = None,
     ) -> "Gateway":
-        """Listen at once; load the tokenizer (unless given) off the event loop; then probe.
+        """Load the tokenizer (unless given) off the event loop, start the compile processes,
+        probe the routers, then listen (/metrics at once). A public port that cannot be listened
+        on is `CannotListen` before the loading.
 
         The HTTP API's `/v1/` routes answer 401 without a token the gRPC API accepts too
         (`token_check` replaces that check, for tests). Raises `SecurityError` when a TLS or
@@ -101,9 +104,7 @@ class Gateway:
         pool = RouterPool(await discovery.addresses(), config.affinity_tokens, config.probe_timeout_s, security,
                           bounds=config.bounds, memory=memory, tls_name=discovery.tls_name)
         servicer = GenerationServicer(config, pool)
-        server, health, port = await start_server(
-            config.host,
-            config.port,
+        server, health = await build_server(
             [lambda s: generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, s)],
             [SERVICE_NAME],
             security=security,
@@ -111,9 +112,13 @@ class Gateway:
             extra_options=public_grpc_options(config),
             share_port=True,  # `radixserve up --gateways N`: one port, N processes
         )
-        gateway = cls(config, server, health, port, pool, servicer, discovery)
-        log.info("gateway listening on %s:%d (NOT_SERVING until ready)", config.host, port)
-        await gateway._start_http(token_check)
+        # The public ports are shared with the host's other gateways, and a port listened on takes
+        # connections: they are listened on once this gateway can serve them (below). Whether they
+        # can be is known now.
+        for port in (config.port, config.http_port):
+            check_can_listen(config.host, port)
+        gateway = cls(config, server, health, 0, pool, servicer, discovery)
+        gateway.metrics = serve_metrics(servicer.metrics.registry, config.host, config.metrics_port, "gateway")
         forkserver = asyncio.create_task(compile_processes.warm_up())
         if tokenizer is None:
             tokenizer = await asyncio.to_thread(Tokenizer.load, config.model)
@@ -135,15 +140,17 @@ class Gateway:
         log.info("%d constraint compile processes ready", config.constraint_processes)
         servicer.tokenizer = tokenizer
         servicer.constraints = checker
-        await gateway.probe_once()
+        await gateway.probe_once()  # health before the first call can ask
+        gateway.port = await listen(server, config.host, config.port, security)
+        log.info("gateway listening on %s:%d", config.host, gateway.port)
+        await gateway._start_http(token_check)
         gateway._probing = asyncio.create_task(gateway._probe_loop())
         gateway._probing.add_done_callback(gateway._probe_loop_ended)
         return gateway
 
     async def _start_http(self, token_check: TokenCheck | None) -> None:
-        """The OpenAI-compatible HTTP API and /metrics, each when its port is not 0."""
+        """The OpenAI-compatible HTTP API, when its port is not 0."""
         config = self.config
-        self.metrics = serve_metrics(self.servicer.metrics.registry, config.host, config.metrics_port, "gateway")
         if config.http_port:
             app = build_app(self.servicer, config.max_choices, lambda: bool(self._serving), config.limits,
                             token_check)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -71,17 +72,30 @@ async def start_server(
     extra_options: Iterable[tuple[str, Any]] = (),
     share_port: bool = False,
 ) -> tuple[grpc.aio.Server, Health, int]:
-    """Start a grpc.aio server with health (NOT_SERVING at first) and reflection.
+    """`build_server` listening on host:port (`listen`). Returns the server, its health handle
+    and the bound port (useful when `port` is 0)."""
+    server, health_handle = await build_server(register, service_names, security, max_receive_bytes, extra_options,
+                                         share_port)
+    return server, health_handle, await listen(server, host, port, security)
 
-    `register` holds callables `f(server)` that add the service's servicers. The port uses TLS
-    when `security` has server credentials, and every call but health checks needs one of its
-    accepted tokens when it has any. Requests over `max_receive_bytes` are refused by gRPC
-    (RESOURCE_EXHAUSTED) before they are read whole. `extra_options` are further gRPC server
-    arguments (a public port's connection limits). With `share_port` (the gateways of one host)
-    other processes may listen on the same port (SO_REUSEPORT); otherwise a port something
-    already listens on is an OSError, never a port shared with a stranger that would get half
-    the connections (gRPC's default). Returns the server, its health handle and the bound port
-    (useful when `port` is 0).
+
+async def build_server(
+    register: Iterable,
+    service_names: Iterable[str],
+    security: Security = NO_SECURITY,
+    max_receive_bytes: int = MAX_MESSAGE_BYTES,
+    extra_options: Iterable[tuple[str, Any]] = (),
+    share_port: bool = False,
+) -> tuple[grpc.aio.Server, Health]:
+    """A grpc.aio server with health (NOT_SERVING at first) and reflection, not yet listening.
+
+    `register` holds callables `f(server)` that add the service's servicers. Every call but
+    health checks needs one of `security`'s accepted tokens when it has any. Requests over
+    `max_receive_bytes` are refused by gRPC (RESOURCE_EXHAUSTED) before they are read whole.
+    `extra_options` are further gRPC server arguments (a public port's connection limits). With
+    `share_port` (the gateways of one host) other processes may listen on the same port
+    (SO_REUSEPORT); otherwise a port something already listens on is an OSError, never a port
+    shared with a stranger that would get half the connections (gRPC's default).
     """
     names = list(service_names)
     options = [o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
@@ -95,6 +109,13 @@ async def start_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_handle.servicer, server)
     await health_handle.set(False)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    return server, health_handle
+
+
+async def listen(server: grpc.aio.Server, host: str, port: int, security: Security = NO_SECURITY) -> int:
+    """Listen on host:port (TLS when `security` has server credentials) and start `server`;
+    returns the bound port. gRPC listens as the port is added: a server whose port is shared
+    takes connections from then on, so one that is not ready yet adds it later."""
     try:  # grpc.aio raises RuntimeError where the sync server returns 0
         if security.server_credentials is None:
             bound = server.add_insecure_port(f"{host}:{port}")
@@ -105,7 +126,21 @@ async def start_server(
     if bound == 0:
         raise CannotListen(f"cannot listen on {host}:{port} (is another process listening there?)")
     await server.start()
-    return server, health_handle, bound
+    return bound
+
+
+def check_can_listen(host: str, port: int) -> None:
+    """Raise `CannotListen` now where a server sharing `port` (SO_REUSEPORT) could not listen
+    on it later: something holds it without sharing, or another user does. Port 0 always can."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise CannotListen(f"cannot listen on {host}:{port} ({exc.strerror or exc})") from None
 
 
 def run_service(program: Program, start: Start, argv: list[str] | None = None) -> None:

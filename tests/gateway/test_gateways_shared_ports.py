@@ -1,7 +1,8 @@
 """Two gateway processes on one gRPC and one HTTP port (what `radixserve up --gateways 2` starts,
 see radixserve/stack_plan.py), in front of a fake router: the kernel spreads connections over
 both and both serve; SIGTERM on one drains its streams to their end while the other keeps
-serving the streams and connections it has and the new ones."""
+serving the streams and connections it has and the new ones. A gateway starting beside serving
+ones (a restart) takes no connection before it can serve it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
@@ -29,6 +30,7 @@ TOKEN_DELAY_S = 0.05
 GRACE_S = 15.0
 READY_TIMEOUT_S = 90.0
 NAMES = ("gateway-a", "gateway-b")
+JOINING = "gateway-c"
 
 
 @dataclass
@@ -37,6 +39,7 @@ class Ports:
     http: int
     router: str
     procs: ServiceProcesses
+    start_gateway: Callable[[str], object]
 
     @property
     def address(self) -> str:
@@ -51,13 +54,13 @@ def gateways(smollm2_dir) -> Iterator[Ports]:
     router.script(list(range(300, 300 + NUM_TOKENS)), delay_s=TOKEN_DELAY_S)
     try:
         with ServiceProcesses() as procs:
-            ports = Ports(free_port(), free_port(), router.address, procs)
+            ports = Ports(free_port(), free_port(), router.address, procs, lambda name: procs.start(name, [
+                sys.executable, "-m", "gateway_service", "--port", str(ports.grpc), "--http-port",
+                str(ports.http), "--routers", router.address, "--model", str(smollm2_dir),
+                "--metrics-port", "0", "--log-level", "INFO", "--shutdown-grace-s", str(GRACE_S),
+                "--constraint-processes", "1"]))
             for name in NAMES:
-                procs.start(name, [
-                    sys.executable, "-m", "gateway_service", "--port", str(ports.grpc), "--http-port",
-                    str(ports.http), "--routers", router.address, "--model", str(smollm2_dir),
-                    "--metrics-port", "0", "--log-level", "INFO", "--shutdown-grace-s", str(GRACE_S),
-                    "--constraint-processes", "1"])
+                ports.start_gateway(name)
             deadline = time.monotonic() + READY_TIMEOUT_S
             while not all("health: SERVING" in procs.tail(name, 100_000) for name in NAMES):
                 procs.check_alive()
@@ -144,3 +147,46 @@ def test_sigterm_on_one_drains_its_streams_and_the_other_keeps_serving(gateways)
     assert [complete(s) for s in later] == [FULL] * 4
     assert "stopping: draining in-flight streams" in gateways.procs.tail(NAMES[0], 1_000_000)
     assert gateways.procs.procs[NAMES[1]].poll() is None
+
+
+def _one_call(ports: Ports, index: int) -> str | None:
+    """A Tokenize over a new gRPC connection, or a completion over a new HTTP one (alternately):
+    None when served, else what went wrong."""
+    if index % 2:
+        reply = httpx.post(f"http://127.0.0.1:{ports.http}/v1/completions", timeout=30,
+                           json={"model": "fake-smollm2", "prompt": "hi", "max_tokens": 1})
+        return None if reply.status_code == 200 else f"HTTP {reply.status_code}: {reply.text[:120]}"
+    with grpc.insecure_channel(ports.address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+        try:
+            generation_pb2_grpc.GenerationServiceStub(channel).Tokenize(
+                generation_pb2.TokenizeRequest(prompt="hello there"), timeout=30)
+        except grpc.RpcError as exc:
+            return f"gRPC {exc.code().name}: {exc.details()}"
+    return None
+
+
+def test_a_gateway_joining_the_ports_takes_no_connection_before_it_is_ready(gateways) -> None:
+    """A gateway started beside a serving one (the launcher restarting one that died) listens on
+    the shared ports only once it can serve: while it loads its tokenizer and starts its compile
+    processes, every new connection is the serving one's. It used to listen at once, and the
+    connections the kernel gave it meanwhile were refused ('still loading its tokenizer')."""
+    assert any(proc.poll() is None for name, proc in gateways.procs.procs.items() if name in NAMES)
+    gateways.start_gateway(JOINING)
+    failures, calls, ready_at = [], 0, None
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while ready_at is None or time.monotonic() < ready_at + 1.0:
+        assert gateways.procs.procs[JOINING].poll() is None, gateways.procs.tail(JOINING)
+        assert time.monotonic() < deadline, "the joining gateway did not get ready"
+        failure = _one_call(gateways, calls)
+        calls += 1
+        if failure is not None:
+            failures.append(failure)
+        if ready_at is None and "health: SERVING" in gateways.procs.tail(JOINING, 100_000):
+            ready_at = time.monotonic()
+    assert calls > 20, calls  # the joining gateway's start spanned many calls
+    assert failures == [], f"{len(failures)} of {calls} calls failed while a gateway joined: {failures[:3]}"
+    # Once ready, it takes its share.
+    before = gateways.procs.tail(JOINING, 1_000_000).count("radixserve.access: request ")
+    streams = run_streams(gateways.address, NUM_CONNECTIONS)
+    assert [complete(s) for s in streams] == [FULL] * NUM_CONNECTIONS
+    assert gateways.procs.tail(JOINING, 1_000_000).count("radixserve.access: request ") > before

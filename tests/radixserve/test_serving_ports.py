@@ -54,3 +54,22 @@ def test_a_router_on_a_taken_port_stops_with_one_line(flag, said) -> None:
                               timeout=50, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith(f"python -m router_service: {said.format(port=port)}")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flag", ["--port", "--http-port"])
+def test_a_gateway_on_a_port_held_without_sharing_stops_with_one_line(flag, smollm2_dir) -> None:
+    """A gateway listens on its shared ports only once it has loaded, but whether it can is
+    checked first: a port something holds without SO_REUSEPORT is the one line, as a router's."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = ["--port", "0", "--http-port", "0", "--metrics-port", "0", flag, str(port),
+                "--routers", "127.0.0.1:1", "--model", str(smollm2_dir)]
+        done = subprocess.run([sys.executable, "-m", "gateway_service", *args], capture_output=True, text=True,
+                              timeout=50, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "tokenizer loaded" not in done.stderr, done.stderr  # said before the loading, not after it
+    assert done.stderr.strip().splitlines()[-1].startswith(
+        f"python -m gateway_service: cannot listen on 127.0.0.1:{port} (Address already in use)"), done.stderr
