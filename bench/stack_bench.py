@@ -287,6 +287,10 @@ async def main_async(args: argparse.Namespace) -> None:
                 procs.stop(name)
     finally:
         procs.close()
+    for row in rows:  # after the table: what the load generator saw go wrong
+        if row["num_errors"]:
+            print(f"[bench] {row['tree']} {row['api']} at {row['streams']} streams: {row['num_errors']} errors, "
+                  f"first: {'; '.join(row['errors'][:3])}")
     for line in check_goals([row for row in rows if row["tree"] == "this"]):
         print(line)
     for line in paired_ratios(rows):
