@@ -129,7 +129,8 @@ def build_app(
     async def health() -> Response:
         return Response(status_code=200 if is_serving() else 503)
 
-    @app.get("/v1/models", dependencies=[Depends(authenticated)])
+    # HEAD wherever GET (RFC 9110; load balancers probe with it): the GET's status and headers.
+    @app.api_route("/v1/models", methods=["GET", "HEAD"], dependencies=[Depends(authenticated)])
     @_answers_errors
     async def models() -> dict:
         return {"object": "list", "data": [model_card(await servicer.model_info())]}

@@ -72,7 +72,7 @@ def add_text_routes(
             raise ModelNotFound(f"the model {model!r} does not exist; this server serves {info.model_name!r}")
         return info
 
-    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authenticated)])
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"], dependencies=[Depends(authenticated)])
     @answers_errors
     async def model(model_id: str) -> dict:
         return model_card(await check_model(model_id))

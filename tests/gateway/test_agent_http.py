@@ -205,6 +205,11 @@ def test_tokenize_detokenize_and_model_routes(harness, tokenizer) -> None:
     card = httpx.get(f"{base}/v1/models/{MODEL}", timeout=TIMEOUT_S)
     assert card.status_code == 200 and card.json()["id"] == MODEL and card.json()["object"] == "model"
     assert httpx.get(f"{base}/v1/models/nope", timeout=TIMEOUT_S).status_code == 404
+    # HEAD answers as GET does, without the body (load balancers probe with it).
+    for path, status in [("/v1/models", 200), (f"/v1/models/{MODEL}", 200), ("/v1/models/nope", 404)]:
+        got, head = httpx.get(f"{base}{path}", timeout=TIMEOUT_S), httpx.head(f"{base}{path}", timeout=TIMEOUT_S)
+        assert (head.status_code, head.content) == (status, b""), path
+        assert head.headers["content-length"] == got.headers["content-length"], path
 
 
 UNSUPPORTED = [
