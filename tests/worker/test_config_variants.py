@@ -44,7 +44,10 @@ VARIANTS = [
     ("gemma3", dict(rope_parameters={
         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         "full_attention": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e6, "attention_factor": 1.3}}), None),
-    ("qwen3", rope(rope_type="dynamic", factor=2.0), "unsupported RoPE type 'dynamic'"),
+    # NTK-scaled within the model's context: transformers' plain frequencies there.
+    ("qwen3", rope(rope_type="dynamic", factor=2.0), None),
+    ("mistral", rope(rope_type="dynamic", factor=4.0), None),
+    ("qwen3", rope(rope_type="proportional", factor=2.0), "unsupported RoPE type 'proportional'"),
     # Served within its original context (64 here, where Phi-3's config keeps it: the test's
     # sequences are 41 long), with the short factors and the attention factor of 256 / 64.
     ("phi3", {**rope(rope_type="longrope", short_factor=[1.0 + i / 4 for i in range(8)], long_factor=[2.0] * 8),

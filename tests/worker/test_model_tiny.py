@@ -119,9 +119,9 @@ def test_info_and_page_budget(tiny) -> None:
 def test_unsupported_rope_type_is_a_clear_error(tmp_path) -> None:
     out_dir = make_tiny_llama(tmp_path)
     config = json.loads((out_dir / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    config["rope_parameters"] = {"rope_type": "proportional", "rope_theta": 10000.0, "factor": 2.0}
     (out_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModel, match="unsupported RoPE type 'dynamic'"):
+    with pytest.raises(UnsupportedModel, match="unsupported RoPE type 'proportional'"):
         ModelRunner(RunnerConfig(model_dir=out_dir, kv_cache_bytes=KV_BYTES))
 
 

@@ -5,9 +5,10 @@ The inverse frequencies honour the config's scaling (`rope_parameters` in transf
 original context: `served_context`); YaRN's and longrope's attention factor scales the tables, as
 transformers scales its cos/sin. cos/sin are tabulated once for every
 position up to the context length and indexed by position each step. A GGUF file's per-frequency
-divisors (`freq_factors`, its `rope_freqs` tensor) divide the frequencies last. Types whose frequencies
-change with the sequence's length ("dynamic") are refused: a cached prefix's keys would have
-been rotated for another length.
+divisors (`freq_factors`, its `rope_freqs` tensor) divide the frequencies last. "dynamic" (NTK)
+RoPE is served within the model's context, where transformers rotates by the plain frequencies:
+past it the frequencies change with the sequence's length, which cached keys cannot follow, and
+the model's context is all that is served (`served_context`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from worker_service.unsupported import UnsupportedModel
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:
@@ -63,6 +64,7 @@ def inverse_frequencies(params: dict[str, Any], rotary_dim: int) -> torch.Tensor
         inv_freq = _yarn_scaling(wavelengths, params, rotary_dim)
     elif rope_type == "longrope":  # the short factors: see `served_context`
         inv_freq = 1.0 / (torch.tensor(params["short_factor"], dtype=torch.float32) * wavelengths)
+    # "dynamic": within the context its base is rope_theta, the plain frequencies (`served_context`).
     factors = params.get("freq_factors")  # a GGUF file's per-frequency divisors (worker_service/gguf_config.py)
     if factors is not None:
         if len(factors) != rotary_dim // 2:
