@@ -53,6 +53,13 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         norm_topk_prob=False, num_hidden_layers=3, mlp_only_layers=[1])),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
         num_local_experts=8, num_experts_per_tok=2, sliding_window=None)),
+    # Sliding and full layers (a window far shorter than the test prompts), each type with its
+    # own RoPE base.
+    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", dict(
+        sliding_window=GEMMA_WINDOW, num_hidden_layers=3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "default", "rope_theta": 500.0}})),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)),
     # Both layer kinds, a window (8) far shorter than the test prompts, soft-capping on.
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(

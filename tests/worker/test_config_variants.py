@@ -67,6 +67,13 @@ VARIANTS = [
     ("olmoe", dict(clip_qkv=0.5), "clip_qkv=0.5"),
     ("qwen2_moe", dict(norm_topk_prob=True, decoder_sparse_step=2, mlp_only_layers=[]), None),
     ("qwen2_moe", dict(qkv_bias=False), "qkv_bias=False"),
+    # OLMo 3's YaRN on its full layers (the form a checkpoint's legacy `rope_scaling` becomes), and
+    # a top-level setting beside the per-type ones, which transformers ignores for them.
+    ("olmo3", dict(rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 5e5},
+        "full_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                           "rope_theta": 5e5}}), None),
+    ("olmo3", rope(rope_type="yarn", factor=8.0, original_max_position_embeddings=32), None),
     ("smollm3", dict(no_rope_layers=[0, 0, 0]), None),
     ("smollm3", dict(use_sliding_window=True, sliding_window=8), "SmolLM3 with sliding-window attention"),
 ]

@@ -36,6 +36,17 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     return params
 
 
+def rope_parameters_by_layer_type(config: Any) -> dict[str, dict[str, Any]]:
+    """Each of `config.layer_types`' RoPE settings: its own where `rope_parameters` is keyed by
+    layer type (Gemma 3, OLMo 3; transformers then reads those alone, whatever else the dict
+    holds), else the one set for every type."""
+    params = dict(config.rope_parameters)
+    kinds = set(config.layer_types)
+    if all(isinstance(params.get(kind), dict) for kind in kinds):
+        return {kind: params[kind] for kind in kinds}
+    return {kind: params for kind in kinds}
+
+
 def served_context(config: Any) -> int:
     """The longest sequence served: the model's context, but for longrope its original context.
 

@@ -12,6 +12,7 @@ from worker_service.models.llama import LlamaForCausalLM
 from worker_service.models.mistral import MistralForCausalLM
 from worker_service.models.mixtral import MixtralForCausalLM
 from worker_service.models.olmo2 import Olmo2ForCausalLM
+from worker_service.models.olmo3 import Olmo3ForCausalLM
 from worker_service.models.olmoe import OlmoeForCausalLM
 from worker_service.models.phi3 import Phi3ForCausalLM
 from worker_service.models.qwen2 import Qwen2ForCausalLM
@@ -37,6 +38,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Olmo3ForCausalLM": Olmo3ForCausalLM,
 }
 
 

@@ -20,7 +20,6 @@ Its layer is not Llama's: no fusable layer.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -29,9 +28,9 @@ from worker_service.backends.base import AttentionOptions, Backend, Rope, StepCo
 from worker_service.distributed import TPGroup
 from worker_service.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker_service.layers.gemma_norm import GemmaRMSNorm
-from worker_service.layers.rotary import RotaryEmbedding
 from worker_service.layers.sharding import shard_heads
 from worker_service.models.base import CausalLM
+from worker_service.models.layer_types import RotatesByLayerType, rotaries_by_layer_type
 from worker_service.models.llama import LlamaAttention, LlamaMLP, head_dim_of
 from worker_service.unsupported import UnsupportedModel
 
@@ -110,7 +109,7 @@ class Gemma3DecoderLayer(GemmaDecoderLayer):
     attention_class = Gemma3Attention
 
 
-class Gemma2ForCausalLM(CausalLM):
+class Gemma2ForCausalLM(RotatesByLayerType, CausalLM):
     layer_class: type[GemmaDecoderLayer] = GemmaDecoderLayer
 
     def __init__(self, config: Any, group: TPGroup, dtype: torch.dtype, device: torch.device,
@@ -129,20 +128,10 @@ class Gemma2ForCausalLM(CausalLM):
                                                    config.hidden_size, group, dtype, device)
         self.layers = torch.nn.ModuleList(self.layer_class(config, i, group, dtype, device, backend)
                                           for i in range(config.num_hidden_layers))
-        self.rotaries = torch.nn.ModuleDict(
-            (kind, RotaryEmbedding(SimpleNamespace(rope_parameters=params), head_dim_of(config),
-                                   config.max_position_embeddings, dtype, device))
-            for kind, params in self.rope_parameters_by_layer_type(config).items())
+        self.rotaries = rotaries_by_layer_type(config, dtype, device)
         self.norm = GemmaRMSNorm("model.norm.weight", config.hidden_size, config.rms_norm_eps, dtype, device)
         self.lm_head = ParallelLMHead("lm_head.weight", config.vocab_size, config.hidden_size, group, dtype,
                                       device, tied_to=self.embed_tokens if config.tie_word_embeddings else None)
-
-    @staticmethod
-    def rope_parameters_by_layer_type(config: Any) -> dict[str, dict]:
-        params = dict(config.rope_parameters)
-        if all(isinstance(value, dict) for value in params.values()):  # Gemma 3: one per layer type
-            return params
-        return {kind: params for kind in set(config.layer_types)}
 
     @classmethod
     def ops_without_kernels(cls, config: Any) -> tuple[str, ...]:
@@ -156,13 +145,6 @@ class Gemma2ForCausalLM(CausalLM):
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(token_ids)
         return hidden * torch.tensor(self.config.hidden_size ** 0.5, dtype=hidden.dtype)
-
-    def run_layers(self, hidden: torch.Tensor, step: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-        ropes = {kind: self.backend.rope(rotary, step.positions) for kind, rotary in self.rotaries.items()}
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, step, ropes[layer.layer_type])
-        return hidden, residual
 
     def logits(self, hidden: torch.Tensor, residual: torch.Tensor, sample_indices: torch.Tensor) -> torch.Tensor | None:
         hidden = (hidden + residual).index_select(0, sample_indices)

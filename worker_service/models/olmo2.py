@@ -45,11 +45,13 @@ class WidthNormAttention(LlamaAttention):
 
 
 class Olmo2DecoderLayer(torch.nn.Module):
+    attention_class: type[WidthNormAttention] = WidthNormAttention
+
     def __init__(self, config: Any, layer: int, group: TPGroup, qkv_bias: bool,
                  dtype: torch.dtype, device: torch.device, backend: Backend) -> None:
         super().__init__()
         prefix, eps, hidden = f"model.layers.{layer}", config.rms_norm_eps, config.hidden_size
-        self.self_attn = WidthNormAttention(config, layer, group, qkv_bias, dtype, device, backend)
+        self.self_attn = self.attention_class(config, layer, group, qkv_bias, dtype, device, backend)
         self.post_attention_layernorm = RMSNorm(f"{prefix}.post_attention_layernorm.weight", hidden, eps, dtype,
                                                 device, backend)
         self.mlp = LlamaMLP(config, layer, group, dtype, device, backend)

@@ -1,0 +1,34 @@
+"""Models whose layers rotate by their layer type's RoPE tables (`config.layer_types`, with
+`rope_parameters` keyed by type or one set for all): Gemma 2/3 and OLMo 3."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from worker_service.backends.base import StepContext
+from worker_service.layers.rotary import RotaryEmbedding, rope_parameters_by_layer_type
+from worker_service.models.llama import head_dim_of
+
+
+def rotaries_by_layer_type(config: Any, dtype: torch.dtype, device: torch.device) -> torch.nn.ModuleDict:
+    """One `RotaryEmbedding` per layer type, over the model's context."""
+    return torch.nn.ModuleDict(
+        (kind, RotaryEmbedding(SimpleNamespace(rope_parameters=params,
+                                               max_position_embeddings=config.max_position_embeddings),
+                               head_dim_of(config), config.max_position_embeddings, dtype, device))
+        for kind, params in rope_parameters_by_layer_type(config).items())
+
+
+class RotatesByLayerType:
+    """`run_layers` for a model whose `layers` each have a `layer_type` and whose `rotaries` hold
+    each type's tables (`rotaries_by_layer_type`)."""
+
+    def run_layers(self, hidden: torch.Tensor, step: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        ropes = {kind: self.backend.rope(rotary, step.positions) for kind, rotary in self.rotaries.items()}
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, step, ropes[layer.layer_type])
+        return hidden, residual
