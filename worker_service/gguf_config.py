@@ -15,8 +15,9 @@ another model than the checkpoint it was made from. `complete_config` puts them 
     attention factor in the metadata: served within the original context, as a config's longrope
     is (`rotary.served_context`).
 - **A sliding window** (`attention.sliding_window`), which transformers reads for Gemma only:
-  set on the config, so that a family without windowed attention refuses it by name (Phi-3's
-  2,047 under a 4,096 context) rather than attending to everything;
+  set on the config, so that the family applies it as transformers' class does (Phi-3's 2,047
+  under a 4,096 context, in every layer) or refuses it by name, rather than attending to
+  everything;
 - **A partial rotation** (`rope.dimension_count` under the head size: Phi-4-mini's 96 of 128),
   which transformers leaves out for `phi3`;
 - **The head size** (`attention.key_length`), which transformers takes as its config's default
@@ -67,7 +68,7 @@ def complete_config(reader: GGUFReader, architecture: str, config: Any) -> None:
     if key_length in fields and hasattr(config, "head_dim"):
         config.head_dim = int(_value(reader, key_length))
     window = f"{architecture}.attention.sliding_window"
-    if window in fields and hasattr(config, "sliding_window"):  # the family refuses a window it lacks
+    if window in fields and hasattr(config, "sliding_window"):  # the family follows it or refuses it
         config.sliding_window = int(_value(reader, window))
     rope_dims = f"{architecture}.rope.dimension_count"
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

@@ -75,7 +75,21 @@ VARIANTS = [
                            "rope_theta": 5e5}}), None),
     ("olmo3", rope(rope_type="yarn", factor=8.0, original_max_position_embeddings=32), None),
     ("smollm3", dict(no_rope_layers=[0, 0, 0]), None),
-    ("smollm3", dict(use_sliding_window=True, sliding_window=8), "SmolLM3 with sliding-window attention"),
+    # Sliding windows (8, under the test's 41 positions) as each family's class applies them: every
+    # layer (Mistral v0.1, Phi-3-mini-4k's 2,047 under 4,096, Mixtral, Qwen3-MoE), the layers
+    # `layer_types` marks (Qwen3 and SmolLM3 from `max_window_layers` / by their own rule), or not
+    # at all (Llama's, Granite's and OLMo 2's classes do not read the setting).
+    ("mistral", dict(sliding_window=8), None),
+    ("phi3", dict(sliding_window=8), None),
+    ("mixtral", dict(sliding_window=8), None),
+    ("qwen3_moe", dict(use_sliding_window=True, sliding_window=8), None),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), None),
+    ("smollm3", dict(use_sliding_window=True, sliding_window=8), None),
+    ("granite", dict(sliding_window=8), None),
+    ("olmo2", dict(sliding_window=8), None),
+    # transformers' own Qwen2-MoE fails on a window: no reference to hold one to.
+    ("qwen2_moe", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+     r"Qwen2-MoE with sliding-window attention \(sliding_window=8"),
 ]
 
 
@@ -157,3 +171,16 @@ def test_a_partial_rotation_with_weights_quantized_at_load(quantization, tmp_pat
     with torch.no_grad():
         expected = reference(torch.tensor([token_ids])).logits[0, -1]
     torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+
+
+def test_qwen2s_window_from_max_window_layers(tmp_path: Path) -> None:
+    """Qwen2 with `use_sliding_window` windows the layers from `max_window_layers` on (its
+    `layer_types`): the logits and greedy tokens of transformers' eager attention."""
+    from worker.tiny_models import assert_matches_reference, make_tiny_qwen2
+
+    model_dir = make_tiny_qwen2(tmp_path / "model", use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                     attn_implementation="eager").eval()
+    runner = ModelRunner(RunnerConfig(model_dir=model_dir, kv_cache_bytes=4 << 20, attention_kernel="torch"))
+    assert [layer.self_attn.options and layer.self_attn.options.window for layer in runner.model.layers] == [None, 8]
+    assert_matches_reference(runner, reference, list(range(3, 40)), 8)

@@ -185,17 +185,32 @@ def test_a_qwen3_file_whose_heads_are_not_128_wide(tmp_path) -> None:
 @pytest.mark.parametrize(("arch", "settings", "refusal"), [
     ("llama", dict(rope={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
                          "gguf_attn_factor": 0.7}), "YaRN attn_factor 0.7"),
-    ("phi3", dict(sliding_window=64), r"Phi-3 with sliding-window attention \(sliding_window=64"),
-], ids=["yarn-attn-factor", "phi3-window"])
+], ids=["yarn-attn-factor"])
 def test_what_a_file_says_and_the_worker_cannot_follow_is_refused(arch, settings, refusal, tmp_path) -> None:
-    """A YaRN attn_factor (llama.cpp's own temperature) and a sliding window in the metadata are
-    refused by name: never served as plain RoPE or full attention."""
+    """A YaRN attn_factor (llama.cpp's own temperature) is refused by name: never served as
+    plain RoPE."""
     from worker_service.model_runner import ModelRunner, RunnerConfig
     from worker_service.unsupported import UnsupportedModel
 
     path = write_tiny_gguf(tmp_path / "refused.gguf", "Q8_0", arch=arch, **settings)
     with pytest.raises(UnsupportedModel, match=refusal):
         ModelRunner(RunnerConfig(model_dir=path, kv_cache_bytes=16 << 20))
+
+
+@pytest.mark.timeout(120)
+def test_a_phi3_files_sliding_window_is_followed(tmp_path) -> None:
+    """Phi-3-mini-4k's window (2,047 under 4,096) is in the file's metadata, which transformers'
+    reading leaves out: every layer attends through it, so a float32 file with a window of 8
+    gives the logits and greedy tokens of the checkpoint with that window."""
+    from worker_service.model_runner import ModelRunner, RunnerConfig
+
+    path = write_tiny_gguf(tmp_path / "phi3-window.gguf", "F32", arch="phi3", sliding_window=8)
+    runner = ModelRunner(RunnerConfig(model_dir=path, kv_cache_bytes=16 << 20))
+    assert [layer.self_attn.options.window for layer in runner.model.layers] == [8] * LAYERS
+    checkpoint = tiny_model("phi3")
+    checkpoint.config.sliding_window = 8  # read as each step's mask is made
+    checkpoint.config._attn_implementation = "eager"
+    assert_matches_reference(runner, checkpoint, PROMPT_IDS, NUM_NEW_TOKENS)
 
 
 @pytest.mark.timeout(120)

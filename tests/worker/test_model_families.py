@@ -175,13 +175,24 @@ def _edit_config(model_dir: Path, **changes) -> None:
     (model_dir / "config.json").write_text(json.dumps(config))
 
 
-def test_a_short_sliding_window_is_refused_by_name(tmp_path) -> None:
+def test_a_short_sliding_window_is_followed_and_leaves_the_fused_path(tmp_path) -> None:
+    """Mistral v0.1's window (every layer; its logits against transformers' are a config
+    variant): each layer attends through it, and the model leaves Llama's fused layer. A window
+    as long as the context never masks a key: the model is Llama's again, fused path included."""
     model_dir = make_family("mistral", tmp_path / "model")
-    _edit_config(model_dir, sliding_window=64)
-    with pytest.raises(ValueError, match=r"Mistral with sliding-window attention \(sliding_window=64"):
-        runner_for(model_dir, "torch")
-    _edit_config(model_dir, sliding_window=256)  # as long as the context: never masks a key
-    assert runner_for(model_dir, "torch").info.context_len == 256
+    _edit_config(model_dir, sliding_window=8)
+    runner = runner_for(model_dir, "torch")
+    assert [layer.self_attn.options.window for layer in runner.model.layers] == [8, 8]
+    assert runner.model.fusable_kind() is None
+    _edit_config(model_dir, sliding_window=256)
+    runner = runner_for(model_dir, "torch")
+    assert [layer.self_attn.options for layer in runner.model.layers] == [None, None]
+    assert runner.model.fusable_kind() == "llama" and runner.info.context_len == 256
+    require_backend("native")
+    assert runner_for(model_dir, "native").fused is not None
+    _edit_config(model_dir, sliding_window=8)
+    windowed = runner_for(model_dir, "native")
+    assert windowed.fused is None and "sliding-window attention" in windowed.backend_reason
 
 
 def test_unsupported_architecture_names_it_and_the_supported_ones(tmp_path) -> None:

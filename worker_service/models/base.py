@@ -27,6 +27,11 @@ class CausalLM(torch.nn.Module):
         (e.g. "sliding-window attention"), named for the backend selection's reason; default none."""
         return ()
 
+    def fusable_kind(self) -> str | None:
+        """The fused layer kind this model's layers compute: `fusable_layer`, unless a setting of
+        this checkpoint's (a sliding window) makes them compute something else."""
+        return type(self).fusable_layer
+
     def after_load(self) -> None:
         """What the model does to its weights once they are read, before the backend packs them
         (Llama's family: q and k rows in a partial rotation's order); default nothing."""

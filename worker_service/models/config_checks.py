@@ -12,10 +12,29 @@ from typing import Any
 from worker_service.unsupported import UnsupportedModel
 
 
+# How transformers' class for a family applies `sliding_window` (`layer_windows`).
+EVERY_LAYER = "every layer"  # Mistral, Mixtral, Phi-3, Qwen3-MoE
+BY_LAYER_TYPE = "by layer type"  # the layers `layer_types` marks "sliding_attention": Qwen2, Qwen3, SmolLM3, OLMo 3
+IGNORED = "ignored"  # Llama, Granite, OLMo 2, OLMoE: the setting is not read
+
+
+def layer_windows(config: Any, rule: str) -> list[int | None]:
+    """Each layer's sliding window (a query sees its last `window` positions) as transformers
+    applies the family's `sliding_window` by `rule`; None where a layer attends to every
+    position, as with a window at least as long as the context, which never masks a key."""
+    window = getattr(config, "sliding_window", None)
+    layers = config.num_hidden_layers
+    if rule == IGNORED or not window or window >= config.max_position_embeddings:
+        return [None] * layers
+    if rule == EVERY_LAYER:
+        return [window] * layers
+    return [window if kind == "sliding_attention" else None for kind in config.layer_types]
+
+
 def refuse_sliding_window(config: Any, family: str) -> None:
-    """Refuse a window shorter than the context: windows are not implemented for `family`, and
-    full attention would compute something else once a sequence outgrows one. A window at least
-    as long as the context (or none) never masks a key."""
+    """Refuse a window shorter than the context where the family's windows are not followed
+    (Qwen2-MoE: transformers' own class fails on them, so there is no reference to hold them
+    to). A window at least as long as the context (or none) never masks a key."""
     window = getattr(config, "sliding_window", None)
     used = getattr(config, "use_sliding_window", window is not None)
     if used and window is not None and window < config.max_position_embeddings:

@@ -27,6 +27,7 @@ from worker_service.layers.norm import RMSNorm
 from worker_service.layers.rotary import RotaryEmbedding, served_context
 from worker_service.layers.sharding import balanced_range, shard_heads
 from worker_service.models.base import CausalLM
+from worker_service.models.config_checks import IGNORED, layer_windows
 from worker_service.quant.format import QuantizedWeight
 from worker_service.unsupported import UnsupportedModel
 
@@ -174,6 +175,8 @@ class LlamaForCausalLM(CausalLM):
     # class does (Phi-3's); transformers' Llama, Qwen2, Mistral, Granite and Mixtral rotate whole
     # heads whatever the setting says, so there the setting is refused rather than guessed at.
     partial_rotary = False
+    # How transformers' class applies `sliding_window` (`config_checks.layer_windows`).
+    window_rule = IGNORED
     layer_class: type[torch.nn.Module] = LlamaDecoderLayer
 
     def __init__(self, config: Any, group: TPGroup, dtype: torch.dtype, device: torch.device,
@@ -198,6 +201,11 @@ class LlamaForCausalLM(CausalLM):
             self.layer_class(config, i, group, self.qkv_bias, dtype, device, backend)
             for i in range(config.num_hidden_layers)
         )
+        self.windowed = False
+        for layer, window in zip(self.layers, layer_windows(config, self.window_rule)):
+            if window is not None:
+                layer.self_attn.options = AttentionOptions(window=window)
+                self.windowed = True
         has_qk_norms = type(self.layers[0].self_attn).prepare_qk is not LlamaAttention.prepare_qk
         if self.rotary.permutation is not None and has_qk_norms:
             raise UnsupportedModel(f"{type(self).__name__} with partial rotary embeddings (q/k norms over a "
@@ -207,6 +215,14 @@ class LlamaForCausalLM(CausalLM):
             "lm_head.weight", config.vocab_size, config.hidden_size, group, dtype, device,
             tied_to=self.embed_tokens if config.tie_word_embeddings else None,
         )
+
+    @classmethod
+    def ops_without_kernels(cls, config: Any) -> tuple[str, ...]:
+        return ("sliding-window attention",) if any(layer_windows(config, cls.window_rule)) else ()
+
+    def fusable_kind(self) -> str | None:
+        """A windowed layer is not the fused layer's computation."""
+        return None if self.windowed else type(self).fusable_layer
 
     def after_load(self) -> None:
         if self.rotary.permutation is not None:

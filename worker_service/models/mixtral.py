@@ -1,7 +1,7 @@
 """Mixtral: Llama's attention with a sparse mixture-of-experts MLP (`moe.SparseMoE`:
 `num_local_experts` experts `w1` (gate), `w3` (up), `w2` (down) under `block_sparse_moe`, top
-`num_experts_per_tok`, always renormalised). A window shorter than the context is refused, as
-for Mistral. No fusable layer.
+`num_experts_per_tok`, always renormalised). A window shorter than the context applies to every
+layer, as for Mistral. No fusable layer.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 from worker_service.backends.base import Backend
 from worker_service.distributed import TPGroup
-from worker_service.models.config_checks import refuse_sliding_window
+from worker_service.models.config_checks import EVERY_LAYER
 from worker_service.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from worker_service.models.moe import ExpertLayout, Routing, RoutesExperts, SparseMoE
 from worker_service.unsupported import UnsupportedModel
@@ -36,8 +36,4 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
 class MixtralForCausalLM(RoutesExperts, LlamaForCausalLM):
     fusable_layer = None
     layer_class = MixtralDecoderLayer
-
-    def __init__(self, config: Any, group: TPGroup, dtype: torch.dtype, device: torch.device,
-                 backend: Backend) -> None:
-        refuse_sliding_window(config, "Mixtral")
-        super().__init__(config, group, dtype, device, backend)
+    window_rule = EVERY_LAYER

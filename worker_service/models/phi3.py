@@ -13,11 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from worker_service.backends.base import Backend
-from worker_service.distributed import TPGroup
-from worker_service.models.config_checks import refuse_sliding_window
+from worker_service.models.config_checks import EVERY_LAYER
 from worker_service.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, head_dim_of
 
 
@@ -47,8 +43,4 @@ class Phi3DecoderLayer(LlamaDecoderLayer):
 class Phi3ForCausalLM(LlamaForCausalLM):
     layer_class = Phi3DecoderLayer
     partial_rotary = True  # Phi-4-mini's 0.75 (see `RotaryEmbedding`)
-
-    def __init__(self, config: Any, group: TPGroup, dtype: torch.dtype, device: torch.device,
-                 backend: Backend) -> None:
-        refuse_sliding_window(config, "Phi-3")
-        super().__init__(config, group, dtype, device, backend)
+    window_rule = EVERY_LAYER  # Phi-3-mini-4k's 2,047 under its 4,096

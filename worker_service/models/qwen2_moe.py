@@ -19,6 +19,7 @@ import torch
 from worker_service.backends.base import Backend
 from worker_service.distributed import TPGroup, all_reduce_sum
 from worker_service.layers.linear import ColumnParallelLinear
+from worker_service.models.config_checks import refuse_sliding_window
 from worker_service.models.llama import LlamaDecoderLayer, LlamaMLP
 from worker_service.models.moe import Routing, RoutesExperts, SparseMoE
 from worker_service.models.qwen2 import Qwen2ForCausalLM
@@ -75,4 +76,5 @@ class Qwen2MoeForCausalLM(RoutesExperts, Qwen2ForCausalLM):
                  backend: Backend) -> None:
         if not getattr(config, "qkv_bias", True):
             raise UnsupportedModel("Qwen2-MoE with qkv_bias=False is not supported")
+        refuse_sliding_window(config, "Qwen2-MoE")
         super().__init__(config, group, dtype, device, backend)

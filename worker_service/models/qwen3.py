@@ -13,7 +13,7 @@ import torch
 from worker_service.backends.base import Backend
 from worker_service.distributed import TPGroup
 from worker_service.layers.qk_norm import HeadNorm
-from worker_service.models.config_checks import refuse_sliding_window
+from worker_service.models.config_checks import BY_LAYER_TYPE
 from worker_service.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, head_dim_of
 
 
@@ -41,8 +41,4 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
 
     fusable_layer = None
     layer_class = Qwen3DecoderLayer
-
-    def __init__(self, config: Any, group: TPGroup, dtype: torch.dtype, device: torch.device,
-                 backend: Backend) -> None:
-        refuse_sliding_window(config, "Qwen3")
-        super().__init__(config, group, dtype, device, backend)
+    window_rule = BY_LAYER_TYPE

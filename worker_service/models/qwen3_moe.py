@@ -12,6 +12,7 @@ import torch
 
 from worker_service.backends.base import Backend
 from worker_service.distributed import TPGroup
+from worker_service.models.config_checks import EVERY_LAYER
 from worker_service.models.llama import LlamaDecoderLayer, LlamaMLP
 from worker_service.models.moe import ExpertLayout, Routing, RoutesExperts, SparseMoE
 from worker_service.models.qwen3 import Qwen3Attention, Qwen3ForCausalLM
@@ -40,3 +41,4 @@ class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
 
 class Qwen3MoeForCausalLM(RoutesExperts, Qwen3ForCausalLM):
     layer_class = Qwen3MoeDecoderLayer
+    window_rule = EVERY_LAYER  # its class has no layer types

@@ -4,7 +4,8 @@
 A NoPE layer goes through the same backend step as the others, with an unrotated table (cos 1,
 sin 0: the rotation returns its input exactly), so the backends need nothing of their own. The
 compiled whole-layer Llama path applies one table to every layer: no fusable layer. Sliding
-windows (`use_sliding_window`, on the NoPE layers) are refused, as for Llama's other families.
+windows (`use_sliding_window`) apply to the layers `layer_types` marks, as transformers' class
+applies them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from worker_service.backends.base import Backend, StepContext
 from worker_service.distributed import TPGroup
 from worker_service.layers.rotary import RotaryEmbedding, served_context
-from worker_service.models.config_checks import refuse_sliding_window
+from worker_service.models.config_checks import BY_LAYER_TYPE
 from worker_service.models.llama import LlamaForCausalLM, head_dim_of
 from worker_service.unsupported import UnsupportedModel
 
@@ -25,10 +26,10 @@ class SmolLM3ForCausalLM(LlamaForCausalLM):
     """Checkpoint names follow Hugging Face's `SmolLM3ForCausalLM` (Llama's)."""
 
     fusable_layer = None
+    window_rule = BY_LAYER_TYPE
 
     def __init__(self, config: Any, group: TPGroup, dtype: torch.dtype, device: torch.device,
                  backend: Backend) -> None:
-        refuse_sliding_window(config, "SmolLM3")
         uses_rope = [bool(flag) for flag in config.no_rope_layers]
         if len(uses_rope) != config.num_hidden_layers:
             raise UnsupportedModel(f"SmolLM3 with {len(uses_rope)} no_rope_layers entries for "
