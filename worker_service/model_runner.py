@@ -223,7 +223,7 @@ class ModelRunner:
         step = self.backend.plan(batch, self.pool)
         model = self.model
         hidden = model.embed(token_ids)
-        if self.fused is not None and self.fused.applies(step):
+        if self.fused is not None and self.fused.applies(step) and model.fused_applies(step):
             hidden, residual = self.fused.run(hidden, step)  # the same kernels, one call per layer
         else:
             hidden, residual = model.run_layers(hidden, step)
@@ -295,6 +295,7 @@ class ModelRunner:
             decode_tables=tables,
             decode_context_lens=context_lens,
             prefills=chunks,
+            longest_context=max(context_lens + [chunk.start_position + chunk.num_tokens for chunk in chunks]),
         )
         sample_indices = [
             index

@@ -175,24 +175,18 @@ def _edit_config(model_dir: Path, **changes) -> None:
     (model_dir / "config.json").write_text(json.dumps(config))
 
 
-def test_a_short_sliding_window_is_followed_and_leaves_the_fused_path(tmp_path) -> None:
+def test_a_short_sliding_window_is_followed_in_every_layer(tmp_path) -> None:
     """Mistral v0.1's window (every layer; its logits against transformers' are a config
-    variant): each layer attends through it, and the model leaves Llama's fused layer. A window
-    as long as the context never masks a key: the model is Llama's again, fused path included."""
+    variant). A window as long as the context never masks a key: no window at all."""
     model_dir = make_family("mistral", tmp_path / "model")
     _edit_config(model_dir, sliding_window=8)
     runner = runner_for(model_dir, "torch")
     assert [layer.self_attn.options.window for layer in runner.model.layers] == [8, 8]
-    assert runner.model.fusable_kind() is None
+    assert "sliding-window attention" in type(runner.model).ops_without_kernels(runner.hf_config)
     _edit_config(model_dir, sliding_window=256)
     runner = runner_for(model_dir, "torch")
     assert [layer.self_attn.options for layer in runner.model.layers] == [None, None]
-    assert runner.model.fusable_kind() == "llama" and runner.info.context_len == 256
-    require_backend("native")
-    assert runner_for(model_dir, "native").fused is not None
-    _edit_config(model_dir, sliding_window=8)
-    windowed = runner_for(model_dir, "native")
-    assert windowed.fused is None and "sliding-window attention" in windowed.backend_reason
+    assert runner.model.shortest_window is None and runner.info.context_len == 256
 
 
 def test_unsupported_architecture_names_it_and_the_supported_ones(tmp_path) -> None:
@@ -248,3 +242,42 @@ def test_the_registry_is_the_launchers_list_of_architectures():
     from worker_service.models import MODEL_CLASSES
 
     assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES)
+
+
+@pytest.mark.parametrize("kernel", ("torch", "native"))
+def test_a_window_no_sequence_outgrows_takes_the_backends_own_paths(kernel, tmp_path, monkeypatch) -> None:
+    """A step whose sequences all fit the window (Phi-3-mini-4k's 2,047 binds only past that
+    length) attends with the backend's own attention, and on the compiled backend runs the fused
+    Llama layers, not the per-sequence windowed path; a step with one sequence past it takes the
+    windowed path for all. Both give transformers' logits."""
+    from worker_service.attention import windowed
+    from worker_service.backends import row_kernels, torch_backend
+
+    require_backend(kernel)
+    calls = []
+    for module in (torch_backend, row_kernels):
+        monkeypatch.setattr(module, "windowed_attention",
+                            lambda *args, **kwargs: calls.append(1) or windowed.windowed_attention(*args, **kwargs))
+    window = PROMPT_LEN + 4
+    model_dir = make_family("mistral", tmp_path / "model", sliding_window=window)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    runner = runner_for(model_dir, kernel)
+    fused_runs = []
+    if kernel == "native":
+        assert runner.fused is not None
+        run = runner.fused.run
+        monkeypatch.setattr(runner.fused, "run", lambda *args: fused_runs.append(1) or run(*args))
+    short, long = prompt(3, window - 2), prompt(4, window + 9)
+    pages = [list(range(3, 3 + window // PAGE_SIZE + 2)), list(range(40, 40 + (window + 9) // PAGE_SIZE + 2))]
+    within = runner.forward([ForwardEntry(short, 0, pages[0], True)])[0]
+    assert calls == []
+    torch.testing.assert_close(within, reference_logits(reference, short)[-1], atol=ATOL, rtol=0)
+    following = runner.forward([ForwardEntry([int(within.argmax())], len(short), pages[0], True)])[0]  # decode
+    torch.testing.assert_close(following, reference_logits(reference, short + [int(within.argmax())])[-1],
+                               atol=ATOL, rtol=0)
+    assert len(fused_runs) == (2 if kernel == "native" else 0)  # both steps in the fused layers
+    both = runner.forward([ForwardEntry(short, 0, pages[0], True), ForwardEntry(long, 0, pages[1], True)])
+    assert len(calls) == 2  # the windowed path, one call per layer
+    assert len(fused_runs) == (2 if kernel == "native" else 0)
+    torch.testing.assert_close(both[0], reference_logits(reference, short)[-1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(both[1], reference_logits(reference, long)[-1], atol=ATOL, rtol=0)

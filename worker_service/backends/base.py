@@ -85,6 +85,8 @@ class StepBatch:
     decode_tables: list[list[int]]
     decode_context_lens: list[int]
     prefills: list[PrefillChunk]
+    # The longest sequence in the step, its new tokens included (None: not given).
+    longest_context: int | None = None
 
 
 @dataclass(slots=True)
@@ -111,6 +113,17 @@ class AttentionOptions:
     window: int | None = None
     softcap: float | None = None
     scale: float | None = None
+
+
+def options_for_step(options: AttentionOptions | None, batch: StepBatch | None) -> AttentionOptions | None:
+    """The options a step's attention must follow: None where all they hold is a window that
+    no sequence of the step outgrows (it masks no key), so that the backend's own attention
+    computes it (with options, every backend attends per sequence in PyTorch's ops). Phi-3's
+    2,047 under 4,096 and Mistral v0.1's 4,096 bind only past those lengths."""
+    if (options is None or options.softcap is not None or options.scale is not None or options.window is None
+            or batch is None or batch.longest_context is None or batch.longest_context > options.window):
+        return options
+    return None
 
 
 class PackedLinear(ABC):

@@ -64,7 +64,7 @@ class NativeBackend(RowKernelBackend):
         """The model's layers as compiled calls where it declares a layer kind fused here, runs on
         one rank (a row-parallel layer's all-reduce would sit between kernels) and every linear
         layer has the small-batch kernel's copy; else None."""
-        fused = FUSED_LAYERS.get(model.fusable_kind())
+        fused = FUSED_LAYERS.get(type(model).fusable_layer)
         if fused is None or self.world_size != 1 or pool.buffer.dtype not in self.kernels.gemv_dtypes:
             return None
         return fused.build(self.kernels, model, pool)

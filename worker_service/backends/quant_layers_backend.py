@@ -33,7 +33,7 @@ class QuantLayersBackend(TorchBackend):
     def fused_layers(self, model: torch.nn.Module, pool: KVPool) -> FusedLayers | None:
         """The model's layers as compiled calls where it declares a layer kind fused here and runs
         on one rank (a row-parallel layer's all-reduce would sit inside the call); else None."""
-        fused = FUSED_LAYERS.get(model.fusable_kind())
+        fused = FUSED_LAYERS.get(type(model).fusable_layer)
         if fused is None or self.world_size != 1:
             return None
         return fused.build(self.layer_kernels, model, pool)

@@ -14,7 +14,7 @@ from abc import abstractmethod
 import torch
 
 from worker_service.attention.windowed import windowed_attention
-from worker_service.backends.base import AttentionOptions, Rope, RowKernels, StepContext
+from worker_service.backends.base import AttentionOptions, Rope, RowKernels, StepContext, options_for_step
 from worker_service.backends.grouped_experts import ExpertProducts
 from worker_service.backends.linear_quant import QuantizedLinears
 from worker_service.backends.torch_backend import TorchBackend
@@ -37,6 +37,7 @@ class RowKernelBackend(TorchBackend):
                   step: StepContext, rope: Rope, options: AttentionOptions | None = None) -> torch.Tensor:
         # One pass rotates q and k in place and stores k and v.
         self.rows.rope_store(qkv, num_q_heads, step.positions, *rope, k_slots, v_slots, step.write_slots)
+        options = options_for_step(options, step.batch)
         if options is not None:  # no kernel has them: PyTorch's ops over the stored K/V
             return windowed_attention(qkv[:, :num_q_heads], k_slots, v_slots, step.batch, options)
         return self._attend_stored(qkv, num_q_heads, k_slots, v_slots, step)

@@ -17,7 +17,7 @@ from worker_service.attention import (AttentionBatch, CascadeDecode, GatherSpace
 from worker_service.attention.paged import DecodeAttention
 from worker_service.attention.windowed import windowed_attention
 from worker_service.backends.base import (AttentionOptions, Backend, PackedExperts, PackedLinear, PrefillChunk, Rope,
-                                          StepBatch, StepContext)
+                                          StepBatch, StepContext, options_for_step)
 from worker_service.backends.grouped_experts import ExpertProducts
 from worker_service.backends.linear_quant import QuantizedLinears
 from worker_service.backends.linear_torch import TorchLinear
@@ -85,6 +85,7 @@ class TorchBackend(Backend):
     def attention(self, qkv: torch.Tensor, num_q_heads: int, k_slots: torch.Tensor, v_slots: torch.Tensor,
                   step: StepContext, rope: Rope, options: AttentionOptions | None = None) -> torch.Tensor:
         q, k, v = self.rotated(qkv, num_q_heads, k_slots.shape[0], rope)
+        options = options_for_step(options, step.batch)
         if options is None:
             return paged_attention(q, k, v, k_slots, v_slots, step.attention)
         k_slots.index_copy_(1, step.write_slots, k.transpose(0, 1))

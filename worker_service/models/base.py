@@ -27,10 +27,11 @@ class CausalLM(torch.nn.Module):
         (e.g. "sliding-window attention"), named for the backend selection's reason; default none."""
         return ()
 
-    def fusable_kind(self) -> str | None:
-        """The fused layer kind this model's layers compute: `fusable_layer`, unless a setting of
-        this checkpoint's (a sliding window) makes them compute something else."""
-        return type(self).fusable_layer
+    def fused_applies(self, step: StepContext) -> bool:
+        """Whether the backend's fused layers (`fusable_layer`) compute this step as the model's
+        own layers would: always, but for a windowed model's step that a sequence outgrows the
+        window of (the fused layer has no window)."""
+        return True
 
     def after_load(self) -> None:
         """What the model does to its weights once they are read, before the backend packs them

@@ -201,11 +201,11 @@ class LlamaForCausalLM(CausalLM):
             self.layer_class(config, i, group, self.qkv_bias, dtype, device, backend)
             for i in range(config.num_hidden_layers)
         )
-        self.windowed = False
-        for layer, window in zip(self.layers, layer_windows(config, self.window_rule)):
+        windows = layer_windows(config, self.window_rule)
+        for layer, window in zip(self.layers, windows):
             if window is not None:
                 layer.self_attn.options = AttentionOptions(window=window)
-                self.windowed = True
+        self.shortest_window = min((window for window in windows if window is not None), default=None)
         has_qk_norms = type(self.layers[0].self_attn).prepare_qk is not LlamaAttention.prepare_qk
         if self.rotary.permutation is not None and has_qk_norms:
             raise UnsupportedModel(f"{type(self).__name__} with partial rotary embeddings (q/k norms over a "
@@ -220,9 +220,11 @@ class LlamaForCausalLM(CausalLM):
     def ops_without_kernels(cls, config: Any) -> tuple[str, ...]:
         return ("sliding-window attention",) if any(layer_windows(config, cls.window_rule)) else ()
 
-    def fusable_kind(self) -> str | None:
-        """A windowed layer is not the fused layer's computation."""
-        return None if self.windowed else type(self).fusable_layer
+    def fused_applies(self, step: StepContext) -> bool:
+        """Within its windows a windowed model's layers are the fused layer's computation."""
+        window, batch = self.shortest_window, step.batch
+        return window is None or (batch is not None and batch.longest_context is not None
+                                  and batch.longest_context <= window)
 
     def after_load(self) -> None:
         if self.rotary.permutation is not None:
