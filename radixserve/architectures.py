@@ -10,7 +10,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM",
     "GraniteForCausalLM", "Olmo2ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM",
     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "SmolLM3ForCausalLM",
-    "Qwen2MoeForCausalLM", "Olmo3ForCausalLM",
+    "Qwen2MoeForCausalLM", "Olmo3ForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
 )
 
 

@@ -60,6 +60,10 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                          "full_attention": {"rope_type": "default", "rope_theta": 500.0}})),
+    # q/k/v biases, gate/up merged, RoPE over half of each head in interleaved pairs; GLM-4 adds
+    # norms after attention and after the MLP.
+    "glm": ("GlmConfig", "GlmForCausalLM", dict(attention_bias=True)),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(attention_bias=True)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)),
     # Both layer kinds, a window (8) far shorter than the test prompts, soft-capping on.
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(

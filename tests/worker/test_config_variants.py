@@ -74,6 +74,10 @@ VARIANTS = [
         "full_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
                            "rope_theta": 5e5}}), None),
     ("olmo3", rope(rope_type="yarn", factor=8.0, original_max_position_embeddings=32), None),
+    # GLM's interleaved rotation over whole heads, and with YaRN; GLM-4 without q/k/v biases.
+    ("glm", rope(rope_type="default", partial_rotary_factor=1.0), None),
+    ("glm4", rope(rope_type="yarn", factor=4.0, original_max_position_embeddings=64, partial_rotary_factor=0.5), None),
+    ("glm4", dict(attention_bias=False), "Glm4ForCausalLM with attention_bias=False"),
     ("smollm3", dict(no_rope_layers=[0, 0, 0]), None),
     # Sliding windows (8, under the test's 41 positions) as each family's class applies them: every
     # layer (Mistral v0.1, Phi-3-mini-4k's 2,047 under 4,096, Mixtral, Qwen3-MoE), the layers

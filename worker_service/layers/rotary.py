@@ -163,6 +163,7 @@ class RotaryEmbedding(torch.nn.Module):
         device: torch.device,
         rotate: bool = True,
         allow_partial: bool = False,
+        interleaved: bool = False,
     ) -> None:
         """`rotate=False`: the tables of a layer without RoPE (cos 1, sin 0; SmolLM3's NoPE layers),
         through which a rotation returns its input exactly.
@@ -172,7 +173,9 @@ class RotaryEmbedding(torch.nn.Module):
         layout: `permutation` is the order of a head's dims that puts the two rotary halves at
         the head's two halves and the passing dims after them, and the tables hold cos 1, sin 0
         for those. A model that permutes its q and k rows so at load (the scores are the same
-        sums, over dims in another order) asks for it with `allow_partial`."""
+        sums, over dims in another order) asks for it with `allow_partial`. `interleaved`: the
+        rotary dims pair as (2i, 2i + 1) (GLM's), which `permutation` turns into halves the same
+        way, whole heads included."""
         super().__init__()
         params = rope_parameters(config)
         rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
@@ -182,6 +185,8 @@ class RotaryEmbedding(torch.nn.Module):
                 raise UnsupportedModel(f"partial rotary embeddings ({rotary_dim} of {head_dim} dims) are not "
                                        "supported for this model")
             self.permutation = partial_rotary_order(head_dim, rotary_dim)
+        if interleaved:
+            self.permutation = interleaved_rotary_order(head_dim, rotary_dim)
         inv_freq = inverse_frequencies(params, rotary_dim) if rotate else torch.zeros(rotary_dim // 2)
         scale = attention_factor(params) if rotate else 1.0
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
@@ -206,6 +211,14 @@ def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
     half, passing = rotary_dim // 2, (head_dim - rotary_dim) // 2
     return torch.cat([torch.arange(0, half), torch.arange(rotary_dim, rotary_dim + passing),
                       torch.arange(half, rotary_dim), torch.arange(rotary_dim + passing, head_dim)])
+
+
+def interleaved_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """`partial_rotary_order` for a rotation of the first `rotary_dim` dims in pairs 2i and
+    2i + 1 (GLM's): each half of the head holds one of each pair, then half of the passing dims."""
+    passing = (head_dim - rotary_dim) // 2
+    return torch.cat([torch.arange(0, rotary_dim, 2), torch.arange(rotary_dim, rotary_dim + passing),
+                      torch.arange(1, rotary_dim, 2), torch.arange(rotary_dim + passing, head_dim)])
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ from typing import Any
 from radixserve.architectures import unsupported
 from worker_service.models.base import CausalLM
 from worker_service.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from worker_service.models.glm import Glm4ForCausalLM, GlmForCausalLM
 from worker_service.models.granite import GraniteForCausalLM
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.models.mistral import MistralForCausalLM
@@ -39,6 +40,8 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Olmo3ForCausalLM": Olmo3ForCausalLM,
+    "GlmForCausalLM": GlmForCausalLM,
+    "Glm4ForCausalLM": Glm4ForCausalLM,
 }
 
 

@@ -175,6 +175,7 @@ class LlamaForCausalLM(CausalLM):
     # class does (Phi-3's); transformers' Llama, Qwen2, Mistral, Granite and Mixtral rotate whole
     # heads whatever the setting says, so there the setting is refused rather than guessed at.
     partial_rotary = False
+    interleaved_rotary = False  # GLM's pairs (2i, 2i + 1) rather than halves (see `RotaryEmbedding`)
     # How transformers' class applies `sliding_window` (`config_checks.layer_windows`).
     window_rule = IGNORED
     layer_class: type[torch.nn.Module] = LlamaDecoderLayer
@@ -196,7 +197,7 @@ class LlamaForCausalLM(CausalLM):
         )
         # Tables for the positions served (a longrope model's original context, not its 128k).
         self.rotary = RotaryEmbedding(config, head_dim_of(config), served_context(config), dtype, device,
-                                      allow_partial=self.partial_rotary)
+                                      allow_partial=self.partial_rotary, interleaved=self.interleaved_rotary)
         self.layers = torch.nn.ModuleList(
             self.layer_class(config, i, group, self.qkv_bias, dtype, device, backend)
             for i in range(config.num_hidden_layers)
