@@ -64,6 +64,10 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     # norms after attention and after the MLP.
     "glm": ("GlmConfig", "GlmForCausalLM", dict(attention_bias=True)),
     "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(attention_bias=True)),
+    # Interleaved RoPE pairs over whole heads.
+    "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict()),
+    # q/k/v biases (Qwen2's computation).
+    "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", dict(attention_bias=True)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)),
     # Both layer kinds, a window (8) far shorter than the test prompts, soft-capping on.
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(

@@ -38,7 +38,7 @@ NUM_DECODE_STEPS = 20
 CPU_BACKENDS = ("torch", "native", "auto")
 MOE_FAMILIES = {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe"}
 # The families whose layer is exactly Llama's and so may take its fused path.
-LLAMA_LAYERED = {"mistral", "phi3", "glm"}
+LLAMA_LAYERED = {"mistral", "phi3", "glm", "ernie4_5", "seed_oss"}
 
 
 def require_backend(kernel: str, name: str | None = None) -> None:

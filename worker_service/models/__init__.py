@@ -6,6 +6,7 @@ from typing import Any
 
 from radixserve.architectures import unsupported
 from worker_service.models.base import CausalLM
+from worker_service.models.ernie4_5 import Ernie4_5ForCausalLM
 from worker_service.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from worker_service.models.glm import Glm4ForCausalLM, GlmForCausalLM
 from worker_service.models.granite import GraniteForCausalLM
@@ -20,6 +21,7 @@ from worker_service.models.qwen2 import Qwen2ForCausalLM
 from worker_service.models.qwen2_moe import Qwen2MoeForCausalLM
 from worker_service.models.qwen3 import Qwen3ForCausalLM
 from worker_service.models.qwen3_moe import Qwen3MoeForCausalLM
+from worker_service.models.seed_oss import SeedOssForCausalLM
 from worker_service.models.smollm3 import SmolLM3ForCausalLM
 from worker_service.unsupported import UnsupportedModel
 
@@ -42,6 +44,8 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "Olmo3ForCausalLM": Olmo3ForCausalLM,
     "GlmForCausalLM": GlmForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
+    "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
+    "SeedOssForCausalLM": SeedOssForCausalLM,
 }
 
 
