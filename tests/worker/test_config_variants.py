@@ -79,6 +79,7 @@ VARIANTS = [
     ("glm4", rope(rope_type="yarn", factor=4.0, original_max_position_embeddings=64, partial_rotary_factor=0.5), None),
     ("glm4", dict(attention_bias=False), "Glm4ForCausalLM with attention_bias=False"),
     ("ernie4_5", dict(use_bias=True), "Ernie4_5ForCausalLM with use_bias=True"),
+    ("ernie4_5", rope(rope_type="default", partial_rotary_factor=0.5), r"partial rotary embeddings \(8 of 16 dims\)"),
     ("seed_oss", dict(attention_out_bias=True), "SeedOssForCausalLM with attention_out_bias=True"),
     ("seed_oss", dict(attention_bias=False), "SeedOssForCausalLM with attention_bias=False"),
     ("smollm3", dict(no_rope_layers=[0, 0, 0]), None),

@@ -18,8 +18,7 @@ from worker_service.unsupported import UnsupportedModel
 
 
 class Ernie4_5ForCausalLM(LlamaForCausalLM):
-    partial_rotary = True
-    interleaved_rotary = True
+    interleaved_rotary = True  # whole heads, whatever partial_rotary_factor says (as transformers' class): refused
 
     def __init__(self, config: Any, group: TPGroup, dtype: torch.dtype, device: torch.device,
                  backend: Backend) -> None:
