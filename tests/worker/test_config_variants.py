@@ -95,6 +95,7 @@ VARIANTS = [
     ("smollm3", dict(use_sliding_window=True, sliding_window=8), None),
     ("granite", dict(sliding_window=8), None),
     ("olmo2", dict(sliding_window=8), None),
+    ("mistral", dict(sliding_window=-5), "sliding_window=-5 is not a window"),
     # transformers' own Qwen2-MoE fails on a window: no reference to hold one to.
     ("qwen2_moe", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
      r"Qwen2-MoE with sliding-window attention \(sliding_window=8"),

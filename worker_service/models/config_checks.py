@@ -26,8 +26,12 @@ def layer_windows(config: Any, rule: str) -> list[int | None]:
     layers = config.num_hidden_layers
     if rule == IGNORED or not window or window >= config.max_position_embeddings:
         return [None] * layers
+    if window < 0:
+        raise UnsupportedModel(f"sliding_window={window} is not a window")
     if rule == EVERY_LAYER:
         return [window] * layers
+    if len(config.layer_types) != layers:
+        raise UnsupportedModel(f"{len(config.layer_types)} layer_types for {layers} layers")
     return [window if kind == "sliding_attention" else None for kind in config.layer_types]
 
 
