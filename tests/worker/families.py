@@ -68,6 +68,11 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "ernie4_5": ("Ernie4_5Config", "Ernie4_5ForCausalLM", dict()),
     # q/k/v biases (Qwen2's computation).
     "seed_oss": ("SeedOssConfig", "SeedOssForCausalLM", dict(attention_bias=True)),
+    # Post-norms, per-head q/k norms; its hybrid attention: sliding layers with RoPE, the full one
+    # without.
+    "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", dict(
+        sliding_window=GEMMA_WINDOW, num_hidden_layers=3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)),
     # Both layer kinds, a window (8) far shorter than the test prompts, soft-capping on.
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(

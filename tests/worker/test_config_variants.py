@@ -82,6 +82,7 @@ VARIANTS = [
     ("ernie4_5", rope(rope_type="default", partial_rotary_factor=0.5), r"partial rotary embeddings \(8 of 16 dims\)"),
     ("seed_oss", dict(attention_out_bias=True), "SeedOssForCausalLM with attention_out_bias=True"),
     ("seed_oss", dict(attention_bias=False), "SeedOssForCausalLM with attention_bias=False"),
+    ("exaone4", dict(sliding_window=None, layer_types=["full_attention"] * 3), None),  # 1.2B: all full, all rotate
     ("smollm3", dict(no_rope_layers=[0, 0, 0]), None),
     # Sliding windows (8, under the test's 41 positions) as each family's class applies them: every
     # layer (Mistral v0.1, Phi-3-mini-4k's 2,047 under 4,096, Mixtral, Qwen3-MoE), the layers

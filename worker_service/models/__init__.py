@@ -7,6 +7,7 @@ from typing import Any
 from radixserve.architectures import unsupported
 from worker_service.models.base import CausalLM
 from worker_service.models.ernie4_5 import Ernie4_5ForCausalLM
+from worker_service.models.exaone4 import Exaone4ForCausalLM
 from worker_service.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from worker_service.models.glm import Glm4ForCausalLM, GlmForCausalLM
 from worker_service.models.granite import GraniteForCausalLM
@@ -46,6 +47,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "Glm4ForCausalLM": Glm4ForCausalLM,
     "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
     "SeedOssForCausalLM": SeedOssForCausalLM,
+    "Exaone4ForCausalLM": Exaone4ForCausalLM,
 }
 
 

@@ -1,5 +1,6 @@
-"""Models whose layers rotate by their layer type's RoPE tables (`config.layer_types`, with
-`rope_parameters` keyed by type or one set for all): Gemma 2/3 and OLMo 3."""
+"""Models whose layers do not all rotate alike: by their layer type's RoPE tables
+(`config.layer_types`, with `rope_parameters` keyed by type or one set for all: Gemma 2/3 and
+OLMo 3), or some not at all ("NoPE" layers: SmolLM3's, EXAONE 4's full layers)."""
 
 from __future__ import annotations
 
@@ -31,4 +32,18 @@ class RotatesByLayerType:
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, step, ropes[layer.layer_type])
+        return hidden, residual
+
+
+class SkipsRopeInSomeLayers:
+    """`run_layers` for a model whose layers rotate where `uses_rope[i]` and otherwise take
+    `unrotated`'s table (cos 1, sin 0: the rotation returns its input exactly, so the backends
+    need nothing of their own); `rotary` is the table of the others."""
+
+    def run_layers(self, hidden: torch.Tensor, step: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        rope = self.backend.rope(self.rotary, step.positions)
+        no_rope = self.backend.rope(self.unrotated, step.positions) if not all(self.uses_rope) else rope
+        residual = None
+        for layer, uses_rope in zip(self.layers, self.uses_rope):
+            hidden, residual = layer(hidden, residual, step, rope if uses_rope else no_rope)
         return hidden, residual

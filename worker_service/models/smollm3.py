@@ -14,15 +14,16 @@ from typing import Any
 
 import torch
 
-from worker_service.backends.base import Backend, StepContext
+from worker_service.backends.base import Backend
 from worker_service.distributed import TPGroup
 from worker_service.layers.rotary import RotaryEmbedding, served_context
 from worker_service.models.config_checks import BY_LAYER_TYPE
+from worker_service.models.layer_types import SkipsRopeInSomeLayers
 from worker_service.models.llama import LlamaForCausalLM, head_dim_of
 from worker_service.unsupported import UnsupportedModel
 
 
-class SmolLM3ForCausalLM(LlamaForCausalLM):
+class SmolLM3ForCausalLM(SkipsRopeInSomeLayers, LlamaForCausalLM):
     """Checkpoint names follow Hugging Face's `SmolLM3ForCausalLM` (Llama's)."""
 
     fusable_layer = None
@@ -38,11 +39,3 @@ class SmolLM3ForCausalLM(LlamaForCausalLM):
         self.uses_rope = uses_rope
         self.unrotated = RotaryEmbedding(config, head_dim_of(config), served_context(config), dtype, device,
                                          rotate=False)
-
-    def run_layers(self, hidden: torch.Tensor, step: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-        rope = self.backend.rope(self.rotary, step.positions)
-        no_rope = self.backend.rope(self.unrotated, step.positions) if not all(self.uses_rope) else rope
-        residual = None
-        for layer, uses_rope in zip(self.layers, self.uses_rope):
-            hidden, residual = layer(hidden, residual, step, rope if uses_rope else no_rope)
-        return hidden, residual
