@@ -146,7 +146,8 @@ async def measure(procs: Processes, stack: Stack, args: argparse.Namespace, step
     name = f"load-{label}-{step_ms}-{api}-{streams}"
     load = procs.start(name, [
         PYTHON, "-m", "bench.stack_load", "--api", api, "--target", target, "--streams", str(streams),
-        "--max-tokens", str(args.max_tokens), "--window", str(start), str(end), "--out", str(out)])
+        "--max-tokens", str(args.max_tokens), "--window", str(start), str(end), "--out", str(out),
+        "--connections", str(args.grpc_connections)])
     await asyncio.sleep(start - time.monotonic())
     cpu0, load0, steps0 = stack.cpu(), cpu_seconds(load.pid), await num_steps(stack.router)
     await asyncio.sleep(end - time.monotonic())
@@ -303,6 +304,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps-ms", default="0,5,25")
     parser.add_argument("--streams", default="32,128,512")
+    parser.add_argument("--grpc-connections", type=int, default=0,
+                        help="the grpc rows' connections, at least (default: one per 64 streams). With several "
+                             "gateways on one port the kernel spreads connections, not calls: 2 connections may "
+                             "both land on one of 3 gateways")
     parser.add_argument("--apis", default="grpc,http")
     parser.add_argument("--seconds", type=float, default=8.0, help="the measuring window of each row")
     parser.add_argument("--warmup", type=float, default=3.0)

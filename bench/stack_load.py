@@ -6,6 +6,7 @@
 `--streams` closed-loop streams each send completion requests (a short plain prompt,
 `ignore_eos`, greedy) one after another until the window's END (monotonic clock, shared with
 the bench process); the requests still running then finish (only the window is counted). Over gRPC the requests spread over one channel per `STREAMS_PER_CHANNEL`
+(or `--connections` channels where more)
 (the gateway allows a bounded number of calls per connection); `grpc-many` puts all the streams'
 requests on one GenerateMany call (each message carries every request's new tokens, so a
 message's tokens count as arriving together, each request's gap its own); `client-mux` runs each
@@ -94,8 +95,8 @@ async def grpc_stream(stub: generation_pb2_grpc.GenerationServiceStub, index: in
             return
 
 
-async def run_grpc(target: str, streams: int, max_tokens: int, tally: Tally) -> None:
-    num_channels = (streams + STREAMS_PER_CHANNEL - 1) // STREAMS_PER_CHANNEL
+async def run_grpc(target: str, streams: int, max_tokens: int, tally: Tally, connections: int = 0) -> None:
+    num_channels = max(connections, (streams + STREAMS_PER_CHANNEL - 1) // STREAMS_PER_CHANNEL)
     # A local subchannel pool and arguments of its own: each channel opens its own connection.
     options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
     channels = [grpc.aio.insecure_channel(target, options=[*options, ("radixserve.bench_channel", i)])
@@ -267,6 +268,9 @@ def main() -> None:
     parser.add_argument("--streams", type=int, required=True)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--window", type=float, nargs=2, required=True)
+    parser.add_argument("--connections", type=int, default=0,
+                        help="grpc: at least this many connections (the kernel spreads connections, not calls, "
+                             "over gateways sharing a port)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     tally = Tally(tuple(args.window))
@@ -274,7 +278,7 @@ def main() -> None:
     if args.api in ("client-threads", "client-mux-threads"):
         run_client_threads(args.target, args.streams, args.max_tokens, tally, args.api == "client-mux-threads")
     elif args.api == "grpc":
-        run = run_grpc(args.target, args.streams, args.max_tokens, tally)
+        run = run_grpc(args.target, args.streams, args.max_tokens, tally, args.connections)
     elif args.api == "grpc-many":
         run = run_grpc_many(args.target, args.streams, args.max_tokens, tally)
     elif args.api == "client-mux":
