@@ -2,7 +2,7 @@
 # The CUDA checks on a bare GPU machine without network, from the repository's root:
 #
 #   tests/gpu/run_on_gpu_machine.sh setup            install carried wheels, make the random checkpoint
-#   tests/gpu/run_on_gpu_machine.sh tests [ARGS]     the CUDA suite (tests/gpu)
+#   tests/gpu/run_on_gpu_machine.sh tests [ARGS]     the CUDA suite (tests/gpu; or the tests/gpu/... files ARGS name)
 #   tests/gpu/run_on_gpu_machine.sh tp2 [ARGS]       TP=2 over gloo on the machine's CPU cores
 #   tests/gpu/run_on_gpu_machine.sh bench [ARGS]     bench_worker on the GPU beside transformers
 #   tests/gpu/run_on_gpu_machine.sh stack [ARGS]     bench.stack_bench (e.g. --real-worker cuda --steps-ms 0)
@@ -34,7 +34,9 @@ setup() {
 }
 
 tests() {
-    python3 -m pytest tests/gpu -v -rs -p no:cacheprovider --timeout 400 "$@" 2>&1 | tee -a "$OUT/gpu_tests.log"
+    local where=tests/gpu
+    for arg in "$@"; do case "$arg" in tests/gpu/*) where= ;; esac; done
+    python3 -m pytest $where -v -rs -p no:cacheprovider --timeout 400 "$@" 2>&1 | tee -a "$OUT/gpu_tests.log"
 }
 
 tp2() {
