@@ -173,12 +173,16 @@ def rope(**params) -> dict:
     return {"rope_parameters": {"rope_theta": 10000.0, **params}}
 
 
-# RoPE settings the CPU suite holds to transformers (test_config_variants.py), here with heads of 64
-# so Triton's row kernel applies their tables too: YaRN (with DeepSeek's mscale), Gemma 3's per-layer
-# YaRN, Phi-3's longrope within its original context and its partial rotation (Phi-4-mini's 0.75,
-# rotary dims first after the load's reordering of q/k rows).
+# Settings the CPU suite holds to transformers (test_config_variants.py), here with heads of 64
+# so Triton's row kernel applies their tables too: YaRN (with DeepSeek's mscale), Gemma 3's
+# per-layer YaRN, Phi-3's longrope within its original context and its partial rotation
+# (Phi-4-mini's 0.75, rotary dims first after the load's reordering of q/k rows); and sliding
+# windows, one the prompt outgrows (the windowed path) and one no step outgrows (the backend's
+# own attention).
 PHI3_WIDE = dict(hidden_size=256)  # Phi-3's heads are hidden / heads wide, whatever head_dim says
-ROPE_VARIANTS = {
+CONFIG_VARIANTS = {
+    "mistral-window-outgrown": ("mistral", dict(sliding_window=8)),
+    "phi3-window-not-outgrown": ("phi3", dict(sliding_window=PROMPT_LEN + NUM_STEPS + 4, **PHI3_WIDE)),
     "qwen3-yarn": ("qwen3", rope(rope_type="yarn", factor=4.0, original_max_position_embeddings=64)),
     "mistral-yarn-mscale": ("mistral", rope(rope_type="yarn", factor=8.0, original_max_position_embeddings=32,
                                             beta_fast=16, beta_slow=2, mscale=0.9, mscale_all_dim=0.5,
@@ -196,9 +200,9 @@ ROPE_VARIANTS = {
 
 
 @pytest.mark.parametrize(("kernel", "graphs"), PATHS, ids=IDS)
-@pytest.mark.parametrize("variant", sorted(ROPE_VARIANTS))
-def test_rope_variants_match_transformers_on_cuda(variant, kernel, graphs, tmp_path) -> None:
-    family, settings = ROPE_VARIANTS[variant]
+@pytest.mark.parametrize("variant", sorted(CONFIG_VARIANTS))
+def test_config_variants_match_transformers_on_cuda(variant, kernel, graphs, tmp_path) -> None:
+    family, settings = CONFIG_VARIANTS[variant]
     model_dir = make_family(family, tmp_path / variant, head_dim=HEAD_DIM, **settings)
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                      attn_implementation="eager").eval()
