@@ -63,19 +63,12 @@ Start = Callable[[Any], Awaitable[Any]]
 
 
 async def start_server(
-    host: str,
-    port: int,
-    register: Iterable,
-    service_names: Iterable[str],
-    security: Security = NO_SECURITY,
-    max_receive_bytes: int = MAX_MESSAGE_BYTES,
-    extra_options: Iterable[tuple[str, Any]] = (),
-    share_port: bool = False,
+    host: str, port: int, register: Iterable, service_names: Iterable[str], security: Security = NO_SECURITY,
+    **options: Any,
 ) -> tuple[grpc.aio.Server, Health, int]:
-    """`build_server` listening on host:port (`listen`). Returns the server, its health handle
-    and the bound port (useful when `port` is 0)."""
-    server, health_handle = await build_server(register, service_names, security, max_receive_bytes, extra_options,
-                                         share_port)
+    """`build_server(register, service_names, security, **options)` listening on host:port
+    (`listen`). Returns the server, its health handle and the bound port (useful when `port` is 0)."""
+    server, health_handle = await build_server(register, service_names, security, **options)
     return server, health_handle, await listen(server, host, port, security)
 
 

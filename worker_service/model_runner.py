@@ -277,9 +277,11 @@ class ModelRunner:
         context_lens = [position + 1 for position in positions]
 
         chunks: list[PrefillChunk] = []
+        longest = max(context_lens, default=0)
         for i in prefill:
             entry = entries[i]
             start, end = entry.start_position, entry.start_position + len(entry.token_ids)
+            longest = max(longest, end)
             page_ids = entry.page_table[: (end - 1) // page_size + 1]
             pages = torch.tensor(page_ids)
             write_slots.append(context_slots(pages, end, page_size)[start:])
@@ -295,7 +297,7 @@ class ModelRunner:
             decode_tables=tables,
             decode_context_lens=context_lens,
             prefills=chunks,
-            longest_context=max(context_lens + [chunk.start_position + chunk.num_tokens for chunk in chunks]),
+            longest_context=longest,
         )
         sample_indices = [
             index

@@ -179,14 +179,11 @@ class RotaryEmbedding(torch.nn.Module):
         super().__init__()
         params = rope_parameters(config)
         rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
-        self.permutation: torch.Tensor | None = None
-        if rotary_dim != head_dim:
-            if not allow_partial or rotary_dim % 2 or (head_dim - rotary_dim) % 2:
-                raise UnsupportedModel(f"partial rotary embeddings ({rotary_dim} of {head_dim} dims) are not "
-                                       "supported for this model")
-            self.permutation = partial_rotary_order(head_dim, rotary_dim)
-        if interleaved:
-            self.permutation = interleaved_rotary_order(head_dim, rotary_dim)
+        if rotary_dim != head_dim and (not allow_partial or rotary_dim % 2 or (head_dim - rotary_dim) % 2):
+            raise UnsupportedModel(f"partial rotary embeddings ({rotary_dim} of {head_dim} dims) are not "
+                                   "supported for this model")
+        self.permutation: torch.Tensor | None = (
+            rotary_order(head_dim, rotary_dim, interleaved) if interleaved or rotary_dim != head_dim else None)
         inv_freq = inverse_frequencies(params, rotary_dim) if rotate else torch.zeros(rotary_dim // 2)
         scale = attention_factor(params) if rotate else 1.0
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
@@ -204,21 +201,16 @@ class RotaryEmbedding(torch.nn.Module):
                 self.sin.index_select(0, positions).unsqueeze(1))
 
 
-def partial_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+def rotary_order(head_dim: int, rotary_dim: int, interleaved: bool = False) -> torch.Tensor:
     """The order of a head's dims under which a rotation of the first `rotary_dim` (pairs i and
-    i + rotary_dim / 2) becomes the whole head's (pairs i and i + head_dim / 2): each half of the
-    head holds one rotary half, then half of the passing dims."""
+    i + rotary_dim / 2; `interleaved`: pairs 2i and 2i + 1, GLM's) becomes the whole head's (pairs
+    i and i + head_dim / 2): each half of the head holds one of each pair, then half of the
+    passing dims."""
     half, passing = rotary_dim // 2, (head_dim - rotary_dim) // 2
-    return torch.cat([torch.arange(0, half), torch.arange(rotary_dim, rotary_dim + passing),
-                      torch.arange(half, rotary_dim), torch.arange(rotary_dim + passing, head_dim)])
-
-
-def interleaved_rotary_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
-    """`partial_rotary_order` for a rotation of the first `rotary_dim` dims in pairs 2i and
-    2i + 1 (GLM's): each half of the head holds one of each pair, then half of the passing dims."""
-    passing = (head_dim - rotary_dim) // 2
-    return torch.cat([torch.arange(0, rotary_dim, 2), torch.arange(rotary_dim, rotary_dim + passing),
-                      torch.arange(1, rotary_dim, 2), torch.arange(rotary_dim + passing, head_dim)])
+    firsts, seconds = ((torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2)) if interleaved
+                       else (torch.arange(0, half), torch.arange(half, rotary_dim)))
+    return torch.cat([firsts, torch.arange(rotary_dim, rotary_dim + passing),
+                      seconds, torch.arange(rotary_dim + passing, head_dim)])
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,8 @@
 GLM is Llama's layer with biases on q/k/v (`attention_bias`), gate and up stored as one
 `gate_up_proj` (Phi-3's), and RoPE over the first `partial_rotary_factor` of each head (0.5) in
 interleaved pairs (2i, 2i + 1). The rotation is served on the whole-head layout, as Phi-3's
-partial one: q and k rows are put at load in the order `interleaved_rotary_order` gives, so every
-backend's rotation computes it; the layer stays the fused Llama layer. GLM-4 adds a norm after
+partial one: q and k rows are put at load in the order `rotary_order(..., interleaved=True)`
+gives, so every backend's rotation computes it; the layer stays the fused Llama layer. GLM-4 adds a norm after
 attention and after the MLP (`post_self_attn_layernorm`, `post_mlp_layernorm`) before each joins
 the residual stream: no fusable layer.
 """
