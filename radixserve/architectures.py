@@ -11,7 +11,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "GraniteForCausalLM", "Olmo2ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM",
     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "SmolLM3ForCausalLM",
     "Qwen2MoeForCausalLM", "Olmo3ForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
-    "Ernie4_5ForCausalLM", "SeedOssForCausalLM", "Exaone4ForCausalLM",
+    "Ernie4_5ForCausalLM", "SeedOssForCausalLM", "Exaone4ForCausalLM", "GptOssForCausalLM",
 )
 
 

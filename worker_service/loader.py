@@ -35,14 +35,17 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
 
 
 def _bounds(selection: range | None) -> slice:
-    return slice(None) if selection is None else slice(selection.start, selection.stop)
+    return slice(None) if selection is None else slice(selection.start, selection.stop, selection.step)
 
 
 def read_slice(handle, piece: WeightSlice) -> torch.Tensor:
     tensor_slice = handle.get_slice(piece.name)
-    if len(tensor_slice.get_shape()) == 1:
-        return tensor_slice[_bounds(piece.rows)]
-    return tensor_slice[_bounds(piece.rows), _bounds(piece.cols)]
+    lead = () if piece.expert is None else (piece.expert,)
+    if len(tensor_slice.get_shape()) - len(lead) == 1:
+        return tensor_slice[lead + (_bounds(piece.rows),)]
+    if piece.transposed:
+        return tensor_slice[lead + (_bounds(piece.cols), _bounds(piece.rows))].T.contiguous()
+    return tensor_slice[lead + (_bounds(piece.rows), _bounds(piece.cols))]
 
 
 @torch.inference_mode()

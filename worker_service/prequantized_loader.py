@@ -1,4 +1,5 @@
-"""Fill a model from a pre-quantized GPTQ or AWQ safetensors checkpoint, keeping its int4 weights.
+"""Fill a model from a pre-quantized GPTQ or AWQ safetensors checkpoint, keeping its int4 weights
+(or an MXFP4 one, GPT-OSS's, keeping its experts as int8: `quant/mxfp4.py`).
 
 A linear layer whose checkpoint projections come as `<name>.qweight` (with `.qzeros`, `.scales`
 and GPTQ's `.g_idx`) in place of `<name>.weight` becomes `QuantizedWeight`s
@@ -23,7 +24,9 @@ from worker_service.layers.linear import PackableLinear
 from worker_service.layers.weights import WeightSlice
 from worker_service.loader import checkpoint_files, load_weights
 from worker_service.quant.format import QuantizedWeight, merge_row_blocks
-from worker_service.quant.prequantized import PrequantizedScheme, awq_weight, gptq_weight
+from worker_service.quant.mxfp4 import mxfp4_weight
+from worker_service.quant.prequantized import MXFP4, MXFP4_GROUP, PrequantizedScheme, awq_weight, gptq_weight
+from worker_service.unsupported import UnsupportedModel
 
 log = logging.getLogger(__name__)
 
@@ -43,16 +46,38 @@ class PackedTensors:
         return piece.name[: -len(WEIGHT_SUFFIX)] if piece.name.endswith(WEIGHT_SUFFIX) else None
 
     def is_packed(self, piece: WeightSlice) -> bool:
+        if self.scheme.method == MXFP4:
+            return f"{piece.name}_blocks" in self.files
         base = self._base(piece)
         return base is not None and f"{base}.qweight" in self.files
 
-    def _read(self, name: str) -> torch.Tensor:
+    def _handle(self, name: str):
         path = self.files[name]
         if path not in self._handles:
             self._handles[path] = self._stack.enter_context(safe_open(path, framework="pt"))
-        return self._handles[path].get_tensor(name)
+        return self._handles[path]
+
+    def _read(self, name: str) -> torch.Tensor:
+        return self._handle(name).get_tensor(name)
+
+    def _mxfp4(self, piece: WeightSlice) -> QuantizedWeight:
+        """This rank's rows and whole groups of columns of an MXFP4 tensor (an expert's, where the
+        piece names one), read as such; its blocks are `[out, in]` whatever the plain tensor's."""
+        blocks = self._handle(f"{piece.name}_blocks").get_slice(f"{piece.name}_blocks")
+        in_features = blocks.get_shape()[-2] * MXFP4_GROUP
+        cols = piece.cols or range(in_features)
+        if cols.start % MXFP4_GROUP or (cols.stop % MXFP4_GROUP and cols.stop != in_features):
+            raise UnsupportedModel(f"mxfp4: columns {cols.start}..{cols.stop} of {piece.name} cut its groups "
+                                   f"of {MXFP4_GROUP}")
+        lead = () if piece.expert is None else (piece.expert,)
+        rows = slice(None) if piece.rows is None else slice(piece.rows.start, piece.rows.stop, piece.rows.step)
+        groups = slice(cols.start // MXFP4_GROUP, -(-cols.stop // MXFP4_GROUP))
+        scales = self._handle(f"{piece.name}_scales").get_slice(f"{piece.name}_scales")
+        return mxfp4_weight(blocks[lead + (rows, groups)], scales[lead + (rows, groups)], len(cols))
 
     def quantized(self, piece: WeightSlice) -> QuantizedWeight:
+        if self.scheme.method == MXFP4:
+            return self._mxfp4(piece)
         base = self._base(piece)
         qweight, qzeros, scales = (self._read(f"{base}.{part}") for part in ("qweight", "qzeros", "scales"))
         if self.scheme.method == "gptq":

@@ -73,6 +73,13 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "exaone4": ("Exaone4Config", "Exaone4ForCausalLM", dict(
         sliding_window=GEMMA_WINDOW, num_hidden_layers=3,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    # Attention sinks, biases on q/k/v/o, sliding and full layers, YaRN; experts in 3-D tensors
+    # with biases, a clamp low enough to bind, and top-k logits softmaxed among themselves.
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        num_local_experts=8, num_experts_per_tok=2, swiglu_limit=1.0, sliding_window=GEMMA_WINDOW,
+        num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0})),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)),
     # Both layer kinds, a window (8) far shorter than the test prompts, soft-capping on.
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
@@ -95,6 +102,20 @@ def _randomise_norms(model: torch.nn.Module) -> None:
                 param.uniform_(0.5, 1.5)
 
 
+# Families whose biases and attention sinks transformers initialises to zero or near it: made
+# random, so that a bias or sink dropped or misplaced shows.
+RANDOM_BIASES = {"gpt_oss"}
+
+
+def _randomise_biases(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.2)
+            elif name.endswith("sinks"):
+                param.uniform_(-1.0, 2.0)
+
+
 def make_family(family: str, out_dir: Path, seed: int = 0, **overrides) -> Path:
     """`family`'s tiny checkpoint (see `FAMILIES`; `overrides` over its settings) saved in
     `out_dir`, with a generation config listing `EOS_TOKEN_IDS`."""
@@ -103,6 +124,8 @@ def make_family(family: str, out_dir: Path, seed: int = 0, **overrides) -> Path:
     config = getattr(transformers, config_name)(**_common(**{**settings, **overrides}))
     model = getattr(transformers, model_name)(config).eval()
     _randomise_norms(model)
+    if family in RANDOM_BIASES:
+        _randomise_biases(model)
     model.generation_config.eos_token_id = EOS_TOKEN_IDS
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir

@@ -43,10 +43,10 @@ KEYS_PER_CHUNK = 64
 QUERY_ROW_TILE = ROW_TILE
 
 
-# (window, softcap, scale) as `backends.base.AttentionOptions` means them (kept apart from it: the
-# backends import this module).
-Limits = tuple[int | None, float | None, float | None]
-NO_LIMITS: Limits = (None, None, None)
+# (window, softcap, scale, sinks) as `backends.base.AttentionOptions` means them (kept apart from
+# it: the backends import this module).
+Limits = tuple[int | None, float | None, float | None, torch.Tensor | None]
+NO_LIMITS: Limits = (None, None, None, None)
 
 
 def chunk_pages(page_size: int) -> int:
@@ -85,8 +85,9 @@ def attend_group(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, 
                  page_size: int, limits: Limits = NO_LIMITS, space: GatherSpace | None = None) -> torch.Tensor:
     """The group's queries of the flat-layout `q` `[T, Hq, D]` over one layer's head-major pool
     `[Hk, num_slots, D]` -> `[rows, num_tokens, Hq, D]` in q's dtype, with `limits` (window,
-    softcap, scale: as `AttentionOptions` means them; None each: plain causal attention)."""
-    window, softcap, scale = limits
+    softcap, scale, sinks: as `AttentionOptions` means them; None each: plain causal attention).
+    A head's sink joins each of its rows' denominators after the chunks' merge (row-wise)."""
+    window, softcap, scale, sinks = limits
     num_rows, num_tokens = group.token_ids.shape
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_slots.shape[0]
@@ -122,8 +123,13 @@ def attend_group(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, 
     values = gather_pages(v_slots, group.pages, page_size, space, 1).view(shape).float()
     chunk_out = torch.matmul(weights, values)  # [Hk, rows, chunks, M, D]
     # Merge the chunks by log-sum-exp, summed in page order.
-    chunk_weight = torch.exp(chunk_max - chunk_max.amax(2, keepdim=True))
+    top = chunk_max.amax(2, keepdim=True)
+    chunk_weight = torch.exp(chunk_max - top)
     total = (chunk_sum * chunk_weight).cumsum(2)[:, :, -1]
+    if sinks is not None:  # a query row's head: its KV head's (row % heads_per_kv)-th
+        row_heads = torch.arange(num_query_rows, device=q.device) % heads_per_kv
+        row_sinks = sinks.float().view(num_kv_heads, heads_per_kv)[:, row_heads].unsqueeze(1)
+        total = total + torch.exp(row_sinks - top.squeeze(2))
     out = (chunk_out * chunk_weight.unsqueeze(-1)).cumsum(2)[:, :, -1] / total.unsqueeze(-1)
     out = out[:, :, :num_tokens * heads_per_kv].reshape(num_kv_heads, num_rows, num_tokens, heads_per_kv, head_dim)
     return out.permute(1, 2, 0, 3, 4).reshape(num_rows, num_tokens, num_q_heads, head_dim).to(q.dtype)

@@ -1,4 +1,4 @@
-"""Attention with `AttentionOptions` (a sliding window, logit soft-capping, a softmax scale), in
+"""Attention with `AttentionOptions` (a sliding window, logit soft-capping, a softmax scale, sinks), in
 PyTorch's ops, reading K/V only through the step's page tables: what every backend runs for a
 layer that asks for options (no compiled or Triton kernel has them).
 
@@ -6,7 +6,7 @@ Per sequence of the step (each decode row, each prefill chunk): the keys it may 
 from max(0, first query position - window + 1) to its last position, gathered from the pool by
 its page table; scores are q . k * scale, soft-capped, masked (causal, and within the window),
 softmaxed in float32 and cast back before the product with the values, as the reference eager
-code computes them. The new K/V must already be in the pool. A window shorter than the context
+code computes them. A head's sink is one more score in its softmax, whose weight is dropped. The new K/V must already be in the pool. A window shorter than the context
 only masks keys: the pages stay allocated and cached (full-attention layers still read them).
 """
 
@@ -51,8 +51,12 @@ def windowed_attention(q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Te
         allowed = key_positions <= query_positions
         if options.window is not None:
             allowed &= query_positions - key_positions < options.window
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        probabilities = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        scores = scores.masked_fill(~allowed, float("-inf")).float()
+        if options.sinks is None:
+            probabilities = torch.softmax(scores, dim=-1).to(q.dtype)
+        else:
+            sinks = options.sinks.float().view(num_kv_heads, group, 1, 1).expand(-1, -1, num_tokens, 1)
+            probabilities = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1].to(q.dtype)
         attended = torch.einsum("hgnl,hld->nhgd", probabilities, values)
         out[token_start:token_start + num_tokens] = attended.reshape(num_tokens, -1, head_dim)
     return out

@@ -108,11 +108,14 @@ class AttentionOptions:
     `window`: a query at position p sees keys at positions p - window + 1 .. p only.
     `softcap`: scores become softcap * tanh(scores / softcap) before the mask and softmax.
     `scale`: the softmax scale (None: 1/sqrt(head_dim)).
+    `sinks`: one logit per query head (this rank's, `[Hq]`) that joins the softmax's denominator
+    and attends to nothing (GPT-OSS's attention sinks): a query's weights sum to less than 1.
     """
 
     window: int | None = None
     softcap: float | None = None
     scale: float | None = None
+    sinks: torch.Tensor | None = None
 
 
 def options_for_step(options: AttentionOptions | None, batch: StepBatch | None) -> AttentionOptions | None:
@@ -120,8 +123,8 @@ def options_for_step(options: AttentionOptions | None, batch: StepBatch | None) 
     no sequence of the step outgrows (it masks no key), so that the backend's own attention
     computes it (with options, every backend attends per sequence in PyTorch's ops). Phi-3's
     2,047 under 4,096 and Mistral v0.1's 4,096 bind only past those lengths."""
-    if (options is None or options.softcap is not None or options.scale is not None or options.window is None
-            or batch is None or batch.longest_context is None or batch.longest_context > options.window):
+    if (options is None or options.softcap is not None or options.scale is not None or options.sinks is not None
+            or options.window is None or batch is None or batch.longest_context is None or batch.longest_context > options.window):
         return options
     return None
 

@@ -46,5 +46,5 @@ class InvariantTorchBackend(TorchBackend):
     def attention(self, qkv: torch.Tensor, num_q_heads: int, k_slots: torch.Tensor, v_slots: torch.Tensor,
                   step: StepContext, rope: Rope, options: AttentionOptions | None = None) -> torch.Tensor:
         q, k, v = self.rotated(qkv, num_q_heads, k_slots.shape[0], rope)
-        limits = NO_LIMITS if options is None else (options.window, options.softcap, options.scale)
+        limits = NO_LIMITS if options is None else (options.window, options.softcap, options.scale, options.sinks)
         return step.attention.attend(q, k, v, k_slots, v_slots, limits)

@@ -96,7 +96,9 @@ class ColumnParallelLinear(PackableLinear):
     """y = x @ W_local.T (+ b_local), where W_local stacks rows of one or more checkpoint matrices.
 
     `pieces` lists, in output order, `(checkpoint prefix, rows)`: rows `rows` of
-    `<prefix>.weight` (and `<prefix>.bias` when `bias`).
+    `<prefix>.weight` (and `<prefix>.bias` when `bias`). A family whose tensors are named
+    otherwise gives the slices themselves (`weight_slices`, `bias_slices`: an expert's matrix in a
+    3-D tensor, `WeightSlice.expert`), each with its `rows`.
     """
 
     def __init__(
@@ -106,32 +108,31 @@ class ColumnParallelLinear(PackableLinear):
         bias: bool,
         dtype: torch.dtype,
         device: torch.device,
+        *,
+        weight_slices: list[WeightSlice] | None = None,
+        bias_slices: list[WeightSlice] | None = None,
     ) -> None:
         super().__init__()
-        self.output_sizes = [len(rows) for _, rows in pieces]
+        if weight_slices is None:
+            weight_slices = [WeightSlice(f"{prefix}.weight", rows) for prefix, rows in pieces]
+            bias_slices = [WeightSlice(f"{prefix}.bias", rows) for prefix, rows in pieces] if bias else None
+        self.output_sizes = [len(piece.rows) for piece in weight_slices]
         output_size = sum(self.output_sizes)
-        self.weight = make_param(
-            (output_size, input_size),
-            [WeightSlice(f"{prefix}.weight", rows) for prefix, rows in pieces],
-            dtype, device,
-        )
-        self.bias = None
-        if bias:
-            self.bias = make_param(
-                (output_size,),
-                [WeightSlice(f"{prefix}.bias", rows) for prefix, rows in pieces],
-                dtype, device,
-            )
+        self.weight = make_param((output_size, input_size), weight_slices, dtype, device)
+        self.bias = None if bias_slices is None else make_param((output_size,), bias_slices, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.packed(x)
 
 
 class RowParallelLinear(PackableLinear):
-    """y = sum over ranks of x_local @ W[:, cols_local].T: the input arrives already split.
+    """y = sum over ranks of x_local @ W[:, cols_local].T (+ b): the input arrives already split.
 
     With `reduce=False` the layer returns this rank's partial product and the caller sums over the
-    group once for several such layers (a mixture of experts adds its experts' outputs first)."""
+    group once for several such layers (a mixture of experts adds its experts' outputs first). A
+    `bias` (`<prefix>.bias`) is added by rank 0 alone, so that the sum holds it once. `weight` may
+    name other slices of the checkpoint than `<prefix>.weight`'s columns (an expert's matrix in a
+    3-D tensor: `WeightSlice.expert`)."""
 
     def __init__(
         self,
@@ -142,15 +143,20 @@ class RowParallelLinear(PackableLinear):
         dtype: torch.dtype,
         device: torch.device,
         reduce: bool = True,
+        bias: bool = False,
+        weight: WeightSlice | None = None,
+        bias_slice: WeightSlice | None = None,
     ) -> None:
         super().__init__()
         self.group = group
         self.reduce = reduce
         self.weight = make_param(
-            (output_size, len(input_cols)), [WeightSlice(f"{prefix}.weight", cols=input_cols)],
+            (output_size, len(input_cols)), [weight or WeightSlice(f"{prefix}.weight", cols=input_cols)],
             dtype, device,
         )
         self.bias = None
+        if bias and group.rank == 0:
+            self.bias = make_param((output_size,), [bias_slice or WeightSlice(f"{prefix}.bias")], dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = self.packed(x)

@@ -23,6 +23,14 @@ def balanced_range(total: int, num_parts: int, part: int) -> range:
     return range(start, start + base + (1 if part < extra else 0))
 
 
+def aligned_range(total: int, num_parts: int, part: int, align: int) -> range:
+    """`balanced_range` over blocks of `align` elements (the last block may be short): every
+    range starts on a block boundary and ends on one or at `total` (a quantized format's groups
+    of columns stay whole on each rank)."""
+    blocks = balanced_range(-(-total // align), num_parts, part)
+    return range(min(blocks.start * align, total), min(blocks.stop * align, total))
+
+
 @dataclass(slots=True, frozen=True)
 class HeadShard:
     """The attention heads one rank computes.

@@ -10,6 +10,7 @@ from worker_service.models.ernie4_5 import Ernie4_5ForCausalLM
 from worker_service.models.exaone4 import Exaone4ForCausalLM
 from worker_service.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from worker_service.models.glm import Glm4ForCausalLM, GlmForCausalLM
+from worker_service.models.gpt_oss import GptOssForCausalLM
 from worker_service.models.granite import GraniteForCausalLM
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.models.mistral import MistralForCausalLM
@@ -48,6 +49,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
     "SeedOssForCausalLM": SeedOssForCausalLM,
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 

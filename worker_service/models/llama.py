@@ -15,6 +15,7 @@ declares `fusable_layer = "llama"`; a subclass whose layer differs must declare 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -37,7 +38,8 @@ def head_dim_of(config: Any) -> int:
 
 
 class LlamaAttention(torch.nn.Module):
-    options: AttentionOptions | None = None  # a family's window, soft-cap or scale (Gemma's)
+    options: AttentionOptions | None = None  # a family's window, soft-cap, scale or sinks
+    o_bias = False  # whether o_proj has a bias (GPT-OSS's)
 
     def __init__(
         self, config: Any, layer: int, group: TPGroup, qkv_bias: bool,
@@ -56,7 +58,8 @@ class LlamaAttention(torch.nn.Module):
         kv_rows = range(heads.kv_heads.start * d, heads.kv_heads.stop * d)
         self.qkv_proj = ColumnParallelLinear(config.hidden_size, self.qkv_pieces(config, prefix, q_rows, kv_rows),
                                              qkv_bias, dtype, device)
-        self.o_proj = RowParallelLinear(f"{prefix}.o_proj", q_rows, config.hidden_size, group, dtype, device)
+        self.o_proj = RowParallelLinear(f"{prefix}.o_proj", q_rows, config.hidden_size, group, dtype, device,
+                                        bias=self.o_bias)
 
     def qkv_pieces(self, config: Any, prefix: str, q_rows: range, kv_rows: range) -> list[tuple[str, range]]:
         """Where this rank's q, k and v rows are in the checkpoint (separate projections here)."""
@@ -205,7 +208,7 @@ class LlamaForCausalLM(CausalLM):
         windows = layer_windows(config, self.window_rule)
         for layer, window in zip(self.layers, windows):
             if window is not None:
-                layer.self_attn.options = AttentionOptions(window=window)
+                layer.self_attn.options = replace(layer.self_attn.options or AttentionOptions(), window=window)
         self.shortest_window = min((window for window in windows if window is not None), default=None)
         has_qk_norms = type(self.layers[0].self_attn).prepare_qk is not LlamaAttention.prepare_qk
         if self.rotary.permutation is not None and has_qk_norms:

@@ -23,7 +23,7 @@ import torch
 from worker_service.backends.base import Backend, PackedExperts
 from worker_service.distributed import TPGroup, all_reduce_sum
 from worker_service.layers.linear import ColumnParallelLinear, RowParallelLinear
-from worker_service.layers.sharding import balanced_range
+from worker_service.layers.sharding import aligned_range
 
 
 # What a model with sparse MoE layers names in `CausalLM.ops_without_kernels`: the routing (top-k,
@@ -60,6 +60,10 @@ class Routing:
 
 
 class SparseMoE(torch.nn.Module):
+    groupable = True  # whether `Backend.pack_experts`'s product computes these experts (`pack`)
+    # A rank's intermediate features start on a multiple of this (a quantized checkpoint's groups).
+    feature_align = 1
+
     def __init__(self, layer: int, hidden_size: int, intermediate_size: int, routing: Routing,
                  layout: ExpertLayout, group: TPGroup, dtype: torch.dtype, device: torch.device,
                  backend: Backend) -> None:
@@ -67,19 +71,30 @@ class SparseMoE(torch.nn.Module):
         self.routing = routing
         self.group = group
         self.backend = backend
-        prefix = f"model.layers.{layer}.{layout.block}"
-        self.router = ColumnParallelLinear(hidden_size, [(f"{prefix}.gate", range(routing.num_experts))], False,
-                                           dtype, device)
-        features = balanced_range(intermediate_size, group.world_size, group.rank)
-        self.gate_up = torch.nn.ModuleList(
+        features = aligned_range(intermediate_size, group.world_size, group.rank, self.feature_align)
+        self.router, self.gate_up, self.down = self.linears(f"model.layers.{layer}.{layout.block}", layout,
+                                                            hidden_size, features, dtype, device)
+        self.experts: PackedExperts | None = None  # the backend's grouped product, where it has one (`pack`)
+
+    def linears(self, prefix: str, layout: ExpertLayout, hidden_size: int, features: range, dtype: torch.dtype,
+                device: torch.device) -> tuple[torch.nn.Module, torch.nn.ModuleList, torch.nn.ModuleList]:
+        """(the router, each expert's gate/up rows (gate first) over this rank's `features`, each
+        expert's down columns over them), as the family's checkpoint names them."""
+        num_experts = self.routing.num_experts
+        router = ColumnParallelLinear(hidden_size, [(f"{prefix}.gate", range(num_experts))], False, dtype, device)
+        gate_up = torch.nn.ModuleList(
             ColumnParallelLinear(hidden_size, [(f"{prefix}.experts.{e}.{layout.gate}", features),
                                                (f"{prefix}.experts.{e}.{layout.up}", features)], False, dtype, device)
-            for e in range(routing.num_experts))
-        self.down = torch.nn.ModuleList(
-            RowParallelLinear(f"{prefix}.experts.{e}.{layout.down}", features, hidden_size, group, dtype, device,
+            for e in range(num_experts))
+        down = torch.nn.ModuleList(
+            RowParallelLinear(f"{prefix}.experts.{e}.{layout.down}", features, hidden_size, self.group, dtype, device,
                               reduce=False)
-            for e in range(routing.num_experts))
-        self.experts: PackedExperts | None = None  # the backend's grouped product, where it has one (`pack`)
+            for e in range(num_experts))
+        return router, gate_up, down
+
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """An expert's activation of its gate/up rows `[T, 2 I]` (gate first): SwiGLU here."""
+        return self.backend.silu_mul(gate_up)
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights `[T, top_k]` in the dtype, expert ids `[T, top_k]`) of every token."""
@@ -92,8 +107,9 @@ class SparseMoE(torch.nn.Module):
     def pack(self, backend: Backend) -> None:
         """Offer the experts to `backend` as one grouped product (`Backend.pack_experts`), before
         their linear layers are packed one by one; where it takes them, those layers multiply
-        views of its weights (kept once) for the steps it leaves to them."""
-        if self.experts is not None or self.gate_up[0].packed is not None:
+        views of its weights (kept once) for the steps it leaves to them. The grouped product is
+        SwiGLU without biases: experts of another kind (`groupable` False) keep their own."""
+        if not self.groupable or self.experts is not None or self.gate_up[0].packed is not None:
             return
         self.experts = backend.pack_experts([linear.weight.detach() for linear in self.gate_up],
                                             [linear.weight.detach() for linear in self.down])
@@ -127,6 +143,6 @@ class SparseMoE(torch.nn.Module):
             pairs = order[start:start + count]
             start += count
             rows = pairs // self.routing.top_k
-            expert_out = self.down[expert](self.backend.silu_mul(self.gate_up[expert](hidden.index_select(0, rows))))
+            expert_out = self.down[expert](self.activate(self.gate_up[expert](hidden.index_select(0, rows))))
             out.index_add_(0, rows, expert_out * flat_weights.index_select(0, pairs).unsqueeze(-1))
         return out

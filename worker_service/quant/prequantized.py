@@ -1,5 +1,6 @@
 """Pre-quantized Hugging Face checkpoints (GPTQ and AWQ, 4 bits): what `quantization_config`
-asks for, and each layer's packed tensors as our `int4` `QuantizedWeight`.
+asks for, and each layer's packed tensors as our `int4` `QuantizedWeight`. An MXFP4 checkpoint
+(`quant_method: mxfp4`, GPT-OSS's) is recognised here too; its layers are `quant/mxfp4.py`'s.
 
 Both formats store, per linear layer, 4-bit values `q`, a 4-bit zero point `z` and a half-precision
 scale `s` per group of `group_size` input columns, and stand for w = s * (q - z). That is our int4
@@ -33,6 +34,8 @@ from worker_service.quant.format import INT4_BLOCK, QuantizedWeight, pack_int4
 from worker_service.unsupported import UnsupportedModel
 
 METHODS = ("gptq", "awq")
+MXFP4 = "mxfp4"  # GPT-OSS's experts (`quant/mxfp4.py`)
+MXFP4_GROUP = 32
 BITS = 4
 PACKED = 32 // BITS  # values per int32
 GPTQ_FORMATS = ("gptq", "gptq_v2")
@@ -51,8 +54,10 @@ class PrequantizedScheme:
 
     @property
     def served_name(self) -> str:
-        """How a worker reports it (GetWorkerInfo, /v1/models, metrics), e.g. `gptq:int4-g128`."""
-        return f"{self.method}:int4-g{self.group_size}"
+        """How a worker reports it (GetWorkerInfo, /v1/models, metrics), e.g. `gptq:int4-g128`;
+        MXFP4 is held as int8 values (`quant/mxfp4.py`): `mxfp4:int8-g32`."""
+        held = "int8" if self.method == MXFP4 else "int4"
+        return f"{self.method}:{held}-g{self.group_size}"
 
 
 def _field(config: dict, *names: str, default: Any = None) -> Any:
@@ -69,10 +74,12 @@ def prequantized_scheme(hf_config: Any) -> PrequantizedScheme | None:
     if not isinstance(config, dict):
         config = config.to_dict()
     method = str(config.get("quant_method", "?")).lower()
+    if method == MXFP4:  # its layout is fixed: E2M1 codes, one scale per 32 columns (`quant/mxfp4.py`)
+        return PrequantizedScheme(MXFP4, MXFP4_GROUP)
     if method not in METHODS:
         raise UnsupportedModel(f"pre-quantized checkpoints ({method}) are not supported (only "
-                               f"{' and '.join(METHODS)} int4): serve the unquantized checkpoint with "
-                               "--quantization int8|int4, or a GGUF file")
+                               f"{' and '.join(METHODS)} int4, and mxfp4): serve the unquantized checkpoint "
+                               "with --quantization int8|int4, or a GGUF file")
     bits = _field(config, "bits", "w_bit")
     if bits != BITS:
         raise UnsupportedModel(f"{method} checkpoints of {bits} bits are not supported (only {BITS})")

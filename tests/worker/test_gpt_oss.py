@@ -1,0 +1,117 @@
+"""GPT-OSS beyond the family suite (`test_model_families.py` runs its plain checkpoint on every
+backend and at TP=2): its released form, experts in MXFP4 blocks, against transformers reading the
+same file with its own dequantization; the attention sinks on the deterministic backend; what is
+refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Mxfp4Config
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+from worker.families import VOCAB_SIZE, make_family
+from worker.mxfp4_checkpoint import make_mxfp4_gpt_oss
+from worker.test_model_families import ATOL, require_backend
+from worker_service.forward_batch import ForwardEntry
+from worker_service.model_runner import ModelRunner, RunnerConfig
+from worker_service.models.gpt_oss import ATTENTION_SINKS, GptOssForCausalLM
+from worker_service.quant.mxfp4 import mxfp4_weight
+from worker_service.unsupported import UnsupportedModel
+
+pytestmark = pytest.mark.timeout(300)
+PAGE_SIZE = 4
+PROMPT_LEN = 37
+DECODE_STEPS = 8
+
+
+def prompt() -> list[int]:
+    return torch.randint(3, VOCAB_SIZE, (PROMPT_LEN,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+def reference(model_dir: Path) -> torch.nn.Module:
+    quantized = "mxfp4" in model_dir.name
+    extra = {"quantization_config": Mxfp4Config(dequantize=True)} if quantized else {}
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **extra).eval()
+
+
+def served_and_expected(runner: ModelRunner, model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The runner's logits of the prompt and `DECODE_STEPS` greedy steps, transformers' over the
+    same tokens, and the greedy tokens."""
+    token_ids, pages = prompt(), list(range(20))[::-1]
+    logits = [runner.forward([ForwardEntry(token_ids, 0, pages, True)])[0]]
+    tokens = [int(logits[0].argmax())]
+    for step in range(DECODE_STEPS):
+        logits.append(runner.forward([ForwardEntry(tokens[-1:], PROMPT_LEN + step, pages, True)])[0])
+        tokens.append(int(logits[-1].argmax()))
+    with torch.no_grad():
+        expected = model(torch.tensor([token_ids + tokens[:-1]])).logits[0, PROMPT_LEN - 1:]
+    return torch.stack(logits), expected, tokens
+
+
+@pytest.fixture(scope="module")
+def mxfp4_dir(tmp_path_factory) -> Path:
+    return make_mxfp4_gpt_oss(tmp_path_factory.mktemp("gpt_oss"))
+
+
+def test_mxfp4_blocks_are_transformers_dequantization_exactly() -> None:
+    generator = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 40, 4, 16), generator=generator, dtype=torch.uint8)
+    scales = torch.randint(100, 160, (3, 40, 4), generator=generator, dtype=torch.uint8)
+    expected = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
+    for expert in range(3):
+        weight = mxfp4_weight(blocks[expert], scales[expert], 128)
+        assert weight.format == "int8" and weight.group_size == 32
+        assert torch.equal(weight.dequantize(), expected[expert].T)
+
+
+@pytest.mark.parametrize("kernel", ("torch", "native"))
+def test_an_mxfp4_checkpoint_is_served_as_transformers_reads_it(mxfp4_dir, kernel) -> None:
+    require_backend(kernel)
+    runner = ModelRunner(RunnerConfig(model_dir=mxfp4_dir, page_size=PAGE_SIZE, kv_cache_bytes=1 << 21,
+                                      attention_kernel=kernel))
+    assert runner.info.quantization == "mxfp4:int8-g32"
+    moe = runner.model.layers[0].mlp
+    assert moe.gate_up[0].weight.dtype == moe.down[0].weight.dtype == torch.int8  # kept, not dequantized
+    logits, expected, tokens = served_and_expected(runner, reference(mxfp4_dir))
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+    plain = ModelRunner(RunnerConfig(model_dir=mxfp4_dir.parent / "plain", page_size=PAGE_SIZE,
+                                     kv_cache_bytes=1 << 21, attention_kernel=kernel))
+    assert runner.weight_bytes() < 0.7 * plain.weight_bytes()
+
+
+@pytest.mark.timeout(400)
+def test_an_mxfp4_checkpoint_at_tp2_keeps_its_groups_whole(tmp_path) -> None:
+    """96 intermediate features are 3 groups of 32: the ranks take 64 and 32 (an even split of
+    48 would cut a group), and rank 0 adds the down biases once."""
+    from worker.test_tensor_parallel import run_ranks
+
+    model_dir = make_mxfp4_gpt_oss(tmp_path / "model", intermediate_size=96)
+    first, second = run_ranks(model_dir, prompt(), 2, tmp_path, "torch", timeout_s=300)
+    model = reference(model_dir)
+    tokens = first["tokens"]
+    with torch.no_grad():
+        expected = model(torch.tensor([prompt() + tokens[:-1]])).logits[0, PROMPT_LEN - 1:]
+    torch.testing.assert_close(first["step_logits"], expected, atol=ATOL, rtol=0)
+    assert second["step_logits"] is None
+
+
+def test_the_deterministic_backend_attends_with_the_sinks(tmp_path) -> None:
+    model_dir = make_family("gpt_oss", tmp_path / "plain")
+    runner = ModelRunner(RunnerConfig(model_dir=model_dir, page_size=PAGE_SIZE, kv_cache_bytes=1 << 21,
+                                      attention_kernel="torch", deterministic=True, dtype="float32"))
+    logits, expected, _ = served_and_expected(runner, reference(model_dir))
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+
+
+def test_what_is_refused_or_named(tmp_path) -> None:
+    from transformers import AutoConfig
+
+    model_dir = make_family("gpt_oss", tmp_path / "plain", attention_bias=False)
+    with pytest.raises(UnsupportedModel, match="attention_bias=False"):
+        ModelRunner(RunnerConfig(model_dir=model_dir, page_size=PAGE_SIZE, kv_cache_bytes=1 << 21,
+                                 attention_kernel="torch"))
+    assert ATTENTION_SINKS in GptOssForCausalLM.ops_without_kernels(AutoConfig.from_pretrained(model_dir))
