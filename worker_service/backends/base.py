@@ -43,7 +43,7 @@ What the runner may ask for once, after loading (None where the backend has no s
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -87,6 +87,8 @@ class StepBatch:
     prefills: list[PrefillChunk]
     # The longest sequence in the step, its new tokens included (None: not given).
     longest_context: int | None = None
+    # What attention with options gathers, by window, built by its first layer (`attention/windowed.py`).
+    gathers: dict = field(default_factory=dict)
 
 
 @dataclass(slots=True)
