@@ -4,7 +4,13 @@ the reasoning split, decided once per gateway (`ChatFormat`) and checked once pe
 
 tool_choice: `none` renders no tools and parses no calls; `auto` (the default with tools)
 renders them, parses calls, and constrains a call the model starts (`tool_grammar`);
-`required` and a named function constrain the whole output to calls (of that function).
+`required` and a named function constrain the whole output to calls (of that function). A
+family without a grammar (harmony) has its calls parsed under `auto`, not constrained, and
+refuses `required` and a named function, which only a grammar could enforce.
+
+Harmony (gpt-oss) is one format for reasoning and calls (`harmony_splitter`): both parsers are
+harmony or neither. `auto` on one side follows `harmony` on the other; a template that writes
+harmony with the other side set to something else is refused at start.
 """
 
 from __future__ import annotations
@@ -16,11 +22,12 @@ from dataclasses import dataclass, field
 import jinja2
 from jinja2 import meta
 
+from gateway_service import harmony
 from gateway_service.errors import InvalidRequest
-from gateway_service.reasoning import CLOSE, OPEN, detect_reasoning
+from gateway_service.reasoning import AUTO, CLOSE, HARMONY, OPEN, THINK, detect_reasoning
 from gateway_service.tokenizer import Tokenizer
 from gateway_service.tool_grammar import tool_call_grammar
-from gateway_service.tool_parsers import ToolCallParser, tool_parser
+from gateway_service.tool_parsers import HarmonyParser, ToolCallParser, tool_parser
 from radixserve.constraints import Constraint, ConstraintKind
 from radixserve.v1 import generation_pb2
 
@@ -41,15 +48,16 @@ Mode = generation_pb2.ToolChoiceMode
 @dataclass(frozen=True, slots=True)
 class ChatFormat:
     """The gateway's chat conventions: its tool-call parser, whether its template renders
-    tools itself, whether outputs are split into reasoning and content, and the id of the
-    calls' marker when it is one special token (the grammar names it by id)."""
+    tools itself, how outputs are split into reasoning and content (`think`, `harmony`; None:
+    not), and the id of the calls' marker when it is one special token (the grammar names it
+    by id)."""
 
     tool_parser: ToolCallParser
     renders_tools: bool
-    reasoning: bool
+    reasoning: str | None
     marker_token: int | None = None
     # The variables a request's chat_template_kwargs may set: what the template reads, and
-    # enable_thinking when outputs are split (it turns the split off). None: any (the template
+    # enable_thinking when outputs are split at <think> (it turns that split off). None: any (the template
     # could not be read here).
     template_reads: frozenset[str] | None = None
 
@@ -60,11 +68,20 @@ class ChatFormat:
         template = tokenizer.chat_template
         parser = tool_parser(tool_parser_name, template)
         reasoning = detect_reasoning(reasoning_parser_name, template)
-        if reasoning:
-            for tag in (OPEN, CLOSE):
-                tokenizer.keep_special(tag)
+        if reasoning == HARMONY and tool_parser_name == AUTO:
+            parser = HarmonyParser()
+        if parser.name == HARMONY and reasoning_parser_name == AUTO:
+            reasoning = HARMONY
+        if (reasoning == HARMONY) != (parser.name == HARMONY):
+            raise ValueError(f"harmony is one format for reasoning and tool calls: --reasoning-parser "
+                             f"{reasoning_parser_name} and --tool-call-parser {tool_parser_name} resolve to "
+                             f"{reasoning or 'none'} and {parser.name} for this chat template; give both "
+                             "harmony (or auto)")
+        tags = {THINK: (OPEN, CLOSE), HARMONY: harmony.KEPT_MARKERS}.get(reasoning or "", ())
+        for tag in tags:
+            tokenizer.keep_special(tag)
         reads = template_variables(template)
-        if reads is not None and reasoning:
+        if reads is not None and reasoning == THINK:
             reads |= {ENABLE_THINKING}
         return cls(parser, "tools" in template, reasoning, tokenizer.keep_special(parser.marker), reads)
 
@@ -181,7 +198,9 @@ def plan_chat(request: generation_pb2.GenerateRequest, chat: ChatFormat, max_cha
     check_tools(tools, max_chars)
     check_history(request.messages, max_chars)
     kwargs = template_kwargs(request.chat_template_kwargs, chat.template_reads)
-    split_reasoning = chat.reasoning and bool(request.messages) and kwargs.get(ENABLE_THINKING, True) is not False
+    # Harmony's split cannot be turned off: its markers would be content.
+    split_reasoning = bool(chat.reasoning) and bool(request.messages) and (
+        chat.reasoning == HARMONY or kwargs.get(ENABLE_THINKING, True) is not False)
     named = request.tool_choice.function_name if choice == "function_name" else None
     mode = request.tool_choice.mode if choice == "mode" else Mode.TOOL_CHOICE_MODE_AUTO
     if named is not None or mode == Mode.TOOL_CHOICE_MODE_REQUIRED:
@@ -197,6 +216,13 @@ def plan_chat(request: generation_pb2.GenerateRequest, chat: ChatFormat, max_cha
         raise InvalidRequest("give either tools or a structured-output constraint (response_format, "
                              "guided_*), not both; or set tool_choice to none")
     required = named is not None or mode == Mode.TOOL_CHOICE_MODE_REQUIRED
+    if not chat.tool_parser.constrained:
+        if required:
+            asked = f"naming the function {named!r}" if named is not None else "'required'"
+            raise InvalidRequest(f"tool_choice {asked} cannot be enforced for this model: its tool calls are "
+                                 f"written in the {chat.tool_parser.name} format, which the tool grammar does not "
+                                 "cover; use tool_choice 'auto' (calls parsed, not constrained) or 'none'")
+        return ChatPlan(tuple(request.tools), kwargs, None, True, split_reasoning)
     parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
     # A named function renders all the tools (the model sees its whole toolbox); it may call only
     # that one.

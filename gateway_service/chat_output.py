@@ -1,19 +1,20 @@
 """A chat's output split into what the API reports separately: reasoning, content, tool calls.
 
-The gateway's text stream (after stop strings) goes through the reasoning splitter first, then
-what is content goes through the tool-call splitter. Content before a call's marker streams as
-it comes; from the marker on the text is held and parsed when the output ends. Whole calls (a
+The gateway's text stream (after stop strings) goes through the reasoning splitter first (the
+`<think>` one, or harmony's, which also passes calls on, see `harmony_splitter`), then what is
+content goes through the tool-call splitter. Content before a call's marker streams as it
+comes; from the marker on the text is held and parsed when the output ends. Whole calls (a
 non-streamed HTTP answer): each call is reported once (its index, id, name and arguments) on the
 last chunk, and an output whose calls do not parse gives its held text back as content (the
-parser's contract). Incremental calls (streams): a call's first delta (index, id, name and the
-arguments so far) goes out as soon as its name is complete, then each chunk carries the new
-arguments text (`tool_call_stream`), and the last chunk the rest; the arguments' pieces
-concatenate to the text the model wrote (valid JSON whenever the calls parse). The chunk that
-ends the output may hold whole calls (tokens coalesced for a consumer behind, drafts accepted
-together): they go out there, named, as if streamed. Once a piece of a call has been streamed,
-an output that ends without parsing (cut by max_tokens) gives nothing back as content: the
-deltas sent stand, with the last chunk's piece, and the finish reason says why it ended; cut
-before any piece went out, its text is content, as in a non-streamed answer.
+parser's contract; harmony's without its markers). Incremental calls (streams): a call's first
+delta (index, id, name and the arguments so far) goes out as soon as its name is complete, then
+each chunk carries the new arguments text (`tool_call_stream`), and the last chunk the rest; the
+arguments' pieces concatenate to the text the model wrote (valid JSON whenever the calls parse).
+The chunk that ends the output may hold whole calls (tokens coalesced for a consumer behind,
+drafts accepted together): they go out there, named, as if streamed. Once a piece of a call has
+been streamed, an output that ends without parsing (cut by max_tokens) gives nothing back as
+content: the deltas sent stand, with the last chunk's piece, and the finish reason says why it
+ended; cut before any piece went out, its text is content, as in a non-streamed answer.
 A chunk's finish reason becomes TOOL_CALLS when calls were parsed from an output that ended by
 itself (a LENGTH end stays LENGTH).
 """
@@ -26,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway_service.chat_format import ChatFormat, ChatPlan
+from gateway_service.harmony import HARMONY
+from gateway_service.harmony_splitter import HarmonySplitter
 from gateway_service.reasoning import ReasoningSplitter, opens_inside_block
 from gateway_service.tokenizer import Tokenizer
 from gateway_service.tool_call_stream import partial_calls
@@ -120,14 +123,14 @@ class ToolCallSplitter:
             return parsed.content[self._sent:], parsed.calls
         if self._streamed:
             return "", ()  # the streamed calls' text is not content too
-        return self._text[self._sent:], ()
+        return self._parser.unparsed_content(self._text[self._sent:]), ()
 
 
 class ChatOutputSplitter:
     """Rewrites each chunk of one chat in place: `text` becomes content only, `reasoning_text`
     and (on the last chunk) `tool_calls` are filled."""
 
-    def __init__(self, reasoning: ReasoningSplitter | None, tools: ToolCallSplitter | None,
+    def __init__(self, reasoning: ReasoningSplitter | HarmonySplitter | None, tools: ToolCallSplitter | None,
                  call_id: Callable[[], str] = new_call_id) -> None:
         self._reasoning = reasoning
         self._tools = tools
@@ -172,8 +175,10 @@ def output_splitter(plan: ChatPlan, prompt_ids: list[int], tokenizer: Tokenizer,
     nothing to split); a reasoning block the prompt's template opened starts the output inside it."""
     if not plan.split_reasoning and not plan.parse_tools:
         return None
-    reasoning = None
-    if plan.split_reasoning:
+    reasoning: ReasoningSplitter | HarmonySplitter | None = None
+    if plan.split_reasoning and chat.reasoning == HARMONY:
+        reasoning = HarmonySplitter(plan.parse_tools)
+    elif plan.split_reasoning:
         tail = tokenizer.decode_all(prompt_ids[-PROMPT_TAIL_TOKENS:])
         reasoning = ReasoningSplitter(opens_inside_block(tail))
     tools = ToolCallSplitter(chat.tool_parser, incremental_calls) if plan.parse_tools else None

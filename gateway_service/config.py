@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway_service.bounded_load import Bounds
-from gateway_service.reasoning import REASONING_PARSERS
+from gateway_service.reasoning import AUTO, HARMONY, REASONING_PARSERS
 from gateway_service.tool_parsers import TOOL_CALL_PARSERS
 from gateway_service.validation import RequestLimits
 from radixserve import flags
@@ -104,11 +104,15 @@ class GatewayConfig:
                                          above=0)
     tokenizer_threads: int = setting(2, "threads of each pool (encode: tokenization and chat templates; "
                                      "decode: detokenization) that keep that work off the event loop", min=1)
-    tool_call_parser: str = setting("auto", "how the model writes tool calls (hermes, llama3_json, mistral); "
-                                    "auto: from the chat template, hermes when it shows none",
+    tool_call_parser: str = setting("auto", "how the model writes tool calls (hermes, llama3_json, mistral, "
+                                    "harmony: gpt-oss's messages to functions.NAME); auto: from the chat "
+                                    "template (harmony when it has <|channel|>), hermes when it shows none",
                                     choices=TOOL_CALL_PARSERS)
-    reasoning_parser: str = setting("auto", "split <think>...</think> into reasoning_content (think), or not "
-                                    "(none); auto: think when the chat template has <think>",
+    reasoning_parser: str = setting("auto", "split <think>...</think> into reasoning_content (think), or "
+                                    "gpt-oss's analysis channel into reasoning_content and its final channel "
+                                    "into content (harmony, which needs --tool-call-parser harmony or auto), "
+                                    "or not (none); auto: harmony when the chat template has <|channel|>, "
+                                    "else think when it has <think>",
                                     choices=REASONING_PARSERS)
     limits: RequestLimits = nested(RequestLimits)
     security: SecurityConfig = security_settings(public=True)
@@ -126,6 +130,10 @@ class GatewayConfig:
         flags.check_addresses("routers", self.routers)  # one named twice is one router
         if self.router_dns:
             flags.split_address(self.router_dns, "router-dns")
+        parsers = (self.reasoning_parser, self.tool_call_parser)
+        if HARMONY in parsers and AUTO not in parsers and parsers != (HARMONY, HARMONY):
+            raise ValueError("--reasoning-parser and --tool-call-parser: harmony is one format for reasoning and "
+                             "tool calls; give both harmony, or auto to the other")
 
 
 PROGRAM = flags.Program(

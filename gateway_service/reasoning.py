@@ -7,26 +7,32 @@ generation prompt), the output starts as reasoning. After `</think>` the answer 
 its leading newlines. An output that ends inside the block (max_tokens) is all reasoning: what
 was streamed as reasoning stays reasoning. The tags themselves are in neither part.
 
-`--reasoning-parser` picks the format (`auto`: `think` when the chat template mentions
-`<think>`, else none); a request turns it off with `chat_template_kwargs.enable_thinking: false`.
+`--reasoning-parser` picks the format (`auto`: `harmony` when the chat template writes harmony,
+gpt-oss's format, whose splitter is `harmony_splitter`; else `think` when it mentions `<think>`;
+else none); a request turns the `<think>` split off with `chat_template_kwargs.enable_thinking:
+false` (harmony's cannot be: its markers would be content).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway_service import harmony
 from gateway_service.text_markers import partial_suffix
 
 OPEN, CLOSE = "<think>", "</think>"
-AUTO, THINK, NONE = "auto", "think", "none"
-REASONING_PARSERS = (AUTO, THINK, NONE)
+AUTO, THINK, NONE, HARMONY = "auto", "think", "none", harmony.HARMONY
+REASONING_PARSERS = (AUTO, THINK, HARMONY, NONE)
 
 
-def detect_reasoning(name: str, chat_template: str) -> bool:
-    """Whether outputs are split, for a `--reasoning-parser` value and the model's template."""
+def detect_reasoning(name: str, chat_template: str) -> str | None:
+    """How outputs are split (`think` or `harmony`; None: not), for a `--reasoning-parser`
+    value and the model's template."""
     if name == AUTO:
-        return OPEN in chat_template
-    return name == THINK
+        if harmony.in_template(chat_template):
+            return HARMONY
+        return THINK if OPEN in chat_template else None
+    return None if name == NONE else name
 
 
 def opens_inside_block(prompt_tail: str) -> bool:

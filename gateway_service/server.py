@@ -129,7 +129,7 @@ class Gateway:
                  f"({pooling.source})")
         chat = servicer.chat
         log.info("chat format: %s tool calls, reasoning split %s, template renders tools: %s",
-                 chat.tool_parser.name, "on" if chat.reasoning else "off", chat.renders_tools)
+                 chat.tool_parser.name, chat.reasoning or "off", chat.renders_tools)
         await forkserver
         checker = ConstraintChecker(
             tokenizer.hf, config.constraint_timeout_s, config.constraint_cache_size,

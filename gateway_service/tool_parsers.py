@@ -9,11 +9,16 @@ chat template by `detect_tool_parser`):
   (optionally after `<|python_tag|>`), several separated by `;`.
 - `mistral`: `[TOOL_CALLS]` then a JSON array of `{"name": ..., "arguments": {...}}`, or the
   newer `[TOOL_CALLS]name[ARGS]{...}` per call.
+- `harmony` (gpt-oss): a message to `functions.NAME` whose body is the arguments object
+  (`harmony`); it reads the content that `harmony_splitter` passes on, where each call is one
+  such message and nothing else is markup.
 
 Contract of `parse`: it never raises. Either every call in the text is well formed (a name and a
 JSON object of arguments), and the calls come back with the rest of the text as content, or the
-text comes back whole as content with no calls: a half-parsed output is never half-reported.
-The grammar side (`tool_grammar`) emits exactly the layout each parser reads.
+text comes back whole as content with no calls (`unparsed_content`: the text itself, harmony's
+without its markers): a half-parsed output is never half-reported. The grammar side
+(`tool_grammar`) emits exactly the layout each parser reads, where the family has a grammar
+(`constrained`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from gateway_service import harmony
 from gateway_service.text_markers import partial_suffix
 
 
@@ -46,6 +52,8 @@ class ToolCallParser(ABC):
     marker: str
     # The key the family writes the arguments under.
     arguments_key: str = "arguments"
+    # Whether `tool_grammar` can constrain calls written this way.
+    constrained: bool = True
 
     def call_start(self, text: str) -> int | None:
         """Where the calls begin in `text`, once that is certain; None while it is not."""
@@ -61,14 +69,18 @@ class ToolCallParser(ABC):
         """The calls and the content of a whole output (see the module's contract)."""
         start = self.call_start(text)
         if start is None:
-            return ParsedOutput(text)
+            return ParsedOutput(self.unparsed_content(text))
         try:
             calls, rest = self._parse_calls(text[start:])
         except (ValueError, TypeError, KeyError):
-            return ParsedOutput(text)
+            return ParsedOutput(self.unparsed_content(text))
         if not calls:
-            return ParsedOutput(text)
+            return ParsedOutput(self.unparsed_content(text))
         return ParsedOutput(text[:start] + rest, tuple(calls))
+
+    def unparsed_content(self, text: str) -> str:
+        """Text whose calls do not parse, as the content it then is: the text as it came."""
+        return text
 
     @abstractmethod
     def _parse_calls(self, text: str) -> tuple[list[ParsedCall], str]:
@@ -176,8 +188,39 @@ class MistralParser(ToolCallParser):
         return self.marker + json.dumps([{"name": name, "arguments": args} for name, args in calls])
 
 
+class HarmonyParser(ToolCallParser):
+    name = harmony.HARMONY
+    marker = harmony.START
+    constrained = False
+    # A message: its header, its body, and what ends it (a marker, or the end of the text).
+    _MESSAGE = re.compile(r"<\|start\|>((?:(?!<\|start\|>|<\|message\|>).)*)<\|message\|>"
+                          r"(.*?)(?:<\|call\|>|<\|end\|>|<\|return\|>|(?=<\|start\|>)|\Z)", re.S)
+
+    def _parse_calls(self, text: str) -> tuple[list[ParsedCall], str]:
+        calls, rest, end = [], [], 0
+        for match in self._MESSAGE.finditer(text):
+            rest.append(text[end:match.start()])
+            name = harmony.read_header(match.group(1)).function
+            if name is None:
+                raise ValueError("a message that is not a call")
+            calls.append(self._call({"name": name, "arguments": json.loads(match.group(2))}))
+            end = match.end()
+        rest.append(text[end:])
+        between = "".join(rest)
+        if harmony.MARKER.search(between):
+            raise ValueError("markup outside the calls")
+        return calls, between
+
+    def unparsed_content(self, text: str) -> str:
+        """The calls' bodies as the model wrote them, without their headers and markers."""
+        return harmony.MARKER.sub("", self._MESSAGE.sub(lambda match: match.group(2), text))
+
+    def render_calls(self, calls: list[tuple[str, dict]]) -> str:
+        return "".join(f"{harmony.call_header(name)}{json.dumps(args)}{harmony.CALL}" for name, args in calls)
+
+
 PARSERS: dict[str, type[ToolCallParser]] = {
-    parser.name: parser for parser in (HermesParser, Llama3JsonParser, MistralParser)
+    parser.name: parser for parser in (HermesParser, Llama3JsonParser, MistralParser, HarmonyParser)
 }
 AUTO = "auto"
 TOOL_CALL_PARSERS = (AUTO, *PARSERS)
@@ -186,6 +229,8 @@ TOOL_CALL_PARSERS = (AUTO, *PARSERS)
 def detect_tool_parser(chat_template: str) -> ToolCallParser:
     """The family whose call layout the template shows; Hermes when it shows none (the layout
     the gateway renders itself for templates without tools, see `chat_render`)."""
+    if harmony.in_template(chat_template):
+        return HarmonyParser()
     if MistralParser.marker in chat_template:
         return MistralParser()
     if Llama3JsonParser.marker in chat_template or "ipython" in chat_template:
