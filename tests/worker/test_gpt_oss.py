@@ -115,3 +115,29 @@ def test_what_is_refused_or_named(tmp_path) -> None:
         ModelRunner(RunnerConfig(model_dir=model_dir, page_size=PAGE_SIZE, kv_cache_bytes=1 << 21,
                                  attention_kernel="torch"))
     assert ATTENTION_SINKS in GptOssForCausalLM.ops_without_kernels(AutoConfig.from_pretrained(model_dir))
+
+
+def test_the_compiled_kernel_attends_with_sinks_and_the_sliding_layers_past_their_window_do_not(
+        tmp_path, monkeypatch) -> None:
+    """On the compiled backend a full layer's sinks are the kernel's (no per-sequence path), and
+    so are a sliding layer's while no sequence outgrows its window; a sliding layer a sequence
+    outgrows takes PyTorch's ops (`windowed.py`). All at transformers' logits."""
+    from worker_service.attention import windowed
+    from worker_service.backends import row_kernels
+
+    require_backend("native")
+    calls = []
+    monkeypatch.setattr(row_kernels, "windowed_attention",
+                        lambda *args, **kwargs: calls.append(1) or windowed.windowed_attention(*args, **kwargs))
+    model_dir = make_family("gpt_oss", tmp_path / "plain")  # 3 layers: sliding (8), full, sliding
+    model = reference(model_dir)
+    runner = ModelRunner(RunnerConfig(model_dir=model_dir, page_size=PAGE_SIZE, kv_cache_bytes=1 << 21,
+                                      attention_kernel="native"))
+    short = prompt()[:6]
+    within = runner.forward([ForwardEntry(short, 0, list(range(4)), True)])[0]
+    assert calls == []
+    logits, expected, _ = served_and_expected(runner, model)
+    assert len(calls) == 2 * (1 + DECODE_STEPS)  # the two sliding layers, every step
+    with torch.no_grad():
+        torch.testing.assert_close(within, model(torch.tensor([short])).logits[0, -1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)

@@ -38,8 +38,9 @@ class StandInPlan:
             self.rows += [(first_row + j, pages, start + j + 1) for j in range(num_rows)]
         self.page_size = page_size
 
-    def attend(self, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor) -> torch.Tensor:
-        assert q.shape[0] == len(self.rows)
+    def attend(self, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        assert q.shape[0] == len(self.rows) and sinks is None  # the families here have no sinks
         num_kv_heads, head_dim = k_slots.shape[0], q.shape[2]
         out = torch.empty_like(q)
         for row, pages, length in self.rows:

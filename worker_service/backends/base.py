@@ -43,7 +43,7 @@ What the runner may ask for once, after loading (None where the backend has no s
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -121,14 +121,22 @@ class AttentionOptions:
 
 
 def options_for_step(options: AttentionOptions | None, batch: StepBatch | None) -> AttentionOptions | None:
-    """The options a step's attention must follow: None where all they hold is a window that
-    no sequence of the step outgrows (it masks no key), so that the backend's own attention
-    computes it (with options, every backend attends per sequence in PyTorch's ops). Phi-3's
-    2,047 under 4,096 and Mistral v0.1's 4,096 bind only past those lengths."""
-    if (options is None or options.softcap is not None or options.scale is not None or options.sinks is not None
-            or options.window is None or batch is None or batch.longest_context is None or batch.longest_context > options.window):
+    """The options a step's attention must follow: without a window that no sequence of the step
+    outgrows (it masks no key), None where nothing else is left, so that the backend's own
+    attention computes it (with options, every backend attends in PyTorch's ops, `windowed.py`;
+    the compiled one computes sinks itself). Phi-3's 2,047 under 4,096 and Mistral v0.1's 4,096
+    bind only past those lengths."""
+    if (options is None or options.window is None or batch is None or batch.longest_context is None
+            or batch.longest_context > options.window):
         return options
-    return None
+    if options.softcap is None and options.scale is None and options.sinks is None:
+        return None
+    return replace(options, window=None)
+
+
+def only_sinks(options: AttentionOptions) -> bool:
+    """Whether all `options` ask for is sinks (what a kernel that has them computes alone)."""
+    return options.sinks is not None and options.window is None and options.softcap is None and options.scale is None
 
 
 class PackedLinear(ABC):

@@ -2,7 +2,8 @@
 
 Attention is one kernel call per layer for every row of the step, decode and prefill, reading
 K/V through the page tables where they lie (shared prefixes once per group, as the PyTorch
-backend's cascade); the row-wise ops are the compiled ones (`row_kernels.py`); linear layers of
+backend's cascade), attention sinks included (GPT-OSS's: one more term of each query head's
+softmax denominator, added where the kernel merges its partial sums); the row-wise ops are the compiled ones (`row_kernels.py`); linear layers of
 decode-sized steps use the small-batch kernel (`linear_native.py`). Rank 0 samples with the
 compiled sampling kernels.
 
@@ -48,9 +49,11 @@ class NativeBackend(RowKernelBackend):
         plan = self.kernels.plan(tables, lens, page_size, shared_prefixes(tables, lens, page_size), spans)
         return StepContext(batch.positions, batch.write_slots, plan, pool, batch)
 
+    attends_sinks = True
+
     def _attend_stored(self, qkv: torch.Tensor, num_q_heads: int, k_slots: torch.Tensor, v_slots: torch.Tensor,
-                       step: StepContext) -> torch.Tensor:
-        return step.attention.attend(qkv[:, :num_q_heads], k_slots, v_slots)  # q read where it is
+                       step: StepContext, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        return step.attention.attend(qkv[:, :num_q_heads], k_slots, v_slots, sinks)  # q read where it is
 
     def pack(self, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None, *,
              float32_out: bool = False) -> PackedLinear:

@@ -37,7 +37,7 @@ class TritonBackend(RowKernelBackend):
         return plan_gpu_decode(batch.decode_tables, batch.decode_context_lens, batch.page_size, self.device)
 
     def _attend_stored(self, qkv: torch.Tensor, num_q_heads: int, k_slots: torch.Tensor, v_slots: torch.Tensor,
-                       step: StepContext) -> torch.Tensor:
+                       step: StepContext, sinks: torch.Tensor | None = None) -> torch.Tensor:
         num_kv_heads = k_slots.shape[0]
         q, k, v = qkv.split([num_q_heads, num_kv_heads, num_kv_heads], dim=1)
         return paged_attention(q, k, v, k_slots, v_slots, step.attention, stored=True)

@@ -24,7 +24,7 @@ int radix_rope_store(int32_t dtype, void* qkv, int64_t row_stride, int32_t token
                      const void* sin, void* k, void* v, int64_t kv_head_stride, const int64_t* slots,
                      int32_t num_threads);
 int radix_paged_attention(const void* plan, const void* schedule, const void* q, const void* k, const void* v,
-                          void* out);
+                          void* out, const float* sinks);
 }
 
 extern "C" {
@@ -84,7 +84,7 @@ int radix_decode_layer(const LayerWeights* w, const StepArgs* s, void* hidden, v
   if ((status = radix_rope_store(dtype, s->qkv, qkv_width, rows, w->num_q_heads, w->num_kv_heads, d, s->positions,
                                  s->cos, s->sin, w->k_pool, w->v_pool, w->kv_head_stride, s->write_slots, threads)))
     return status;
-  if ((status = radix_paged_attention(s->plan, s->schedule, s->qkv, w->k_pool, w->v_pool, s->attended)))
+  if ((status = radix_paged_attention(s->plan, s->schedule, s->qkv, w->k_pool, w->v_pool, s->attended, nullptr)))
     return status;
   if ((status = radix_gemv(dtype, s->attended, q_width, rows, q_width, w->o_proj, h, nullptr, s->delta, h, threads)))
     return status;

@@ -187,7 +187,7 @@ Schedule* build_schedule(const StepPlan& plan) {
 
 template <int kDtype, int kD>
 int run(const StepPlan& plan, const Schedule& schedule, const void* q_ptr, const void* k_ptr, const void* v_ptr,
-        void* out_ptr) {
+        void* out_ptr, const float* sinks) {
   using T = typename Elem<kDtype>::type;
   constexpr int kBlock = kD <= 64 ? 4 : 2;  // queries whose q (and accumulators) stay in registers
   const T* q = static_cast<const T*>(q_ptr);
@@ -274,7 +274,8 @@ int run(const StepPlan& plan, const Schedule& schedule, const void* q_ptr, const
       }
     }
 
-    // Merge: out[r, head] = sum_i acc_i e^(m_i - M) / sum_i l_i e^(m_i - M).
+    // Merge: out[r, head] = sum_i acc_i e^(m_i - M) / (sum_i l_i e^(m_i - M) + e^(sink - M)), the
+    // sink term only where the layer has sinks (a logit per query head that attends to nothing).
 #pragma omp for schedule(static)
     for (int64_t rh = 0; rh < static_cast<int64_t>(num_rows) * hq; ++rh) {
       const int r = static_cast<int>(rh / hq), head = static_cast<int>(rh % hq);
@@ -299,6 +300,7 @@ int run(const StepPlan& plan, const Schedule& schedule, const void* q_ptr, const
         for (int t = 0; t < kD / 16; ++t)
           acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(part + 2 + 16 * t), acc[t]);
       }
+      if (sinks != nullptr) denominator += std::exp(sinks[head] - top);
       const __m512 inv = _mm512_set1_ps(1.0f / denominator);
       T* dst = out + (static_cast<int64_t>(r) * hq + head) * kD;
       for (int t = 0; t < kD / 16; ++t) store_vec<kDtype>(dst + 16 * t, _mm512_mul_ps(acc[t], inv));
@@ -309,13 +311,13 @@ int run(const StepPlan& plan, const Schedule& schedule, const void* q_ptr, const
 
 template <int kDtype>
 int dispatch_dim(const StepPlan& plan, const Schedule& schedule, const void* q, const void* k, const void* v,
-                 void* out) {
+                 void* out, const float* sinks) {
   switch (plan.head_dim) {
-    case 16: return run<kDtype, 16>(plan, schedule, q, k, v, out);
-    case 32: return run<kDtype, 32>(plan, schedule, q, k, v, out);
-    case 64: return run<kDtype, 64>(plan, schedule, q, k, v, out);
-    case 96: return run<kDtype, 96>(plan, schedule, q, k, v, out);
-    case 128: return run<kDtype, 128>(plan, schedule, q, k, v, out);
+    case 16: return run<kDtype, 16>(plan, schedule, q, k, v, out, sinks);
+    case 32: return run<kDtype, 32>(plan, schedule, q, k, v, out, sinks);
+    case 64: return run<kDtype, 64>(plan, schedule, q, k, v, out, sinks);
+    case 96: return run<kDtype, 96>(plan, schedule, q, k, v, out, sinks);
+    case 128: return run<kDtype, 128>(plan, schedule, q, k, v, out, sinks);
     default: return 2;
   }
 }
@@ -345,15 +347,17 @@ void radix_free_schedule(void* schedule) { delete static_cast<Schedule*>(schedul
 
 // Attention of one layer's queries `q` (decode rows, then prefill spans' rows) into `out`
 // ([rows, num_q_heads, head_dim], contiguous) by `schedule` (made from `plan`). `k` / `v`: the
-// layer's pool of kv head 0 (heads `kv_head_stride` apart). 0: done.
+// layer's pool of kv head 0 (heads `kv_head_stride` apart). `sinks`: float32 [num_q_heads], one
+// logit per query head joining its softmax's denominator (GPT-OSS's attention sinks), or null.
+// 0: done.
 int radix_paged_attention(const StepPlan* plan, const void* schedule, const void* q, const void* k, const void* v,
-                          void* out) {
+                          void* out, const float* sinks) {
   if (schedule == nullptr) return 1;
   const auto& steps = *static_cast<const Schedule*>(schedule);
   switch (plan->dtype) {
-    case kFloat32: return dispatch_dim<kFloat32>(*plan, steps, q, k, v, out);
-    case kBFloat16: return dispatch_dim<kBFloat16>(*plan, steps, q, k, v, out);
-    case kFloat16: return dispatch_dim<kFloat16>(*plan, steps, q, k, v, out);
+    case kFloat32: return dispatch_dim<kFloat32>(*plan, steps, q, k, v, out, sinks);
+    case kBFloat16: return dispatch_dim<kBFloat16>(*plan, steps, q, k, v, out, sinks);
+    case kFloat16: return dispatch_dim<kFloat16>(*plan, steps, q, k, v, out, sinks);
     default: return 3;
   }
 }

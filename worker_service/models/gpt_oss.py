@@ -4,9 +4,11 @@ other one, a window of 128), YaRN RoPE, and a sparse mixture of experts of its o
 
 - **Sinks**: each query head has one learned logit (`self_attn.sinks`) that joins its softmax's
   denominator and attends to nothing, so a query's weights sum to less than 1. It is
-  `AttentionOptions.sinks`, which PyTorch's ops compute on every backend (`attention/windowed.py`)
-  and the invariant one merges with its chunks (`attention/invariant.py`). TP splits them with the
-  query heads.
+  `AttentionOptions.sinks`: the compiled CPU kernel adds it where it merges its partial sums
+  (`csrc/paged_attention.cpp`), the invariant backend after its chunks' merge
+  (`attention/invariant.py`), and the other backends attend with PyTorch's ops
+  (`attention/windowed.py`), as every backend does for a sliding layer a sequence outgrows. TP
+  splits them with the query heads.
 - **Experts** are stored in 3-D tensors, `gate_up_proj` `[experts, hidden, 2 I]` (gate and up
   features interleaved: gate at even columns, up at odd) and `down_proj` `[experts, I, hidden]`,
   each with a bias. Each expert's matrices are read as our linear layers' `[out, in]`
@@ -49,8 +51,9 @@ class GptOssAttention(LlamaAttention):
         super().__init__(config, layer, group, qkv_bias, dtype, device, backend)
         q_heads = shard_heads(config.num_attention_heads, config.num_key_value_heads,
                               group.world_size, group.rank).q_heads
+        # float32 whatever the dtype (the kernels take them so; a bfloat16 checkpoint's are exact in it).
         self.sinks = make_param((len(q_heads),), [WeightSlice(f"model.layers.{layer}.self_attn.sinks", q_heads)],
-                                dtype, device)
+                                torch.float32, device)
         self.options = AttentionOptions(sinks=self.sinks)
 
 

@@ -95,8 +95,10 @@ class NativePlan:
     _layout: tuple | None = None
     _schedule: int | None = None  # the library's schedule for `_layout`
 
-    def attend(self, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor) -> torch.Tensor:
-        """Queries `q` `[rows, Hq, D]` over one layer's head-major pool `[Hk, num_slots, D]` -> `[rows, Hq, D]`.
+    def attend(self, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Queries `q` `[rows, Hq, D]` over one layer's head-major pool `[Hk, num_slots, D]` -> `[rows, Hq, D]`,
+        with `sinks` (float32 `[Hq]`, `AttentionOptions.sinks`) where given.
 
         Every row's K/V (a prefill row's own included) must already be in the pool.
         """
@@ -109,8 +111,12 @@ class NativePlan:
         if layout != self._layout:
             self._bind(layout)
         out = torch.empty((num_rows, num_q_heads, head_dim), dtype=q.dtype)
+        if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (num_q_heads,)
+                                  or not sinks.is_contiguous()):
+            raise ValueError(f"sinks must be float32 [{num_q_heads}], contiguous")
         self.lib.radix_paged_attention(ctypes.addressof(self._struct), self._schedule, q.data_ptr(),
-                                       k_slots.data_ptr(), v_slots.data_ptr(), out.data_ptr())
+                                       k_slots.data_ptr(), v_slots.data_ptr(), out.data_ptr(),
+                                       None if sinks is None else sinks.data_ptr())
         return out
 
     def bound(self, num_q_heads: int, head_dim: int, dtype: torch.dtype, q_row_stride: int, num_kv_heads: int,

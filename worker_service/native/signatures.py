@@ -39,7 +39,7 @@ SIGNATURES: dict[str, Signature] = {
     "radix_plan_size": Signature((), _i32),
     "radix_schedule": Signature((_ptr,), _ptr),
     "radix_free_schedule": Signature((_ptr,), None),
-    "radix_paged_attention": Signature((_ptr,) * 6, checked=True),
+    "radix_paged_attention": Signature((_ptr,) * 7, checked=True),
     # row-wise ops (csrc/elementwise.cpp, csrc/rope_store.cpp)
     "radix_rms_norm": Signature((_i32, _ptr, _i64, _ptr, _ptr, _i32, _i32, _f32, _i32), checked=True),
     "radix_add_rms_norm": Signature((_i32, _ptr, _ptr, _ptr, _ptr, _i32, _i32, _f32, _i32), checked=True),
