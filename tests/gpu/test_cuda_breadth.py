@@ -251,3 +251,19 @@ def test_quantized_moe_and_partial_rotation_files_on_cuda(tmp_path) -> None:
         runner = runner_for(path, "torch", 0, activation_quantization="none")
         assert runner.info.quantization == "gguf:Q4_K+Q6_K"
         check_against(runner, reference, list(range(3, 40)))
+
+
+@pytest.mark.parametrize(("kernel", "graphs"), PATHS, ids=IDS)
+def test_an_mxfp4_gpt_oss_checkpoint_on_cuda(kernel, graphs, tmp_path) -> None:
+    """GPT-OSS as released (experts in MXFP4, kept as int8 on the dequantizing path; sinks and the
+    sliding layers by PyTorch's ops), against transformers reading the same file."""
+    from transformers import Mxfp4Config
+
+    from worker.mxfp4_checkpoint import make_mxfp4_gpt_oss
+
+    model_dir = make_mxfp4_gpt_oss(tmp_path / "gpt-oss", head_dim=HEAD_DIM)
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                     quantization_config=Mxfp4Config(dequantize=True)).eval()
+    runner = runner_for(model_dir, kernel, graphs)
+    assert runner.info.quantization == "mxfp4:int8-g32"
+    check_against(runner, reference, prompt())

@@ -16,9 +16,11 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from worker.families import VOCAB_SIZE, make_family
 from worker.mxfp4_checkpoint import make_mxfp4_gpt_oss
 from worker.test_model_families import ATOL, require_backend
+from worker_service.backends.base import ATTENTION_SINKS
+from worker_service.backends.selection import select_backend
 from worker_service.forward_batch import ForwardEntry
 from worker_service.model_runner import ModelRunner, RunnerConfig
-from worker_service.models.gpt_oss import ATTENTION_SINKS, GptOssForCausalLM
+from worker_service.models.gpt_oss import GptOssForCausalLM
 from worker_service.quant.mxfp4 import mxfp4_weight
 from worker_service.unsupported import UnsupportedModel
 
@@ -114,7 +116,12 @@ def test_what_is_refused_or_named(tmp_path) -> None:
     with pytest.raises(UnsupportedModel, match="attention_bias=False"):
         ModelRunner(RunnerConfig(model_dir=model_dir, page_size=PAGE_SIZE, kv_cache_bytes=1 << 21,
                                  attention_kernel="torch"))
-    assert ATTENTION_SINKS in GptOssForCausalLM.ops_without_kernels(AutoConfig.from_pretrained(model_dir))
+    ops = GptOssForCausalLM.ops_without_kernels(AutoConfig.from_pretrained(model_dir))
+    assert ATTENTION_SINKS in ops
+    require_backend("native")  # whose kernel computes the sinks: its reason lists the rest only
+    reason = select_backend("native", "cpu", torch.float32, 16, ops_without_kernels=ops).reason
+    assert "sliding-window attention, mixture-of-experts routing in PyTorch's ops" in reason
+    assert ATTENTION_SINKS not in reason
 
 
 def test_the_compiled_kernel_attends_with_sinks_and_the_sliding_layers_past_their_window_do_not(

@@ -203,10 +203,16 @@ class WholeSteps(Protocol):
         """Float32 logits of a step that `applies`, as `ModelRunner.forward` returns them."""
 
 
+# What GPT-OSS names among its ops without kernels (`CausalLM.ops_without_kernels`).
+ATTENTION_SINKS = "attention sinks"
+
+
 class Backend(ABC):
     """One way of running a model's step on `device` in `dtype` (see the module doc)."""
 
     name: ClassVar[str]  # as the worker reports it: "torch", "native", "triton"
+    # Of the ops models name as without kernels, those this backend's own kernels compute.
+    kernel_ops: ClassVar[tuple[str, ...]] = ()
     extra_pages: int = 0  # pages the pool holds beyond the router's (see `whole_steps`)
 
     def __init__(self, device: torch.device, dtype: torch.dtype) -> None:

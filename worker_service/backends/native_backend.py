@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from worker_service.attention.decode_plan import shared_prefixes
-from worker_service.backends.base import FusedLayers, PackedLinear, StepBatch, StepContext
+from worker_service.backends.base import ATTENTION_SINKS, FusedLayers, PackedLinear, StepBatch, StepContext
 from worker_service.backends.fused_llama import FusedLlamaLayers
 from worker_service.backends.grouped_experts import ExpertProducts
 from worker_service.backends.linear_native import NativeLinear
@@ -50,6 +50,7 @@ class NativeBackend(RowKernelBackend):
         return StepContext(batch.positions, batch.write_slots, plan, pool, batch)
 
     attends_sinks = True
+    kernel_ops = (ATTENTION_SINKS,)
 
     def _attend_stored(self, qkv: torch.Tensor, num_q_heads: int, k_slots: torch.Tensor, v_slots: torch.Tensor,
                        step: StepContext, sinks: torch.Tensor | None = None) -> torch.Tensor:

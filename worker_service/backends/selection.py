@@ -141,8 +141,9 @@ def select_backend(choice: str, device: torch.device | str, dtype: torch.dtype, 
     selection = _select(choice, device, dtype, head_dim, world_size,
                         0 if ops_without_kernels else cuda_graph_max_batch, quantized, experts)
     reason = selection.reason
-    if ops_without_kernels and selection.backend.name != "torch":
-        reason += f"; {', '.join(ops_without_kernels)} in PyTorch's ops (no kernel of this backend has them)"
+    in_torch = [op for op in ops_without_kernels if op not in selection.backend.kernel_ops]
+    if in_torch and selection.backend.name != "torch":
+        reason += f"; {', '.join(in_torch)} in PyTorch's ops (no kernel of this backend has them)"
     return Selection(selection.backend, reason + quantized_reason + experts_reason, quantized.int8_activations)
 
 

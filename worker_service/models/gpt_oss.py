@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from worker_service.backends.base import AttentionOptions, Backend
+from worker_service.backends.base import ATTENTION_SINKS, AttentionOptions, Backend
 from worker_service.distributed import TPGroup
 from worker_service.layers.linear import ColumnParallelLinear, RowParallelLinear
 from worker_service.layers.sharding import shard_heads
@@ -40,7 +40,6 @@ from worker_service.quant.prequantized import MXFP4_GROUP
 from worker_service.unsupported import UnsupportedModel
 
 LAYOUT = ExpertLayout("mlp", "gate_up_proj", "gate_up_proj", "down_proj")
-ATTENTION_SINKS = "attention sinks"
 
 
 class GptOssAttention(LlamaAttention):
