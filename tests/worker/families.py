@@ -80,6 +80,10 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                          "truncate": False, "original_max_position_embeddings": 64, "rope_theta": 150000.0})),
+    # Granite's multipliers; experts in two 3-D tensors, top-k logits softmaxed among themselves.
+    "granite_moe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(
+        num_local_experts=8, num_experts_per_tok=2, embedding_multiplier=6.0, residual_multiplier=0.5,
+        attention_multiplier=0.1, logits_scaling=4.0)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)),
     # Both layer kinds, a window (8) far shorter than the test prompts, soft-capping on.
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(

@@ -12,6 +12,7 @@ from worker_service.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from worker_service.models.glm import Glm4ForCausalLM, GlmForCausalLM
 from worker_service.models.gpt_oss import GptOssForCausalLM
 from worker_service.models.granite import GraniteForCausalLM
+from worker_service.models.granite_moe import GraniteMoeForCausalLM
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.models.mistral import MistralForCausalLM
 from worker_service.models.mixtral import MixtralForCausalLM
@@ -50,6 +51,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "SeedOssForCausalLM": SeedOssForCausalLM,
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
 }
 
 

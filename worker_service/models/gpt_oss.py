@@ -35,7 +35,7 @@ from worker_service.layers.sharding import shard_heads
 from worker_service.layers.weights import WeightSlice, make_param
 from worker_service.models.config_checks import BY_LAYER_TYPE
 from worker_service.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
-from worker_service.models.moe import ExpertLayout, Routing, RoutesExperts, SparseMoE
+from worker_service.models.moe import ExpertLayout, Routing, RoutesExperts, SparseMoE, softmax_of_top_logits
 from worker_service.quant.prequantized import MXFP4_GROUP
 from worker_service.unsupported import UnsupportedModel
 
@@ -89,9 +89,7 @@ class GptOssMoE(SparseMoE):
         return router, gate_up, down
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The top-k logits softmaxed among themselves (not the softmax's top k)."""
-        top, expert_ids = self.router(hidden).topk(self.routing.top_k, dim=-1)
-        return torch.softmax(top.float(), dim=-1).to(hidden.dtype), expert_ids
+        return softmax_of_top_logits(self.router(hidden), self.routing.top_k, hidden.dtype)
 
     def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)

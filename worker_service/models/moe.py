@@ -52,6 +52,14 @@ class ExpertLayout:
     down: str
 
 
+def softmax_of_top_logits(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights in `dtype`, expert ids) of the `top_k` largest router logits, softmaxed among
+    themselves in float32 (GPT-OSS's and Granite-MoE's order of operations; the same weights as
+    renormalising the full softmax's top k)."""
+    top, expert_ids = logits.float().topk(top_k, dim=-1)
+    return torch.softmax(top, dim=-1).to(dtype), expert_ids
+
+
 @dataclass(frozen=True, slots=True)
 class Routing:
     num_experts: int
@@ -71,6 +79,7 @@ class SparseMoE(torch.nn.Module):
         self.routing = routing
         self.group = group
         self.backend = backend
+        self.intermediate_size = intermediate_size
         features = aligned_range(intermediate_size, group.world_size, group.rank, self.feature_align)
         self.router, self.gate_up, self.down = self.linears(f"model.layers.{layer}.{layout.block}", layout,
                                                             hidden_size, features, dtype, device)
