@@ -7,13 +7,12 @@ once, and again from the radix cache; the model reports its experts kept as MXFP
 from __future__ import annotations
 
 import json
-import shutil
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from constrained_model import SMOLLM2_VOCAB_SIZE, TOKENIZER_FILES
+from constrained_model import SMOLLM2_VOCAB_SIZE, with_smollm2_tokenizer
 from e2e.parity import check_greedy_parity
 from e2e.reference import CHATS, MAX_NEW_TOKENS, greedy_references
 from e2e.stack import launch
@@ -25,10 +24,7 @@ from worker.mxfp4_checkpoint import make_mxfp4_gpt_oss
 @pytest.fixture(scope="module")
 def gpt_oss_dir(tmp_path_factory, smollm2_dir):
     out_dir = make_mxfp4_gpt_oss(tmp_path_factory.mktemp("gpt-oss-stack"), vocab_size=SMOLLM2_VOCAB_SIZE)
-    for name in TOKENIZER_FILES:
-        if (smollm2_dir / name).is_file():
-            shutil.copy(smollm2_dir / name, out_dir / name)
-    return out_dir
+    return with_smollm2_tokenizer(out_dir, smollm2_dir)
 
 
 @pytest.fixture(scope="module")

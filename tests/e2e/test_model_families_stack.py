@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
 import grpc
 import pytest
 
-from constrained_model import SMOLLM2_VOCAB_SIZE, TOKENIZER_FILES
+from constrained_model import SMOLLM2_VOCAB_SIZE, with_smollm2_tokenizer
 from e2e.parity import check_greedy_parity
 from e2e.reference import CHATS, MAX_NEW_TOKENS, greedy_references
 from e2e.stack import free_port_block, launch
@@ -36,10 +35,7 @@ NUM_REPLICAS = 2
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory, smollm2_dir):
     out_dir = make_family("qwen3", tmp_path_factory.mktemp("qwen3-stack"), vocab_size=SMOLLM2_VOCAB_SIZE)
-    for name in TOKENIZER_FILES:
-        if (smollm2_dir / name).is_file():
-            shutil.copy(smollm2_dir / name, out_dir / name)
-    return out_dir
+    return with_smollm2_tokenizer(out_dir, smollm2_dir)
 
 
 @pytest.fixture(scope="module")

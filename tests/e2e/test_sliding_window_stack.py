@@ -7,12 +7,11 @@ inside and past the window), and again from the radix cache."""
 
 from __future__ import annotations
 
-import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from constrained_model import SMOLLM2_VOCAB_SIZE, TOKENIZER_FILES
+from constrained_model import SMOLLM2_VOCAB_SIZE, with_smollm2_tokenizer
 from e2e.parity import check_greedy_parity
 from e2e.reference import CHATS, MAX_NEW_TOKENS, greedy_references
 from e2e.stack import launch
@@ -27,10 +26,7 @@ WINDOW = 32
 def mistral_dir(tmp_path_factory, smollm2_dir):
     out_dir = make_family("mistral", tmp_path_factory.mktemp("windowed-stack"), vocab_size=SMOLLM2_VOCAB_SIZE,
                           sliding_window=WINDOW)
-    for name in TOKENIZER_FILES:
-        if (smollm2_dir / name).is_file():
-            shutil.copy(smollm2_dir / name, out_dir / name)
-    return out_dir
+    return with_smollm2_tokenizer(out_dir, smollm2_dir)
 
 
 @pytest.fixture(scope="module")
