@@ -148,3 +148,27 @@ def test_the_compiled_kernel_attends_with_sinks_and_the_sliding_layers_past_thei
     with torch.no_grad():
         torch.testing.assert_close(within, model(torch.tensor([short])).logits[0, -1], atol=ATOL, rtol=0)
     torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+
+
+def test_the_pytorch_backend_adds_sinks_to_shared_prefix_and_chunked_attention(tmp_path) -> None:
+    """The PyTorch backend's full layers attend with sinks by their log-sum-exps (`with_sinks`):
+    two sequences behind one cached 16-token prefix (its pages shared, decoded together: the
+    cascade's merge) and a prompt computed in two chunks, at transformers' logits."""
+    model_dir = make_family("gpt_oss", tmp_path / "plain")
+    model = reference(model_dir)
+    runner = ModelRunner(RunnerConfig(model_dir=model_dir, page_size=PAGE_SIZE, kv_cache_bytes=1 << 21,
+                                      attention_kernel="torch"))
+    tokens = prompt()
+    prefix, first, second = tokens[:16], tokens[16:27], tokens[27:]
+    shared, pages_a, pages_b = [0, 1, 2, 3], [0, 1, 2, 3, 10, 11, 12, 13], [0, 1, 2, 3, 20, 21, 22, 23, 24]
+    runner.forward([ForwardEntry(prefix + first, 0, pages_a, False)])
+    runner.forward([ForwardEntry(second[:5], 16, pages_b, False)])  # the second's first chunk, after the prefix
+    chunked = runner.forward([ForwardEntry(second[5:], 21, pages_b, True)])[0]
+    decoded = runner.forward([ForwardEntry([7], 27, pages_a, True), ForwardEntry([9], 16 + len(second), pages_b, True)])
+    assert runner.backend.name == "torch" and shared == pages_a[:4] == pages_b[:4]
+    with torch.no_grad():
+        expected_b = model(torch.tensor([prefix + second + [9]])).logits[0]
+        expected_a = model(torch.tensor([prefix + first + [7]])).logits[0, -1]
+    torch.testing.assert_close(chunked, expected_b[-2], atol=ATOL, rtol=0)
+    torch.testing.assert_close(decoded[0], expected_a, atol=ATOL, rtol=0)
+    torch.testing.assert_close(decoded[1], expected_b[-1], atol=ATOL, rtol=0)

@@ -32,7 +32,17 @@ def decode_attention(
     q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, plan: DecodePlan, page_size: int,
     space: GatherSpace | None = None,
 ) -> torch.Tensor:
-    """Attention of decode queries `q` `[B, Hq, D]` over their pages -> `[B, Hq, D]`.
+    """Attention of decode queries `q` `[B, Hq, D]` over their pages -> `[B, Hq, D]`
+    (`decode_attention_with_lse`'s output)."""
+    return decode_attention_with_lse(q, k_slots, v_slots, plan, page_size, space)[0]
+
+
+def decode_attention_with_lse(
+    q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, plan: DecodePlan, page_size: int,
+    space: GatherSpace | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of decode queries `q` `[B, Hq, D]` over their pages -> (`[B, Hq, D]`, the
+    log-sum-exp of each row's scores `[B, Hq]` float32).
 
     `k_slots` / `v_slots` are one layer's head-major pool, `[kv_heads, num_slots, D]`.
     """
@@ -44,8 +54,8 @@ def decode_attention(
 
     if len(plan.buckets) == 1 and plan.buckets[0].rows is None and not plan.prefixes:
         bucket = plan.buckets[0]  # every row in one bucket, nothing shared: no scatter, no merge
-        out, _ = attend_with_lse(queries, *_gather_kv(slots, bucket.pages, page_size, space), bucket.mask)
-        return out.transpose(0, 1).reshape(num_rows, num_q_heads, head_dim)
+        out, lse = attend_with_lse(queries, *_gather_kv(slots, bucket.pages, page_size, space), bucket.mask)
+        return out.transpose(0, 1).reshape(num_rows, num_q_heads, head_dim), lse.transpose(0, 1).reshape(num_rows, -1)
 
     out = torch.empty_like(queries)
     lse = torch.empty(queries.shape[:-1], dtype=torch.float32, device=q.device)
@@ -64,11 +74,12 @@ def decode_attention(
         block = queries.index_select(1, prefix.rows).reshape(num_kv_heads, 1, num_members * group, head_dim)
         shared, shared_lse = attend_with_lse(block, *_gather_kv(slots, prefix.pages.unsqueeze(0), page_size, space),
                                              None)
-        merged = merge_by_lse(out.index_select(1, prefix.rows), lse.index_select(1, prefix.rows),
-                              shared.view(num_kv_heads, num_members, group, head_dim),
-                              shared_lse.view(num_kv_heads, num_members, group))
+        own_lse, shared_lse = lse.index_select(1, prefix.rows), shared_lse.view(num_kv_heads, num_members, group)
+        merged = merge_by_lse(out.index_select(1, prefix.rows), own_lse,
+                              shared.view(num_kv_heads, num_members, group, head_dim), shared_lse)
         out.index_copy_(1, prefix.rows, merged)
-    return out.transpose(0, 1).reshape(num_rows, num_q_heads, head_dim)
+        lse.index_copy_(1, prefix.rows, torch.logaddexp(own_lse, shared_lse))
+    return out.transpose(0, 1).reshape(num_rows, num_q_heads, head_dim), lse.transpose(0, 1).reshape(num_rows, -1)
 
 
 @dataclass(slots=True)
@@ -85,3 +96,8 @@ class CascadeDecode:
 
     def attend(self, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor) -> torch.Tensor:
         return decode_attention(q, k_slots, v_slots, self.plan, self.page_size, self.space)
+
+    def attend_with_lse(self, q: torch.Tensor, k_slots: torch.Tensor,
+                        v_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`attend`'s result and each row's log-sum-exp `[num_rows, Hq]` (float32)."""
+        return decode_attention_with_lse(q, k_slots, v_slots, self.plan, self.page_size, self.space)

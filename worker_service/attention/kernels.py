@@ -61,11 +61,12 @@ def gather_pages(
 
 
 def attend_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, is_causal: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention `[N, H, Lq, D]` x `[N, H, Lk, D]` -> (out `[N, H, Lq, D]`, lse `[N, H, Lq]` float32).
 
-    `mask` is additive float32 and broadcasts to the scores' trailing dims `[..., Lq, Lk]`. Scores
+    `mask` is additive float32 and broadcasts to the scores' trailing dims `[..., Lq, Lk]`;
+    `is_causal`: query i sees keys 0..i (queries and keys start at one position). Scores
     are float32 on every path. On CPU this is PyTorch's fused flash kernel, which returns the
     log-sum-exp it computed anyway. (Two batched bfloat16 matmuls around a float32 softmax read
     decode K/V faster, but round every score to bfloat16: the tiny bf16 model's decode logits then
@@ -74,11 +75,15 @@ def attend_with_lse(
     """
     if q.device.type == "cpu":
         full_mask = None if mask is None else mask.view((1,) * (q.dim() - mask.dim()) + tuple(mask.shape))
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, attn_mask=full_mask)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, is_causal=is_causal,
+                                                                             attn_mask=full_mask)
         return out, lse
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).mul_(q.shape[-1] ** -0.5)
     if mask is not None:
         scores.add_(mask)
+    if is_causal:  # queries and keys from the same first position
+        scores.masked_fill_(torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1),
+                            float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     weights = torch.exp(scores - lse.unsqueeze(-1))
     return torch.matmul(weights, v.float()).to(q.dtype), lse

@@ -26,7 +26,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from worker_service.attention.kernels import GatherSpace, gather_pages
+from worker_service.attention.kernels import GatherSpace, attend_with_lse, gather_pages
 
 
 class DecodeAttention(Protocol):
@@ -107,3 +107,38 @@ def paged_attention(
         parts.append(attended.squeeze(0).transpose(0, 1))
     # One part (all decode, or one prompt) is the common step: no copy then.
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def paged_attention_with_lse(
+    q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, batch: AttentionBatch,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`paged_attention`'s output for the flat layout (the step's K/V already stored), and the
+    log-sum-exp of each query's scores `[T, Hq]` (float32): what attention sinks need
+    (`backends/torch_backend.py`). The decode rows must be planned as a cascade
+    (`CascadeDecode.attend_with_lse`); each prefill chunk attends with its log-sum-exp, its KV
+    heads repeated for their query heads."""
+    group_size = q.shape[1] // k_slots.shape[0]
+    outs: list[torch.Tensor] = []
+    lses: list[torch.Tensor] = []
+    if batch.decode is not None:
+        out, lse = batch.decode.attend_with_lse(q[: batch.decode.num_rows], k_slots, v_slots)
+        outs.append(out)
+        lses.append(lse)
+    for span in batch.prefills:
+        queries = q[span.token_start:span.token_stop].transpose(0, 1).unsqueeze(0)
+        if span.context_pages is None:  # from position 0: its own keys, causal
+            keys = k_slots.index_select(1, batch.write_slots[span.token_start:span.token_stop])
+            values = v_slots.index_select(1, batch.write_slots[span.token_start:span.token_stop])
+            mask = None
+        else:
+            keys = gather_pages(k_slots, span.context_pages, batch.page_size, batch.space, 0)
+            values = gather_pages(v_slots, span.context_pages, batch.page_size, batch.space, 1)
+            mask = span.mask
+        keys = keys.repeat_interleave(group_size, dim=0).unsqueeze(0)
+        values = values.repeat_interleave(group_size, dim=0).unsqueeze(0)
+        out, lse = attend_with_lse(queries, keys, values, mask, is_causal=mask is None)
+        outs.append(out.squeeze(0).transpose(0, 1))
+        lses.append(lse.squeeze(0).transpose(0, 1))
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs), torch.cat(lses)

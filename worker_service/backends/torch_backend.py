@@ -3,7 +3,7 @@
 It is the reference the other backends are held to (and what runs where neither the compiled
 kernels nor Triton can). Attention gathers each sequence's pages and attends with PyTorch's
 kernels (`worker_service/attention/paged.py`: shared prefixes once per group for decode rows,
-SDPA for prefill chunks); RMSNorm rounds where the reference Llama code rounds; linear layers
+SDPA for prefill chunks; attention sinks from the same attention's log-sum-exps, `with_sinks`); RMSNorm rounds where the reference Llama code rounds; linear layers
 use oneDNN's packed weights on CPU (`linear_torch.py`).
 """
 
@@ -14,16 +14,24 @@ import torch.nn.functional as F
 
 from worker_service.attention import (AttentionBatch, CascadeDecode, GatherSpace, PrefillSpan, additive_mask,
                                       paged_attention, plan_decode)
-from worker_service.attention.paged import DecodeAttention
+from worker_service.attention.paged import DecodeAttention, paged_attention_with_lse
 from worker_service.attention.windowed import windowed_attention
 from worker_service.backends.base import (AttentionOptions, Backend, PackedExperts, PackedLinear, PrefillChunk, Rope,
-                                          StepBatch, StepContext, options_for_step)
+                                          StepBatch, StepContext, only_sinks, options_for_step)
 from worker_service.backends.grouped_experts import ExpertProducts
 from worker_service.backends.linear_quant import QuantizedLinears
 from worker_service.backends.linear_torch import TorchLinear
 from worker_service.kv_pool import KVPool
 from worker_service.layers.rotary import RotaryEmbedding, apply_rotary
 from worker_service.quant.format import QuantizedWeight
+
+
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention `out` `[T, Hq, D]` (scores' log-sum-exp `lse` `[T, Hq]`) with each head's sink
+    joining its softmax's denominator: every weight scales by e^lse / (e^lse + e^sink), that is
+    by sigmoid(lse - sink)."""
+    scale = torch.sigmoid(lse - sinks.float()).unsqueeze(-1)
+    return (out.float() * scale).to(out.dtype)
 
 
 class TorchBackend(Backend):
@@ -90,6 +98,8 @@ class TorchBackend(Backend):
             return paged_attention(q, k, v, k_slots, v_slots, step.attention)
         k_slots.index_copy_(1, step.write_slots, k.transpose(0, 1))
         v_slots.index_copy_(1, step.write_slots, v.transpose(0, 1))
+        if only_sinks(options) and isinstance(step.attention.decode, (CascadeDecode, type(None))):
+            return with_sinks(*paged_attention_with_lse(q, k_slots, v_slots, step.attention), options.sinks)
         return windowed_attention(q, k_slots, v_slots, step.batch, options)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
