@@ -163,6 +163,8 @@ def check_history(messages, max_chars: int) -> None:
         raise InvalidRequest(f"the messages' tool calls have {num_chars} characters, more than the limit of "
                              f"{max_chars}")
     for index, turn in enumerate(messages):
+        if turn.reasoning_content and turn.role != "assistant":
+            raise InvalidRequest(f"messages[{index}].reasoning_content: only assistant messages have reasoning")
         if turn.tool_calls and turn.role != "assistant":
             raise InvalidRequest(f"messages[{index}].tool_calls: only assistant messages have tool calls")
         if turn.tool_call_id and turn.role != "tool":

@@ -75,7 +75,14 @@ def _template_message(turn: ChatMessage) -> dict:
         message["tool_call_id"] = turn.tool_call_id
     if turn.name:
         message["name"] = turn.name
-    return message
+    return message | _reasoning(turn)
+
+
+def _reasoning(turn: ChatMessage) -> dict:
+    """An echoed turn's reasoning under both names templates read it by (Qwen3's, gpt-oss's)."""
+    if not turn.reasoning_content:
+        return {}
+    return {"reasoning_content": turn.reasoning_content, "thinking": turn.reasoning_content}
 
 
 def _plain_message(turn: ChatMessage, parser: ToolCallParser) -> dict:
@@ -85,4 +92,4 @@ def _plain_message(turn: ChatMessage, parser: ToolCallParser) -> dict:
     if turn.tool_calls:
         calls = parser.render_calls([(call.name, _arguments(call)) for call in turn.tool_calls])
         content = f"{content}\n{calls}" if content else calls
-    return {"role": turn.role, "content": content}
+    return {"role": turn.role, "content": content} | _reasoning(turn)

@@ -62,7 +62,8 @@ def check_text_input(request: generation_pb2.GenerateRequest, limits: RequestLim
     """Exactly one of prompt and messages, within the size limits; a well-formed chat."""
     if len(request.messages) > limits.max_messages:
         raise InvalidRequest(f"at most {limits.max_messages} messages, got {len(request.messages)}")
-    num_chars = len(request.prompt) + sum(len(t.role) + len(t.content) for t in request.messages)
+    num_chars = len(request.prompt) + sum(len(t.role) + len(t.content) + len(t.reasoning_content)
+                                          for t in request.messages)
     if num_chars > limits.max_prompt_chars:
         raise InvalidRequest(
             f"the prompt has {num_chars} characters, more than the limit of {limits.max_prompt_chars}"

@@ -75,6 +75,9 @@ class ChatMessage(_Body):
     tool_calls: list[tool_protocol.ToolCallIn] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    # An echoed assistant turn's reasoning, under either name servers answer with.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class _Common(_Body):
@@ -135,6 +138,15 @@ class CompletionRequest(_Common):
 Endpoint = Literal["chat", "completions"]  # unsupported.CHAT, unsupported.COMPLETIONS
 
 
+def _reasoning(message: ChatMessage, index: int) -> str:
+    """An echoed turn's reasoning: `reasoning_content` or `reasoning`, one text (both, differing:
+    a 400 naming them)."""
+    given = {text for text in (message.reasoning_content, message.reasoning) if text}
+    if len(given) > 1:
+        raise InvalidRequest(f"messages[{index}]: reasoning_content and reasoning differ; send one")
+    return given.pop() if given else ""
+
+
 def chat_input(body: ChatCompletionRequest, max_choices: int) -> generation_pb2.GenerateRequest:
     check_choices(body.n, max_choices)
     refuse_unsupported(body.model_extra, CHAT)
@@ -142,7 +154,7 @@ def chat_input(body: ChatCompletionRequest, max_choices: int) -> generation_pb2.
         refuse_unsupported(message.model_extra, MESSAGE, f"messages[{index}].")
     turns = [
         generation_pb2.ChatMessage(role=ROLE_ALIASES.get(m.role, m.role), content=_text(m.content, index),
-                                   **tool_protocol.history_fields(m))
+                                   reasoning_content=_reasoning(m, index), **tool_protocol.history_fields(m))
         for index, m in enumerate(body.messages)
     ]
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -9,7 +9,8 @@ wrong answer, so each is a 400 naming the field and, where there is one, what to
 A value that asks for what the server does anyway (`modalities: ["text"]`,
 `skip_special_tokens: true`, `best_of: 1`) passes. Fields that change nothing in the output
 (`HARMLESS`: `store`, `metadata`, `service_tier`, `prediction`...; in an echoed assistant message
-its `reasoning_content` and `annotations`) are accepted and not used. Any other field the body
+its `annotations`) are accepted and not used; its `reasoning_content` (or `reasoning`) goes to
+the chat template (`chat_render`). Any other field the body
 does not declare is a 400 too, as OpenAI answers "Unrecognized request argument": a typo
 (`max_token`) or another server's extra (`repetition_penalty_range`, `regex`) would otherwise
 be a 200 that dropped it. A field sent as null asks for nothing and passes.
@@ -39,8 +40,8 @@ HARMLESS = {
     CHAT: _ACCOUNTING | {"prediction"},  # a predicted output only speeds up what it matches
     COMPLETIONS: _ACCOUNTING,
     # What an OpenAI-style answer holds and a client sends back in the history; the chat
-    # template is given the turn's content and tool calls.
-    MESSAGE: frozenset({"reasoning_content", "reasoning", "annotations"}),
+    # template is given the turn's content, reasoning and tool calls.
+    MESSAGE: frozenset({"annotations"}),
     EMBEDDINGS: _ACCOUNTING,
     TOKENIZE: frozenset(),
     DETOKENIZE: frozenset(),
