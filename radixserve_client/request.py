@@ -2,23 +2,46 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from radixserve.v1 import generation_pb2
 
-Message = Mapping[str, str] | tuple[str, str]
+Message = Mapping[str, Any] | tuple[str, str] | generation_pb2.ChatMessage
+# The fields a message mapping may hold, as OpenAI's chat messages name them.
+MESSAGE_FIELDS = ("role", "content", "name", "tool_call_id", "tool_calls", "reasoning_content")
 
 
 def chat_messages(messages: Iterable[Message]) -> list[generation_pb2.ChatMessage]:
-    """Messages as `{"role": ..., "content": ...}` mappings or `(role, content)` pairs."""
+    """Messages as `ChatMessage`s, `(role, content)` pairs or mappings as OpenAI's chat messages
+    are (`MESSAGE_FIELDS`: an assistant turn's `tool_calls` in OpenAI's shape, `{"id", "function":
+    {"name", "arguments"}}`, arguments as JSON text or a mapping). A key the message cannot carry
+    is a ValueError naming it, never dropped."""
     result = []
-    for message in messages:
-        if isinstance(message, Mapping):
-            role, content = message["role"], message["content"]
+    for index, message in enumerate(messages):
+        if isinstance(message, generation_pb2.ChatMessage):
+            result.append(message)
+        elif isinstance(message, Mapping):
+            unknown = sorted(set(message) - set(MESSAGE_FIELDS))
+            if unknown:
+                raise ValueError(f"messages[{index}]: {', '.join(unknown)} is not a field a chat message carries "
+                                 f"(known: {', '.join(MESSAGE_FIELDS)})")
+            fields = {key: message[key] for key in MESSAGE_FIELDS[:4] + MESSAGE_FIELDS[5:] if message.get(key)}
+            calls = [_tool_call(call) for call in message.get("tool_calls") or ()]
+            result.append(generation_pb2.ChatMessage(tool_calls=calls, **fields))
         else:
             role, content = message
-        result.append(generation_pb2.ChatMessage(role=role, content=content))
+            result.append(generation_pb2.ChatMessage(role=role, content=content))
     return result
+
+
+def _tool_call(call: Mapping[str, Any]) -> generation_pb2.ToolCall:
+    function = call.get("function") or {}
+    arguments = function.get("arguments") or {}
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments)
+    return generation_pb2.ToolCall(id=call.get("id") or "", name=function.get("name") or "", arguments=arguments)
 
 
 def generate_request(
