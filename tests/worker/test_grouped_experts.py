@@ -137,3 +137,32 @@ def test_auto_takes_the_compiled_product_for_a_moe_model(tmp_path) -> None:
                                       kv_cache_bytes=1 << 20, attention_kernel="auto"))
     blocks = [module for module in runner.model.modules() if isinstance(module, SparseMoE)]
     assert blocks and all(isinstance(block.experts, CompiledExperts) for block in blocks)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rank", [0, 1])
+def test_gpt_oss_experts_biases_and_clamped_swiglu_in_the_compiled_product(rank, one_thread) -> None:
+    """GPT-OSS's experts (`ExpertExtras`): gate/up and down biases (the down ones on rank 0
+    only) and the clamped SwiGLU, at a limit the products cross, equal to its per-expert
+    products (which transformers' class is held to by the family suite)."""
+    from types import SimpleNamespace
+
+    from worker_service.models.gpt_oss import GptOssMoE
+
+    config = SimpleNamespace(num_local_experts=6, num_experts_per_tok=2, hidden_size=40, intermediate_size=70,
+                             swiglu_limit=0.7, swiglu_alpha=1.702)
+    block = GptOssMoE(config, 0, TPGroup(rank, 2), torch.float32, CPU, TorchBackend(CPU, torch.float32))
+    generator = torch.Generator().manual_seed(rank)
+    for param in block.parameters():
+        param.copy_(torch.randn(param.shape, generator=generator) / max(1, param.shape[-1]) ** 0.5)
+    block.pack(TorchBackend(CPU, torch.float32, experts=ExpertProducts(KERNELS)))
+    assert isinstance(block.experts, CompiledExperts)
+    assert (block.down[0].bias is None) == (rank == 1)
+    with torch.inference_mode():
+        for rows in range(1, 41):
+            hidden = torch.randn(rows, 40, generator=generator) * 2
+            weights, ids = routed(rows, 6, 2, rows)
+            gate_up = block.gate_up[ids[0, 0]](hidden)
+            assert gate_up.abs().max() > config.swiglu_limit  # the clamp binds
+            torch.testing.assert_close(block.experts(hidden, ids, weights), block.per_expert(hidden, ids, weights),
+                                       atol=1e-5, rtol=1e-5, msg=lambda m, rows=rows: f"{rows} rows: {m}")

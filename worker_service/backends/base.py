@@ -153,6 +153,19 @@ class PackedLinear(ABC):
         (or float32 where `pack` was asked for `float32_out`)."""
 
 
+@dataclass(frozen=True, slots=True)
+class ExpertExtras:
+    """What a family's experts compute beyond SwiGLU without biases (GPT-OSS's): each expert's
+    gate/up bias `[2 I]` (gate first) and down bias `[H]` (None: none; under TP the down biases
+    are rank 0's alone), and the clamped SwiGLU, (up + 1) * gate * sigmoid(alpha * gate) with the
+    gate clamped above and up both ways at `limit` (None: plain SwiGLU)."""
+
+    gate_up_bias: list[torch.Tensor] | None = None
+    down_bias: list[torch.Tensor] | None = None
+    limit: float | None = None
+    alpha: float = 1.0
+
+
 class PackedExperts(ABC):
     """A mixture-of-experts layer's experts packed for one call over a step's rows."""
 
@@ -256,9 +269,10 @@ class Backend(ABC):
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """GELU (tanh approximation) gating: gelu_tanh(gate) * up of `[T, 2 I]` -> `[T, I]`."""
 
-    def pack_experts(self, gate_up: list[torch.Tensor], down: list[torch.Tensor]) -> PackedExperts | None:
-        """Experts' gate/up `[2 I, H]` (gate features first) and down `[H, I]` weights as one
-        `PackedExperts`, or None (module doc)."""
+    def pack_experts(self, gate_up: list[torch.Tensor], down: list[torch.Tensor],
+                     extras: ExpertExtras | None = None) -> PackedExperts | None:
+        """Experts' gate/up `[2 I, H]` (gate features first) and down `[H, I]` weights (with
+        `extras` where the family's experts have them) as one `PackedExperts`, or None (module doc)."""
         return None
 
     def fused_layers(self, model: torch.nn.Module, pool: KVPool) -> FusedLayers | None:

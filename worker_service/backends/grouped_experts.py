@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker_service.backends.base import PackedExperts, PackedLinear
+from worker_service.backends.base import ExpertExtras, PackedExperts, PackedLinear
 from worker_service.native.moe_kernels import WEIGHT_DTYPES, MoEKernels
 
 # Steps of at most this many rows take the compiled call (docs/models.md has the measurement).
@@ -24,32 +24,46 @@ COMPILED_MAX_ROWS = 128
 
 
 class ExpertSlice(PackedLinear):
-    """x @ weight.T of one expert's weight, a view of the stacked experts (plain layout)."""
+    """x @ weight.T (+ bias) of one expert's weight, a view of the stacked experts (plain layout)."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight
+        self.bias = bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
+
+
+def _stacked(biases: list[torch.Tensor] | None) -> torch.Tensor | None:
+    return None if biases is None else torch.stack(biases).float().contiguous()
 
 
 class CompiledExperts(PackedExperts):
-    """One layer's experts for the compiled grouped product (module doc)."""
+    """One layer's experts for the compiled grouped product (module doc), with `extras` (GPT-OSS's
+    biases and clamped SwiGLU) where given."""
 
     def __init__(self, kernels: MoEKernels, gate_up: list[torch.Tensor], down: list[torch.Tensor],
-                 max_rows: int) -> None:
+                 max_rows: int, extras: ExpertExtras | None = None) -> None:
         self._kernels = kernels
         self.gate_up = torch.stack(gate_up).contiguous()
         self.down = torch.stack(down).contiguous()
         self.max_rows = max_rows
+        self.extras = extras or ExpertExtras()
+        self._gate_up_bias, self._down_bias = _stacked(self.extras.gate_up_bias), _stacked(self.extras.down_bias)
 
     def __call__(self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
         if hidden.shape[0] > self.max_rows:
             return None
-        return self._kernels.experts(hidden, expert_ids, weights, self.gate_up, self.down).to(hidden.dtype)
+        clamp = 0.0 if self.extras.limit is None else self.extras.limit
+        return self._kernels.experts(hidden, expert_ids, weights, self.gate_up, self.down, self._gate_up_bias,
+                                     self._down_bias, clamp, self.extras.alpha).to(hidden.dtype)
 
     def linears(self) -> list[tuple[PackedLinear, PackedLinear]]:
-        return [(ExpertSlice(self.gate_up[e]), ExpertSlice(self.down[e])) for e in range(self.gate_up.shape[0])]
+        """Views of the stacked weights, each with its expert's bias as the family gave it."""
+        gate_up_bias, down_bias = self.extras.gate_up_bias, self.extras.down_bias
+        return [(ExpertSlice(self.gate_up[e], None if gate_up_bias is None else gate_up_bias[e]),
+                 ExpertSlice(self.down[e], None if down_bias is None else down_bias[e]))
+                for e in range(self.gate_up.shape[0])]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,11 +74,12 @@ class ExpertProducts:
     kernels: MoEKernels | None = None
     max_rows: int = COMPILED_MAX_ROWS
 
-    def pack(self, gate_up: list[torch.Tensor], down: list[torch.Tensor]) -> CompiledExperts | None:
+    def pack(self, gate_up: list[torch.Tensor], down: list[torch.Tensor],
+             extras: ExpertExtras | None = None) -> CompiledExperts | None:
         weight = gate_up[0]
         if self.kernels is None or weight.device.type != "cpu" or weight.dtype not in WEIGHT_DTYPES:
             return None
-        return CompiledExperts(self.kernels, gate_up, down, self.max_rows)
+        return CompiledExperts(self.kernels, gate_up, down, self.max_rows, extras)
 
     @property
     def description(self) -> str:

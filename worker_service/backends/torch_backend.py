@@ -16,8 +16,8 @@ from worker_service.attention import (AttentionBatch, CascadeDecode, GatherSpace
                                       paged_attention, plan_decode)
 from worker_service.attention.paged import DecodeAttention, paged_attention_with_lse
 from worker_service.attention.windowed import windowed_attention
-from worker_service.backends.base import (AttentionOptions, Backend, PackedExperts, PackedLinear, PrefillChunk, Rope,
-                                          StepBatch, StepContext, only_sinks, options_for_step)
+from worker_service.backends.base import (AttentionOptions, Backend, ExpertExtras, PackedExperts, PackedLinear,
+                                          PrefillChunk, Rope, StepBatch, StepContext, only_sinks, options_for_step)
 from worker_service.backends.grouped_experts import ExpertProducts
 from worker_service.backends.linear_quant import QuantizedLinears
 from worker_service.backends.linear_torch import TorchLinear
@@ -74,8 +74,9 @@ class TorchBackend(Backend):
             return self.quantized.pack(weight, bias, float32_out)
         return TorchLinear(weight, bias, float32_out)
 
-    def pack_experts(self, gate_up: list[torch.Tensor], down: list[torch.Tensor]) -> PackedExperts | None:
-        return self.experts.pack(gate_up, down)
+    def pack_experts(self, gate_up: list[torch.Tensor], down: list[torch.Tensor],
+                     extras: ExpertExtras | None = None) -> PackedExperts | None:
+        return self.experts.pack(gate_up, down, extras)
 
     def rope(self, rotary: RotaryEmbedding, positions: torch.Tensor) -> Rope:
         """The tables' rows at the step's positions, `[T, 1, head_dim]` (looked up once per step)."""

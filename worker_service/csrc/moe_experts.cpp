@@ -3,7 +3,10 @@
 // radix_moe_experts: for rows x [T, H] routed to experts_ids [T, top_k] with route weights
 // [T, top_k], out[t] = sum_j weight[t, j] * down_e (silu(gate_e x[t]) * up_e x[t]), e = ids[t, j],
 // over the experts' stacked weights gate_up [E, 2I, H] (the gate's I features, then the up's) and
-// down [E, H, I], float32 or bfloat16, in float32 arithmetic. The (row, choice) pairs are grouped
+// down [E, H, I], float32 or bfloat16, in float32 arithmetic. Optionally (GPT-OSS's experts)
+// float32 biases gate_up_bias [E, 2I] and down_bias [E, H] (each may be null), and the clamped
+// SwiGLU (clamp > 0): gate clamped above at `clamp`, up to [-clamp, clamp], then
+// (up + 1) * gate * sigmoid(alpha * gate) in place of silu(gate) * up. The (row, choice) pairs are grouped
 // by expert (a counting sort, stable: the order PyTorch's grouped path takes) and each expert
 // multiplies its rows a tile of up to kTile at a time, so a weight byte is read once per tile.
 // Two phases over the threads: the SwiGLU middle [pairs, I] split by (expert, feature chunk),
@@ -98,10 +101,27 @@ struct Routed {
   std::vector<int64_t> order;    // (row * top_k + choice) pairs grouped by expert
 };
 
+// What an expert does beyond down(silu(gate) * up): its biases (null: none) and clamped SwiGLU.
+struct Extras {
+  const float* gate_up_bias;  // [E, 2I] or null
+  const float* down_bias;     // [E, H] or null
+  float clamp;                // > 0: GPT-OSS's clamped SwiGLU with `alpha`; else silu(gate) * up
+  float alpha;
+};
+
+inline float activate(float g, float u, const Extras& extras) {
+  if (extras.clamp > 0.f) {
+    g = std::min(g, extras.clamp);
+    u = std::min(std::max(u, -extras.clamp), extras.clamp);
+    return (u + 1.f) * (g / (1.f + std::exp(-extras.alpha * g)));
+  }
+  return g / (1.f + std::exp(-g)) * u;
+}
+
 template <typename W>
 void run(const float* x, int64_t rows, int64_t hidden, const float* route_weights,
          int64_t top_k, const W* gate_up, const W* down, int64_t inter, const Routed& routed, float* out,
-         int threads) {
+         int threads, const Extras& extras) {
   const int64_t num_routed = int64_t(routed.experts.size());
   const int64_t inter_chunks = (inter + kChunk - 1) / kChunk;
   const int64_t hidden_chunks = (hidden + kChunk - 1) / kChunk;
@@ -123,11 +143,13 @@ void run(const float* x, int64_t rows, int64_t hidden, const float* route_weight
         for (int r = 0; r < count; ++r) xs[r] = x + routed.order[p + r] / top_k * hidden;
         rows_dots(w, hidden, f0, f1, xs, count, gate);
         rows_dots(w, hidden, inter + f0, inter + f1, xs, count, up);
+        const float* bias = extras.gate_up_bias ? extras.gate_up_bias + routed.experts[i] * 2 * inter : nullptr;
         for (int r = 0; r < count; ++r) {
           float* m = middle.data() + routed.order[p + r] * inter;
           for (int64_t f = f0; f < f1; ++f) {
-            const float g = gate[f - f0][r];
-            m[f] = g / (1.f + std::exp(-g)) * up[f - f0][r];
+            const float g = gate[f - f0][r] + (bias ? bias[f] : 0.f);
+            const float u = up[f - f0][r] + (bias ? bias[inter + f] : 0.f);
+            m[f] = activate(g, u, extras);
           }
         }
       }
@@ -137,6 +159,7 @@ void run(const float* x, int64_t rows, int64_t hidden, const float* route_weight
       const int64_t n0 = chunk * kChunk, n1 = std::min(hidden, n0 + kChunk);
       for (int64_t i = 0; i < num_routed; ++i) {
         const W* w = down + routed.experts[i] * hidden * inter;
+        const float* bias = extras.down_bias ? extras.down_bias + routed.experts[i] * hidden : nullptr;
         for (int64_t p = routed.starts[i]; p < routed.starts[i + 1]; p += kTile) {
           const int count = int(std::min<int64_t>(kTile, routed.starts[i + 1] - p));
           for (int r = 0; r < count; ++r) xs[r] = middle.data() + routed.order[p + r] * inter;
@@ -145,7 +168,7 @@ void run(const float* x, int64_t rows, int64_t hidden, const float* route_weight
             const int64_t pair = routed.order[p + r];
             float* o = out + pair / top_k * hidden;
             const float weight = route_weights[pair];
-            for (int64_t n = n0; n < n1; ++n) o[n] += weight * dot[n - n0][r];
+            for (int64_t n = n0; n < n1; ++n) o[n] += weight * (dot[n - n0][r] + (bias ? bias[n] : 0.f));
           }
         }
       }
@@ -166,9 +189,11 @@ int radix_moe_supported() {
 }
 
 // Status: 0 done; 1 a bad shape or dtype; 2 an expert id outside 0 .. num_experts - 1.
+// `gate_up_bias`, `down_bias`: float32, or null; `clamp` > 0 with `alpha`: the clamped SwiGLU.
 int radix_moe_experts(int dtype, const float* x, int64_t rows, int64_t hidden, const int64_t* expert_ids,
                       const float* route_weights, int64_t top_k, int64_t num_experts, const void* gate_up,
-                      const void* down, int64_t inter, float* out, int threads) {
+                      const void* down, int64_t inter, float* out, int threads, const float* gate_up_bias,
+                      const float* down_bias, float clamp, float alpha) {
   if ((dtype != kFloat32 && dtype != kBFloat16) || rows < 0 || hidden <= 0 || top_k <= 0 || num_experts <= 0 ||
       inter <= 0)
     return 1;
@@ -189,12 +214,13 @@ int radix_moe_experts(int dtype, const float* x, int64_t rows, int64_t hidden, c
     counts[e + 1] += counts[e];  // counts[e]: where expert e's pairs start
   }
   for (int64_t p = 0; p < pairs; ++p) routed.order[counts[expert_ids[p]]++] = p;
+  const Extras extras{gate_up_bias, down_bias, clamp, alpha};
   if (dtype == kFloat32)
     run(x, rows, hidden, route_weights, top_k, static_cast<const float*>(gate_up),
-        static_cast<const float*>(down), inter, routed, out, threads);
+        static_cast<const float*>(down), inter, routed, out, threads, extras);
   else
     run(x, rows, hidden, route_weights, top_k, static_cast<const uint16_t*>(gate_up),
-        static_cast<const uint16_t*>(down), inter, routed, out, threads);
+        static_cast<const uint16_t*>(down), inter, routed, out, threads, extras);
   return 0;
 }
 

@@ -17,8 +17,8 @@ other one, a window of 128), YaRN RoPE, and a sparse mixture of experts of its o
   `swiglu_alpha`). The router has a bias; it takes the top `num_experts_per_tok` logits and
   softmaxes those. Under TP the down bias is added by rank 0 alone (`RowParallelLinear`).
 
-No fusable layer, and no grouped-expert kernel (it computes SwiGLU without biases): the experts
-are each layer's own products. In bfloat16 RMSNorm rounds as Llama's does (weight times the
+No fusable layer. The compiled grouped-expert call takes its biases and clamped SwiGLU
+(`ExpertExtras`) where the backend has it; elsewhere the experts are each layer's own products. In bfloat16 RMSNorm rounds as Llama's does (weight times the
 normalised row rounded to the dtype), where transformers' GPT-OSS rounds once after the weight.
 """
 
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from worker_service.backends.base import ATTENTION_SINKS, AttentionOptions, Backend
+from worker_service.backends.base import ATTENTION_SINKS, AttentionOptions, Backend, ExpertExtras
 from worker_service.distributed import TPGroup
 from worker_service.layers.linear import ColumnParallelLinear, RowParallelLinear
 from worker_service.layers.sharding import shard_heads
@@ -57,7 +57,6 @@ class GptOssAttention(LlamaAttention):
 
 
 class GptOssMoE(SparseMoE):
-    groupable = False
     feature_align = MXFP4_GROUP  # an MXFP4 checkpoint's groups stay whole on every rank
 
     def __init__(self, config: Any, layer: int, group: TPGroup, dtype: torch.dtype, device: torch.device,
@@ -90,6 +89,11 @@ class GptOssMoE(SparseMoE):
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return softmax_of_top_logits(self.router(hidden), self.routing.top_k, hidden.dtype)
+
+    def extras(self) -> ExpertExtras:
+        """The biases (the down ones on rank 0 only) and the clamped SwiGLU, for a grouped product."""
+        down_bias = None if self.down[0].bias is None else [linear.bias.detach() for linear in self.down]
+        return ExpertExtras([linear.bias.detach() for linear in self.gate_up], down_bias, self.limit, self.alpha)
 
     def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)

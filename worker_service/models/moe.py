@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from worker_service.backends.base import Backend, PackedExperts
+from worker_service.backends.base import Backend, ExpertExtras, PackedExperts
 from worker_service.distributed import TPGroup, all_reduce_sum
 from worker_service.layers.linear import ColumnParallelLinear, RowParallelLinear
 from worker_service.layers.sharding import aligned_range
@@ -68,7 +68,6 @@ class Routing:
 
 
 class SparseMoE(torch.nn.Module):
-    groupable = True  # whether `Backend.pack_experts`'s product computes these experts (`pack`)
     # A rank's intermediate features start on a multiple of this (a quantized checkpoint's groups).
     feature_align = 1
 
@@ -113,15 +112,18 @@ class SparseMoE(torch.nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(hidden.dtype), expert_ids
 
+    def extras(self) -> ExpertExtras | None:
+        """What these experts compute beyond SwiGLU without biases (`ExpertExtras`; None: nothing)."""
+        return None
+
     def pack(self, backend: Backend) -> None:
-        """Offer the experts to `backend` as one grouped product (`Backend.pack_experts`), before
-        their linear layers are packed one by one; where it takes them, those layers multiply
-        views of its weights (kept once) for the steps it leaves to them. The grouped product is
-        SwiGLU without biases: experts of another kind (`groupable` False) keep their own."""
-        if not self.groupable or self.experts is not None or self.gate_up[0].packed is not None:
+        """Offer the experts to `backend` as one grouped product (`Backend.pack_experts`, with the
+        family's `extras`), before their linear layers are packed one by one; where it takes them,
+        those layers multiply views of its weights (kept once) for the steps it leaves to them."""
+        if self.experts is not None or self.gate_up[0].packed is not None:
             return
         self.experts = backend.pack_experts([linear.weight.detach() for linear in self.gate_up],
-                                            [linear.weight.detach() for linear in self.down])
+                                            [linear.weight.detach() for linear in self.down], self.extras())
         if self.experts is not None:
             for (gate_up, down), expert_gate_up, expert_down in zip(self.experts.linears(), self.gate_up, self.down):
                 expert_gate_up.adopt(gate_up)

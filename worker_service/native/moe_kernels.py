@@ -22,11 +22,11 @@ REQUIRED_CPU_FLAGS = ("avx2", "fma")
 # The library's weight dtype codes (`kFloat32`, `kBFloat16` in the source).
 WEIGHT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
-_i32, _i64, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_void_p
+_i32, _i64, _f32, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 SIGNATURES = {
     "radix_moe_supported": Signature(()),
-    "radix_moe_experts": Signature((_i32, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i32),
-                                   checked=True),
+    "radix_moe_experts": Signature((_i32, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i32,
+                                    _ptr, _ptr, _f32, _f32), checked=True),
 }
 
 
@@ -40,11 +40,14 @@ class MoEKernels:
         self._experts = lib.radix_moe_experts
 
     def experts(self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
-                gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+                gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
+                down_bias: torch.Tensor | None = None, clamp: float = 0.0, alpha: float = 1.0) -> torch.Tensor:
         """Rows `hidden` `[T, H]`, each routed to `expert_ids` `[T, top_k]` with `weights`
         `[T, top_k]`, through the stacked experts `gate_up` `[E, 2 I, H]` (gate features first)
         and `down` `[E, H, I]` (contiguous, float32 or bfloat16) -> float32 `[T, H]`: each row's
-        sum over its choices of weight * down(silu(gate) * up), in float32 arithmetic."""
+        sum over its choices of weight * down(silu(gate) * up), in float32 arithmetic. With
+        float32 `gate_up_bias` `[E, 2 I]` / `down_bias` `[E, H]` (contiguous) the products add
+        them; `clamp` > 0 computes GPT-OSS's clamped SwiGLU with `alpha` in place of SwiGLU."""
         rows, hidden_size = hidden.shape
         num_experts, inter = down.shape[0], down.shape[2]
         if gate_up.shape != (num_experts, 2 * inter, hidden_size) or down.shape[1] != hidden_size:
@@ -54,9 +57,14 @@ class MoEKernels:
         ids = expert_ids.to(torch.int64).contiguous()
         route = weights.float().contiguous()
         out = torch.empty((rows, hidden_size), dtype=torch.float32)
+        for bias, shape in ((gate_up_bias, (num_experts, 2 * inter)), (down_bias, (num_experts, hidden_size))):
+            if bias is not None and (bias.dtype != torch.float32 or bias.shape != shape or not bias.is_contiguous()):
+                raise ValueError(f"expert biases must be float32 {shape}, contiguous")
         self._experts(WEIGHT_DTYPES[gate_up.dtype], x.data_ptr(), rows, hidden_size, ids.data_ptr(),
                       route.data_ptr(), ids.shape[1], num_experts, gate_up.data_ptr(), down.data_ptr(), inter,
-                      out.data_ptr(), torch.get_num_threads())
+                      out.data_ptr(), torch.get_num_threads(),
+                      None if gate_up_bias is None else gate_up_bias.data_ptr(),
+                      None if down_bias is None else down_bias.data_ptr(), clamp, alpha)
         return out
 
 
