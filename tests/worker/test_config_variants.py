@@ -84,6 +84,13 @@ VARIANTS = [
     ("seed_oss", dict(attention_bias=False), "SeedOssForCausalLM with attention_bias=False"),
     ("exaone4", dict(sliding_window=None, layer_types=["full_attention"] * 3), None),  # 1.2B: all full, all rotate
     ("smollm3", dict(no_rope_layers=[0, 0, 0]), None),
+    # GPT-OSS with heads wider than hidden / heads (gpt-oss-20b's 64 x 64 over 2,880), with every
+    # layer full, with plain RoPE, and with a clamp too high to bind; Granite-MoE top-1.
+    ("gpt_oss", dict(head_dim=32), None),
+    ("gpt_oss", dict(layer_types=["full_attention"] * 3), None),
+    ("gpt_oss", rope(rope_type="default"), None),
+    ("gpt_oss", dict(swiglu_limit=100.0, num_experts_per_tok=1), None),
+    ("granite_moe", dict(num_experts_per_tok=1, tie_word_embeddings=True), None),
     # Sliding windows (8, under the test's 41 positions) as each family's class applies them: every
     # layer (Mistral v0.1, Phi-3-mini-4k's 2,047 under 4,096, Mixtral, Qwen3-MoE), the layers
     # `layer_types` marks (Qwen3 and SmolLM3 from `max_window_layers` / by their own rule), or not
