@@ -5,7 +5,8 @@ Two depths, read with the `gguf` package's own reader and constants (no second p
   `radixserve up` to check before it starts anything. It catches an empty file, a file that is
   not GGUF (random bytes, a safetensors file renamed) and a version the reader does not take.
 - `gguf_problem` reads the whole metadata with `GGUFReader` and checks that every tensor's data
-  lies inside the file, so a file cut short says so instead of failing in a reshape. Reading the
+  lies inside the file, so a file cut short says so instead of failing in a reshape, and names an
+  architecture not served from GGUF files. Reading the
   metadata of a large vocabulary takes seconds: it runs only where loading the file has failed
   already (`model_source`), to say why.
 """
@@ -21,6 +22,11 @@ from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
 
 # Magic (uint32) and version (uint32): what the header check reads.
 HEADER_BYTES = 8
+ARCHITECTURE_KEY = "general.architecture"
+# The architectures (llama.cpp's names) served from GGUF files: `model_source.GGUF_ARCHITECTURES`'
+# (Mixtral is written as `llama`). Another one's file may fail in transformers' own reading of it
+# (gpt-oss's, with transformers 5.24), which is then said in these terms.
+SERVED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe", "phi3", "gemma2", "gemma3")
 
 
 class Truncated(ValueError):
@@ -53,13 +59,18 @@ def gguf_problem(path: Path) -> str | None:
     if problem is not None:
         return problem
     try:
-        _ExtentCheckingReader(path)
+        reader = _ExtentCheckingReader(path)
     except Truncated as exc:
         return str(exc)
     except Exception as exc:  # the reader's own complaint (bad metadata, unknown type, ...)
         text = str(exc).strip().splitlines()
         return (f"its metadata cannot be read, the file ({os.path.getsize(path)} bytes) may be cut short "
                 f"({type(exc).__name__}: {text[0] if text else ''})")
+    field = reader.fields.get(ARCHITECTURE_KEY)
+    architecture = None if field is None else str(field.contents())
+    if architecture is not None and architecture not in SERVED_ARCHITECTURES:
+        return (f"its architecture {architecture!r} is not served from GGUF files (served: "
+                f"{', '.join(SERVED_ARCHITECTURES)}); serve the model's safetensors checkpoint instead")
     return None
 
 

@@ -4,6 +4,7 @@ from `load_config` / `load_tokenizer`, which every service reads the model with.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from radixserve.gguf_check import gguf_header_problem, gguf_problem
@@ -61,3 +62,23 @@ def test_a_service_that_cannot_read_its_model_exits_with_one_line(tmp_path, tiny
     assert exited.value.code == (f"python -m gateway_service: cannot read the GGUF file {cut}: "
                                  "the file is cut short: it has "
                                  f"{cut.stat().st_size} bytes, its tensor data ends at byte {cut.stat().st_size + 100}")
+
+
+def test_a_file_of_an_architecture_not_served_from_gguf_is_named(tmp_path) -> None:
+    """A gpt-oss file (llama.cpp's `*-mxfp4.gguf`): transformers 5.24 fails in its own reading of
+    the file's RoPE metadata; the refusal names the architecture and what to serve instead."""
+    import gguf
+
+    path = tmp_path / "gpt-oss.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    writer.add_block_count(1)
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(32.0)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert gguf_problem(path).startswith("its architecture 'gpt-oss' is not served from GGUF files (served: llama,")
+    with pytest.raises(ModelUnreadable, match="'gpt-oss' is not served from GGUF files.*safetensors checkpoint"):
+        load_config(resolve_model(path))
