@@ -37,6 +37,7 @@ from radixserve.model_source import ModelUnreadable
 from worker_service.layers.embedding import ParallelLMHead
 from worker_service.layers.linear import PackableLinear
 from worker_service.layers.weights import WeightSlice
+from worker_service.loader import bounds
 from worker_service.quant.format import QuantizedWeight, merge_row_blocks
 from worker_service.quant.gguf_types import KEPT_TYPES, to_quantized
 
@@ -119,17 +120,13 @@ class GGUFTensors:
         """`piece` dequantized by the `gguf` package to float32."""
         tensor = self.tensor(piece.name)
         if len(tensor.shape) == 1:
-            values = dequantize(tensor.data, tensor.tensor_type).reshape(-1)[_bounds(piece.rows)]
+            values = dequantize(tensor.data, tensor.tensor_type).reshape(-1)[bounds(piece.rows)]
             if self.architecture in NORMS_PLUS_ONE and piece.name.endswith("norm.weight"):
                 values = values - 1
             return torch.from_numpy(np.array(values))  # a copy: the file's mapping is read-only
         num_rows = int(tensor.shape[1])
         values = dequantize(tensor.data[self._rows(piece, num_rows)], tensor.tensor_type)
-        return torch.from_numpy(np.array(values[:, _bounds(piece.cols)]))
-
-
-def _bounds(selection: range | None) -> slice:
-    return slice(None) if selection is None else slice(selection.start, selection.stop)
+        return torch.from_numpy(np.array(values[:, bounds(piece.cols)]))
 
 
 def _kept_blocks(tensors: GGUFTensors, module: torch.nn.Module) -> list[QuantizedWeight] | None:

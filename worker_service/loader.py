@@ -34,7 +34,8 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
         return {name: single for name in handle.keys()}
 
 
-def _bounds(selection: range | None) -> slice:
+def bounds(selection: range | None) -> slice:
+    """A `WeightSlice`'s rows or columns (None: all) as a slice, its step kept."""
     return slice(None) if selection is None else slice(selection.start, selection.stop, selection.step)
 
 
@@ -42,10 +43,10 @@ def read_slice(handle, piece: WeightSlice) -> torch.Tensor:
     tensor_slice = handle.get_slice(piece.name)
     lead = () if piece.expert is None else (piece.expert,)
     if len(tensor_slice.get_shape()) - len(lead) == 1:
-        return tensor_slice[lead + (_bounds(piece.rows),)]
+        return tensor_slice[lead + (bounds(piece.rows),)]
     if piece.transposed:
-        return tensor_slice[lead + (_bounds(piece.cols), _bounds(piece.rows))].T.contiguous()
-    return tensor_slice[lead + (_bounds(piece.rows), _bounds(piece.cols))]
+        return tensor_slice[lead + (bounds(piece.cols), bounds(piece.rows))].T.contiguous()
+    return tensor_slice[lead + (bounds(piece.rows), bounds(piece.cols))]
 
 
 @torch.inference_mode()

@@ -22,10 +22,10 @@ from safetensors import safe_open
 
 from worker_service.layers.linear import PackableLinear
 from worker_service.layers.weights import WeightSlice
-from worker_service.loader import checkpoint_files, load_weights
-from worker_service.quant.format import QuantizedWeight, merge_row_blocks
-from worker_service.quant.mxfp4 import mxfp4_weight
-from worker_service.quant.prequantized import MXFP4, MXFP4_GROUP, PrequantizedScheme, awq_weight, gptq_weight
+from worker_service.loader import bounds, checkpoint_files, load_weights
+from worker_service.quant import mxfp4
+from worker_service.quant.format import QuantizedWeight, merge_row_blocks, num_groups
+from worker_service.quant.prequantized import MXFP4, PrequantizedScheme, awq_weight, gptq_weight
 from worker_service.unsupported import UnsupportedModel
 
 log = logging.getLogger(__name__)
@@ -64,16 +64,16 @@ class PackedTensors:
         """This rank's rows and whole groups of columns of an MXFP4 tensor (an expert's, where the
         piece names one), read as such; its blocks are `[out, in]` whatever the plain tensor's."""
         blocks = self._handle(f"{piece.name}_blocks").get_slice(f"{piece.name}_blocks")
-        in_features = blocks.get_shape()[-2] * MXFP4_GROUP
+        in_features = blocks.get_shape()[-2] * mxfp4.GROUP
         cols = piece.cols or range(in_features)
-        if cols.start % MXFP4_GROUP or (cols.stop % MXFP4_GROUP and cols.stop != in_features):
+        if cols.start % mxfp4.GROUP or (cols.stop % mxfp4.GROUP and cols.stop != in_features):
             raise UnsupportedModel(f"mxfp4: columns {cols.start}..{cols.stop} of {piece.name} cut its groups "
-                                   f"of {MXFP4_GROUP}")
+                                   f"of {mxfp4.GROUP}")
         lead = () if piece.expert is None else (piece.expert,)
-        rows = slice(None) if piece.rows is None else slice(piece.rows.start, piece.rows.stop, piece.rows.step)
-        groups = slice(cols.start // MXFP4_GROUP, -(-cols.stop // MXFP4_GROUP))
+        groups = slice(cols.start // mxfp4.GROUP, num_groups(cols.stop, mxfp4.GROUP))
         scales = self._handle(f"{piece.name}_scales").get_slice(f"{piece.name}_scales")
-        return mxfp4_weight(blocks[lead + (rows, groups)], scales[lead + (rows, groups)], len(cols))
+        selection = lead + (bounds(piece.rows), groups)
+        return mxfp4.mxfp4_weight(blocks[selection], scales[selection], len(cols))
 
     def quantized(self, piece: WeightSlice) -> QuantizedWeight:
         if self.scheme.method == MXFP4:

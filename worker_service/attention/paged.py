@@ -110,9 +110,10 @@ def paged_attention(
 
 
 def paged_attention_with_lse(
-    q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, batch: AttentionBatch,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor,
+    batch: AttentionBatch,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`paged_attention`'s output for the flat layout (the step's K/V already stored), and the
+    """`paged_attention`'s output for the flat layout (the step's K/V `k`, `v` already stored), and the
     log-sum-exp of each query's scores `[T, Hq]` (float32): what attention sinks need
     (`backends/torch_backend.py`). The decode rows must be planned as a cascade
     (`CascadeDecode.attend_with_lse`); each prefill chunk attends with its log-sum-exp, its KV
@@ -126,9 +127,9 @@ def paged_attention_with_lse(
         lses.append(lse)
     for span in batch.prefills:
         queries = q[span.token_start:span.token_stop].transpose(0, 1).unsqueeze(0)
-        if span.context_pages is None:  # from position 0: its own keys, causal
-            keys = k_slots.index_select(1, batch.write_slots[span.token_start:span.token_stop])
-            values = v_slots.index_select(1, batch.write_slots[span.token_start:span.token_stop])
+        if span.context_pages is None:  # from position 0: its own fresh keys, causal
+            keys = k[span.token_start:span.token_stop].transpose(0, 1)
+            values = v[span.token_start:span.token_stop].transpose(0, 1)
             mask = None
         else:
             keys = gather_pages(k_slots, span.context_pages, batch.page_size, batch.space, 0)

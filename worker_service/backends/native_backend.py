@@ -3,8 +3,8 @@
 Attention is one kernel call per layer for every row of the step, decode and prefill, reading
 K/V through the page tables where they lie (shared prefixes once per group, as the PyTorch
 backend's cascade), attention sinks included (GPT-OSS's: one more term of each query head's
-softmax denominator, added where the kernel merges its partial sums); the row-wise ops are the compiled ones (`row_kernels.py`); linear layers of
-decode-sized steps use the small-batch kernel (`linear_native.py`). Rank 0 samples with the
+softmax denominator, added where the kernel merges its partial sums); the row-wise ops are the
+compiled ones (`row_kernels.py`); linear layers of decode-sized steps use the small-batch kernel (`linear_native.py`). Rank 0 samples with the
 compiled sampling kernels.
 
 Whole-layer fusion: for a model that declares its layer `"llama"` (`models/base.py`), a single
@@ -49,7 +49,6 @@ class NativeBackend(RowKernelBackend):
         plan = self.kernels.plan(tables, lens, page_size, shared_prefixes(tables, lens, page_size), spans)
         return StepContext(batch.positions, batch.write_slots, plan, pool, batch)
 
-    attends_sinks = True
     kernel_ops = (ATTENTION_SINKS,)
 
     def _attend_stored(self, qkv: torch.Tensor, num_q_heads: int, k_slots: torch.Tensor, v_slots: torch.Tensor,

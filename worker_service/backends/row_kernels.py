@@ -14,7 +14,8 @@ from abc import abstractmethod
 import torch
 
 from worker_service.attention.windowed import windowed_attention
-from worker_service.backends.base import AttentionOptions, Rope, RowKernels, StepContext, only_sinks, options_for_step
+from worker_service.backends.base import (ATTENTION_SINKS, AttentionOptions, Rope, RowKernels, StepContext,
+                                          only_sinks, options_for_step)
 from worker_service.backends.grouped_experts import ExpertProducts
 from worker_service.backends.linear_quant import QuantizedLinears
 from worker_service.backends.torch_backend import TorchBackend
@@ -38,19 +39,17 @@ class RowKernelBackend(TorchBackend):
         # One pass rotates q and k in place and stores k and v.
         self.rows.rope_store(qkv, num_q_heads, step.positions, *rope, k_slots, v_slots, step.write_slots)
         options = options_for_step(options, step.batch)
-        if options is not None and self.attends_sinks and only_sinks(options):
+        if options is not None and ATTENTION_SINKS in self.kernel_ops and only_sinks(options):
             return self._attend_stored(qkv, num_q_heads, k_slots, v_slots, step, options.sinks)
         if options is not None:  # no kernel has them: PyTorch's ops over the stored K/V
             return windowed_attention(qkv[:, :num_q_heads], k_slots, v_slots, step.batch, options)
         return self._attend_stored(qkv, num_q_heads, k_slots, v_slots, step)
 
-    attends_sinks = False  # whether `_attend_stored` takes `sinks` (the compiled kernel's does)
-
     @abstractmethod
     def _attend_stored(self, qkv: torch.Tensor, num_q_heads: int, k_slots: torch.Tensor, v_slots: torch.Tensor,
                        step: StepContext, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of the rotated `qkv`'s queries, the step's K/V already in the pool (with
-        `sinks` only where `attends_sinks`)."""
+        `sinks` only where the backend's kernel computes them: `ATTENTION_SINKS` in `kernel_ops`)."""
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return self.rows.rms_norm(x, weight, eps)

@@ -3,8 +3,9 @@
 It is the reference the other backends are held to (and what runs where neither the compiled
 kernels nor Triton can). Attention gathers each sequence's pages and attends with PyTorch's
 kernels (`worker_service/attention/paged.py`: shared prefixes once per group for decode rows,
-SDPA for prefill chunks; attention sinks from the same attention's log-sum-exps, `with_sinks`); RMSNorm rounds where the reference Llama code rounds; linear layers
-use oneDNN's packed weights on CPU (`linear_torch.py`).
+SDPA for prefill chunks; attention sinks from the same attention's log-sum-exps, `with_sinks`);
+RMSNorm rounds where the reference Llama code rounds; linear layers use oneDNN's packed weights
+on CPU (`linear_torch.py`).
 """
 
 from __future__ import annotations
@@ -99,8 +100,8 @@ class TorchBackend(Backend):
             return paged_attention(q, k, v, k_slots, v_slots, step.attention)
         k_slots.index_copy_(1, step.write_slots, k.transpose(0, 1))
         v_slots.index_copy_(1, step.write_slots, v.transpose(0, 1))
-        if only_sinks(options) and isinstance(step.attention.decode, (CascadeDecode, type(None))):
-            return with_sinks(*paged_attention_with_lse(q, k_slots, v_slots, step.attention), options.sinks)
+        if only_sinks(options):
+            return with_sinks(*paged_attention_with_lse(q, k, v, k_slots, v_slots, step.attention), options.sinks)
         return windowed_attention(q, k_slots, v_slots, step.batch, options)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

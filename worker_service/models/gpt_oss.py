@@ -6,9 +6,10 @@ other one, a window of 128), YaRN RoPE, and a sparse mixture of experts of its o
   denominator and attends to nothing, so a query's weights sum to less than 1. It is
   `AttentionOptions.sinks`: the compiled CPU kernel adds it where it merges its partial sums
   (`csrc/paged_attention.cpp`), the invariant backend after its chunks' merge
-  (`attention/invariant.py`), and the other backends attend with PyTorch's ops
-  (`attention/windowed.py`), as every backend does for a sliding layer a sequence outgrows. TP
-  splits them with the query heads.
+  (`attention/invariant.py`), the PyTorch backend from its attention's log-sum-exps
+  (`torch_backend.with_sinks`); Triton, and every backend for a sliding layer a sequence
+  outgrows, attend with PyTorch's ops (`attention/windowed.py`). TP splits them with the query
+  heads.
 - **Experts** are stored in 3-D tensors, `gate_up_proj` `[experts, hidden, 2 I]` (gate and up
   features interleaved: gate at even columns, up at odd) and `down_proj` `[experts, I, hidden]`,
   each with a bias. Each expert's matrices are read as our linear layers' `[out, in]`
@@ -18,8 +19,9 @@ other one, a window of 128), YaRN RoPE, and a sparse mixture of experts of its o
   softmaxes those. Under TP the down bias is added by rank 0 alone (`RowParallelLinear`).
 
 No fusable layer. The compiled grouped-expert call takes its biases and clamped SwiGLU
-(`ExpertExtras`) where the backend has it; elsewhere the experts are each layer's own products. In bfloat16 RMSNorm rounds as Llama's does (weight times the
-normalised row rounded to the dtype), where transformers' GPT-OSS rounds once after the weight.
+(`ExpertExtras`) where the backend has it; elsewhere the experts are each layer's own products.
+In bfloat16 RMSNorm rounds as Llama's does (weight times the normalised row rounded to the
+dtype), where transformers' GPT-OSS rounds once after the weight.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ from worker_service.layers.sharding import shard_heads
 from worker_service.layers.weights import WeightSlice, make_param
 from worker_service.models.config_checks import BY_LAYER_TYPE
 from worker_service.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
-from worker_service.models.moe import ExpertLayout, Routing, RoutesExperts, SparseMoE, softmax_of_top_logits
-from worker_service.quant.prequantized import MXFP4_GROUP
+from worker_service.models.moe import ExpertLayout, Routing, RoutesExperts, SparseMoE
+from worker_service.quant import mxfp4
 from worker_service.unsupported import UnsupportedModel
 
 LAYOUT = ExpertLayout("mlp", "gate_up_proj", "gate_up_proj", "down_proj")
@@ -57,11 +59,11 @@ class GptOssAttention(LlamaAttention):
 
 
 class GptOssMoE(SparseMoE):
-    feature_align = MXFP4_GROUP  # an MXFP4 checkpoint's groups stay whole on every rank
+    feature_align = mxfp4.GROUP  # an MXFP4 checkpoint's groups stay whole on every rank
 
     def __init__(self, config: Any, layer: int, group: TPGroup, dtype: torch.dtype, device: torch.device,
                  backend: Backend) -> None:
-        routing = Routing(config.num_local_experts, config.num_experts_per_tok, normalize=False)
+        routing = Routing(config.num_local_experts, config.num_experts_per_tok, normalize=True, top_logits=True)
         super().__init__(layer, config.hidden_size, config.intermediate_size, routing, LAYOUT, group, dtype,
                          device, backend)
         self.limit = float(config.swiglu_limit)
@@ -86,9 +88,6 @@ class GptOssMoE(SparseMoE):
                               bias_slice=WeightSlice(f"{down_name}_bias", expert=e))
             for e in range(num_experts))
         return router, gate_up, down
-
-    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return softmax_of_top_logits(self.router(hidden), self.routing.top_k, hidden.dtype)
 
     def extras(self) -> ExpertExtras:
         """The biases (the down ones on rank 0 only) and the clamped SwiGLU, for a grouped product."""

@@ -20,7 +20,7 @@ from worker_service.distributed import TPGroup
 from worker_service.layers.linear import ColumnParallelLinear, RowParallelLinear
 from worker_service.layers.weights import WeightSlice
 from worker_service.models.granite import GraniteDecoderLayer, GraniteForCausalLM
-from worker_service.models.moe import ExpertLayout, Routing, RoutesExperts, SparseMoE, softmax_of_top_logits
+from worker_service.models.moe import ExpertLayout, Routing, RoutesExperts, SparseMoE
 
 LAYOUT = ExpertLayout("block_sparse_moe", "input_linear", "input_linear", "output_linear")
 
@@ -28,7 +28,7 @@ LAYOUT = ExpertLayout("block_sparse_moe", "input_linear", "input_linear", "outpu
 class GraniteMoE(SparseMoE):
     def __init__(self, config: Any, layer: int, group: TPGroup, dtype: torch.dtype, device: torch.device,
                  backend: Backend) -> None:
-        routing = Routing(config.num_local_experts, config.num_experts_per_tok, normalize=True)
+        routing = Routing(config.num_local_experts, config.num_experts_per_tok, normalize=True, top_logits=True)
         super().__init__(layer, config.hidden_size, config.intermediate_size, routing, LAYOUT, group, dtype,
                          device, backend)
         self.output_scale = config.residual_multiplier
@@ -49,9 +49,6 @@ class GraniteMoE(SparseMoE):
                               weight=WeightSlice(down_name, cols=features, expert=e))
             for e in range(num_experts))
         return router, gate_up, down
-
-    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return softmax_of_top_logits(self.router(hidden), self.routing.top_k, hidden.dtype)
 
     def partial(self, hidden: torch.Tensor) -> torch.Tensor:
         return super().partial(hidden).mul_(self.output_scale)

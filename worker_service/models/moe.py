@@ -52,19 +52,14 @@ class ExpertLayout:
     down: str
 
 
-def softmax_of_top_logits(logits: torch.Tensor, top_k: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights in `dtype`, expert ids) of the `top_k` largest router logits, softmaxed among
-    themselves in float32 (GPT-OSS's and Granite-MoE's order of operations; the same weights as
-    renormalising the full softmax's top k)."""
-    top, expert_ids = logits.float().topk(top_k, dim=-1)
-    return torch.softmax(top, dim=-1).to(dtype), expert_ids
-
-
 @dataclass(frozen=True, slots=True)
 class Routing:
     num_experts: int
     top_k: int
     normalize: bool  # renormalise the chosen probabilities to sum to 1
+    # Softmax the top-k logits among themselves (GPT-OSS, Granite-MoE) rather than take the full
+    # softmax's top k: the same weights as `normalize`, in those families' order of operations.
+    top_logits: bool = False
 
 
 class SparseMoE(torch.nn.Module):
@@ -106,6 +101,9 @@ class SparseMoE(torch.nn.Module):
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights `[T, top_k]` in the dtype, expert ids `[T, top_k]`) of every token."""
+        if self.routing.top_logits:
+            top, expert_ids = self.router(hidden).float().topk(self.routing.top_k, dim=-1)
+            return torch.softmax(top, dim=-1).to(hidden.dtype), expert_ids
         probabilities = torch.softmax(self.router(hidden).float(), dim=-1)
         weights, expert_ids = probabilities.topk(self.routing.top_k, dim=-1)
         if self.routing.normalize:

@@ -30,12 +30,12 @@ from typing import Any
 
 import torch
 
+from worker_service.quant import mxfp4
 from worker_service.quant.format import INT4_BLOCK, QuantizedWeight, pack_int4
 from worker_service.unsupported import UnsupportedModel
 
 METHODS = ("gptq", "awq")
 MXFP4 = "mxfp4"  # GPT-OSS's experts (`quant/mxfp4.py`)
-MXFP4_GROUP = 32
 BITS = 4
 PACKED = 32 // BITS  # values per int32
 GPTQ_FORMATS = ("gptq", "gptq_v2")
@@ -75,7 +75,7 @@ def prequantized_scheme(hf_config: Any) -> PrequantizedScheme | None:
         config = config.to_dict()
     method = str(config.get("quant_method", "?")).lower()
     if method == MXFP4:  # its layout is fixed: E2M1 codes, one scale per 32 columns (`quant/mxfp4.py`)
-        return PrequantizedScheme(MXFP4, MXFP4_GROUP)
+        return PrequantizedScheme(MXFP4, mxfp4.GROUP)
     if method not in METHODS:
         raise UnsupportedModel(f"pre-quantized checkpoints ({method}) are not supported (only "
                                f"{' and '.join(METHODS)} int4, and mxfp4): serve the unquantized checkpoint "
