@@ -35,6 +35,9 @@ KEPT_MARKERS = (START, CHANNEL, CONSTRAIN, MESSAGE, END)
 MARKER = re.compile("|".join(re.escape(marker) for marker in MARKERS))
 # What ends a header: its body's start, or (a frame that opened no body) a new message or an end.
 HEADER_STOP = re.compile("|".join(re.escape(marker) for marker in (MESSAGE, START, END, RETURN, CALL)))
+# A message from its `<|start|>` to its `<|message|>`, the header between them its group 1 (what
+# the call parsers look for: `tool_call_stream`, `tool_parsers.HarmonyParser`).
+MESSAGE_HEADER = r"<\|start\|>((?:(?!<\|start\|>|<\|message\|>).)*)<\|message\|>"
 ANALYSIS = "analysis"
 FUNCTIONS = "functions."
 

@@ -20,7 +20,7 @@ from gateway_service import harmony
 
 _JSON_CALL = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 _NAMED_ARGS = re.compile(r"\[TOOL_CALLS\]\s*([A-Za-z0-9_.-]+)\[ARGS\]\s*")
-_HARMONY_CALL = re.compile(r"<\|start\|>((?:(?!<\|start\|>|<\|message\|>).)*)<\|message\|>", re.S)
+_HARMONY_CALL = re.compile(harmony.MESSAGE_HEADER, re.S)
 
 
 @dataclass(frozen=True, slots=True)

@@ -193,8 +193,8 @@ class HarmonyParser(ToolCallParser):
     marker = harmony.START
     constrained = False
     # A message: its header, its body, and what ends it (a marker, or the end of the text).
-    _MESSAGE = re.compile(r"<\|start\|>((?:(?!<\|start\|>|<\|message\|>).)*)<\|message\|>"
-                          r"(.*?)(?:<\|call\|>|<\|end\|>|<\|return\|>|(?=<\|start\|>)|\Z)", re.S)
+    _MESSAGE = re.compile(harmony.MESSAGE_HEADER + r"(.*?)(?:<\|call\|>|<\|end\|>|<\|return\|>|(?=<\|start\|>)|\Z)",
+                          re.S)
 
     def _parse_calls(self, text: str) -> tuple[list[ParsedCall], str]:
         calls, rest, end = [], [], 0
