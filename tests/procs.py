@@ -27,11 +27,60 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _port_slice() -> range:
+    """The ports this test process hands out: below the kernel's ephemeral range (outgoing
+    connections take their source ports from it, so a port picked there can be taken between
+    the test checking it and the service binding it) and, under pytest-xdist, a slice of its
+    own, so two test processes never hand out the same port."""
+    low, high = 10000, min(_ephemeral_range()[0], 65536)
+    if high - low < 2000:  # the ephemeral range reaches down: use the ports above it
+        low, high = _ephemeral_range()[1] + 1, 65536
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0) % workers
+    size = (high - low) // workers
+    return range(low + index * size, low + (index + 1) * size)
+
+
+_PORTS = _port_slice()
+_next_port = _PORTS.start + (os.getpid() * 7919) % len(_PORTS)
+
+
+def _is_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_ports(offsets: tuple[int, ...] = (0,)) -> int:
+    """A port P such that P + each offset is free on 127.0.0.1 right now and was never handed
+    out before by this process (until its slice wraps): a service started on it is not raced
+    by another test's service, nor by a client's source port."""
+    global _next_port
+    span = max(offsets) + 1
+    for _ in range(len(_PORTS)):
+        port = _next_port
+        if port + span > _PORTS.stop:
+            port = _PORTS.start
+        _next_port = port + span
+        if all(_is_free(port + offset) for offset in offsets):
+            return port
+    raise RuntimeError(f"no free ports in {_PORTS}")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (see free_ports)."""
+    return free_ports()
 
 
 def is_serving(

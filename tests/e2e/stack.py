@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import random
 import re
-import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -13,31 +11,17 @@ from pathlib import Path
 
 import grpc
 
-from procs import ServiceProcesses
+from procs import ServiceProcesses, free_ports
 from radixserve.stack_plan import ROUTER_PORT_OFFSET, WORKER_PORT_OFFSET
 
 STARTUP_TIMEOUT_S = 240.0
 
 
-def _is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
 def free_port_block(tp: int, replicas: int = 1) -> int:
     """A gateway port P whose whole block (P, a router port per replica from P+1, P+9 ...
-    P+9+tp*replicas-1) is free right now."""
-    for _ in range(200):
-        port = random.randint(20000, 45000)
-        needed = [port, *(port + ROUTER_PORT_OFFSET + k for k in range(replicas)),
-                  *(port + WORKER_PORT_OFFSET + r for r in range(tp * replicas))]
-        if all(_is_free(p) for p in needed):
-            return port
-    raise RuntimeError("no free port block found")
+    P+9+tp*replicas-1) is free right now (procs.free_ports)."""
+    return free_ports((0, *(ROUTER_PORT_OFFSET + k for k in range(replicas)),
+                       *(WORKER_PORT_OFFSET + r for r in range(tp * replicas))))
 
 
 @dataclass
