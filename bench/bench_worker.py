@@ -58,7 +58,7 @@ from bench.quant_configs import split_config  # noqa: E402
 from radixserve.model_source import load_config, resolve_model  # noqa: E402
 from worker_service.forward_batch import ForwardEntry  # noqa: E402
 from worker_service.kv_pool import KVPool  # noqa: E402
-from worker_service.models.llama import head_dim_of  # noqa: E402
+from worker_service.models import model_class  # noqa: E402
 from worker_service.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "models" / "smollm2-135m-instruct"
@@ -195,7 +195,7 @@ def print_bounds(when: str, bounds: machine.MachineBounds) -> None:
 def runner_shape(model_dir: Path) -> tuple[int, int, int]:
     """Layers, KV heads and head dim of the checkpoint (TP=1)."""
     config = load_config(resolve_model(model_dir))
-    return config.num_hidden_layers, config.num_key_value_heads, head_dim_of(config)
+    return (config.num_hidden_layers, *model_class(config).kv_cache_geometry(config))
 
 
 def kv_budget(shape: tuple[int, int, int], dtype: str, args: argparse.Namespace) -> int:

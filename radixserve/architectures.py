@@ -12,7 +12,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Gemma2ForCausalLM", "Gemma3ForCausalLM", "SmolLM3ForCausalLM",
     "Qwen2MoeForCausalLM", "Olmo3ForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
     "Ernie4_5ForCausalLM", "SeedOssForCausalLM", "Exaone4ForCausalLM", "GptOssForCausalLM",
-    "GraniteMoeForCausalLM",
+    "GraniteMoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
 )
 
 

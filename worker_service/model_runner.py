@@ -39,7 +39,6 @@ from worker_service.prequantized_loader import load_prequantized_weights
 from worker_service.quant.prequantized import prequantized_scheme
 from worker_service.quant.scheme import quantizer, served_name
 from worker_service.models import model_class
-from worker_service.models.llama import head_dim_of
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +122,7 @@ class ModelRunner:
         # A GPTQ/AWQ checkpoint (`quantization_config`); an unsupported one is refused here.
         prequantized = None if gguf_path is not None else prequantized_scheme(self.hf_config)
         group = TPGroup(config.rank, config.world_size)
-        head_dim = head_dim_of(self.hf_config)
+        head_dim = model_class(self.hf_config).kv_cache_geometry(self.hf_config)[1]
         quantized = ("gguf" if gguf_path is not None else
                      prequantized.method if prequantized is not None else config.quantization)
         if config.lm_head_quantization != "none" and quantized == "none":

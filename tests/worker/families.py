@@ -84,6 +84,25 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "granite_moe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", dict(
         num_local_experts=8, num_experts_per_tok=2, embedding_multiplier=6.0, residual_multiplier=0.5,
         attention_multiplier=0.1, logits_scaling=4.0)),
+    # Multi-head latent attention (a latent of 56 + 8 rotated dims, value heads narrower than the
+    # query's), its first layer dense, routed experts in 4 groups of which 2 are kept, shared
+    # experts, YaRN with DeepSeek's mscale, an RMSNorm epsilon large enough to show (the latent's
+    # norms keep 1e-6). V2: the query from the hidden state, softmax routing unrenormalised.
+    # V3: the query through its latent, sigmoid routing with a correction bias, RoPE in halves.
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        num_key_value_heads=4, head_dim=8, kv_lora_rank=56, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1,
+        first_k_dense_replace=1, num_hidden_layers=3, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+        routed_scaling_factor=1.5, rms_norm_eps=1e-2,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                         "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 10000.0})),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_key_value_heads=4, head_dim=8, kv_lora_rank=56, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
+        v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=2,
+        first_k_dense_replace=1, num_hidden_layers=3, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        norm_topk_prob=True, rope_interleave=False, rms_norm_eps=1e-2,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                         "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0})),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)),
     # Both layer kinds, a window (8) far shorter than the test prompts, soft-capping on.
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
@@ -106,14 +125,14 @@ def _randomise_norms(model: torch.nn.Module) -> None:
                 param.uniform_(0.5, 1.5)
 
 
-# Families whose biases and attention sinks transformers initialises to zero or near it: made
+# Families whose biases (DeepSeek-V3's router correction) and attention sinks transformers initialises to zero or near it: made
 # random, so that a bias or sink dropped or misplaced shows.
-RANDOM_BIASES = {"gpt_oss"}
+RANDOM_BIASES = {"gpt_oss", "deepseek_v3"}
 
 
 def _randomise_biases(model: torch.nn.Module) -> None:
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in [*model.named_parameters(), *model.named_buffers()]:  # V3's correction is a buffer
             if name.endswith("bias"):
                 param.normal_(0.0, 0.2)
             elif name.endswith("sinks"):

@@ -91,6 +91,16 @@ VARIANTS = [
     ("gpt_oss", rope(rope_type="default"), None),
     ("gpt_oss", dict(swiglu_limit=100.0, num_experts_per_tok=1), None),
     ("granite_moe", dict(num_experts_per_tok=1, tie_word_embeddings=True), None),
+    # DeepSeek: V2 through a query latent (DeepSeek-V2's q_lora_rank) with greedy routing (V2-Lite's)
+    # and plain RoPE; V3 with interleaved RoPE pairs (its release's), every layer sparse, no shared
+    # expert, one group; refusals where transformers' class and DeepSeek's code would differ.
+    ("deepseek_v2", dict(q_lora_rank=24, topk_method="greedy", n_group=1, topk_group=1, **rope(rope_type="default")),
+     None),
+    ("deepseek_v3", dict(rope_interleave=True, first_k_dense_replace=0, n_shared_experts=0, n_group=1, topk_group=1),
+     None),
+    ("deepseek_v2", dict(norm_topk_prob=True), "norm_topk_prob=True"),
+    ("deepseek_v2", dict(topk_method="noaux_tc"), "topk_method='noaux_tc'"),
+    ("deepseek_v3", dict(attention_bias=True), "attention_bias=True"),
     # Sliding windows (8, under the test's 41 positions) as each family's class applies them: every
     # layer (Mistral v0.1, Phi-3-mini-4k's 2,047 under 4,096, Mixtral, Qwen3-MoE), the layers
     # `layer_types` marks (Qwen3 and SmolLM3 from `max_window_layers` / by their own rule), or not

@@ -6,6 +6,7 @@ from typing import Any
 
 from radixserve.architectures import unsupported
 from worker_service.models.base import CausalLM
+from worker_service.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from worker_service.models.ernie4_5 import Ernie4_5ForCausalLM
 from worker_service.models.exaone4 import Exaone4ForCausalLM
 from worker_service.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
@@ -52,6 +53,8 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 

@@ -18,8 +18,18 @@ import torch
 from worker_service.backends.base import StepContext
 
 
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 class CausalLM(torch.nn.Module):
     fusable_layer: ClassVar[str | None] = None
+
+    @classmethod
+    def kv_cache_geometry(cls, config: Any) -> tuple[int, int]:
+        """(KV heads at TP=1, head dim) of a token's cached keys and values in each layer: the
+        pool's shape and the head dim the backend's attention takes (DeepSeek's latent differs)."""
+        return getattr(config, "num_key_value_heads", None) or config.num_attention_heads, head_dim_of(config)
 
     @classmethod
     def ops_without_kernels(cls, config: Any) -> tuple[str, ...]:

@@ -27,14 +27,10 @@ from worker_service.layers.linear import ColumnParallelLinear, RowParallelLinear
 from worker_service.layers.norm import RMSNorm
 from worker_service.layers.rotary import RotaryEmbedding, served_context
 from worker_service.layers.sharding import balanced_range, shard_heads
-from worker_service.models.base import CausalLM
+from worker_service.models.base import CausalLM, head_dim_of
 from worker_service.models.config_checks import IGNORED, layer_windows
 from worker_service.quant.format import QuantizedWeight
 from worker_service.unsupported import UnsupportedModel
-
-
-def head_dim_of(config: Any) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 class LlamaAttention(torch.nn.Module):
@@ -210,7 +206,8 @@ class LlamaForCausalLM(CausalLM):
             if window is not None:
                 layer.self_attn.options = replace(layer.self_attn.options or AttentionOptions(), window=window)
         self.shortest_window = min((window for window in windows if window is not None), default=None)
-        has_qk_norms = type(self.layers[0].self_attn).prepare_qk is not LlamaAttention.prepare_qk
+        prepare_qk = getattr(type(self.layers[0].self_attn), "prepare_qk", None)  # MLA has none
+        has_qk_norms = prepare_qk not in (None, LlamaAttention.prepare_qk)
         if self.rotary.permutation is not None and has_qk_norms:
             raise UnsupportedModel(f"{type(self).__name__} with partial rotary embeddings (q/k norms over a "
                                    "head's dims in their order) is not supported")
