@@ -318,6 +318,7 @@ int dispatch_dim(const StepPlan& plan, const Schedule& schedule, const void* q, 
     case 64: return run<kDtype, 64>(plan, schedule, q, k, v, out, sinks);
     case 96: return run<kDtype, 96>(plan, schedule, q, k, v, out, sinks);
     case 128: return run<kDtype, 128>(plan, schedule, q, k, v, out, sinks);
+    case 576: return run<kDtype, 576>(plan, schedule, q, k, v, out, sinks);  // DeepSeek's latent row
     default: return 2;
   }
 }
@@ -330,7 +331,8 @@ extern "C" {
 
 // Which head dims and dtypes `radix_paged_attention` takes (the Python side asks before using it).
 int radix_supports(int32_t head_dim, int32_t dtype) {
-  const bool dim_ok = head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 96 || head_dim == 128;
+  const bool dim_ok = head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 96 || head_dim == 128 ||
+                      head_dim == 576;
   return dim_ok && dtype >= kFloat32 && dtype <= kFloat16;
 }
 
