@@ -103,6 +103,12 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         norm_topk_prob=True, rope_interleave=False, rms_norm_eps=1e-2,
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
                          "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0})),
+    # GLM-4.5: q/k/v biases, RoPE over half of each head in halves, DeepSeek-V3's routing (made
+    # random correction bias, groups) with a shared expert after a dense first layer.
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
+        attention_bias=True, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1,
+        first_k_dense_replace=1, num_hidden_layers=3, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        norm_topk_prob=True)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)),
     # Both layer kinds, a window (8) far shorter than the test prompts, soft-capping on.
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
@@ -127,7 +133,7 @@ def _randomise_norms(model: torch.nn.Module) -> None:
 
 # Families whose biases (DeepSeek-V3's router correction) and attention sinks transformers initialises to zero or near it: made
 # random, so that a bias or sink dropped or misplaced shows.
-RANDOM_BIASES = {"gpt_oss", "deepseek_v3"}
+RANDOM_BIASES = {"gpt_oss", "deepseek_v3", "glm4_moe"}
 
 
 def _randomise_biases(model: torch.nn.Module) -> None:

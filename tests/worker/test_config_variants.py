@@ -101,6 +101,10 @@ VARIANTS = [
     ("deepseek_v2", dict(norm_topk_prob=True), "norm_topk_prob=True"),
     ("deepseek_v2", dict(topk_method="noaux_tc"), "topk_method='noaux_tc'"),
     ("deepseek_v3", dict(attention_bias=True), "attention_bias=True"),
+    # GLM-4.5 with per-head q/k norms under its partial rotation; every layer sparse, one group.
+    ("glm4_moe", dict(use_qk_norm=True), None),
+    ("glm4_moe", dict(first_k_dense_replace=0, n_group=1, topk_group=1), None),
+    ("glm4_moe", dict(attention_bias=False), "attention_bias=False"),
     # Sliding windows (8, under the test's 41 positions) as each family's class applies them: every
     # layer (Mistral v0.1, Phi-3-mini-4k's 2,047 under 4,096, Mixtral, Qwen3-MoE), the layers
     # `layer_types` marks (Qwen3 and SmolLM3 from `max_window_layers` / by their own rule), or not

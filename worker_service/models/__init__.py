@@ -11,6 +11,7 @@ from worker_service.models.ernie4_5 import Ernie4_5ForCausalLM
 from worker_service.models.exaone4 import Exaone4ForCausalLM
 from worker_service.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from worker_service.models.glm import Glm4ForCausalLM, GlmForCausalLM
+from worker_service.models.glm4_moe import Glm4MoeForCausalLM
 from worker_service.models.gpt_oss import GptOssForCausalLM
 from worker_service.models.granite import GraniteForCausalLM
 from worker_service.models.granite_moe import GraniteMoeForCausalLM
@@ -55,6 +56,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
 }
 
 

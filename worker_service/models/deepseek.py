@@ -116,7 +116,8 @@ class DeepseekV3MoE(DeepseekMoE):
     sigmoid_scores = True
 
 
-def _mlp(moe_class: type[DeepseekMoE]):
+def dense_until(moe_class: type[DeepseekMoE]):
+    """A layer's MLP: dense in the first `first_k_dense_replace` layers, `moe_class` after."""
     def build(config: Any, layer: int, group: TPGroup, dtype: torch.dtype, device: torch.device,
               backend: Backend) -> torch.nn.Module:
         if layer < config.first_k_dense_replace:
@@ -127,12 +128,12 @@ def _mlp(moe_class: type[DeepseekMoE]):
 
 class DeepseekV2DecoderLayer(LlamaDecoderLayer):
     attention_class = MlaAttention
-    mlp_class = _mlp(DeepseekMoE)
+    mlp_class = dense_until(DeepseekMoE)
 
 
 class DeepseekV3DecoderLayer(LlamaDecoderLayer):
     attention_class = MlaAttention
-    mlp_class = _mlp(DeepseekV3MoE)
+    mlp_class = dense_until(DeepseekV3MoE)
 
 
 class DeepseekV2ForCausalLM(RoutesExperts, LlamaForCausalLM):

@@ -36,6 +36,8 @@ from worker_service.unsupported import UnsupportedModel
 class LlamaAttention(torch.nn.Module):
     options: AttentionOptions | None = None  # a family's window, soft-cap, scale or sinks
     o_bias = False  # whether o_proj has a bias (GPT-OSS's)
+    # Whether `reorder_qk` also reorders what `prepare_qk` applies over a head's dims (q/k norms' weights).
+    norms_follow_order = False
 
     def __init__(
         self, config: Any, layer: int, group: TPGroup, qkv_bias: bool,
@@ -206,9 +208,10 @@ class LlamaForCausalLM(CausalLM):
             if window is not None:
                 layer.self_attn.options = replace(layer.self_attn.options or AttentionOptions(), window=window)
         self.shortest_window = min((window for window in windows if window is not None), default=None)
-        prepare_qk = getattr(type(self.layers[0].self_attn), "prepare_qk", None)  # MLA has none
+        attention_class = type(self.layers[0].self_attn)
+        prepare_qk = getattr(attention_class, "prepare_qk", None)  # MLA has none
         has_qk_norms = prepare_qk not in (None, LlamaAttention.prepare_qk)
-        if self.rotary.permutation is not None and has_qk_norms:
+        if self.rotary.permutation is not None and has_qk_norms and not attention_class.norms_follow_order:
             raise UnsupportedModel(f"{type(self).__name__} with partial rotary embeddings (q/k norms over a "
                                    "head's dims in their order) is not supported")
         self.norm = RMSNorm("model.norm.weight", config.hidden_size, config.rms_norm_eps, dtype, device, backend)
