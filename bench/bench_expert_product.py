@@ -3,7 +3,7 @@ same layer's per-expert PyTorch products, and that layer split into the experts'
 work around them (Python, op dispatch, routing, gathers and scatter-adds), against the bandwidth
 floor of the experts it reads.
 
-    PYTHONPATH=$PWD .venv/bin/python -m bench.bench_expert_product [--batch 1,8,32] [--num-threads 1]
+    PYTHONPATH=$PWD .venv/bin/python -m bench.bench_expert_product [--batch 1,8,32] [--num-threads 1] [--model DIR]
 
 On `bench_worker --model random-moe`'s checkpoint (`bench.moe_bound`: hidden 512, 16 experts,
 top-2), PyTorch backend, float32 (or `--dtype`), for each batch of random hidden rows routed by each layer's own
@@ -22,7 +22,9 @@ the process; on more threads, wall time):
             which takes the compiled grouped product (`backends/grouped_experts.py`) for steps of
             up to its row limit (past it the layer is the per-expert one again; "n/a" where the
             kernel does not build), and its ratio to `layer`; `--compiled-max-rows` moves that
-            limit (to measure where it should be).
+            limit and lifts the one on rows per expert (`CompiledExperts.takes`), to measure the
+            kernel where the worker would not take it.
+With `--model`, that checkpoint's MoE layers instead (any MoE family; "around" is then n/a).
 The decision and its figures are in docs/models.md.
 """
 
@@ -91,21 +93,23 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--compiled-max-rows", type=int, default=None,
                         help="the compiled product's row limit (default: the worker's)")
+    parser.add_argument("--model", type=Path, default=None, help="a checkpoint with MoE layers (default: random-moe)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--iterations", type=int, default=20)
     args = parser.parse_args()
     torch.set_num_threads(args.num_threads)
     clock, clock_name = (time.thread_time, "thread CPU time") if args.num_threads == 1 else (time.perf_counter, "wall time")
     with tempfile.TemporaryDirectory() as scratch, torch.inference_mode():
-        full = moe_bound.make_random_moe(Path(scratch) / "full")
+        full = args.model or moe_bound.make_random_moe(Path(scratch) / "full")
         blocks = moe_layers(full, dtype=args.dtype)
         compiled_blocks = moe_layers(full, "auto", args.dtype)
         if any(block.experts is None for block in compiled_blocks):
             compiled_blocks = []  # the kernel does not build here (or `auto` did not take it)
         for block in compiled_blocks:
-            if args.compiled_max_rows is not None:
-                block.experts.max_rows = args.compiled_max_rows
-        small_blocks = moe_layers(moe_bound.make_random_moe(Path(scratch) / "small", SMALL_HIDDEN), dtype=args.dtype)
+            if args.compiled_max_rows is not None:  # the kernel alone: neither of the worker's limits
+                block.experts.max_rows = block.experts.max_rows_per_expert = args.compiled_max_rows
+        small_blocks = ([None] * len(blocks) if args.model else
+                        moe_layers(moe_bound.make_random_moe(Path(scratch) / "small", SMALL_HIDDEN), dtype=args.dtype))
         each = moe_bound.expert_bytes(blocks[0])
         first_bandwidth = machine.memory_bandwidth()
         rows = []
@@ -121,11 +125,12 @@ def main() -> None:
                 if compiled_blocks:
                     compiled = compiled_blocks[index]
                     compiled_s += best_mean_s(lambda: compiled(hidden), args.repeats, args.iterations, clock)
-                around_s += best_mean_s(lambda: small(small_hidden), args.repeats, args.iterations, clock)
+                if small is not None:
+                    around_s += best_mean_s(lambda: small(small_hidden), args.repeats, args.iterations, clock)
+                    small_routed += int(small.route(small_hidden)[1].unique().numel())
                 run, count = products_only(block, hidden)
                 products_s += best_mean_s(run, args.repeats, args.iterations, clock)
                 routed += count
-                small_routed += int(small.route(small_hidden)[1].unique().numel())
             rows.append((batch, *(x / len(blocks) for x in (layer_s, around_s, products_s, routed, small_routed,
                                                              compiled_s))))
         bandwidth = max(first_bandwidth, machine.memory_bandwidth())
@@ -137,10 +142,10 @@ def main() -> None:
         compiled = (f"{compiled_s * 1e6:6.0f} us = {compiled_s / layer_s:5.2f}x the per-expert layer"
                     if compiled_blocks else "n/a")
         print(f"  batch {batch:>3}: compiled layer {compiled}")
+        around = (f"{around_s * 1e6:5.0f} us = {around_s / layer_s:4.0%} of the layer ({small_routed:4.1f} experts, "
+                  f"{around_s / small_routed * 1e6:3.0f} us each)" if small_routed else "n/a")
         print(f"  batch {batch:>3}: layer {layer_s * 1e6:6.0f} us ({routed:4.1f} experts); around the products "
-              f"{around_s * 1e6:5.0f} us = {around_s / layer_s:4.0%} of the layer ({small_routed:4.1f} experts, "
-              f"{around_s / small_routed * 1e6:3.0f} us each); products alone {products_s * 1e6:6.0f} us; "
-              f"their bandwidth floor {floor_s * 1e6:6.0f} us")
+              f"{around}; products alone {products_s * 1e6:6.0f} us; their bandwidth floor {floor_s * 1e6:6.0f} us")
 
 
 if __name__ == "__main__":

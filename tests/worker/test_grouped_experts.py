@@ -116,6 +116,22 @@ def test_steps_past_max_rows_are_left_to_the_per_expert_products() -> None:
     assert block.gate_up[1].weight.untyped_storage().data_ptr() == block.experts.gate_up.untyped_storage().data_ptr()
 
 
+def test_rows_per_expert_past_the_passes_that_pay_are_left_to_the_per_expert_products() -> None:
+    """An expert of 8.65M weights (DeepSeek-V2-Lite's 2,048 x 1,408 x 3) pays for two passes of
+    the kernel's tiles of 4 rows, 8 rows an expert; one of 24,576 weights, for all the steps up to
+    the row limit. Decided without the kernel (never called here)."""
+    def experts(hidden: int, inter: int, num_experts: int) -> CompiledExperts:
+        return CompiledExperts(None, [torch.empty(2 * inter, hidden, dtype=torch.bfloat16)] * num_experts,
+                               [torch.empty(hidden, inter, dtype=torch.bfloat16)] * num_experts, 128)
+
+    large = experts(2048, 1408, 4)
+    assert large.max_rows_per_expert == 8
+    assert large.takes(1, 6) and large.takes(5, 6)  # 30 pairs over 4 experts: under 8 each
+    assert not large.takes(6, 6)  # 36 pairs
+    small = experts(64, 128, 16)
+    assert small.takes(128, 2) and not small.takes(129, 2)  # the row limit alone
+
+
 @needs_kernel
 def test_each_rank_multiplies_its_intermediate_slice() -> None:
     ranks = [random_block(hidden=24, inter=21, num_experts=3, top_k=2, dtype=torch.float32,

@@ -4,9 +4,18 @@ where the grouped-expert kernel (`native/moe_kernels.py`) builds and was chosen
 
 `CompiledExperts` holds a layer's experts stacked once at load in the layout the kernel reads
 (`gate_up` `[E, 2 I, H]`, `down` `[E, H, I]`, this rank's intermediate slice `I`) and computes
-steps of up to `max_rows` rows in one call; larger steps (prefill) are left to the layer's own
-products per expert (the call returns None), which multiply views of the same stacked weights
-(`linears()`), so the experts are held once.
+steps of up to `max_rows` rows in one call, while the kernel's passes over each expert's weights
+cost less than the per-expert products' work around them (`passes_allowed`); other steps are left
+to the layer's own products per expert (the call returns None), which multiply views of the same
+stacked weights (`linears()`), so the experts are held once.
+
+The kernel takes an expert's weights once per tile of `KERNEL_TILE` of its rows: up to that it
+beats the per-expert products, whose Python, dispatch, gathers and scatters cost about as much as
+a pass over `AROUND_WEIGHTS` weights per expert; past it each further pass multiplies every
+weight again in float32 arithmetic, where oneDNN's products grow far slower with the rows. So a
+step takes the call while its expected rows per routed expert need at most
+1 + AROUND_WEIGHTS / (an expert's weights) passes: many for small experts, one for DeepSeek's
+(docs/models.md has the measurements).
 """
 
 from __future__ import annotations
@@ -19,8 +28,15 @@ import torch.nn.functional as F
 from worker_service.backends.base import ExpertExtras, PackedExperts, PackedLinear
 from worker_service.native.moe_kernels import WEIGHT_DTYPES, MoEKernels
 
-# Steps of at most this many rows take the compiled call (docs/models.md has the measurement).
+# Steps of at most this many rows may take the compiled call (docs/models.md has the measurement).
 COMPILED_MAX_ROWS = 128
+KERNEL_TILE = 4  # rows sharing one pass over an expert's weights (csrc/moe_experts.cpp's kTile)
+AROUND_WEIGHTS = 10 << 20  # the per-expert products' work around them, in weights passed over (module doc)
+
+
+def passes_allowed(expert_weights: int) -> float:
+    """The passes over an expert's weights for which the compiled call still pays (module doc)."""
+    return 1 + AROUND_WEIGHTS / expert_weights
 
 
 class ExpertSlice(PackedLinear):
@@ -50,9 +66,17 @@ class CompiledExperts(PackedExperts):
         self.max_rows = max_rows
         self.extras = extras or ExpertExtras()
         self._gate_up_bias, self._down_bias = _stacked(self.extras.gate_up_bias), _stacked(self.extras.down_bias)
+        self.max_rows_per_expert = KERNEL_TILE * int(passes_allowed(self.gate_up[0].numel() + self.down[0].numel()))
+
+    def takes(self, rows: int, top_k: int) -> bool:
+        """Whether a step of `rows` rows, `top_k` experts each, takes the compiled call (module doc):
+        the rows an expert gets if the step's (row, expert) pairs spread over as many experts as
+        they can."""
+        pairs = rows * top_k
+        return rows <= self.max_rows and pairs <= self.max_rows_per_expert * min(pairs, self.gate_up.shape[0])
 
     def __call__(self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor | None:
-        if hidden.shape[0] > self.max_rows:
+        if not self.takes(hidden.shape[0], expert_ids.shape[1]):
             return None
         clamp = 0.0 if self.extras.limit is None else self.extras.limit
         return self._kernels.experts(hidden, expert_ids, weights, self.gate_up, self.down, self._gate_up_bias,
