@@ -165,10 +165,11 @@ class ModelRunner:
         self.model.eval()
 
         shape = (self.hf_config.num_hidden_layers, config.page_size, self.model.num_kv_heads, head_dim)
-        num_pages = KVPool.pages_for_budget(config.kv_cache_bytes, *shape, dtype=self.dtype)
+        shared = self.model.values_are_keys
+        num_pages = KVPool.pages_for_budget(config.kv_cache_bytes, *shape, dtype=self.dtype, values_are_keys=shared)
         # The backend's fast paths may keep pages of their own beyond the router's (`extra_pages`).
         self.pool = KVPool(shape[0], num_pages + self.backend.extra_pages, config.page_size, shape[2], shape[3],
-                           self.dtype, self.device)
+                           self.dtype, self.device, values_are_keys=shared)
         self.fused = self.backend.fused_layers(self.model, self.pool)
         context_len = served_context(self.hf_config)
         if context_len < self.hf_config.max_position_embeddings:

@@ -1,6 +1,6 @@
 """DeepSeek beyond the family suite (`test_model_families.py` runs V2 and V3 with a narrow latent on
 every backend and at TP=2): the released latent width (512 + 64 = 576 dims, the compiled kernel's
-own case), what the pool holds per token, bfloat16 and int8 weights against transformers in
+own case), what the pool holds per token (the latent row once), bfloat16 and int8 weights against transformers in
 float32.
 """
 
@@ -45,13 +45,15 @@ def runner_for(model_dir: Path, kernel: str, **settings) -> ModelRunner:
 
 @pytest.mark.parametrize("kernel", ("torch", "native"))
 def test_the_released_latent_width_matches_transformers(released_width, kernel) -> None:
-    """One KV head of 576 dims per token in the pool, at transformers' logits over a prompt and
-    greedy steps (the compiled backend by its 576-dim kernel, not PyTorch's ops)."""
+    """One KV head of 576 dims per token in the pool, held once, at transformers' logits over a
+    prompt and greedy steps (the compiled backend by its 576-dim kernel, not PyTorch's ops)."""
     require_backend(kernel)
     model_dir, reference = released_width
     runner = runner_for(model_dir, kernel)
     assert runner.backend.name == kernel
     assert (runner.pool.num_kv_heads, runner.pool.head_dim) == (1, 576)
+    keys, values = runner.pool.slots(0)  # held once: the values are the keys
+    assert runner.pool.buffer.shape[0] == 1 and values.data_ptr() == keys.data_ptr()
     token_ids, pages = prompt(), list(range(20))[::-1]
     logits = [runner.forward([ForwardEntry(token_ids, 0, pages, True)])[0]]
     tokens = [int(logits[0].argmax())]

@@ -24,6 +24,8 @@ def head_dim_of(config: Any) -> int:
 
 class CausalLM(torch.nn.Module):
     fusable_layer: ClassVar[str | None] = None
+    # Whether attention's values are its keys (DeepSeek's latent row): the pool then holds one copy.
+    values_are_keys: ClassVar[bool] = False
 
     @classmethod
     def kv_cache_geometry(cls, config: Any) -> tuple[int, int]:

@@ -141,6 +141,7 @@ class DeepseekV2ForCausalLM(RoutesExperts, LlamaForCausalLM):
 
     fusable_layer = None
     layer_class = DeepseekV2DecoderLayer
+    values_are_keys = True  # the latent row is the one KV head's key and value: the pool holds it once
 
     def __init__(self, config: Any, group: TPGroup, dtype: torch.dtype, device: torch.device,
                  backend: Backend) -> None:

@@ -12,8 +12,8 @@ attention is one multi-query attention over the latent: every head's query is
 (`kv_lora_rank + qk_rope_head_dim` dims, 576 in every released DeepSeek). The pool holds that row
 per token (as key and as value), the backend attends as for any model with one KV head, and the
 first `kv_lora_rank` dims of each head's output, times W_UV[h], are the head's output. A
-DeepSeek-V2-Lite token takes 62 KB of cache in bfloat16 over its 27 layers (the row twice), where
-its expanded keys and values would take 276 KB.
+DeepSeek-V2-Lite token takes 31 KB of cache in bfloat16 over its 27 layers (the pool holds the row
+once: `CausalLM.values_are_keys`), where its expanded keys and values would take 276 KB.
 
 - **RoPE** turns `q_pe` and `k_pe` only: rotated here (pairs (2i, 2i + 1) where the checkpoint's
   are interleaved, as DeepSeek's are: those rows reordered at load, as GLM's), and the backend is
