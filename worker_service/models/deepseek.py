@@ -58,19 +58,20 @@ class Float32Router(torch.nn.Module):
 
 
 class DeepseekMoE(SparseMoE):
-    """The routed experts (routed as the module doc says) and the shared ones, summed once."""
+    """The routed experts (routed as the module doc says: V2's here, the class attributes below
+    for the others) and the shared ones, summed once."""
 
-    sigmoid_scores = False  # V3's; V2 softmaxes
+    sigmoid_scores = False  # sigmoid scores with a correction bias for the choice (V3); else softmax
+    top_two_groups = False  # groups ranked by their two best scores' sum (V3); else by their best
+    reads_norm_topk_prob = False  # whether `norm_topk_prob` renormalises (V2's never does)
 
     def __init__(self, config: Any, layer: int, group: TPGroup, dtype: torch.dtype, device: torch.device,
                  backend: Backend) -> None:
         routing = Routing(config.n_routed_experts, config.num_experts_per_tok,
-                          normalize=bool(self.sigmoid_scores and config.norm_topk_prob))
+                          normalize=bool(self.reads_norm_topk_prob and config.norm_topk_prob))
         self.scaling = float(config.routed_scaling_factor)
         groups = getattr(config, "n_group", None) or 1
-        self.groups = (groups, getattr(config, "topk_group", None) or groups)
-        if self.groups != (1, 1) and not self.sigmoid_scores and config.topk_method != "group_limited_greedy":
-            self.groups = (1, 1)  # V2's greedy routing ignores its groups, as transformers' does
+        self.groups = (groups, getattr(config, "topk_group", None) or groups) if self.grouped(config) else (1, 1)
         if config.n_routed_experts % self.groups[0]:
             raise UnsupportedModel(f"{config.n_routed_experts} experts in {self.groups[0]} groups")
         super().__init__(layer, config.hidden_size, config.moe_intermediate_size, routing, LAYOUT, group, dtype,
@@ -79,6 +80,12 @@ class DeepseekMoE(SparseMoE):
         self.shared = (LlamaMLP(config, layer, group, dtype, device, backend, prefix,
                                 config.moe_intermediate_size * config.n_shared_experts, reduce=False)
                        if config.n_shared_experts else None)
+
+    @staticmethod
+    def grouped(config: Any) -> bool:
+        """Whether routing keeps only the best groups: V2's greedy routing ignores its groups, as
+        transformers' does."""
+        return config.topk_method == "group_limited_greedy"
 
     def linears(self, prefix: str, layout: ExpertLayout, hidden_size: int, features: range, dtype: torch.dtype,
                 device: torch.device) -> tuple[torch.nn.Module, torch.nn.ModuleList, torch.nn.ModuleList]:
@@ -93,7 +100,7 @@ class DeepseekMoE(SparseMoE):
         num_groups, kept_groups = self.groups
         if kept_groups < num_groups:
             per_group = choice.view(choice.shape[0], num_groups, -1)
-            group_scores = (per_group.topk(2, dim=-1).values.sum(dim=-1) if self.sigmoid_scores
+            group_scores = (per_group.topk(2, dim=-1).values.sum(dim=-1) if self.top_two_groups
                             else per_group.max(dim=-1).values)
             kept = torch.zeros_like(group_scores, dtype=torch.bool)
             kept.scatter_(1, group_scores.topk(kept_groups, dim=-1).indices, True)
@@ -114,6 +121,12 @@ class DeepseekMoE(SparseMoE):
 
 class DeepseekV3MoE(DeepseekMoE):
     sigmoid_scores = True
+    top_two_groups = True
+    reads_norm_topk_prob = True
+
+    @staticmethod
+    def grouped(config: Any) -> bool:
+        return True
 
 
 def dense_until(moe_class: type[DeepseekMoE]):
