@@ -109,6 +109,11 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         attention_bias=True, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1,
         first_k_dense_replace=1, num_hidden_layers=3, n_group=4, topk_group=2, routed_scaling_factor=2.5,
         norm_topk_prob=True)),
+    # MiniMax-M2: full-width q/k norms under a partial rotation (8 of 16 dims, as its 64 of 128),
+    # sigmoid routing with a correction bias (made random), experts stored as Mixtral's.
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(
+        num_local_experts=8, num_experts_per_tok=2, intermediate_size=48, rotary_dim=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)),
     # Both layer kinds, a window (8) far shorter than the test prompts, soft-capping on.
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
@@ -133,7 +138,7 @@ def _randomise_norms(model: torch.nn.Module) -> None:
 
 # Families whose biases (DeepSeek-V3's router correction) and attention sinks transformers initialises to zero or near it: made
 # random, so that a bias or sink dropped or misplaced shows.
-RANDOM_BIASES = {"gpt_oss", "deepseek_v3", "glm4_moe"}
+RANDOM_BIASES = {"gpt_oss", "deepseek_v3", "glm4_moe", "minimax_m2"}
 
 
 def _randomise_biases(model: torch.nn.Module) -> None:

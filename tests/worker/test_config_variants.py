@@ -105,6 +105,9 @@ VARIANTS = [
     ("glm4_moe", dict(use_qk_norm=True), None),
     ("glm4_moe", dict(first_k_dense_replace=0, n_group=1, topk_group=1), None),
     ("glm4_moe", dict(attention_bias=False), "attention_bias=False"),
+    # MiniMax-M2 rotating whole heads, top-1.
+    ("minimax_m2", dict(rotary_dim=16, num_experts_per_tok=1, **rope(rope_type="default", partial_rotary_factor=1.0)),
+     None),
     # Sliding windows (8, under the test's 41 positions) as each family's class applies them: every
     # layer (Mistral v0.1, Phi-3-mini-4k's 2,047 under 4,096, Mixtral, Qwen3-MoE), the layers
     # `layer_types` marks (Qwen3 and SmolLM3 from `max_window_layers` / by their own rule), or not

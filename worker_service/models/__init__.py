@@ -16,6 +16,7 @@ from worker_service.models.gpt_oss import GptOssForCausalLM
 from worker_service.models.granite import GraniteForCausalLM
 from worker_service.models.granite_moe import GraniteMoeForCausalLM
 from worker_service.models.llama import LlamaForCausalLM
+from worker_service.models.minimax_m2 import MiniMaxM2ForCausalLM
 from worker_service.models.mistral import MistralForCausalLM
 from worker_service.models.mixtral import MixtralForCausalLM
 from worker_service.models.olmo2 import Olmo2ForCausalLM
@@ -57,6 +58,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
 }
 
 
