@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import json
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from constrained_model import SMOLLM2_VOCAB_SIZE, with_smollm2_tokenizer
-from e2e.parity import check_greedy_parity
-from e2e.reference import CHATS, MAX_NEW_TOKENS, greedy_references
+from e2e.parity import check_alone_together_and_cached
+from e2e.reference import MAX_NEW_TOKENS, greedy_references
 from e2e.stack import launch
 from procs import ServiceProcesses
-from radixserve_client import Client
 from worker.mxfp4_checkpoint import make_mxfp4_gpt_oss
 
 
@@ -40,14 +38,7 @@ def stack(gpt_oss_dir):
 
 @pytest.mark.timeout(300)
 def test_gpt_oss_chats_match_transformers_alone_together_and_from_the_cache(stack, references) -> None:
-    for index, reference in enumerate(references):
-        check_greedy_parity(stack.gateway, index, reference)
-    with ThreadPoolExecutor(len(references)) as pool:
-        list(pool.map(lambda item: check_greedy_parity(stack.gateway, *item), enumerate(references)))
-    with Client(stack.gateway) as client:
-        again = client.generate(messages=CHATS[0], max_tokens=MAX_NEW_TOKENS, temperature=0, timeout=60)
-    assert again.token_ids == references[0].output_ids
-    assert 0 < again.usage.cached_tokens < again.usage.prompt_tokens
+    check_alone_together_and_cached(stack.gateway, references)
     with urllib.request.urlopen(f"{stack.http_base}/v1/models", timeout=10) as response:
         (model,) = json.load(response)["data"]
     assert model["quantization"] == "mxfp4:int8-g32"

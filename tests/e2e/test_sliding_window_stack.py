@@ -7,16 +7,13 @@ inside and past the window), and again from the radix cache."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
 from constrained_model import SMOLLM2_VOCAB_SIZE, with_smollm2_tokenizer
-from e2e.parity import check_greedy_parity
-from e2e.reference import CHATS, MAX_NEW_TOKENS, greedy_references
+from e2e.parity import check_alone_together_and_cached
+from e2e.reference import MAX_NEW_TOKENS, greedy_references
 from e2e.stack import launch
 from procs import ServiceProcesses
-from radixserve_client import Client
 from worker.families import make_family
 
 WINDOW = 32
@@ -44,11 +41,4 @@ def stack(mistral_dir):
 def test_windowed_chats_match_transformers_alone_together_and_from_the_cache(stack, references) -> None:
     lengths = sorted(len(reference.prompt_ids) for reference in references)
     assert lengths[0] <= WINDOW < lengths[0] + MAX_NEW_TOKENS and lengths[-1] > WINDOW  # both cases are met
-    for index, reference in enumerate(references):
-        check_greedy_parity(stack.gateway, index, reference)
-    with ThreadPoolExecutor(len(references)) as pool:
-        list(pool.map(lambda item: check_greedy_parity(stack.gateway, *item), enumerate(references)))
-    with Client(stack.gateway) as client:
-        again = client.generate(messages=CHATS[0], max_tokens=MAX_NEW_TOKENS, temperature=0, timeout=60)
-    assert again.token_ids == references[0].output_ids
-    assert 0 < again.usage.cached_tokens < again.usage.prompt_tokens
+    check_alone_together_and_cached(stack.gateway, references)

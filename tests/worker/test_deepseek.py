@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from worker.families import VOCAB_SIZE, make_family
 from worker.test_model_families import ATOL, require_backend
+from worker.tiny_models import greedy_logits_and_reference
 from worker_service.forward_batch import ForwardEntry
 from worker_service.model_runner import ModelRunner, RunnerConfig
 
@@ -54,15 +55,8 @@ def test_the_released_latent_width_matches_transformers(released_width, kernel) 
     assert (runner.pool.num_kv_heads, runner.pool.head_dim) == (1, 576)
     keys, values = runner.pool.slots(0)  # held once: the values are the keys
     assert runner.pool.buffer.shape[0] == 1 and values.data_ptr() == keys.data_ptr()
-    token_ids, pages = prompt(), list(range(20))[::-1]
-    logits = [runner.forward([ForwardEntry(token_ids, 0, pages, True)])[0]]
-    tokens = [int(logits[0].argmax())]
-    for step in range(DECODE_STEPS):
-        logits.append(runner.forward([ForwardEntry(tokens[-1:], PROMPT_LEN + step, pages, True)])[0])
-        tokens.append(int(logits[-1].argmax()))
-    with torch.no_grad():
-        expected = reference(torch.tensor([token_ids + tokens[:-1]])).logits[0, PROMPT_LEN - 1:]
-    torch.testing.assert_close(torch.stack(logits), expected, atol=ATOL, rtol=0)
+    logits, expected, _ = greedy_logits_and_reference(runner, reference, prompt(), DECODE_STEPS, list(range(20))[::-1])
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize(("kernel", "settings", "atol"), [

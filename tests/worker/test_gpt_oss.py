@@ -16,6 +16,7 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from worker.families import VOCAB_SIZE, make_family
 from worker.mxfp4_checkpoint import make_mxfp4_gpt_oss
 from worker.test_model_families import ATOL, require_backend
+from worker.tiny_models import greedy_logits_and_reference
 from worker_service.backends.base import ATTENTION_SINKS
 from worker_service.backends.selection import select_backend
 from worker_service.forward_batch import ForwardEntry
@@ -43,15 +44,7 @@ def reference(model_dir: Path) -> torch.nn.Module:
 def served_and_expected(runner: ModelRunner, model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """The runner's logits of the prompt and `DECODE_STEPS` greedy steps, transformers' over the
     same tokens, and the greedy tokens."""
-    token_ids, pages = prompt(), list(range(20))[::-1]
-    logits = [runner.forward([ForwardEntry(token_ids, 0, pages, True)])[0]]
-    tokens = [int(logits[0].argmax())]
-    for step in range(DECODE_STEPS):
-        logits.append(runner.forward([ForwardEntry(tokens[-1:], PROMPT_LEN + step, pages, True)])[0])
-        tokens.append(int(logits[-1].argmax()))
-    with torch.no_grad():
-        expected = model(torch.tensor([token_ids + tokens[:-1]])).logits[0, PROMPT_LEN - 1:]
-    return torch.stack(logits), expected, tokens
+    return greedy_logits_and_reference(runner, model, prompt(), DECODE_STEPS, list(range(20))[::-1])
 
 
 @pytest.fixture(scope="module")

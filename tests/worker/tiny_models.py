@@ -114,3 +114,19 @@ def assert_matches_reference(runner, reference, prompt_ids: list[int], num_token
     torch.testing.assert_close(logits, expected, atol=1e-4 * float(expected.abs().max()), rtol=0)
     assert greedy_tokens(runner, prompt_ids, num_tokens, page_table) == reference_greedy(reference, prompt_ids,
                                                                                          num_tokens)
+
+
+def greedy_logits_and_reference(runner, model, prompt_ids: list[int], num_steps: int,
+                                page_table: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """`runner`'s logits of the prompt and of `num_steps` greedy decode steps, transformers'
+    `model`'s over the same tokens (one forward), and the greedy tokens."""
+    from worker_service.forward_batch import ForwardEntry
+
+    logits = [runner.forward([ForwardEntry(list(prompt_ids), 0, page_table, True)])[0]]
+    tokens = [int(logits[0].argmax())]
+    for step in range(num_steps):
+        logits.append(runner.forward([ForwardEntry(tokens[-1:], len(prompt_ids) + step, page_table, True)])[0])
+        tokens.append(int(logits[-1].argmax()))
+    with torch.no_grad():
+        expected = model(torch.tensor([list(prompt_ids) + tokens[:-1]])).logits[0, len(prompt_ids) - 1:]
+    return torch.stack(logits), expected, tokens
