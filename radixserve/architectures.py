@@ -13,7 +13,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen2MoeForCausalLM", "Olmo3ForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
     "Ernie4_5ForCausalLM", "SeedOssForCausalLM", "Exaone4ForCausalLM", "GptOssForCausalLM",
     "GraniteMoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-    "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM",
+    "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Ernie4_5_MoeForCausalLM",
 )
 
 

@@ -114,6 +114,11 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(
         num_local_experts=8, num_experts_per_tok=2, intermediate_size=48, rotary_dim=8,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})),
+    # ERNIE 4.5 MoE: interleaved RoPE pairs, softmax routing with a correction bias (made random)
+    # for the choice, shared experts; sparse layers every second one from the first.
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", dict(
+        moe_num_experts=8, moe_k=2, moe_intermediate_size=24, moe_num_shared_experts=1, num_hidden_layers=3,
+        moe_layer_start_index=0, moe_layer_interval=2, tie_word_embeddings=True)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)),
     # Both layer kinds, a window (8) far shorter than the test prompts, soft-capping on.
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
@@ -138,7 +143,7 @@ def _randomise_norms(model: torch.nn.Module) -> None:
 
 # Families whose biases (DeepSeek-V3's router correction) and attention sinks transformers initialises to zero or near it: made
 # random, so that a bias or sink dropped or misplaced shows.
-RANDOM_BIASES = {"gpt_oss", "deepseek_v3", "glm4_moe", "minimax_m2"}
+RANDOM_BIASES = {"gpt_oss", "deepseek_v3", "glm4_moe", "minimax_m2", "ernie4_5_moe"}
 
 
 def _randomise_biases(model: torch.nn.Module) -> None:

@@ -105,6 +105,9 @@ VARIANTS = [
     ("glm4_moe", dict(use_qk_norm=True), None),
     ("glm4_moe", dict(first_k_dense_replace=0, n_group=1, topk_group=1), None),
     ("glm4_moe", dict(attention_bias=False), "attention_bias=False"),
+    # ERNIE 4.5 MoE without shared experts, every layer sparse up to an explicit last index.
+    ("ernie4_5_moe", dict(moe_num_shared_experts=0, moe_layer_interval=1, moe_layer_end_index=1), None),
+    ("ernie4_5_moe", dict(use_bias=True), "use_bias=True"),
     # MiniMax-M2 rotating whole heads, top-1.
     ("minimax_m2", dict(rotary_dim=16, num_experts_per_tok=1, **rope(rope_type="default", partial_rotary_factor=1.0)),
      None),

@@ -37,7 +37,8 @@ NUM_DECODE_STEPS = 20
 # families only, with the PyTorch backend and the compiled experts (`backends/grouped_experts.py`).
 CPU_BACKENDS = ("torch", "native", "auto")
 MOE_FAMILIES = {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "granite_moe", "deepseek_v2",
-                "deepseek_v3", "glm4_moe", "minimax_m2"}
+                "deepseek_v3", "glm4_moe", "minimax_m2",
+                "ernie4_5_moe"}
 # The families whose layer is exactly Llama's and so may take its fused path.
 LLAMA_LAYERED = {"mistral", "phi3", "glm", "ernie4_5", "seed_oss"}
 

@@ -8,6 +8,7 @@ from radixserve.architectures import unsupported
 from worker_service.models.base import CausalLM
 from worker_service.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from worker_service.models.ernie4_5 import Ernie4_5ForCausalLM
+from worker_service.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
 from worker_service.models.exaone4 import Exaone4ForCausalLM
 from worker_service.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from worker_service.models.glm import Glm4ForCausalLM, GlmForCausalLM
@@ -59,6 +60,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
+    "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
 }
 
 
