@@ -120,6 +120,12 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         moe_num_experts=8, moe_k=2, moe_intermediate_size=24, moe_num_shared_experts=1, num_hidden_layers=3,
         moe_layer_start_index=0, moe_layer_interval=2, tie_word_embeddings=True)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)),
+    # A parallel block under one LayerNorm, interleaved RoPE pairs, tied embeddings and scaled
+    # logits; Cohere 2 with sliding layers (a window of 8) that rotate and a full one that does not.
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(logit_scale=0.3, layer_norm_eps=1e-3, tie_word_embeddings=True)),
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", dict(
+        logit_scale=0.3, layer_norm_eps=1e-3, tie_word_embeddings=True, sliding_window=GEMMA_WINDOW,
+        num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
     # Both layer kinds, a window (8) far shorter than the test prompts, soft-capping on.
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
         hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=24, sliding_window=GEMMA_WINDOW,

@@ -108,6 +108,9 @@ VARIANTS = [
     # ERNIE 4.5 MoE without shared experts, every layer sparse up to an explicit last index.
     ("ernie4_5_moe", dict(moe_num_shared_experts=0, moe_layer_interval=1, moe_layer_end_index=1), None),
     ("ernie4_5_moe", dict(use_bias=True), "use_bias=True"),
+    # Cohere 2 with sliding layers but no window: transformers' class fails on it, so it is refused.
+    ("cohere2", dict(sliding_window=None), "sliding_window=None"),
+    ("cohere", dict(use_qk_norm=True), "use_qk_norm=True"),
     # MiniMax-M2 rotating whole heads, top-1.
     ("minimax_m2", dict(rotary_dim=16, num_experts_per_tok=1, **rope(rope_type="default", partial_rotary_factor=1.0)),
      None),

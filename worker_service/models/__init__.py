@@ -6,6 +6,7 @@ from typing import Any
 
 from radixserve.architectures import unsupported
 from worker_service.models.base import CausalLM
+from worker_service.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from worker_service.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from worker_service.models.ernie4_5 import Ernie4_5ForCausalLM
 from worker_service.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
@@ -61,6 +62,8 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
+    "CohereForCausalLM": CohereForCausalLM,
+    "Cohere2ForCausalLM": Cohere2ForCausalLM,
 }
 
 

@@ -214,11 +214,15 @@ class LlamaForCausalLM(CausalLM):
         if self.rotary.permutation is not None and has_qk_norms and not attention_class.norms_follow_order:
             raise UnsupportedModel(f"{type(self).__name__} with partial rotary embeddings (q/k norms over a "
                                    "head's dims in their order) is not supported")
-        self.norm = RMSNorm("model.norm.weight", config.hidden_size, config.rms_norm_eps, dtype, device, backend)
+        self.norm = self.final_norm(config, dtype, device)
         self.lm_head = ParallelLMHead(
             "lm_head.weight", config.vocab_size, config.hidden_size, group, dtype, device,
             tied_to=self.embed_tokens if config.tie_word_embeddings else None,
         )
+
+    def final_norm(self, config: Any, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+        """The norm after the last layer (`model.norm`): RMSNorm here."""
+        return RMSNorm("model.norm.weight", config.hidden_size, config.rms_norm_eps, dtype, device, self.backend)
 
     @classmethod
     def ops_without_kernels(cls, config: Any) -> tuple[str, ...]:
