@@ -14,7 +14,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Ernie4_5ForCausalLM", "SeedOssForCausalLM", "Exaone4ForCausalLM", "GptOssForCausalLM",
     "GraniteMoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
     "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Ernie4_5_MoeForCausalLM",
-    "CohereForCausalLM", "Cohere2ForCausalLM",
+    "CohereForCausalLM", "Cohere2ForCausalLM", "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM",
 )
 
 

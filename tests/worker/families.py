@@ -119,6 +119,15 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", dict(
         moe_num_experts=8, moe_k=2, moe_intermediate_size=24, moe_num_shared_experts=1, num_hidden_layers=3,
         moe_layer_start_index=0, moe_layer_interval=2, tie_word_embeddings=True)),
+    # Granite 4.0 with attention in every layer (granite-4.0-micro): Granite's multipliers and a
+    # shared MLP, no experts (the dense one) or routed experts beside it (Granite-MoE-Shared).
+    "granite_hybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        layer_types=["attention", "attention"], position_embedding_type="rope", num_local_experts=0,
+        shared_intermediate_size=80, embedding_multiplier=6.0, residual_multiplier=0.5, attention_multiplier=0.1,
+        logits_scaling=4.0)),
+    "granite_moe_shared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", dict(
+        num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=80, embedding_multiplier=6.0,
+        residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=4.0)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)),
     # A parallel block under one LayerNorm, interleaved RoPE pairs, tied embeddings and scaled
     # logits; Cohere 2 with sliding layers (a window of 8) that rotate and a full one that does not.

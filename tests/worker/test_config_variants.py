@@ -111,6 +111,11 @@ VARIANTS = [
     # Cohere 2 with sliding layers but no window: transformers' class fails on it, so it is refused.
     ("cohere2", dict(sliding_window=None), "sliding_window=None"),
     ("cohere", dict(use_qk_norm=True), "use_qk_norm=True"),
+    # Granite 4.0 without RoPE (position_embedding_type None), and with routed experts beside the
+    # shared MLP; its Mamba layers (the -h models) refused.
+    ("granite_hybrid", dict(position_embedding_type=None), None),
+    ("granite_hybrid", dict(num_local_experts=4, num_experts_per_tok=2), None),
+    ("granite_hybrid", dict(layer_types=["attention", "linear_attention"]), r"\['linear_attention'\] layers"),
     # MiniMax-M2 rotating whole heads, top-1.
     ("minimax_m2", dict(rotary_dim=16, num_experts_per_tok=1, **rope(rope_type="default", partial_rotary_factor=1.0)),
      None),

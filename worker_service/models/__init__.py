@@ -16,6 +16,7 @@ from worker_service.models.glm import Glm4ForCausalLM, GlmForCausalLM
 from worker_service.models.glm4_moe import Glm4MoeForCausalLM
 from worker_service.models.gpt_oss import GptOssForCausalLM
 from worker_service.models.granite import GraniteForCausalLM
+from worker_service.models.granite_hybrid import GraniteMoeHybridForCausalLM, GraniteMoeSharedForCausalLM
 from worker_service.models.granite_moe import GraniteMoeForCausalLM
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.models.minimax_m2 import MiniMaxM2ForCausalLM
@@ -64,6 +65,8 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
     "CohereForCausalLM": CohereForCausalLM,
     "Cohere2ForCausalLM": Cohere2ForCausalLM,
+    "GraniteMoeSharedForCausalLM": GraniteMoeSharedForCausalLM,
+    "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
 }
 
 
