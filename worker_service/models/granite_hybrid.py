@@ -1,5 +1,5 @@
-"""Granite 4.0 (`GraniteMoeHybridForCausalLM`) with attention in every layer (granite-4.0-micro,
--1b, -350m) and Granite-MoE with a shared MLP (`GraniteMoeSharedForCausalLM`): Granite's layer (its
+"""Granite 4.0 (`GraniteMoeHybridForCausalLM`) with attention in every layer (its non-hybrid models,
+as granite-4.0-micro) and Granite-MoE with a shared MLP (`GraniteMoeSharedForCausalLM`): Granite's layer (its
 multipliers, `granite.py`) whose MLP is a shared SwiGLU MLP every token runs
 (`shared_mlp.input_linear`: gate rows, then up rows; `shared_mlp.output_linear`), plus Granite-MoE's
 routed experts (`granite_moe.py`) where `num_local_experts` > 0. Both outputs are scaled by
