@@ -57,7 +57,20 @@ class Float32Router(torch.nn.Module):
         return torch.nn.functional.linear(padded_rows(hidden.float()), self.weight)[:rows]
 
 
-class DeepseekMoE(SparseMoE):
+class WithSharedExperts(SparseMoE):
+    """Routed experts plus `shared` (ungated experts every token runs, one MLP split across ranks
+    like the routed ones, or None), summed across ranks once (DeepSeek's, ERNIE 4.5's)."""
+
+    shared: LlamaMLP | None  # set by the subclass (annotated only: a class attribute would hide the module)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.partial(hidden)
+        if self.shared is not None:
+            out = out + self.shared(hidden)
+        return all_reduce_sum(out, self.group)
+
+
+class DeepseekMoE(WithSharedExperts):
     """The routed experts (routed as the module doc says: V2's here, the class attributes below
     for the others) and the shared ones, summed once."""
 
@@ -111,12 +124,6 @@ class DeepseekMoE(SparseMoE):
         if self.routing.normalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return (weights * self.scaling).to(hidden.dtype), expert_ids
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = self.partial(hidden)
-        if self.shared is not None:
-            out = out + self.shared(hidden)
-        return all_reduce_sum(out, self.group)
 
 
 class DeepseekV3MoE(DeepseekMoE):

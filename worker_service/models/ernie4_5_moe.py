@@ -18,15 +18,15 @@ from typing import Any
 import torch
 
 from worker_service.backends.base import Backend
-from worker_service.distributed import TPGroup, all_reduce_sum
+from worker_service.distributed import TPGroup
 from worker_service.layers.weights import WeightSlice, make_param
-from worker_service.models.deepseek import LAYOUT, Float32Router
+from worker_service.models.deepseek import LAYOUT, Float32Router, WithSharedExperts
 from worker_service.models.ernie4_5 import Ernie4_5ForCausalLM
 from worker_service.models.llama import LlamaDecoderLayer, LlamaMLP
-from worker_service.models.moe import ExpertLayout, Routing, RoutesExperts, SparseMoE
+from worker_service.models.moe import ExpertLayout, Routing, RoutesExperts
 
 
-class Ernie4_5MoE(SparseMoE):
+class Ernie4_5MoE(WithSharedExperts):
     def __init__(self, config: Any, layer: int, group: TPGroup, dtype: torch.dtype, device: torch.device,
                  backend: Backend) -> None:
         routing = Routing(config.moe_num_experts, config.moe_k, normalize=True)
@@ -52,12 +52,6 @@ class Ernie4_5MoE(SparseMoE):
         weights = probabilities.gather(1, expert_ids)
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=self.norm_min)
         return weights.to(hidden.dtype), expert_ids
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = self.partial(hidden)
-        if self.shared is not None:
-            out = out + self.shared(hidden)
-        return all_reduce_sum(out, self.group)
 
 
 def ernie4_5_moe_mlp(config: Any, layer: int, group: TPGroup, dtype: torch.dtype, device: torch.device,
