@@ -128,6 +128,13 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "granite_moe_shared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM", dict(
         num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=80, embedding_multiplier=6.0,
         residual_multiplier=0.5, attention_multiplier=0.1, logits_scaling=4.0)),
+    # AFMoE (Arcee Trinity): gated attention with per-head q/k norms, sliding layers that rotate and
+    # a full one that does not, four norms a layer, muP-scaled embeddings, sigmoid routing with an
+    # expert bias (made random) and a route scale, shared experts after a dense first layer.
+    "afmoe": ("AfmoeConfig", "AfmoeForCausalLM", dict(
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, num_shared_experts=1, num_dense_layers=1,
+        num_hidden_layers=3, sliding_window=GEMMA_WINDOW, route_scale=2.0, mup_enabled=True,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)),
     # A parallel block under one LayerNorm, interleaved RoPE pairs, tied embeddings and scaled
     # logits; Cohere 2 with sliding layers (a window of 8) that rotate and a full one that does not.
@@ -158,7 +165,7 @@ def _randomise_norms(model: torch.nn.Module) -> None:
 
 # Families whose biases (DeepSeek-V3's router correction) and attention sinks transformers initialises to zero or near it: made
 # random, so that a bias or sink dropped or misplaced shows.
-RANDOM_BIASES = {"gpt_oss", "deepseek_v3", "glm4_moe", "minimax_m2", "ernie4_5_moe"}
+RANDOM_BIASES = {"gpt_oss", "deepseek_v3", "glm4_moe", "minimax_m2", "ernie4_5_moe", "afmoe"}
 
 
 def _randomise_biases(model: torch.nn.Module) -> None:

@@ -6,6 +6,7 @@ from typing import Any
 
 from radixserve.architectures import unsupported
 from worker_service.models.base import CausalLM
+from worker_service.models.afmoe import AfmoeForCausalLM
 from worker_service.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from worker_service.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from worker_service.models.ernie4_5 import Ernie4_5ForCausalLM
@@ -67,6 +68,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "Cohere2ForCausalLM": Cohere2ForCausalLM,
     "GraniteMoeSharedForCausalLM": GraniteMoeSharedForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
+    "AfmoeForCausalLM": AfmoeForCausalLM,
 }
 
 

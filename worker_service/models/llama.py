@@ -80,13 +80,17 @@ class LlamaAttention(torch.nn.Module):
         if blocks is not None:
             self.qkv_proj.checkpoint_quantized = _reorder_blocks(blocks, rows)
 
-    def forward(self, hidden: torch.Tensor, step: StepContext, rope: Rope) -> torch.Tensor:
+    def attend(self, hidden: torch.Tensor, step: StepContext, rope: Rope) -> torch.Tensor:
+        """Every head's attention output `[T, Hq * D]`, before o_proj."""
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden).view(num_tokens, self.num_q_heads + 2 * self.num_kv_heads, self.head_dim)
         self.prepare_qk(qkv)
         k_slots, v_slots = step.pool.slots(self.layer)
         attended = self.backend.attention(qkv, self.num_q_heads, k_slots, v_slots, step, rope, self.options)
-        return self.o_proj(attended.reshape(num_tokens, self.num_q_heads * self.head_dim))
+        return attended.reshape(num_tokens, self.num_q_heads * self.head_dim)
+
+    def forward(self, hidden: torch.Tensor, step: StepContext, rope: Rope) -> torch.Tensor:
+        return self.o_proj(self.attend(hidden, step, rope))
 
 
 def _reorder_blocks(blocks: list[QuantizedWeight], rows: torch.Tensor) -> list[QuantizedWeight]:
