@@ -110,7 +110,8 @@ VARIANTS = [
     ("ernie4_5_moe", dict(use_bias=True), "use_bias=True"),
     # Cohere 2 with sliding layers but no window: transformers' class fails on it, so it is refused.
     ("cohere2", dict(sliding_window=None), "sliding_window=None"),
-    ("cohere", dict(use_qk_norm=True), "use_qk_norm=True"),
+    # Command-R+'s per-head q/k LayerNorms (their weights made random, as every norm's).
+    ("cohere", dict(use_qk_norm=True), None),
     # Granite 4.0 without RoPE (position_embedding_type None), and with routed experts beside the
     # shared MLP; its Mamba layers (the -h models) refused.
     ("granite_hybrid", dict(position_embedding_type=None), None),

@@ -1,4 +1,4 @@
-"""Cohere (`CohereForCausalLM`: Command-R, Command-R+ without q/k norms, Aya 23, Aya Expanse) and
+"""Cohere (`CohereForCausalLM`: Command-R, Command-R+, Aya 23, Aya Expanse) and
 Cohere 2 (`Cohere2ForCausalLM`: Command R7B, Command A).
 
 Llama's attention and MLP in a parallel block: one LayerNorm (mean subtracted, no bias, in
@@ -8,8 +8,9 @@ rows reordered at load, as GLM's), a final LayerNorm, logits times `logit_scale`
 attends through `sliding_window` with RoPE in the layers `layer_types` marks sliding, and over
 everything without RoPE in the others (an unrotated table, as SmolLM3's NoPE layers).
 
-Refused by name: Cohere's `use_qk_norm` (LayerNorms per head over q and k, Command-R+'s), Cohere 2
-with sliding layers but no `sliding_window` (transformers' class fails on it).
+Cohere's `use_qk_norm` (Command-R+): a LayerNorm over each q and k head with a weight per head,
+before RoPE. Refused by name: Cohere 2 with sliding layers but no `sliding_window` (transformers'
+class fails on it).
 No fusable layer.
 """
 
@@ -22,6 +23,7 @@ import torch
 from worker_service.backends.base import Backend, Rope, StepContext
 from worker_service.distributed import TPGroup
 from worker_service.layers.rotary import RotaryEmbedding, served_context
+from worker_service.layers.sharding import shard_heads
 from worker_service.layers.weights import WeightSlice, make_param
 from worker_service.models.config_checks import BY_LAYER_TYPE
 from worker_service.models.layer_types import SkipsRopeInSomeLayers
@@ -48,13 +50,45 @@ class LayerNorm(torch.nn.Module):
         return self(residual), residual
 
 
+class HeadLayerNormAttention(LlamaAttention):
+    """Command-R+'s attention: a LayerNorm over each q and k head's dims, with a weight per head
+    (`q_norm.weight` `[heads, head_dim]`, this rank's heads), before RoPE; its weights follow the
+    rows into the rotation's order at load (`norms_follow_order`)."""
+
+    norms_follow_order = True
+
+    def __init__(self, config: Any, layer: int, group: TPGroup, qkv_bias: bool,
+                 dtype: torch.dtype, device: torch.device, backend: Backend) -> None:
+        super().__init__(config, layer, group, qkv_bias, dtype, device, backend)
+        heads = shard_heads(config.num_attention_heads, config.num_key_value_heads, group.world_size, group.rank)
+        prefix = f"model.layers.{layer}.self_attn"
+        self.eps = config.layer_norm_eps
+        self.q_norm = make_param((self.num_q_heads, self.head_dim),
+                                 [WeightSlice(f"{prefix}.q_norm.weight", heads.q_heads)], dtype, device)
+        self.k_norm = make_param((self.num_kv_heads, self.head_dim),
+                                 [WeightSlice(f"{prefix}.k_norm.weight", heads.kv_heads)], dtype, device)
+
+    def prepare_qk(self, qkv: torch.Tensor) -> None:
+        for first, weight in ((0, self.q_norm), (self.num_q_heads, self.k_norm)):
+            heads = qkv[:, first:first + weight.shape[0]]
+            x = heads.float()
+            normed = torch.nn.functional.layer_norm(x, x.shape[-1:], None, None, self.eps) * weight.float()
+            heads.copy_(normed.to(qkv.dtype))
+
+    def reorder_qk(self, order: torch.Tensor) -> None:
+        super().reorder_qk(order)
+        for weight in (self.q_norm, self.k_norm):
+            weight.data = weight.data.index_select(1, order.to(weight.device))
+
+
 class CohereDecoderLayer(torch.nn.Module):
     def __init__(self, config: Any, layer: int, group: TPGroup, qkv_bias: bool,
                  dtype: torch.dtype, device: torch.device, backend: Backend) -> None:
         super().__init__()
         self.input_layernorm = LayerNorm(f"model.layers.{layer}.input_layernorm.weight", config.hidden_size,
                                          config.layer_norm_eps, dtype, device)
-        self.self_attn = LlamaAttention(config, layer, group, qkv_bias, dtype, device, backend)
+        attention = HeadLayerNormAttention if getattr(config, "use_qk_norm", False) else LlamaAttention
+        self.self_attn = attention(config, layer, group, qkv_bias, dtype, device, backend)
         self.mlp = LlamaMLP(config, layer, group, dtype, device, backend)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, step: StepContext,
@@ -77,8 +111,6 @@ class CohereForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: Any, group: TPGroup, dtype: torch.dtype, device: torch.device,
                  backend: Backend) -> None:
-        if getattr(config, "use_qk_norm", False):
-            raise UnsupportedModel(f"{type(self).__name__} with use_qk_norm=True is not supported")
         super().__init__(config, group, dtype, device, backend)
         self.logit_scale = float(config.logit_scale)
 
