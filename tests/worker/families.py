@@ -135,6 +135,11 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, num_shared_experts=1, num_dense_layers=1,
         num_hidden_layers=3, sliding_window=GEMMA_WINDOW, route_scale=2.0, mup_enabled=True,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    # dots.llm1: Qwen3's attention (a sliding window in its last layer) with DeepSeek-V3's experts.
+    "dots1": ("Dots1Config", "Dots1ForCausalLM", dict(
+        n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1,
+        first_k_dense_replace=1, num_hidden_layers=3, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+        norm_topk_prob=True, sliding_window=GEMMA_WINDOW, max_window_layers=2)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)),
     # A parallel block under one LayerNorm, interleaved RoPE pairs, tied embeddings and scaled
     # logits; Cohere 2 with sliding layers (a window of 8) that rotate and a full one that does not.
@@ -165,7 +170,7 @@ def _randomise_norms(model: torch.nn.Module) -> None:
 
 # Families whose biases (DeepSeek-V3's router correction) and attention sinks transformers initialises to zero or near it: made
 # random, so that a bias or sink dropped or misplaced shows.
-RANDOM_BIASES = {"gpt_oss", "deepseek_v3", "glm4_moe", "minimax_m2", "ernie4_5_moe", "afmoe"}
+RANDOM_BIASES = {"gpt_oss", "deepseek_v3", "glm4_moe", "minimax_m2", "ernie4_5_moe", "afmoe", "dots1"}
 
 
 def _randomise_biases(model: torch.nn.Module) -> None:

@@ -38,7 +38,7 @@ NUM_DECODE_STEPS = 20
 CPU_BACKENDS = ("torch", "native", "auto")
 MOE_FAMILIES = {"qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss", "granite_moe", "deepseek_v2",
                 "deepseek_v3", "glm4_moe", "minimax_m2",
-                "ernie4_5_moe", "granite_moe_shared", "afmoe"}
+                "ernie4_5_moe", "granite_moe_shared", "afmoe", "dots1"}
 # The families whose layer is exactly Llama's and so may take its fused path.
 LLAMA_LAYERED = {"mistral", "phi3", "glm", "ernie4_5", "seed_oss"}
 

@@ -9,6 +9,7 @@ from worker_service.models.base import CausalLM
 from worker_service.models.afmoe import AfmoeForCausalLM
 from worker_service.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from worker_service.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from worker_service.models.dots1 import Dots1ForCausalLM
 from worker_service.models.ernie4_5 import Ernie4_5ForCausalLM
 from worker_service.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
 from worker_service.models.exaone4 import Exaone4ForCausalLM
@@ -69,6 +70,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "GraniteMoeSharedForCausalLM": GraniteMoeSharedForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "AfmoeForCausalLM": AfmoeForCausalLM,
+    "Dots1ForCausalLM": Dots1ForCausalLM,
 }
 
 
