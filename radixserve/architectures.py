@@ -15,7 +15,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "GraniteMoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
     "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Ernie4_5_MoeForCausalLM",
     "CohereForCausalLM", "Cohere2ForCausalLM", "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM",
-    "AfmoeForCausalLM", "Dots1ForCausalLM",
+    "AfmoeForCausalLM", "Dots1ForCausalLM", "HunYuanDenseV1ForCausalLM",
 )
 
 

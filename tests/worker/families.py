@@ -140,6 +140,9 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1,
         first_k_dense_replace=1, num_hidden_layers=3, n_group=4, topk_group=2, routed_scaling_factor=2.5,
         norm_topk_prob=True, sliding_window=GEMMA_WINDOW, max_window_layers=2)),
+    # Hunyuan dense: per-head q/k norms after RoPE, a base stretched by a fixed NTK alpha.
+    "hunyuan_dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", dict(
+        rope_parameters={"rope_type": "dynamic", "alpha": 8.0, "factor": 1.0, "rope_theta": 10000.0})),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)),
     # A parallel block under one LayerNorm, interleaved RoPE pairs, tied embeddings and scaled
     # logits; Cohere 2 with sliding layers (a window of 8) that rotate and a full one that does not.

@@ -20,6 +20,7 @@ from worker_service.models.gpt_oss import GptOssForCausalLM
 from worker_service.models.granite import GraniteForCausalLM
 from worker_service.models.granite_hybrid import GraniteMoeHybridForCausalLM, GraniteMoeSharedForCausalLM
 from worker_service.models.granite_moe import GraniteMoeForCausalLM
+from worker_service.models.hunyuan import HunYuanDenseV1ForCausalLM
 from worker_service.models.llama import LlamaForCausalLM
 from worker_service.models.minimax_m2 import MiniMaxM2ForCausalLM
 from worker_service.models.mistral import MistralForCausalLM
@@ -71,6 +72,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "AfmoeForCausalLM": AfmoeForCausalLM,
     "Dots1ForCausalLM": Dots1ForCausalLM,
+    "HunYuanDenseV1ForCausalLM": HunYuanDenseV1ForCausalLM,
 }
 
 
