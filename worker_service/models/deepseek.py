@@ -29,12 +29,13 @@ from typing import Any
 
 import torch
 
-from worker_service.backends.base import Backend, StepContext
+from worker_service.backends.base import Backend
 from worker_service.distributed import TPGroup, all_reduce_sum
 from worker_service.layers.rotary import RotaryEmbedding, served_context
 from worker_service.layers.weights import WeightSlice, make_param
+from worker_service.models.layer_types import RotatesItself
 from worker_service.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
-from worker_service.models.mla import MlaAttention, MlaRope, latent_width
+from worker_service.models.mla import MlaAttention, latent_width
 from worker_service.models.moe import ExpertLayout, Routing, RoutesExperts, SparseMoE
 from worker_service.row_tiles import padded_rows
 from worker_service.unsupported import UnsupportedModel
@@ -156,7 +157,7 @@ class DeepseekV3DecoderLayer(LlamaDecoderLayer):
     mlp_class = dense_until(DeepseekV3MoE)
 
 
-class DeepseekV2ForCausalLM(RoutesExperts, LlamaForCausalLM):
+class DeepseekV2ForCausalLM(RotatesItself, RoutesExperts, LlamaForCausalLM):
     """Checkpoint names follow Hugging Face's `DeepseekV2ForCausalLM` (experts one by one)."""
 
     fusable_layer = None
@@ -197,13 +198,6 @@ class DeepseekV2ForCausalLM(RoutesExperts, LlamaForCausalLM):
         for layer in self.layers:
             layer.self_attn.absorb()
 
-    def run_layers(self, hidden: torch.Tensor, step: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.rotary.lookup(step.positions)
-        rope = MlaRope(self.backend.rope(self.unrotated, step.positions), cos, sin)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, step, rope)
-        return hidden, residual
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

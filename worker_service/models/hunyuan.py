@@ -11,24 +11,16 @@ backend unrotated tables (cos 1, sin 0: the rotation returns its input exactly).
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from worker_service.backends.base import Backend, Rope, StepContext
+from worker_service.backends.base import Backend, StepContext
 from worker_service.distributed import TPGroup
 from worker_service.layers.qk_norm import HeadNorm
 from worker_service.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters, served_context
+from worker_service.models.layer_types import RotatesItself, SelfRotatedRope
 from worker_service.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, head_dim_of
-
-
-class RotatedRope(NamedTuple):
-    """A step's rope for layers that rotate q and k themselves: the backend's (unrotated) tables
-    and the model's cos/signed sin at the step's positions (`[T, 1, head_dim]`)."""
-
-    backend: Rope
-    cos: torch.Tensor
-    sin: torch.Tensor
 
 
 class NormAfterRopeAttention(LlamaAttention):
@@ -39,7 +31,7 @@ class NormAfterRopeAttention(LlamaAttention):
         self.q_norm = HeadNorm(f"{prefix}.query_layernorm.weight", self.head_dim, eps, dtype, device, backend)
         self.k_norm = HeadNorm(f"{prefix}.key_layernorm.weight", self.head_dim, eps, dtype, device, backend)
 
-    def attend(self, hidden: torch.Tensor, step: StepContext, rope: RotatedRope) -> torch.Tensor:
+    def attend(self, hidden: torch.Tensor, step: StepContext, rope: SelfRotatedRope) -> torch.Tensor:
         num_tokens, qk_heads = hidden.shape[0], self.num_q_heads + self.num_kv_heads
         qkv = self.qkv_proj(hidden).view(num_tokens, qk_heads + self.num_kv_heads, self.head_dim)
         qkv[:, :qk_heads] = apply_rotary(qkv[:, :qk_heads], rope.cos, rope.sin)
@@ -65,7 +57,7 @@ def ntk_alpha_config(config: Any) -> Any:
                            max_position_embeddings=config.max_position_embeddings)
 
 
-class HunYuanDenseV1ForCausalLM(LlamaForCausalLM):
+class HunYuanDenseV1ForCausalLM(RotatesItself, LlamaForCausalLM):
     """Checkpoint names follow Hugging Face's `HunYuanDenseV1ForCausalLM`."""
 
     fusable_layer = None
@@ -78,11 +70,3 @@ class HunYuanDenseV1ForCausalLM(LlamaForCausalLM):
                                       device)
         self.unrotated = RotaryEmbedding(config, head_dim_of(config), served_context(config), dtype, device,
                                          rotate=False)
-
-    def run_layers(self, hidden: torch.Tensor, step: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.rotary.lookup(step.positions)
-        rope = RotatedRope(self.backend.rope(self.unrotated, step.positions), cos, sin)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(hidden, residual, step, rope)
-        return hidden, residual

@@ -1,15 +1,16 @@
 """Models whose layers do not all rotate alike: by their layer type's RoPE tables
 (`config.layer_types`, with `rope_parameters` keyed by type or one set for all: Gemma 2/3 and
-OLMo 3), or some not at all ("NoPE" layers: SmolLM3's, EXAONE 4's full layers)."""
+OLMo 3), some not at all ("NoPE" layers: SmolLM3's, EXAONE 4's full layers), or by the model's own
+rotation rather than the backend's (DeepSeek's latent attention, Hunyuan's norms after RoPE)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from worker_service.backends.base import StepContext
+from worker_service.backends.base import Rope, StepContext
 from worker_service.layers.rotary import RotaryEmbedding, rope_parameters_by_layer_type
 from worker_service.models.llama import head_dim_of
 
@@ -46,4 +47,27 @@ class SkipsRopeInSomeLayers:
         residual = None
         for layer, uses_rope in zip(self.layers, self.uses_rope):
             hidden, residual = layer(hidden, residual, step, rope if uses_rope else no_rope)
+        return hidden, residual
+
+
+class SelfRotatedRope(NamedTuple):
+    """A step's rope for layers that rotate q and k themselves: the backend's tables (unrotated:
+    cos 1, sin 0, so its rotation returns its input exactly) and the model's cos/signed sin at the
+    step's positions (`RotaryEmbedding.lookup`)."""
+
+    backend: Rope
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+class RotatesItself:
+    """`run_layers` for a model whose layers rotate q and k themselves (`SelfRotatedRope`):
+    `rotary` is its rotation's tables, `unrotated` the backend's."""
+
+    def run_layers(self, hidden: torch.Tensor, step: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.rotary.lookup(step.positions)
+        rope = SelfRotatedRope(self.backend.rope(self.unrotated, step.positions), cos, sin)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, step, rope)
         return hidden, residual

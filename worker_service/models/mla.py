@@ -31,32 +31,24 @@ bits do not depend on the step's other rows (`--deterministic`).
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
-from worker_service.backends.base import Backend, Rope, StepContext
+from worker_service.backends.base import Backend, StepContext
 from worker_service.distributed import TPGroup
 from worker_service.layers.linear import ColumnParallelLinear, RowParallelLinear
 from worker_service.layers.norm import RMSNorm
 from worker_service.layers.rotary import apply_rotary, rope_parameters
 from worker_service.layers.sharding import shard_heads
 from worker_service.layers.weights import WeightSlice, make_param
+from worker_service.models.layer_types import SelfRotatedRope
 from worker_service.row_tiles import padded_rows
 from worker_service.unsupported import UnsupportedModel
 
 # transformers' DeepSeek classes give the latent's norms (q_a_layernorm, kv_a_layernorm) their
 # RMSNorm's default epsilon, whatever `rms_norm_eps` says.
 LATENT_NORM_EPS = 1e-6
-
-
-class MlaRope(NamedTuple):
-    """What an MLA layer takes as its `rope` each step: the backend's (unrotated) tables and this
-    model's cos/signed sin for `q_pe` and `k_pe` at the step's positions (`[T, 1, rope dims]`)."""
-
-    backend: Rope
-    cos: torch.Tensor
-    sin: torch.Tensor
 
 
 def latent_width(config: Any) -> int:
@@ -150,7 +142,7 @@ class MlaAttention(torch.nn.Module):
         weight = self.q_proj.weight.data.view(self.num_q_heads, qk, -1)
         weight[:, self.nope:] = (weight[:, self.nope:].float() * self.scale).to(weight.dtype)
 
-    def forward(self, hidden: torch.Tensor, step: StepContext, rope: MlaRope) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, step: StepContext, rope: SelfRotatedRope) -> torch.Tensor:
         num_tokens, heads = hidden.shape[0], self.num_q_heads
         q_in = hidden if self.q_a is None else self.q_a_norm(self.q_a(hidden))
         q = self.q_proj(q_in).view(num_tokens, heads, self.nope + self.rope_dims)
