@@ -5,8 +5,9 @@ the reasoning split, decided once per gateway (`ChatFormat`) and checked once pe
 tool_choice: `none` renders no tools and parses no calls; `auto` (the default with tools)
 renders them, parses calls, and constrains a call the model starts (`tool_grammar`);
 `required` and a named function constrain the whole output to calls (of that function). A
-family without a grammar (harmony) has its calls parsed under `auto`, not constrained, and
-refuses `required` and a named function, which only a grammar could enforce.
+family without a grammar (harmony, and the families of `tool_parsers_tagged` and
+`tool_parsers_sections`) has its calls parsed under `auto`, not constrained, and refuses
+`required` and a named function, which only a grammar could enforce.
 
 Harmony (gpt-oss) is one format for reasoning and calls (`harmony_splitter`): both parsers are
 harmony or neither. `auto` on one side follows `harmony` on the other; a template that writes
@@ -27,7 +28,8 @@ from gateway_service.errors import InvalidRequest
 from gateway_service.reasoning import AUTO, CLOSE, HARMONY, OPEN, THINK, detect_reasoning
 from gateway_service.tokenizer import Tokenizer
 from gateway_service.tool_grammar import tool_call_grammar
-from gateway_service.tool_parsers import HarmonyParser, ToolCallParser, tool_parser
+from gateway_service.tool_parser_base import ToolCallParser
+from gateway_service.tool_parsers import HarmonyParser, tool_parser
 from radixserve.constraints import Constraint, ConstraintKind
 from radixserve.v1 import generation_pb2
 
@@ -78,7 +80,7 @@ class ChatFormat:
                              f"{reasoning or 'none'} and {parser.name} for this chat template; give both "
                              "harmony (or auto)")
         tags = {THINK: (OPEN, CLOSE), HARMONY: harmony.KEPT_MARKERS}.get(reasoning or "", ())
-        for tag in tags:
+        for tag in (*tags, *parser.inner_tags):
             tokenizer.keep_special(tag)
         reads = template_variables(template)
         if reads is not None and reasoning == THINK:

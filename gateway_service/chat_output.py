@@ -10,6 +10,8 @@ parser's contract; harmony's without its markers). Incremental calls (streams): 
 delta (index, id, name and the arguments so far) goes out as soon as its name is complete, then
 each chunk carries the new arguments text (`tool_call_stream`), and the last chunk the rest; the
 arguments' pieces concatenate to the text the model wrote (valid JSON whenever the calls parse).
+A family whose arguments are tagged text sends each call whole, once it is closed
+(`ToolCallParser.partial_calls`).
 The chunk that ends the output may hold whole calls (tokens coalesced for a consumer behind,
 drafts accepted together): they go out there, named, as if streamed. Once a piece of a call has
 been streamed, an output that ends without parsing (cut by max_tokens) gives nothing back as
@@ -31,8 +33,7 @@ from gateway_service.harmony import HARMONY
 from gateway_service.harmony_splitter import HarmonySplitter
 from gateway_service.reasoning import ReasoningSplitter, opens_inside_block
 from gateway_service.tokenizer import Tokenizer
-from gateway_service.tool_call_stream import partial_calls
-from gateway_service.tool_parsers import ParsedCall, ToolCallParser
+from gateway_service.tool_parser_base import ParsedCall, ToolCallParser
 from radixserve.v1 import generation_pb2
 
 # The end of a chat prompt that says whether the template opened a thinking block for the model.
@@ -72,7 +73,7 @@ class ToolCallSplitter:
         if not self._incremental or not self._calling:
             return []
         found = []
-        for index, call in enumerate(partial_calls(self._text[self._sent:])):
+        for index, call in enumerate(self._parser.partial_calls(self._text[self._sent:])):
             if index == len(self._streamed):
                 self._streamed.append(call.arguments)
                 found.append(CallDelta(index, call.name, call.arguments))

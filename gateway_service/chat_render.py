@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from gateway_service.tool_parsers import ToolCallParser
+from gateway_service.tool_parser_base import ToolCallParser
 from radixserve.v1 import generation_pb2
 
 ChatMessage = generation_pb2.ChatMessage

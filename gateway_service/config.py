@@ -105,14 +105,15 @@ class GatewayConfig:
     tokenizer_threads: int = setting(2, "threads of each pool (encode: tokenization and chat templates; "
                                      "decode: detokenization) that keep that work off the event loop", min=1)
     tool_call_parser: str = setting("auto", "how the model writes tool calls (hermes, llama3_json, mistral, "
-                                    "harmony: gpt-oss's messages to functions.NAME); auto: from the chat "
-                                    "template (harmony when it has <|channel|>), hermes when it shows none",
-                                    choices=TOOL_CALL_PARSERS)
+                                    "harmony: gpt-oss's messages to functions.NAME, glm45, minimax_m2, "
+                                    "qwen3_coder, deepseek_v3: V3 and R1, deepseek_v31, kimi_k2); auto: from "
+                                    "the chat template (harmony when it has <|channel|>), hermes when it shows "
+                                    "none", choices=TOOL_CALL_PARSERS)
     reasoning_parser: str = setting("auto", "split <think>...</think> into reasoning_content (think), or "
                                     "gpt-oss's analysis channel into reasoning_content and its final channel "
                                     "into content (harmony, which needs --tool-call-parser harmony or auto), "
                                     "or not (none); auto: harmony when the chat template has <|channel|>, "
-                                    "else think when it has <think>",
+                                    "else think when it has <think> or </think>",
                                     choices=REASONING_PARSERS)
     limits: RequestLimits = nested(RequestLimits)
     security: SecurityConfig = security_settings(public=True)

@@ -8,9 +8,13 @@ its leading newlines. An output that ends inside the block (max_tokens) is all r
 was streamed as reasoning stays reasoning. The tags themselves are in neither part.
 
 `--reasoning-parser` picks the format (`auto`: `harmony` when the chat template writes harmony,
-gpt-oss's format, whose splitter is `harmony_splitter`; else `think` when it mentions `<think>`;
-else none); a request turns the `<think>` split off with `chat_template_kwargs.enable_thinking:
-false` (harmony's cannot be: its markers would be content).
+gpt-oss's format, whose splitter is `harmony_splitter`; else `think` when it mentions `<think>`
+or only `</think>`, as DeepSeek-R1's first template, which cuts the reasoning out of history
+turns, and whose model opens the block itself; else none); a request turns the `<think>` split
+off with `chat_template_kwargs.enable_thinking: false` (harmony's cannot be: its markers would be
+content). Templates that end the generation prompt inside the block (MiniMax-M2's, and
+DeepSeek-V3.1's in thinking mode) start the output as reasoning; one that ends it with a closed
+or empty block (DeepSeek-V3.1's by default, GLM-4.5's without thinking) does not.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ def detect_reasoning(name: str, chat_template: str) -> str | None:
     if name == AUTO:
         if harmony.in_template(chat_template):
             return HARMONY
-        return THINK if OPEN in chat_template else None
+        return THINK if OPEN in chat_template or CLOSE in chat_template else None
     return None if name == NONE else name
 
 

@@ -20,7 +20,8 @@ import json
 import re
 from collections.abc import Sequence
 
-from gateway_service.tool_parsers import HermesParser, Llama3JsonParser, MistralParser, ToolCallParser
+from gateway_service.tool_parser_base import ToolCallParser
+from gateway_service.tool_parsers import HermesParser, Llama3JsonParser, MistralParser
 from radixserve.grammar_compiler import JSON_OPTIONS
 from radixserve.v1 import generation_pb2
 

@@ -1,7 +1,7 @@
 """Tool-call formats: how a model family writes its calls, read back into (name, arguments).
 
 One parser per family, chosen once per gateway (`--tool-call-parser`, default detected from the
-chat template by `detect_tool_parser`):
+chat template by `detect_tool_parser`); what a parser promises is in `tool_parser_base`:
 
 - `hermes` (Hermes, Qwen 2.5/3, and the fallback for templates that cannot render tools):
   `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block per call.
@@ -12,100 +12,33 @@ chat template by `detect_tool_parser`):
 - `harmony` (gpt-oss): a message to `functions.NAME` whose body is the arguments object
   (`harmony`); it reads the content that `harmony_splitter` passes on, where each call is one
   such message and nothing else is markup.
+- `glm45`, `minimax_m2`, `qwen3_coder`: arguments as tagged text (`tool_parsers_tagged`).
+- `deepseek_v3`, `deepseek_v31`, `kimi_k2`: sections of calls framed by special tokens, each a
+  name and a JSON object (`tool_parsers_sections`).
 
-Contract of `parse`: it never raises. Either every call in the text is well formed (a name and a
-JSON object of arguments), and the calls come back with the rest of the text as content, or the
-text comes back whole as content with no calls (`unparsed_content`: the text itself, harmony's
-without its markers): a half-parsed output is never half-reported. The grammar side
-(`tool_grammar`) emits exactly the layout each parser reads, where the family has a grammar
-(`constrained`).
+The first three are constrained by `tool_grammar`; the others are not (`constrained`): their
+calls are parsed, and a `tool_choice` that only a grammar could enforce is refused
+(`chat_format`).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
 
 from gateway_service import harmony
 from gateway_service.text_markers import partial_suffix
-
-
-@dataclass(frozen=True, slots=True)
-class ParsedCall:
-    name: str
-    arguments: str  # a JSON object, compact text
-
-
-@dataclass(frozen=True, slots=True)
-class ParsedOutput:
-    content: str
-    calls: tuple[ParsedCall, ...] = ()
-
-
-class ToolCallParser(ABC):
-    """A family's call layout. `marker` is the text that opens the calls, also used by the
-    streaming splitter to know when to stop passing text through."""
-
-    name: str
-    marker: str
-    # The key the family writes the arguments under.
-    arguments_key: str = "arguments"
-    # Whether `tool_grammar` can constrain calls written this way.
-    constrained: bool = True
-
-    def call_start(self, text: str) -> int | None:
-        """Where the calls begin in `text`, once that is certain; None while it is not."""
-        index = text.find(self.marker)
-        return None if index < 0 else index
-
-    def held_back(self, text: str) -> int:
-        """How many trailing characters of `text` could still turn into the marker (not safe
-        to stream as content yet)."""
-        return partial_suffix(text, self.marker)
-
-    def parse(self, text: str) -> ParsedOutput:
-        """The calls and the content of a whole output (see the module's contract)."""
-        start = self.call_start(text)
-        if start is None:
-            return ParsedOutput(self.unparsed_content(text))
-        try:
-            calls, rest = self._parse_calls(text[start:])
-        except (ValueError, TypeError, KeyError):
-            return ParsedOutput(self.unparsed_content(text))
-        if not calls:
-            return ParsedOutput(self.unparsed_content(text))
-        return ParsedOutput(text[:start] + rest, tuple(calls))
-
-    def unparsed_content(self, text: str) -> str:
-        """Text whose calls do not parse, as the content it then is: the text as it came."""
-        return text
-
-    @abstractmethod
-    def _parse_calls(self, text: str) -> tuple[list[ParsedCall], str]:
-        """The calls in `text` (which starts at the marker) and the text after them; raises
-        ValueError/TypeError/KeyError when they are malformed."""
-
-    @abstractmethod
-    def render_calls(self, calls: list[tuple[str, dict]]) -> str:
-        """`(name, arguments)` calls as this family writes them (history, instructions)."""
-
-    def _call(self, item: object, key: str | None = None) -> ParsedCall:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
-            raise ValueError("a call needs a name")
-        arguments = item.get(key or self.arguments_key, {})
-        if isinstance(arguments, str):  # some models write the object as a JSON string
-            arguments = json.loads(arguments)
-        if not isinstance(arguments, dict):
-            raise ValueError("arguments must be a JSON object")
-        return ParsedCall(item["name"], json.dumps(arguments, ensure_ascii=False))
+from gateway_service.tool_call_stream import HARMONY_CALL, JSON_CALL, NAMED_ARGS
+from gateway_service.tool_parser_base import ParsedCall, ToolCallParser
+from gateway_service.tool_parsers_sections import DeepSeekV3Parser, DeepSeekV31Parser, KimiK2Parser
+from gateway_service.tool_parsers_tagged import Glm45Parser, MiniMaxM2Parser, Qwen3CoderParser
 
 
 class HermesParser(ToolCallParser):
     name = "hermes"
     marker = "<tool_call>"
     closing = "</tool_call>"
+    call_headers = (JSON_CALL,)
     _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.S)
 
     def _parse_calls(self, text: str) -> tuple[list[ParsedCall], str]:
@@ -133,6 +66,7 @@ class Llama3JsonParser(ToolCallParser):
     name = "llama3_json"
     marker = "<|python_tag|>"
     arguments_key = "parameters"
+    call_headers = (JSON_CALL,)
 
     def call_start(self, text: str) -> int | None:
         index = text.find(self.marker)
@@ -166,6 +100,7 @@ class Llama3JsonParser(ToolCallParser):
 class MistralParser(ToolCallParser):
     name = "mistral"
     marker = "[TOOL_CALLS]"
+    call_headers = (JSON_CALL, NAMED_ARGS)
     _ARGS = "[ARGS]"
 
     def _parse_calls(self, text: str) -> tuple[list[ParsedCall], str]:
@@ -192,6 +127,7 @@ class HarmonyParser(ToolCallParser):
     name = harmony.HARMONY
     marker = harmony.START
     constrained = False
+    call_headers = (HARMONY_CALL,)
     # A message: its header, its body, and what ends it (a marker, or the end of the text).
     _MESSAGE = re.compile(harmony.MESSAGE_HEADER + r"(.*?)(?:<\|call\|>|<\|end\|>|<\|return\|>|(?=<\|start\|>)|\Z)",
                           re.S)
@@ -220,10 +156,16 @@ class HarmonyParser(ToolCallParser):
 
 
 PARSERS: dict[str, type[ToolCallParser]] = {
-    parser.name: parser for parser in (HermesParser, Llama3JsonParser, MistralParser, HarmonyParser)
+    parser.name: parser for parser in (
+        HermesParser, Llama3JsonParser, MistralParser, HarmonyParser, Glm45Parser, MiniMaxM2Parser, Qwen3CoderParser,
+        DeepSeekV3Parser, DeepSeekV31Parser, KimiK2Parser,
+    )
 }
 AUTO = "auto"
 TOOL_CALL_PARSERS = (AUTO, *PARSERS)
+# Families told apart by a tag their template writes, before the layouts they share a marker with
+# (GLM-4.5's and Qwen3-Coder's `<tool_call>` is Hermes' too).
+_BY_CUE: tuple[type[ToolCallParser], ...] = (MiniMaxM2Parser, KimiK2Parser, Glm45Parser, Qwen3CoderParser)
 
 
 def detect_tool_parser(chat_template: str) -> ToolCallParser:
@@ -231,6 +173,12 @@ def detect_tool_parser(chat_template: str) -> ToolCallParser:
     the gateway renders itself for templates without tools, see `chat_render`)."""
     if harmony.in_template(chat_template):
         return HarmonyParser()
+    if DeepSeekV3Parser.marker in chat_template:
+        # V3 and R1 fence the arguments as a json block; V3.1 writes them bare.
+        return DeepSeekV3Parser() if DeepSeekV3Parser.FENCE in chat_template else DeepSeekV31Parser()
+    for family in _BY_CUE:
+        if family.cue in chat_template:
+            return family()
     if MistralParser.marker in chat_template:
         return MistralParser()
     if Llama3JsonParser.marker in chat_template or "ipython" in chat_template:

@@ -1,0 +1,162 @@
+"""Families that write a call's arguments as tagged text, one tag pair per argument:
+
+- `glm45` (GLM-4.5, GLM-4.6): `<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>
+  \\n...</tool_call>`, one block per call.
+- `minimax_m2` (MiniMax-M2): `<minimax:tool_call>\\n<invoke name="NAME">\\n<parameter name="KEY">VALUE
+  </parameter>\\n...</invoke>\\n...</minimax:tool_call>`, several calls in one block.
+- `qwen3_coder` (Qwen3-Coder): `<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n</parameter>
+  \\n...</function>\\n</tool_call>`, one block per call; the newline after `<parameter=KEY>` and the
+  one before `</parameter>` belong to the layout, not to the value.
+
+A value is text, as the templates write a string argument; one that reads as another JSON value
+(a number, true/false, null, an object, an array: what the templates write as JSON) is that
+value. So a string argument that looks like a number comes back as the number: the parser does
+not see the tools' schemas. A call is reported whole once its tags close, not piece by piece
+(`partial_calls`): its arguments are JSON only once every value is read.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from gateway_service.tool_call_stream import NAME, PartialCall
+from gateway_service.tool_parser_base import BlockParser, ParsedCall, read_sequence
+
+
+def text_value(text: str) -> object:
+    """An argument written as text: the JSON value it spells, unless that is a string (the text
+    itself then, quotes and all) or not JSON at all (NaN and Infinity are not)."""
+    try:
+        value = json.loads(text, parse_constant=_no_constant)
+    except ValueError:
+        return text
+    return text if isinstance(value, str) else value
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
+
+
+def value_text(value: object) -> str:
+    """An argument as the templates write it: a string as it is, anything else as JSON."""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+class TaggedBlockParser(BlockParser):
+    """A family whose calls are tagged text. No JSON to stream: each call is reported once it is
+    closed, from the blocks closed so far and the calls already closed in the open one."""
+
+    constrained = False
+
+    def _read_open_block(self, body: str) -> list[ParsedCall]:
+        """The calls closed so far in a block still being written."""
+        return []
+
+    def partial_calls(self, text: str) -> list[PartialCall]:
+        calls: list[ParsedCall] = []
+        try:
+            for start, end in self._blocks(text):
+                body_start = start + len(self.marker)
+                if end is None:
+                    calls.extend(self._read_open_block(text[body_start:]))
+                else:
+                    calls.extend(self._read_block(text[body_start:end]))
+        except (ValueError, TypeError, KeyError):
+            pass  # what is malformed is not streamed; the whole output says what it is at the end
+        return [PartialCall(call.name, call.arguments, True) for call in calls]
+
+    def _arguments_call(self, name: str, pairs: list[tuple[str, str]]) -> ParsedCall:
+        """A call from its name and its (key, value text) pairs."""
+        name = name.strip()
+        if not re.fullmatch(NAME, name):
+            raise ValueError(f"not a function name: {name!r}")
+        arguments = {}
+        for key, value in pairs:
+            if not key.strip():
+                raise ValueError("an argument without a name")
+            arguments[key.strip()] = text_value(value)
+        return ParsedCall(name, json.dumps(arguments, ensure_ascii=False))
+
+
+class Glm45Parser(TaggedBlockParser):
+    name = "glm45"
+    marker = "<tool_call>"
+    closing = "</tool_call>"
+    cue = "<arg_key>"
+    inner_tags = (closing, "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+    # The name, then the pairs (the block is the call, so an open block holds none closed).
+    _CALL = re.compile(r"\s*([^<]*)(.*)", re.S)
+    _PAIR = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+    def _read_block(self, body: str) -> list[ParsedCall]:
+        name, pairs = self._CALL.fullmatch(body).groups()
+        return [self._arguments_call(name, read_sequence(self._PAIR, pairs, lambda match: match.groups()))]
+
+    def render_calls(self, calls: list[tuple[str, dict]]) -> str:
+        return "\n".join(
+            f"{self.marker}{name}\n"
+            + "".join(f"<arg_key>{key}</arg_key>\n<arg_value>{value_text(value)}</arg_value>\n"
+                      for key, value in args.items())
+            + self.closing
+            for name, args in calls
+        )
+
+
+class MiniMaxM2Parser(TaggedBlockParser):
+    name = "minimax_m2"
+    marker = "<minimax:tool_call>"
+    closing = "</minimax:tool_call>"
+    cue = marker
+    inner_tags = (closing,)
+    _INVOKE = re.compile(r'\s*<invoke name="([^"]*)">(.*?)</invoke>', re.S)
+    _PARAMETER = re.compile(r'\s*<parameter name="([^"]*)">(.*?)</parameter>', re.S)
+
+    def _read_block(self, body: str) -> list[ParsedCall]:
+        return read_sequence(self._INVOKE, body, self._read_invoke)
+
+    def _read_open_block(self, body: str) -> list[ParsedCall]:
+        return read_sequence(self._INVOKE, body, self._read_invoke, whole=False)
+
+    def _read_invoke(self, match: re.Match) -> ParsedCall:
+        name, parameters = match.groups()
+        return self._arguments_call(name, read_sequence(self._PARAMETER, parameters, lambda m: m.groups()))
+
+    def render_calls(self, calls: list[tuple[str, dict]]) -> str:
+        invokes = "".join(
+            f'<invoke name="{name}">\n'
+            + "".join(f'<parameter name="{key}">{value_text(value)}</parameter>\n' for key, value in args.items())
+            + "</invoke>\n"
+            for name, args in calls
+        )
+        return f"{self.marker}\n{invokes}{self.closing}"
+
+
+class Qwen3CoderParser(TaggedBlockParser):
+    name = "qwen3_coder"
+    marker = "<tool_call>"
+    closing = "</tool_call>"
+    cue = "<function="
+    inner_tags = (closing,)
+    _FUNCTION = re.compile(r"\s*<function=([^>]*)>(.*?)</function>", re.S)
+    _PARAMETER = re.compile(r"\s*<parameter=([^>]*)>(.*?)</parameter>", re.S)
+
+    def _read_block(self, body: str) -> list[ParsedCall]:
+        return read_sequence(self._FUNCTION, body, self._read_function)
+
+    def _read_open_block(self, body: str) -> list[ParsedCall]:
+        return read_sequence(self._FUNCTION, body, self._read_function, whole=False)
+
+    def _read_function(self, match: re.Match) -> ParsedCall:
+        name, parameters = match.groups()
+        pairs = read_sequence(self._PARAMETER, parameters,
+                              lambda m: (m.group(1), m.group(2).removeprefix("\n").removesuffix("\n")))
+        return self._arguments_call(name, pairs)
+
+    def render_calls(self, calls: list[tuple[str, dict]]) -> str:
+        return "\n".join(
+            f"{self.marker}\n<function={name}>\n"
+            + "".join(f"<parameter={key}>\n{value_text(value)}\n</parameter>\n" for key, value in args.items())
+            + f"</function>\n{self.closing}"
+            for name, args in calls
+        )
