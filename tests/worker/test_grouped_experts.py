@@ -93,10 +93,11 @@ def test_compiled_product_equals_the_per_expert_products(top_k, one_thread) -> N
 
 
 @needs_kernel
-def test_bfloat16_weights_match_the_float32_product_of_the_same_weights() -> None:
+@pytest.mark.parametrize("rows", [9, 37])  # up to 5 rows an expert, and passes of 8, 8 and the rest
+def test_bfloat16_weights_match_the_float32_product_of_the_same_weights(rows) -> None:
     block = random_block(hidden=64, inter=40, num_experts=4, top_k=2, dtype=torch.bfloat16)
-    hidden = torch.randn(9, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    weights, ids = routed(9, 4, 2, 0)
+    hidden = torch.randn(rows, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    weights, ids = routed(rows, 4, 2, 0)
     experts = block.experts
     reference = CompiledExperts(KERNELS, list(experts.gate_up.float()), list(experts.down.float()), 64)
     with torch.inference_mode():
@@ -116,20 +117,42 @@ def test_steps_past_max_rows_are_left_to_the_per_expert_products() -> None:
     assert block.gate_up[1].weight.untyped_storage().data_ptr() == block.experts.gate_up.untyped_storage().data_ptr()
 
 
-def test_rows_per_expert_past_the_passes_that_pay_are_left_to_the_per_expert_products() -> None:
+class Passes:
+    """A kernel that only says how many rows share a pass (the rule needs nothing else)."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+
+    def rows_per_pass(self, dtype: torch.dtype) -> int:
+        return self.rows
+
+
+@pytest.mark.parametrize(("rows_per_pass", "large_limit"), [(4, 8), (8, 8)])
+def test_rows_per_expert_past_the_passes_that_pay_are_left_to_the_per_expert_products(rows_per_pass,
+                                                                                      large_limit) -> None:
     """An expert of 8.65M weights (DeepSeek-V2-Lite's 2,048 x 1,408 x 3) pays for two passes of
-    the kernel's tiles of 4 rows, 8 rows an expert; one of 24,576 weights, for all the steps up to
-    the row limit. Decided without the kernel (never called here)."""
+    4 rows (AVX2) or one of 8 (AVX-512 BF16): 8 rows an expert either way; one of 24,576
+    weights, for every step up to the row limit. Decided without the kernel (never called here)."""
     def experts(hidden: int, inter: int, num_experts: int) -> CompiledExperts:
-        return CompiledExperts(None, [torch.empty(2 * inter, hidden, dtype=torch.bfloat16)] * num_experts,
-                               [torch.empty(hidden, inter, dtype=torch.bfloat16)] * num_experts, 128)
+        gate_up = [torch.empty(2 * inter, hidden, dtype=torch.bfloat16)] * num_experts
+        down = [torch.empty(hidden, inter, dtype=torch.bfloat16)] * num_experts
+        return CompiledExperts(Passes(rows_per_pass), gate_up, down, 128)
 
     large = experts(2048, 1408, 4)
-    assert large.max_rows_per_expert == 8
+    assert large.max_rows_per_expert == large_limit
     assert large.takes(1, 6) and large.takes(5, 6)  # 30 pairs over 4 experts: under 8 each
     assert not large.takes(6, 6)  # 36 pairs
     small = experts(64, 128, 16)
     assert small.takes(128, 2) and not small.takes(129, 2)  # the row limit alone
+
+
+def test_the_kernel_says_how_many_rows_share_a_pass() -> None:
+    """4 for float32 weights; for bfloat16 8 where the CPU has AVX-512 BF16 (built for it), else 4."""
+    if KERNELS is None:
+        pytest.skip(f"the grouped-expert kernel: {moe_kernels.failure()}")
+    pairs = "avx512_bf16" in library.cpu_flags().split()
+    assert KERNELS.rows_per_pass(torch.float32) == 4
+    assert KERNELS.rows_per_pass(torch.bfloat16) == (8 if pairs else 4)
 
 
 @needs_kernel

@@ -9,13 +9,14 @@ cost less than the per-expert products' work around them (`passes_allowed`); oth
 to the layer's own products per expert (the call returns None), which multiply views of the same
 stacked weights (`linears()`), so the experts are held once.
 
-The kernel takes an expert's weights once per tile of `KERNEL_TILE` of its rows: up to that it
-beats the per-expert products, whose Python, dispatch, gathers and scatters cost about as much as
-a pass over `AROUND_WEIGHTS` weights per expert; past it each further pass multiplies every
-weight again in float32 arithmetic, where oneDNN's products grow far slower with the rows. So a
-step takes the call while its expected rows per routed expert need at most
-1 + AROUND_WEIGHTS / (an expert's weights) passes: many for small experts, one for DeepSeek's
-(docs/models.md has the measurements).
+The kernel takes an expert's weights once per tile of its rows (`MoEKernels.rows_per_pass`: 4, or
+8 for bfloat16 weights where AVX-512 BF16 is): up to that it beats the per-expert products, whose
+Python, dispatch, gathers and scatters cost about as much as `AROUND_MULTIPLY_ADDS` of the
+kernel's own per expert; past it each further pass multiplies every weight again, where oneDNN's
+blocked products grow far slower with the rows. So a step takes the call while its expected rows
+per routed expert need at most 1 + AROUND_MULTIPLY_ADDS / (an expert's weights x the rows of a
+pass) passes: many for small experts, one or two for DeepSeek's (docs/models.md has the
+measurements).
 """
 
 from __future__ import annotations
@@ -30,13 +31,12 @@ from worker_service.native.moe_kernels import WEIGHT_DTYPES, MoEKernels
 
 # Steps of at most this many rows may take the compiled call (docs/models.md has the measurement).
 COMPILED_MAX_ROWS = 128
-KERNEL_TILE = 4  # rows sharing one pass over an expert's weights (csrc/moe_experts.cpp's kTile)
-AROUND_WEIGHTS = 10 << 20  # the per-expert products' work around them, in weights passed over (module doc)
+AROUND_MULTIPLY_ADDS = 40 << 20  # the per-expert products' work around them, in the kernel's (module doc)
 
 
-def passes_allowed(expert_weights: int) -> float:
+def passes_allowed(expert_weights: int, rows_per_pass: int) -> float:
     """The passes over an expert's weights for which the compiled call still pays (module doc)."""
-    return 1 + AROUND_WEIGHTS / expert_weights
+    return 1 + AROUND_MULTIPLY_ADDS / (expert_weights * rows_per_pass)
 
 
 class ExpertSlice(PackedLinear):
@@ -66,7 +66,9 @@ class CompiledExperts(PackedExperts):
         self.max_rows = max_rows
         self.extras = extras or ExpertExtras()
         self._gate_up_bias, self._down_bias = _stacked(self.extras.gate_up_bias), _stacked(self.extras.down_bias)
-        self.max_rows_per_expert = KERNEL_TILE * int(passes_allowed(self.gate_up[0].numel() + self.down[0].numel()))
+        rows_per_pass = kernels.rows_per_pass(self.gate_up.dtype)
+        expert_weights = self.gate_up[0].numel() + self.down[0].numel()
+        self.max_rows_per_expert = rows_per_pass * int(passes_allowed(expert_weights, rows_per_pass))
 
     def takes(self, rows: int, top_k: int) -> bool:
         """Whether a step of `rows` rows, `top_k` experts each, takes the compiled call (module doc):

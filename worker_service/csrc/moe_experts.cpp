@@ -12,7 +12,11 @@
 // Two phases over the threads: the SwiGLU middle [pairs, I] split by (expert, feature chunk),
 // then the down products split by output features, each thread adding every routed expert's
 // weighted products into its own features of out (no two threads write one float).
-// Like quant_gemv.cpp this is a library of its own: it needs AVX2 and FMA only.
+// Like quant_gemv.cpp this is a library of its own: it needs AVX2 and FMA only. Built (for the
+// machine's own CPU) where AVX-512 BF16 is, bfloat16 weights multiply bfloat16 activations by its
+// pair products (dots_bf16): the rows and the SwiGLU middle rounded to bfloat16 once (a bfloat16
+// model's rows are bfloat16 already; the middle is rounded as PyTorch's products round it), the
+// sums in float32, sixteen lanes of pairs where the AVX2 path has eight lanes of single products.
 
 #include <immintrin.h>
 #include <omp.h>
@@ -20,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "avx2_sum.h"
@@ -28,7 +33,9 @@ namespace {
 
 constexpr int kFloat32 = 0;
 constexpr int kBFloat16 = 1;
-constexpr int kTile = 4;        // rows sharing one pass over an expert's weight
+constexpr int kTile = 4;        // rows sharing one pass over an expert's weight (AVX2: 16 registers)
+constexpr int kPairTile = 8;    // the same with AVX-512 BF16's pair products (32 registers)
+constexpr int kMaxTile = 8;
 constexpr int64_t kChunk = 16;  // features a thread takes at a time
 // Weight bytes read per thread at least: a thread more than that costs more in its start and
 // barriers than it saves (and, on a loaded machine, a descheduled thread stalls the others).
@@ -51,7 +58,7 @@ inline float to_float(uint16_t v) {
 
 // dot[f][r] = w[f] . x[r] over k, for NF weight rows (stride w_stride) and R activation rows.
 template <typename W, int NF, int R>
-void dots(const W* w, int64_t w_stride, const float* const* x, int64_t k, float (*dot)[kTile]) {
+void dots(const W* w, int64_t w_stride, const float* const* x, int64_t k, float (*dot)[kMaxTile]) {
   __m256 acc[NF][R];
   for (int f = 0; f < NF; ++f)
     for (int r = 0; r < R; ++r) acc[f][r] = _mm256_setzero_ps();
@@ -77,7 +84,7 @@ void dots(const W* w, int64_t w_stride, const float* const* x, int64_t k, float 
 
 // dot[n - n0][r] for the weight rows n0 .. n1 - 1, `count` (1..kTile) activation rows.
 template <typename W, int R>
-void tile_dots(const W* w, int64_t k, int64_t n0, int64_t n1, const float* const* x, float (*dot)[kTile]) {
+void tile_dots(const W* w, int64_t k, int64_t n0, int64_t n1, const float* const* x, float (*dot)[kMaxTile]) {
   constexpr int NF = R <= 2 ? 4 : 2;  // accumulators that fit the 16 registers with the loads
   int64_t n = n0;
   for (; n + NF <= n1; n += NF) dots<W, NF, R>(w + n * k, k, x, k, dot + (n - n0));
@@ -86,7 +93,7 @@ void tile_dots(const W* w, int64_t k, int64_t n0, int64_t n1, const float* const
 
 template <typename W>
 void rows_dots(const W* w, int64_t k, int64_t n0, int64_t n1, const float* const* x, int count,
-               float (*dot)[kTile]) {
+               float (*dot)[kMaxTile]) {
   switch (count) {
     case 1: tile_dots<W, 1>(w, k, n0, n1, x, dot); break;
     case 2: tile_dots<W, 2>(w, k, n0, n1, x, dot); break;
@@ -94,6 +101,62 @@ void rows_dots(const W* w, int64_t k, int64_t n0, int64_t n1, const float* const
     default: tile_dots<W, 4>(w, k, n0, n1, x, dot); break;
   }
 }
+
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Dot = true;
+
+inline uint16_t to_bf16(float v) {  // round to nearest even (no NaN among the products)
+  uint32_t bits;
+  __builtin_memcpy(&bits, &v, sizeof bits);
+  return uint16_t((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+// dot[f][r] = w[f] . x[r] over k bfloat16 values, NF weight rows by R activation rows, 32 values a step.
+template <int NF, int R>
+void dots_bf16(const uint16_t* w, int64_t w_stride, const uint16_t* const* x, int64_t k, float (*dot)[kMaxTile]) {
+  __m512 acc[NF][R];
+  for (int f = 0; f < NF; ++f)
+    for (int r = 0; r < R; ++r) acc[f][r] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < k; c += 32) {
+    const __mmask32 mask = k - c >= 32 ? ~__mmask32(0) : (__mmask32(1) << (k - c)) - 1;
+    __m512bh xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x[r] + c);
+    for (int f = 0; f < NF; ++f) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (f + NF) * w_stride + c), _MM_HINT_T0);
+      const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + f * w_stride + c);
+      for (int r = 0; r < R; ++r) acc[f][r] = _mm512_dpbf16_ps(acc[f][r], wv, xv[r]);
+    }
+  }
+  for (int f = 0; f < NF; ++f)
+    for (int r = 0; r < R; ++r) dot[f][r] = _mm512_reduce_add_ps(acc[f][r]);
+}
+
+template <int R>
+void tile_dots_bf16(const uint16_t* w, int64_t k, int64_t n0, int64_t n1, const uint16_t* const* x,
+                    float (*dot)[kMaxTile]) {
+  constexpr int NF = R <= 4 ? 4 : 2;  // at most 16 accumulators with the rows and a weight: 32 registers
+  int64_t n = n0;
+  for (; n + NF <= n1; n += NF) dots_bf16<NF, R>(w + n * k, k, x, k, dot + (n - n0));
+  for (; n < n1; ++n) dots_bf16<1, R>(w + n * k, k, x, k, dot + (n - n0));
+}
+
+void rows_dots(const uint16_t* w, int64_t k, int64_t n0, int64_t n1, const uint16_t* const* x, int count,
+               float (*dot)[kMaxTile]) {
+  switch (count) {
+    case 1: tile_dots_bf16<1>(w, k, n0, n1, x, dot); break;
+    case 2: tile_dots_bf16<2>(w, k, n0, n1, x, dot); break;
+    case 3: tile_dots_bf16<3>(w, k, n0, n1, x, dot); break;
+    case 4: tile_dots_bf16<4>(w, k, n0, n1, x, dot); break;
+    case 5: tile_dots_bf16<5>(w, k, n0, n1, x, dot); break;
+    case 6: tile_dots_bf16<6>(w, k, n0, n1, x, dot); break;
+    case 7: tile_dots_bf16<7>(w, k, n0, n1, x, dot); break;
+    default: tile_dots_bf16<8>(w, k, n0, n1, x, dot); break;
+  }
+}
+#else
+constexpr bool kBf16Dot = false;
+inline uint16_t to_bf16(float) { return 0; }
+#endif
 
 struct Routed {
   std::vector<int64_t> experts;  // the experts with rows, ascending
@@ -119,37 +182,47 @@ inline float activate(float g, float u, const Extras& extras) {
 }
 
 template <typename W>
-void run(const float* x, int64_t rows, int64_t hidden, const float* route_weights,
+void run(const float* x_in, int64_t rows, int64_t hidden, const float* route_weights,
          int64_t top_k, const W* gate_up, const W* down, int64_t inter, const Routed& routed, float* out,
          int threads, const Extras& extras) {
+  // The activations as the products take them: bfloat16 where bfloat16 weights have the pair
+  // products (the module doc), else float32.
+  constexpr bool kPairs = std::is_same_v<W, uint16_t> && kBf16Dot;
+  constexpr int kRows = kPairs ? kPairTile : kTile;  // rows a pass over the weights takes
+  using A = std::conditional_t<kPairs, uint16_t, float>;
   const int64_t num_routed = int64_t(routed.experts.size());
   const int64_t inter_chunks = (inter + kChunk - 1) / kChunk;
   const int64_t hidden_chunks = (hidden + kChunk - 1) / kChunk;
-  std::vector<float> middle(rows * top_k * inter);  // by pair index (row * top_k + choice)
+  std::vector<A> rounded(kPairs ? rows * hidden : 0);
+  if constexpr (kPairs)
+    for (int64_t i = 0; i < rows * hidden; ++i) rounded[i] = to_bf16(x_in[i]);
+  const A* x = nullptr;
+  if constexpr (kPairs) x = rounded.data(); else x = x_in;
+  std::vector<A> middle(rows * top_k * inter);  // by pair index (row * top_k + choice)
   std::fill(out, out + rows * hidden, 0.f);
   const int64_t bytes = num_routed * 3 * inter * hidden * int64_t(sizeof(W));
   threads = int(std::max<int64_t>(1, std::min<int64_t>(threads, bytes / kBytesPerThread)));
 #pragma omp parallel num_threads(threads)
   {
-    float gate[kChunk][kTile], up[kChunk][kTile], dot[kChunk][kTile];
-    const float* xs[kTile];
+    float gate[kChunk][kMaxTile], up[kChunk][kMaxTile], dot[kChunk][kMaxTile];
+    const A* xs[kMaxTile];
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < num_routed * inter_chunks; ++item) {
       const int64_t i = item / inter_chunks, f0 = item % inter_chunks * kChunk;
       const int64_t f1 = std::min(inter, f0 + kChunk);
       const W* w = gate_up + routed.experts[i] * 2 * inter * hidden;
-      for (int64_t p = routed.starts[i]; p < routed.starts[i + 1]; p += kTile) {
-        const int count = int(std::min<int64_t>(kTile, routed.starts[i + 1] - p));
+      for (int64_t p = routed.starts[i]; p < routed.starts[i + 1]; p += kRows) {
+        const int count = int(std::min<int64_t>(kRows, routed.starts[i + 1] - p));
         for (int r = 0; r < count; ++r) xs[r] = x + routed.order[p + r] / top_k * hidden;
         rows_dots(w, hidden, f0, f1, xs, count, gate);
         rows_dots(w, hidden, inter + f0, inter + f1, xs, count, up);
         const float* bias = extras.gate_up_bias ? extras.gate_up_bias + routed.experts[i] * 2 * inter : nullptr;
         for (int r = 0; r < count; ++r) {
-          float* m = middle.data() + routed.order[p + r] * inter;
+          A* m = middle.data() + routed.order[p + r] * inter;
           for (int64_t f = f0; f < f1; ++f) {
             const float g = gate[f - f0][r] + (bias ? bias[f] : 0.f);
             const float u = up[f - f0][r] + (bias ? bias[inter + f] : 0.f);
-            m[f] = activate(g, u, extras);
+            if constexpr (kPairs) m[f] = to_bf16(activate(g, u, extras)); else m[f] = activate(g, u, extras);
           }
         }
       }
@@ -160,8 +233,8 @@ void run(const float* x, int64_t rows, int64_t hidden, const float* route_weight
       for (int64_t i = 0; i < num_routed; ++i) {
         const W* w = down + routed.experts[i] * hidden * inter;
         const float* bias = extras.down_bias ? extras.down_bias + routed.experts[i] * hidden : nullptr;
-        for (int64_t p = routed.starts[i]; p < routed.starts[i + 1]; p += kTile) {
-          const int count = int(std::min<int64_t>(kTile, routed.starts[i + 1] - p));
+        for (int64_t p = routed.starts[i]; p < routed.starts[i + 1]; p += kRows) {
+          const int count = int(std::min<int64_t>(kRows, routed.starts[i + 1] - p));
           for (int r = 0; r < count; ++r) xs[r] = middle.data() + routed.order[p + r] * inter;
           rows_dots(w, inter, n0, n1, xs, count, dot);
           for (int r = 0; r < count; ++r) {
@@ -187,6 +260,9 @@ int radix_moe_supported() {
   return 0;
 #endif
 }
+
+// Rows of one expert that share a pass over its weights, for weights of `dtype`.
+int radix_moe_rows_per_pass(int dtype) { return dtype == kBFloat16 && kBf16Dot ? kPairTile : kTile; }
 
 // Status: 0 done; 1 a bad shape or dtype; 2 an expert id outside 0 .. num_experts - 1.
 // `gate_up_bias`, `down_bias`: float32, or null; `clamp` > 0 with `alpha`: the clamped SwiGLU.

@@ -25,6 +25,7 @@ WEIGHT_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _i32, _i64, _f32, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 SIGNATURES = {
     "radix_moe_supported": Signature(()),
+    "radix_moe_rows_per_pass": Signature((_i32,)),
     "radix_moe_experts": Signature((_i32, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i32,
                                     _ptr, _ptr, _f32, _f32), checked=True),
 }
@@ -38,6 +39,12 @@ class MoEKernels:
         if not lib.radix_moe_supported():
             raise RuntimeError("the grouped-expert kernel was built without AVX2 and FMA")
         self._experts = lib.radix_moe_experts
+        self._rows_per_pass = lib.radix_moe_rows_per_pass
+
+    def rows_per_pass(self, dtype: torch.dtype) -> int:
+        """Rows of one expert that share a pass over its `dtype` weights (8 with AVX-512 BF16's
+        pair products for bfloat16, else 4)."""
+        return int(self._rows_per_pass(WEIGHT_DTYPES[dtype]))
 
     def experts(self, hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
                 gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
