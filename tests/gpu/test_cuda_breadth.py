@@ -37,9 +37,10 @@ NUM_STEPS = 12
 PATHS = [("torch", 0), ("triton", 0), ("triton", 16)]
 IDS = ["torch", "triton", "triton-graphs"]
 # Heads of 64 (Triton's kernel has none of 16), except where the family's layers assume
-# heads x head size = hidden size (OLMoE's q/k norms span the hidden size).
+# heads x head size = hidden size (OLMoE's q/k norms span the hidden size) and for DeepSeek,
+# whose cached latent row is 56 + 8 = 64 dims already (its head_dim is its rotated dims).
 HEAD_DIM = 64
-HIDDEN_SIZED_HEADS = {"olmoe"}
+HIDDEN_SIZED_HEADS = {"olmoe", "deepseek_v2", "deepseek_v3"}
 
 
 def prompt(seed: int = 1) -> list[int]:
