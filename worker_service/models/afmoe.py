@@ -21,13 +21,12 @@ from worker_service.backends.base import Backend, Rope, StepContext
 from worker_service.distributed import TPGroup
 from worker_service.layers.linear import ColumnParallelLinear
 from worker_service.layers.norm import RMSNorm
-from worker_service.layers.rotary import RotaryEmbedding, served_context
 from worker_service.layers.sharding import shard_heads
 from worker_service.layers.weights import WeightSlice, make_param
 from worker_service.models.config_checks import BY_LAYER_TYPE
 from worker_service.models.deepseek import LAYOUT, WithSharedExperts
 from worker_service.models.layer_types import SkipsRopeInSomeLayers
-from worker_service.models.llama import LlamaForCausalLM, LlamaMLP, head_dim_of
+from worker_service.models.llama import LlamaForCausalLM, LlamaMLP, NormsAroundBlocks
 from worker_service.models.moe import ExpertLayout, Routing, RoutesExperts
 from worker_service.models.qwen3 import Qwen3Attention
 
@@ -77,7 +76,7 @@ class AfmoeMoE(WithSharedExperts):
         return weights.to(hidden.dtype), expert_ids
 
 
-class AfmoeDecoderLayer(torch.nn.Module):
+class AfmoeDecoderLayer(NormsAroundBlocks, torch.nn.Module):
     def __init__(self, config: Any, layer: int, group: TPGroup, qkv_bias: bool,
                  dtype: torch.dtype, device: torch.device, backend: Backend) -> None:
         super().__init__()
@@ -88,16 +87,8 @@ class AfmoeDecoderLayer(torch.nn.Module):
         self.mlp = (LlamaMLP(config, layer, group, dtype, device, backend) if layer < config.num_dense_layers
                     else AfmoeMoE(config, layer, group, dtype, device, backend))
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, step: StepContext,
-                rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
-        """As `LlamaDecoderLayer.forward`: (this layer's normed MLP output, the residual before it)."""
-        if residual is None:
-            residual, normed = hidden, self.input_layernorm(hidden)
-        else:
-            normed, residual = self.input_layernorm.add(hidden, residual)
-        attended = self.post_attention_layernorm(self.self_attn(normed, step, rope))
-        normed, residual = self.pre_mlp_layernorm.add(attended, residual)
-        return self.post_mlp_layernorm(self.mlp(normed)), residual
+    def norms(self) -> tuple[RMSNorm, RMSNorm, RMSNorm, RMSNorm]:
+        return self.input_layernorm, self.post_attention_layernorm, self.pre_mlp_layernorm, self.post_mlp_layernorm
 
 
 class AfmoeForCausalLM(SkipsRopeInSomeLayers, RoutesExperts, LlamaForCausalLM):
@@ -110,9 +101,7 @@ class AfmoeForCausalLM(SkipsRopeInSomeLayers, RoutesExperts, LlamaForCausalLM):
     def __init__(self, config: Any, group: TPGroup, dtype: torch.dtype, device: torch.device,
                  backend: Backend) -> None:
         super().__init__(config, group, dtype, device, backend)
-        self.uses_rope = [kind == "sliding_attention" for kind in config.layer_types]
-        self.unrotated = RotaryEmbedding(config, head_dim_of(config), served_context(config), dtype, device,
-                                         rotate=False)
+        self.rotate_only([kind == "sliding_attention" for kind in config.layer_types], config, dtype, device)
         self.embedding_scale = math.sqrt(config.hidden_size) if config.mup_enabled else None
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:

@@ -22,12 +22,11 @@ import torch
 
 from worker_service.backends.base import Backend, Rope, StepContext
 from worker_service.distributed import TPGroup
-from worker_service.layers.rotary import RotaryEmbedding, served_context
 from worker_service.layers.sharding import shard_heads
 from worker_service.layers.weights import WeightSlice, make_param
 from worker_service.models.config_checks import BY_LAYER_TYPE
 from worker_service.models.layer_types import SkipsRopeInSomeLayers
-from worker_service.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, head_dim_of
+from worker_service.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP
 from worker_service.unsupported import UnsupportedModel
 
 
@@ -134,6 +133,4 @@ class Cohere2ForCausalLM(SkipsRopeInSomeLayers, CohereForCausalLM):
             raise UnsupportedModel("Cohere2ForCausalLM with sliding layers and sliding_window=None is not supported")
         super().__init__(config, group, dtype, device, backend)
         # As transformers decides: a layer rotates where it attends through a window.
-        self.uses_rope = [kind == "sliding_attention" for kind in config.layer_types]
-        self.unrotated = RotaryEmbedding(config, head_dim_of(config), served_context(config), dtype, device,
-                                         rotate=False)
+        self.rotate_only([kind == "sliding_attention" for kind in config.layer_types], config, dtype, device)

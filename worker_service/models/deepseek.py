@@ -33,7 +33,7 @@ from worker_service.backends.base import Backend
 from worker_service.distributed import TPGroup, all_reduce_sum
 from worker_service.layers.rotary import RotaryEmbedding, served_context
 from worker_service.layers.weights import WeightSlice, make_param
-from worker_service.models.layer_types import RotatesItself
+from worker_service.models.layer_types import RotatesItself, unrotated_table
 from worker_service.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from worker_service.models.mla import MlaAttention, latent_width
 from worker_service.models.moe import ExpertLayout, Routing, RoutesExperts, SparseMoE
@@ -172,8 +172,7 @@ class DeepseekV2ForCausalLM(RotatesItself, RoutesExperts, LlamaForCausalLM):
         # RoPE over q_pe and k_pe only, in the checkpoint's pairs; the backend's tables rotate nothing.
         self.rotary = RotaryEmbedding(config, config.qk_rope_head_dim, served_context(config), dtype, device,
                                       interleaved=self.interleaved(config))
-        self.unrotated = RotaryEmbedding(config, latent_width(config), served_context(config), dtype, device,
-                                         rotate=False)
+        self.unrotated = unrotated_table(config, dtype, device, latent_width(config))
 
     @classmethod
     def check(cls, config: Any) -> None:

@@ -13,10 +13,8 @@ import torch
 
 from worker_service.backends.base import Backend
 from worker_service.distributed import TPGroup
-from worker_service.layers.rotary import RotaryEmbedding, served_context
 from worker_service.models.config_checks import BY_LAYER_TYPE
 from worker_service.models.layer_types import SkipsRopeInSomeLayers
-from worker_service.models.llama import head_dim_of
 from worker_service.models.olmo2 import Olmo2DecoderLayer, Olmo2ForCausalLM
 from worker_service.models.qwen3 import Qwen3Attention
 
@@ -33,6 +31,5 @@ class Exaone4ForCausalLM(SkipsRopeInSomeLayers, Olmo2ForCausalLM):
                  backend: Backend) -> None:
         super().__init__(config, group, dtype, device, backend)
         hybrid = config.sliding_window is not None  # as transformers decides which layers rotate
-        self.uses_rope = [not hybrid or kind == "sliding_attention" for kind in config.layer_types]
-        self.unrotated = RotaryEmbedding(config, head_dim_of(config), served_context(config), dtype, device,
-                                         rotate=False)
+        self.rotate_only([not hybrid or kind == "sliding_attention" for kind in config.layer_types], config, dtype,
+                         device)

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from worker_service.backends.base import Backend, Rope, StepContext
+from worker_service.backends.base import Backend
 from worker_service.distributed import TPGroup
 from worker_service.layers.norm import RMSNorm
-from worker_service.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from worker_service.models.llama import LlamaDecoderLayer, LlamaForCausalLM, NormsAroundBlocks
 from worker_service.models.phi3 import Phi3MLP
 from worker_service.unsupported import UnsupportedModel
 
@@ -41,7 +41,7 @@ class GlmForCausalLM(LlamaForCausalLM):
         super().__init__(config, group, dtype, device, backend)
 
 
-class Glm4DecoderLayer(GlmDecoderLayer):
+class Glm4DecoderLayer(NormsAroundBlocks, GlmDecoderLayer):
     def __init__(self, config: Any, layer: int, group: TPGroup, qkv_bias: bool,
                  dtype: torch.dtype, device: torch.device, backend: Backend) -> None:
         super().__init__(config, layer, group, qkv_bias, dtype, device, backend)
@@ -50,16 +50,10 @@ class Glm4DecoderLayer(GlmDecoderLayer):
                                                 device, backend)
         self.post_mlp_layernorm = RMSNorm(f"{prefix}.post_mlp_layernorm.weight", size, eps, dtype, device, backend)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, step: StepContext,
-                rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
-        """As `LlamaDecoderLayer.forward`: (this layer's normed MLP output, the residual before it)."""
-        if residual is None:
-            residual, normed = hidden, self.input_layernorm(hidden)
-        else:
-            normed, residual = self.input_layernorm.add(hidden, residual)
-        attended = self.post_self_attn_layernorm(self.self_attn(normed, step, rope))
-        normed, residual = self.post_attention_layernorm.add(attended, residual)
-        return self.post_mlp_layernorm(self.mlp(normed)), residual
+    def norms(self) -> tuple[RMSNorm, RMSNorm, RMSNorm, RMSNorm]:
+        # GLM-4's checkpoint calls the norm before the MLP `post_attention_layernorm`.
+        return (self.input_layernorm, self.post_self_attn_layernorm, self.post_attention_layernorm,
+                self.post_mlp_layernorm)
 
 
 class Glm4ForCausalLM(GlmForCausalLM):

@@ -19,12 +19,10 @@ import torch
 from worker_service.backends.base import Backend
 from worker_service.distributed import TPGroup, all_reduce_sum
 from worker_service.layers.linear import ColumnParallelLinear, RowParallelLinear
-from worker_service.layers.rotary import RotaryEmbedding, served_context
 from worker_service.layers.sharding import balanced_range
 from worker_service.models.granite import GraniteDecoderLayer, GraniteForCausalLM
 from worker_service.models.granite_moe import GraniteMoE
 from worker_service.models.layer_types import SkipsRopeInSomeLayers
-from worker_service.models.llama import head_dim_of
 from worker_service.models.moe import MOE_ROUTING, RoutesExperts
 from worker_service.unsupported import UnsupportedModel
 
@@ -92,9 +90,7 @@ class GraniteMoeHybridForCausalLM(SkipsRopeInSomeLayers, GraniteMoeSharedForCaus
                                    "attention in every layer only")
         super().__init__(config, group, dtype, device, backend)
         rotates = config.position_embedding_type == "rope"
-        self.uses_rope = [rotates] * config.num_hidden_layers
-        self.unrotated = RotaryEmbedding(config, head_dim_of(config), served_context(config), dtype, device,
-                                         rotate=False)
+        self.rotate_only([rotates] * config.num_hidden_layers, config, dtype, device)
 
     @classmethod
     def ops_without_kernels(cls, config: Any) -> tuple[str, ...]:

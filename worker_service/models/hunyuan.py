@@ -19,7 +19,7 @@ from worker_service.backends.base import Backend, StepContext
 from worker_service.distributed import TPGroup
 from worker_service.layers.qk_norm import HeadNorm
 from worker_service.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters, served_context
-from worker_service.models.layer_types import RotatesItself, SelfRotatedRope
+from worker_service.models.layer_types import RotatesItself, SelfRotatedRope, unrotated_table
 from worker_service.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, head_dim_of
 
 
@@ -68,5 +68,4 @@ class HunYuanDenseV1ForCausalLM(RotatesItself, LlamaForCausalLM):
         super().__init__(config, group, dtype, device, backend)
         self.rotary = RotaryEmbedding(ntk_alpha_config(config), head_dim_of(config), served_context(config), dtype,
                                       device)
-        self.unrotated = RotaryEmbedding(config, head_dim_of(config), served_context(config), dtype, device,
-                                         rotate=False)
+        self.unrotated = unrotated_table(config, dtype, device)

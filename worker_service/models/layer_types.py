@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 import torch
 
 from worker_service.backends.base import Rope, StepContext
-from worker_service.layers.rotary import RotaryEmbedding, rope_parameters_by_layer_type
+from worker_service.layers.rotary import RotaryEmbedding, rope_parameters_by_layer_type, served_context
 from worker_service.models.llama import head_dim_of
 
 
@@ -36,10 +36,22 @@ class RotatesByLayerType:
         return hidden, residual
 
 
+def unrotated_table(config: Any, dtype: torch.dtype, device: torch.device, head_dim: int | None = None
+                    ) -> RotaryEmbedding:
+    """Tables that rotate nothing (cos 1, sin 0: a rotation by them returns its input exactly), over
+    the model's heads or `head_dim` dims, for the positions the model serves."""
+    return RotaryEmbedding(config, head_dim or head_dim_of(config), served_context(config), dtype, device,
+                           rotate=False)
+
+
 class SkipsRopeInSomeLayers:
     """`run_layers` for a model whose layers rotate where `uses_rope[i]` and otherwise take
-    `unrotated`'s table (cos 1, sin 0: the rotation returns its input exactly, so the backends
-    need nothing of their own); `rotary` is the table of the others."""
+    `unrotated`'s table (`unrotated_table`, so the backends need nothing of their own); `rotary`
+    is the table of the others. `rotate_only` sets both."""
+
+    def rotate_only(self, uses_rope: list[bool], config: Any, dtype: torch.dtype, device: torch.device) -> None:
+        self.uses_rope = uses_rope
+        self.unrotated = unrotated_table(config, dtype, device)
 
     def run_layers(self, hidden: torch.Tensor, step: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         rope = self.backend.rope(self.rotary, step.positions)

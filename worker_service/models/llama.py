@@ -171,6 +171,26 @@ class LlamaDecoderLayer(torch.nn.Module):
         return self.mlp(normed), residual
 
 
+class NormsAroundBlocks:
+    """`forward` for a decoder layer whose attention and MLP outputs are normed before each joins
+    the residual stream (GLM-4, AFMoE): `norms()` gives (the input norm, the norm after attention,
+    the one before the MLP, the one after it), each a `RMSNorm`."""
+
+    def norms(self) -> tuple[RMSNorm, RMSNorm, RMSNorm, RMSNorm]:
+        raise NotImplementedError
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, step: StepContext,
+                rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `LlamaDecoderLayer.forward`: (this layer's normed MLP output, the residual before it)."""
+        before_attention, after_attention, before_mlp, after_mlp = self.norms()
+        if residual is None:
+            residual, normed = hidden, before_attention(hidden)
+        else:
+            normed, residual = before_attention.add(hidden, residual)
+        normed, residual = before_mlp.add(after_attention(self.self_attn(normed, step, rope)), residual)
+        return after_mlp(self.mlp(normed)), residual
+
+
 class LlamaForCausalLM(CausalLM):
     """Checkpoint names follow Hugging Face's `LlamaForCausalLM`."""
 

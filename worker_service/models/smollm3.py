@@ -16,10 +16,9 @@ import torch
 
 from worker_service.backends.base import Backend
 from worker_service.distributed import TPGroup
-from worker_service.layers.rotary import RotaryEmbedding, served_context
 from worker_service.models.config_checks import BY_LAYER_TYPE
 from worker_service.models.layer_types import SkipsRopeInSomeLayers
-from worker_service.models.llama import LlamaForCausalLM, head_dim_of
+from worker_service.models.llama import LlamaForCausalLM
 from worker_service.unsupported import UnsupportedModel
 
 
@@ -36,6 +35,4 @@ class SmolLM3ForCausalLM(SkipsRopeInSomeLayers, LlamaForCausalLM):
             raise UnsupportedModel(f"SmolLM3 with {len(uses_rope)} no_rope_layers entries for "
                                    f"{config.num_hidden_layers} layers")
         super().__init__(config, group, dtype, device, backend)
-        self.uses_rope = uses_rope
-        self.unrotated = RotaryEmbedding(config, head_dim_of(config), served_context(config), dtype, device,
-                                         rotate=False)
+        self.rotate_only(uses_rope, config, dtype, device)
