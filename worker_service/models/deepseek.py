@@ -1,5 +1,5 @@
 """DeepSeek-V2 (`DeepseekV2ForCausalLM`: DeepSeek-V2, V2-Lite, V2.5) and DeepSeek-V3
-(`DeepseekV3ForCausalLM`: DeepSeek-V3, R1, Kimi-K2, Moonlight and others of its shape): Llama's
+(`DeepseekV3ForCausalLM`: DeepSeek-V3, R1, V3.1 and others of its shape): Llama's
 order of norms with multi-head latent attention (`mla.py`) and a mixture of experts of their own.
 
 - **Experts**: `n_routed_experts` SwiGLU experts (`moe_intermediate_size`), top
