@@ -28,7 +28,8 @@ class ModelNotFound(ValueError):
 
 class ModelUnreadable(ValueError):
     """The model's files are there but cannot be read (a GGUF file that is empty, not GGUF, or
-    cut short): one line naming the file and the cause."""
+    cut short; a folder whose config or tokenizer is custom code): one line naming the file and
+    the cause."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,9 +48,10 @@ class ModelSource:
         """The served model's name: the folder's, or the GGUF file's without its suffix."""
         return self.folder.name if self.gguf_file is None else self.gguf_file.removesuffix(GGUF_SUFFIX)
 
-    def hf_kwargs(self) -> dict[str, str]:
-        """What `from_pretrained(self.folder, ...)` needs to read this model."""
-        return {} if self.gguf_file is None else {"gguf_file": self.gguf_file}
+    def hf_kwargs(self) -> dict[str, Any]:
+        """What `from_pretrained(self.folder, ...)` needs to read this model. Never a model's own
+        code: a folder that names some (`auto_map`) is refused at once, not after a prompt."""
+        return {"trust_remote_code": False, **({} if self.gguf_file is None else {"gguf_file": self.gguf_file})}
 
 
 def resolve_model(path: str | Path) -> ModelSource:
@@ -100,7 +102,13 @@ def _reading(source: ModelSource, load: Callable[[], Loaded]) -> Loaded:
     first line: transformers' and gguf's own messages are tracebacks' last lines)."""
     path = source.gguf_path
     if path is None:
-        return load()
+        try:
+            return load()
+        except ValueError as exc:
+            if "trust_remote_code" not in str(exc):
+                raise
+            raise ModelUnreadable(f"{source.folder} names code of its own for transformers to run (auto_map: a "
+                                  "model_type or tokenizer transformers lacks), which is never run here") from exc
     try:
         return load()
     except Exception as exc:
