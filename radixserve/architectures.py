@@ -16,6 +16,7 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Ernie4_5_MoeForCausalLM",
     "CohereForCausalLM", "Cohere2ForCausalLM", "GraniteMoeSharedForCausalLM", "GraniteMoeHybridForCausalLM",
     "AfmoeForCausalLM", "Dots1ForCausalLM", "HunYuanDenseV1ForCausalLM",
+    "ApertusForCausalLM",
 )
 
 

@@ -41,6 +41,8 @@ def bounds(selection: range | None) -> slice:
 
 def read_slice(handle, piece: WeightSlice) -> torch.Tensor:
     tensor_slice = handle.get_slice(piece.name)
+    if not tensor_slice.get_shape():  # a scalar (Apertus' xIELU beta and eps): read whole
+        return handle.get_tensor(piece.name)
     lead = () if piece.expert is None else (piece.expert,)
     if len(tensor_slice.get_shape()) - len(lead) == 1:
         return tensor_slice[lead + (bounds(piece.rows),)]

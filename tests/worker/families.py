@@ -143,6 +143,11 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     # Hunyuan dense: per-head q/k norms after RoPE, a base stretched by a fixed NTK alpha.
     "hunyuan_dense": ("HunYuanDenseV1Config", "HunYuanDenseV1ForCausalLM", dict(
         rope_parameters={"rope_type": "dynamic", "alpha": 8.0, "factor": 1.0, "rope_theta": 10000.0})),
+    # Apertus: a non-gated MLP through xIELU (its per-layer parameters made random), per-head
+    # q/k norms, Llama 3's RoPE scaling.
+    "apertus": ("ApertusConfig", "ApertusForCausalLM", dict(
+        rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 64, "rope_theta": 10000.0})),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False)),
     # A parallel block under one LayerNorm, interleaved RoPE pairs, tied embeddings and scaled
     # logits; Cohere 2 with sliding layers (a window of 8) that rotate and a full one that does not.
@@ -176,6 +181,14 @@ def _randomise_norms(model: torch.nn.Module) -> None:
 RANDOM_BIASES = {"gpt_oss", "deepseek_v3", "glm4_moe", "minimax_m2", "ernie4_5_moe", "afmoe", "dots1"}
 
 
+def _randomise_activations(model: torch.nn.Module) -> None:
+    """xIELU's learned parameters away from their initial ones (Apertus)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".act_fn.alpha_" in name:
+                param.uniform_(-0.5, 1.0)
+
+
 def _randomise_biases(model: torch.nn.Module) -> None:
     with torch.no_grad():
         for name, param in [*model.named_parameters(), *model.named_buffers()]:  # V3's correction is a buffer
@@ -193,6 +206,7 @@ def make_family(family: str, out_dir: Path, seed: int = 0, **overrides) -> Path:
     config = getattr(transformers, config_name)(**_common(**{**settings, **overrides}))
     model = getattr(transformers, model_name)(config).eval()
     _randomise_norms(model)
+    _randomise_activations(model)
     if family in RANDOM_BIASES:
         _randomise_biases(model)
     model.generation_config.eos_token_id = EOS_TOKEN_IDS

@@ -119,6 +119,8 @@ VARIANTS = [
     ("granite_hybrid", dict(layer_types=["attention", "linear_attention"]), r"\['linear_attention'\] layers"),
     # AFMoE without muP scaling or shared experts, every layer sparse.
     ("afmoe", dict(mup_enabled=False, num_shared_experts=0, num_dense_layers=0), None),
+    # Apertus with another activation: refused by name.
+    ("apertus", dict(hidden_act="silu"), "hidden_act='silu'"),
     # Hunyuan dense with plain RoPE.
     ("hunyuan_dense", rope(rope_type="default"), None),
     # MiniMax-M2 rotating whole heads, top-1.

@@ -7,6 +7,7 @@ from typing import Any
 from radixserve.architectures import unsupported
 from worker_service.models.base import CausalLM
 from worker_service.models.afmoe import AfmoeForCausalLM
+from worker_service.models.apertus import ApertusForCausalLM
 from worker_service.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from worker_service.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from worker_service.models.dots1 import Dots1ForCausalLM
@@ -73,6 +74,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "AfmoeForCausalLM": AfmoeForCausalLM,
     "Dots1ForCausalLM": Dots1ForCausalLM,
     "HunYuanDenseV1ForCausalLM": HunYuanDenseV1ForCausalLM,
+    "ApertusForCausalLM": ApertusForCausalLM,
 }
 
 
