@@ -97,13 +97,15 @@ def attention_factor(params: dict[str, Any]) -> float:
     if params["rope_type"] == "longrope":  # sqrt(1 + ln(factor) / ln(original context))
         old_context = params["original_max_position_embeddings"]
         return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old_context))
-
-    def temperature(scale: float = 1.0) -> float:
-        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
-
     if params.get("mscale") and params.get("mscale_all_dim"):
-        return temperature(params["mscale"]) / temperature(params["mscale_all_dim"])
-    return temperature()
+        return yarn_temperature(factor, params["mscale"]) / yarn_temperature(factor, params["mscale_all_dim"])
+    return yarn_temperature(factor)
+
+
+def yarn_temperature(factor: float, scale: float = 1.0) -> float:
+    """YaRN's 0.1 `scale` ln(`factor`) + 1 (1 for a factor of at most 1): its attention factor,
+    and DeepSeek's mscale."""
+    return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
 
 
 def _llama3_scaling(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:

@@ -57,9 +57,7 @@ class AfmoeMoE(WithSharedExperts):
         self.scale = float(config.route_scale)
         self.expert_bias = make_param((config.num_experts,), [WeightSlice(f"{prefix}.expert_bias")], torch.float32,
                                       device)
-        self.shared = (LlamaMLP(config, layer, group, dtype, device, backend, f"{prefix}.shared_experts",
-                                config.moe_intermediate_size * config.num_shared_experts, reduce=False)
-                       if config.num_shared_experts else None)
+        self.add_shared(config, layer, config.num_shared_experts, dtype, device)
 
     def linears(self, prefix: str, layout: ExpertLayout, hidden_size: int, features: range, dtype: torch.dtype,
                 device: torch.device) -> tuple[torch.nn.Module, torch.nn.ModuleList, torch.nn.ModuleList]:

@@ -62,7 +62,13 @@ class WithSharedExperts(SparseMoE):
     """Routed experts plus `shared` (ungated experts every token runs, one MLP split across ranks
     like the routed ones, or None), summed across ranks once (DeepSeek's, ERNIE 4.5's)."""
 
-    shared: LlamaMLP | None  # set by the subclass (annotated only: a class attribute would hide the module)
+    shared: LlamaMLP | None  # set by `add_shared` (annotated only: a class attribute would hide the module)
+
+    def add_shared(self, config: Any, layer: int, count: int, dtype: torch.dtype, device: torch.device) -> None:
+        """`count` shared experts of `moe_intermediate_size` as one MLP (`mlp.shared_experts`), or none."""
+        self.shared = (LlamaMLP(config, layer, self.group, dtype, device, self.backend,
+                                f"model.layers.{layer}.mlp.shared_experts", config.moe_intermediate_size * count,
+                                reduce=False) if count else None)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         out = self.partial(hidden)
@@ -90,10 +96,7 @@ class DeepseekMoE(WithSharedExperts):
             raise UnsupportedModel(f"{config.n_routed_experts} experts in {self.groups[0]} groups")
         super().__init__(layer, config.hidden_size, config.moe_intermediate_size, routing, LAYOUT, group, dtype,
                          device, backend)
-        prefix = f"model.layers.{layer}.mlp.shared_experts"
-        self.shared = (LlamaMLP(config, layer, group, dtype, device, backend, prefix,
-                                config.moe_intermediate_size * config.n_shared_experts, reduce=False)
-                       if config.n_shared_experts else None)
+        self.add_shared(config, layer, config.n_shared_experts, dtype, device)
 
     @staticmethod
     def grouped(config: Any) -> bool:

@@ -37,9 +37,7 @@ class Ernie4_5MoE(WithSharedExperts):
         self.correction_bias = make_param((1, config.moe_num_experts),
                                           [WeightSlice(f"{prefix}.moe_statics.e_score_correction_bias")],
                                           torch.float32, device)
-        self.shared = (LlamaMLP(config, layer, group, dtype, device, backend, f"{prefix}.shared_experts",
-                                config.moe_intermediate_size * config.moe_num_shared_experts, reduce=False)
-                       if config.moe_num_shared_experts else None)
+        self.add_shared(config, layer, config.moe_num_shared_experts, dtype, device)
 
     def linears(self, prefix: str, layout: ExpertLayout, hidden_size: int, features: range, dtype: torch.dtype,
                 device: torch.device) -> tuple[torch.nn.Module, torch.nn.ModuleList, torch.nn.ModuleList]:

@@ -39,7 +39,7 @@ from worker_service.backends.base import Backend, StepContext
 from worker_service.distributed import TPGroup
 from worker_service.layers.linear import ColumnParallelLinear, RowParallelLinear
 from worker_service.layers.norm import RMSNorm
-from worker_service.layers.rotary import apply_rotary, rope_parameters
+from worker_service.layers.rotary import apply_rotary, rope_parameters, yarn_temperature
 from worker_service.layers.sharding import shard_heads
 from worker_service.layers.weights import WeightSlice, make_param
 from worker_service.models.layer_types import SelfRotatedRope
@@ -62,9 +62,7 @@ def softmax_scale(config: Any) -> float:
     scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
     params = rope_parameters(config)
     if params.get("rope_type", "default") != "default" and params.get("mscale_all_dim"):
-        factor = params["factor"]
-        mscale = 1.0 if factor <= 1 else 0.1 * params["mscale_all_dim"] * math.log(factor) + 1.0
-        scale *= mscale * mscale
+        scale *= yarn_temperature(params["factor"], params["mscale_all_dim"]) ** 2
     return scale
 
 
