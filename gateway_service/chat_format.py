@@ -5,9 +5,8 @@ the reasoning split, decided once per gateway (`ChatFormat`) and checked once pe
 tool_choice: `none` renders no tools and parses no calls; `auto` (the default with tools)
 renders them, parses calls, and constrains a call the model starts (`tool_grammar`);
 `required` and a named function constrain the whole output to calls (of that function). A
-family without a grammar (harmony, and the families of `tool_parsers_tagged` and
-`tool_parsers_sections`) has its calls parsed under `auto`, not constrained, and refuses
-`required` and a named function, which only a grammar could enforce.
+family without a grammar (harmony) has its calls parsed under `auto`, not constrained, and
+refuses `required` and a named function, which only a grammar could enforce.
 
 Harmony (gpt-oss) is one format for reasoning and calls (`harmony_splitter`): both parsers are
 harmony or neither. `auto` on one side follows `harmony` on the other; a template that writes
@@ -26,6 +25,7 @@ from jinja2 import meta
 from gateway_service import harmony
 from gateway_service.errors import InvalidRequest
 from gateway_service.reasoning import AUTO, CLOSE, HARMONY, OPEN, THINK, detect_reasoning
+from gateway_service.tagged_arguments import UnsupportedArguments
 from gateway_service.tokenizer import Tokenizer
 from gateway_service.tool_grammar import tool_call_grammar
 from gateway_service.tool_parser_base import ToolCallParser
@@ -52,7 +52,7 @@ class ChatFormat:
     """The gateway's chat conventions: its tool-call parser, whether its template renders
     tools itself, how outputs are split into reasoning and content (`think`, `harmony`; None:
     not), and the id of the calls' marker when it is one special token (the grammar names it
-    by id)."""
+    by id), as of the parser's other tags that are (`special_tags`)."""
 
     tool_parser: ToolCallParser
     renders_tools: bool
@@ -62,6 +62,7 @@ class ChatFormat:
     # enable_thinking when outputs are split at <think> (it turns that split off). None: any (the template
     # could not be read here).
     template_reads: frozenset[str] | None = None
+    special_tags: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def detect(cls, tokenizer: Tokenizer, tool_parser_name: str, reasoning_parser_name: str) -> "ChatFormat":
@@ -80,12 +81,14 @@ class ChatFormat:
                              f"{reasoning or 'none'} and {parser.name} for this chat template; give both "
                              "harmony (or auto)")
         tags = {THINK: (OPEN, CLOSE), HARMONY: harmony.KEPT_MARKERS}.get(reasoning or "", ())
-        for tag in (*tags, *parser.inner_tags):
+        for tag in tags:
             tokenizer.keep_special(tag)
+        special = tuple((tag, token_id) for tag in parser.inner_tags
+                        if (token_id := tokenizer.keep_special(tag)) is not None)
         reads = template_variables(template)
         if reads is not None and reasoning == THINK:
             reads |= {ENABLE_THINKING}
-        return cls(parser, "tools" in template, reasoning, tokenizer.keep_special(parser.marker), reads)
+        return cls(parser, "tools" in template, reasoning, tokenizer.keep_special(parser.marker), reads, special)
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +233,10 @@ def plan_chat(request: generation_pb2.GenerateRequest, chat: ChatFormat, max_cha
     parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
     # A named function renders all the tools (the model sees its whole toolbox); it may call only
     # that one.
-    grammar = tool_call_grammar(chat.tool_parser, tools, required, parallel, chat.marker_token)
+    try:
+        grammar = tool_call_grammar(chat.tool_parser, tools, required, parallel, chat.marker_token,
+                                    dict(chat.special_tags))
+    except UnsupportedArguments as exc:
+        raise InvalidRequest(f"tools: {exc} (the {chat.tool_parser.name} call layout)") from None
     return ChatPlan(tuple(request.tools), kwargs, Constraint(ConstraintKind.GRAMMAR, text=grammar),
                     True, split_reasoning)

@@ -182,5 +182,5 @@ def output_splitter(plan: ChatPlan, prompt_ids: list[int], tokenizer: Tokenizer,
     elif plan.split_reasoning:
         tail = tokenizer.decode_all(prompt_ids[-PROMPT_TAIL_TOKENS:])
         reasoning = ReasoningSplitter(opens_inside_block(tail))
-    tools = ToolCallSplitter(chat.tool_parser, incremental_calls) if plan.parse_tools else None
+    tools = ToolCallSplitter(chat.tool_parser.with_tools(plan.tools), incremental_calls) if plan.parse_tools else None
     return ChatOutputSplitter(reasoning, tools)

@@ -17,10 +17,10 @@ parameters schema>}` (llguidance's `%json`), laid out the way the parser family 
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from gateway_service.tool_parser_base import ToolCallParser
+from gateway_service.tool_grammar_layouts import LAYOUTS, layout_calls, literal, regex_escape
 from gateway_service.tool_parsers import HermesParser, Llama3JsonParser, MistralParser
 from radixserve.grammar_compiler import JSON_OPTIONS
 from radixserve.v1 import generation_pb2
@@ -51,13 +51,21 @@ def call_schema(tools: Sequence[generation_pb2.Tool], arguments_key: str) -> dic
 
 def tool_call_grammar(
     parser: ToolCallParser, tools: Sequence[generation_pb2.Tool], required: bool, parallel: bool,
-    marker_token: int | None = None,
+    marker_token: int | None = None, special_tags: Mapping[str, int] | None = None,
 ) -> str:
     """The Lark grammar for `tools` (already narrowed to the named one, if any).
     `marker_token`: the id of the marker when it is one special token (a model writes it as
-    that token, which no text lexeme can produce)."""
+    that token, which no text lexeme can produce); `special_tags`: the ids of the family's other
+    tags that are (`tool_grammar_layouts`). Raises `UnsupportedArguments` for a tool whose
+    schema the family's layout cannot enforce."""
+    marker = literal(parser.marker) if marker_token is None else f"<[{marker_token}]>"
+    if type(parser) in LAYOUTS:
+        special = dict(special_tags or {})
+        if marker_token is not None:
+            special[parser.marker] = marker_token
+        calls = layout_calls(parser, tools, parallel, special)
+        return _with_marker(parser.marker, marker, marker_token is not None, calls, required)
     body = f"body: %json {json.dumps(call_schema(tools, parser.arguments_key))}\n"
-    marker = json.dumps(parser.marker) if marker_token is None else f"<[{marker_token}]>"
     if isinstance(parser, HermesParser):
         calls = _repeated('"\\n" body "\\n</tool_call>"', f'"\\n" {marker}', parallel)
         return _with_marker(parser.marker, marker, marker_token is not None, calls, required) + body
@@ -87,7 +95,7 @@ def _with_marker(marker: str, marker_lark: str, special: bool, calls: str, requi
     if required:
         return f"start: {marker_lark} calls\n" + calls
     # Free text never holds the marker's text (a call it opened would escape the constraint).
-    escaped = re.escape(marker)
+    escaped = regex_escape(marker)
     text = _text_without(f"(?s:.*){escaped}(?s:.*)")
     if special:  # the marker token itself ends any text lexeme
         return f"start: TEXT | TEXT {marker_lark} calls | {marker_lark} calls\nTEXT: {text}\n" + calls

@@ -21,12 +21,13 @@ from __future__ import annotations
 import json
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 from gateway_service.text_markers import partial_suffix
 from gateway_service.tool_call_stream import PartialCall, partial_calls
+from radixserve.v1 import generation_pb2
 
 T = TypeVar("T")
 
@@ -60,6 +61,11 @@ class ToolCallParser(ABC):
     constrained: bool = True
     # The headers after which a call's arguments (a JSON object) stream (`tool_call_stream`).
     call_headers: tuple[re.Pattern, ...] = ()
+
+    def with_tools(self, tools: Sequence[generation_pb2.Tool]) -> "ToolCallParser":
+        """This parser for one request's tools: the same, but for a family whose layout needs the
+        tools' schemas to read a call's values (`tool_parsers_tagged`)."""
+        return self
 
     def call_start(self, text: str) -> int | None:
         """Where the calls begin in `text`, once that is certain; None while it is not."""

@@ -16,9 +16,9 @@ chat template by `detect_tool_parser`); what a parser promises is in `tool_parse
 - `deepseek_v3`, `deepseek_v31`, `kimi_k2`: sections of calls framed by special tokens, each a
   name and a JSON object (`tool_parsers_sections`).
 
-The first three are constrained by `tool_grammar`; the others are not (`constrained`): their
-calls are parsed, and a `tool_choice` that only a grammar could enforce is refused
-(`chat_format`).
+All but harmony are constrained by `tool_grammar` (and `tool_grammar_layouts`); harmony's calls
+are parsed, not constrained (`constrained`), and a `tool_choice` that only a grammar could enforce
+is refused (`chat_format`).
 """
 
 from __future__ import annotations

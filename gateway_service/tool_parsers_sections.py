@@ -35,7 +35,6 @@ class DeepSeekV3Parser(BlockParser):
     marker = "<｜tool▁calls▁begin｜>"
     closing = "<｜tool▁calls▁end｜>"
     inner_tags = (closing, DEEPSEEK_CALL_BEGIN, DEEPSEEK_SEP, DEEPSEEK_CALL_END)
-    constrained = False
     call_headers = (DEEPSEEK_CALL,)
     # What V3's template writes around the arguments (V3.1's does not), and between two calls.
     FENCE = "```json"
@@ -88,7 +87,6 @@ class KimiK2Parser(BlockParser):
     closing = "<|tool_calls_section_end|>"
     cue = marker
     inner_tags = (closing, KIMI_CALL_BEGIN, KIMI_ARGUMENTS, KIMI_CALL_END)
-    constrained = False
     call_headers = (KIMI_CALL,)
     _CALL = re.compile(rf"\s*{KIMI_CALL.pattern}(.*?){re.escape(KIMI_CALL_END)}", re.S)
 

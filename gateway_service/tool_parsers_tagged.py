@@ -8,20 +8,26 @@
   \\n...</function>\\n</tool_call>`, one block per call; the newline after `<parameter=KEY>` and the
   one before `</parameter>` belong to the layout, not to the value.
 
-A value is text, as the templates write a string argument; one that reads as another JSON value
-(a number, true/false, null, an object, an array: what the templates write as JSON) is that
-value. So a string argument that looks like a number comes back as the number: the parser does
-not see the tools' schemas. A call is reported whole once its tags close, not piece by piece
-(`partial_calls`): its arguments are JSON only once every value is read.
+A value is read as its tool's schema says it is written (`tagged_arguments`: a plain string
+parameter's value is the text itself, any other's a JSON text), the same reading the tool grammar
+writes it by. A value of a parameter the schema does not name (an open object, or a parser
+without the request's tools) is text, as the templates write a string argument, unless it reads as
+another JSON value (a number, true/false, null, an object, an array: what the templates write as
+JSON). A call is reported whole once its tags close, not piece by piece (`partial_calls`): its
+arguments are JSON only once every value is read.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import re
+from collections.abc import Sequence
 
+from gateway_service.tagged_arguments import ToolArguments, UnsupportedArguments, arguments_by_tool
 from gateway_service.tool_call_stream import NAME, PartialCall
-from gateway_service.tool_parser_base import BlockParser, ParsedCall, read_sequence
+from gateway_service.tool_parser_base import BlockParser, ParsedCall, ToolCallParser, read_sequence
+from radixserve.v1 import generation_pb2
 
 
 def text_value(text: str) -> object:
@@ -47,7 +53,16 @@ class TaggedBlockParser(BlockParser):
     """A family whose calls are tagged text. No JSON to stream: each call is reported once it is
     closed, from the blocks closed so far and the calls already closed in the open one."""
 
-    constrained = False
+    # The request's tools, by name, as their values are written (empty: none known).
+    _tools: dict[str, ToolArguments] = {}
+
+    def with_tools(self, tools: Sequence[generation_pb2.Tool]) -> ToolCallParser:
+        bound = copy.copy(self)
+        try:
+            bound._tools = arguments_by_tool(tools)
+        except UnsupportedArguments:  # refused before any output (chat_format); read as text
+            bound._tools = {}
+        return bound
 
     def _read_open_block(self, body: str) -> list[ParsedCall]:
         """The calls closed so far in a block still being written."""
@@ -71,11 +86,13 @@ class TaggedBlockParser(BlockParser):
         name = name.strip()
         if not re.fullmatch(NAME, name):
             raise ValueError(f"not a function name: {name!r}")
+        tool = self._tools.get(name)
         arguments = {}
         for key, value in pairs:
             if not key.strip():
                 raise ValueError("an argument without a name")
-            arguments[key.strip()] = text_value(value)
+            argument = None if tool is None else tool.argument(key.strip())
+            arguments[key.strip()] = text_value(value) if argument is None else argument.read(value)
         return ParsedCall(name, json.dumps(arguments, ensure_ascii=False))
 
 

@@ -28,6 +28,7 @@ from gateway_service.tool_parsers import (
     detect_tool_parser,
     tool_parser,
 )
+from radixserve.constraints import ConstraintKind
 from radixserve.v1 import generation_pb2 as pb
 
 WEATHER = ("get_weather", {"city": "Paris", "unit": "celsius"})
@@ -224,7 +225,7 @@ def test_rendered_calls_parse_back(name) -> None:
     calls = [WEATHER, TYPES, TIME]
     parsed = parser.parse(parser.render_calls(calls))
     assert _calls(parsed.calls) == calls and parsed.content == ""
-    assert not parser.constrained
+    assert parser.constrained
 
 
 def test_the_families_layouts_are_the_templates() -> None:
@@ -282,14 +283,25 @@ def test_the_reasoning_block_before_the_calls() -> None:
 
 
 @pytest.mark.parametrize("name", ["glm45", "minimax_m2", "qwen3_coder", "deepseek_v3", "deepseek_v31", "kimi_k2"])
-def test_a_required_call_is_refused_naming_the_format(name) -> None:
+def test_every_tool_choice_is_constrained(name) -> None:
+    """Each layout has its grammar (tests/gateway/test_tool_grammar_layouts.py): auto, required
+    and a named function all send one."""
     chat = ChatFormat(PARSERS[name](), True, None)
+    tool = pb.Tool(name="get_time", parameters='{"type": "object"}')
+    for choice in (pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_REQUIRED), pb.ToolChoice(function_name="get_time"),
+                   pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_AUTO)):
+        request = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="Time?")], tools=[tool],
+                                     tool_choice=choice)
+        plan = plan_chat(request, chat, 100_000)
+        assert plan.parse_tools and plan.constraint.kind is ConstraintKind.GRAMMAR
+        assert plan.constraint.text.startswith("start: " if choice.mode != pb.TOOL_CHOICE_MODE_AUTO else "start: TEXT")
+
+
+def test_harmony_refuses_a_required_call_naming_its_format() -> None:
+    chat = ChatFormat(PARSERS["harmony"](), True, "harmony")
     tool = pb.Tool(name="get_time", parameters='{"type": "object"}')
     for choice in (pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_REQUIRED), pb.ToolChoice(function_name="get_time")):
         request = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="Time?")], tools=[tool],
                                      tool_choice=choice)
-        with pytest.raises(InvalidRequest, match=f"{name} format"):
+        with pytest.raises(InvalidRequest, match="harmony format"):
             plan_chat(request, chat, 100_000)
-    auto = plan_chat(pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="Time?")], tools=[tool]),
-                     chat, 100_000)
-    assert auto.parse_tools and auto.constraint is None

@@ -3,8 +3,8 @@ tagged arguments (after its `<think>` block) and Kimi-K2's JSON arguments, each 
 template holding only its family's cue and a tokenizer (SmolLM2's) where the family's tags are
 special tokens, so they reach the parser only if the gateway keeps them; fake routers answer
 scripted token ids (on Generate calls, and on the Stream call's plain-token lane). Calls come out
-the same whole and streamed, with no tag in anything reported; a `tool_choice` only a grammar
-could enforce is a 400 naming the format."""
+the same whole and streamed, with no tag in anything reported; every `tool_choice` but none sends
+the family's grammar, which accepts what the model wrote (its tags as their special tokens)."""
 
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ def test_a_call_whole_and_streamed(family, api) -> None:
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"location": "Paris"}
     sent = harness.all_requests()[-1]
-    assert not sent.HasField("constraint")  # auto: parsed, not constrained
+    assert sent.constraint.grammar.startswith("start: TEXT")  # auto: text, or text then valid calls
     assert "get_weather" in tokenizer.decode_all(sent.prompt_token_ids)
     _say(family)
     chunks = list(api.chat.completions.create(model=MODEL, messages=CHAT, tools=[WEATHER], stream=True))
@@ -142,10 +142,26 @@ def test_without_a_call_the_text_is_content(family, api) -> None:
     assert not choice.message.tool_calls
 
 
-def test_a_required_call_is_refused_naming_the_format(family, api) -> None:
-    name, _, _, harness = family
-    before = len(harness.all_requests())
+def test_a_required_call_is_constrained_by_the_familys_grammar(family, api, smollm2_dir) -> None:
+    """`required` and a named function send a grammar of calls only; what the model writes under it
+    (here the family's own rendering of the call) is accepted token by token and read back."""
+    from gateway_service.tool_parsers import PARSERS
+    from radixserve.constraints import Constraint, ConstraintKind
+    from radixserve.grammar_compiler import GrammarCompiler
+
+    name, _, tokenizer, harness = family
+    written = PARSERS[name]().render_calls([("get_weather", {"location": "Paris"})])
+    token_ids = tokenizer.hf.encode(written, add_special_tokens=False)
+    compiler = GrammarCompiler.from_hf(tokenizer.hf, cache_size=4, vocab_size=len(tokenizer.hf))
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        with pytest.raises(openai.BadRequestError, match=f"{name} format"):
-            api.chat.completions.create(model=MODEL, messages=CHAT, tools=[WEATHER], tool_choice=choice)
-    assert len(harness.all_requests()) == before
+        harness.script_all(token_ids + [EOS_TOKEN_ID])
+        reply = api.chat.completions.create(model=MODEL, messages=CHAT, tools=[WEATHER], tool_choice=choice)
+        (call,) = reply.choices[0].message.tool_calls
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"location": "Paris"}
+        assert reply.choices[0].finish_reason == "tool_calls" and not reply.choices[0].message.content
+        grammar = harness.all_requests()[-1].constraint.grammar
+        assert not grammar.startswith("start: TEXT")  # calls only
+        matcher = compiler.matcher(Constraint(ConstraintKind.GRAMMAR, text=grammar))
+        assert matcher.consume_tokens(token_ids) and matcher.is_accepting()
+        assert not compiler.matcher(Constraint(ConstraintKind.GRAMMAR, text=grammar)).consume_tokens(
+            tokenizer.hf.encode("It is sunny.", add_special_tokens=False))
