@@ -286,6 +286,15 @@ def test_structured_output_through_response_format_and_guided_extras(api) -> Non
                                     extra_body={"guided_choice": ["yes", "no", "maybe"]})
     assert picked.choices[0].text in {"yes", "no", "maybe"}
 
+    # A constraint that forces tokens leaves fewer alternatives than asked: the answer lists the
+    # allowed ones only (it was a 500: -inf is no JSON number).
+    forced = api.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=8, temperature=0, logprobs=True,
+                                         top_logprobs=5, extra_body={"guided_choice": ["Paris, France"]})
+    assert forced.choices[0].message.content == "Paris, France"
+    entries = forced.choices[0].logprobs.content
+    assert entries and all(1 <= len(entry.top_logprobs) <= 5 for entry in entries)
+    assert any(len(entry.top_logprobs) == 1 and entry.logprob == 0.0 for entry in entries)
+
     with pytest.raises(openai.BadRequestError):  # an invalid regex is the library's 400
         api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
                                extra_body={"guided_regex": "(unclosed"})

@@ -231,6 +231,20 @@ def test_logprobs_are_log_softmax_of_raw_logits(new_sampler) -> None:
         assert_logprobs(sample, reference[index], params[index].top_logprobs)
 
 
+def test_top_logprobs_hold_only_the_tokens_a_mask_allows(new_sampler) -> None:
+    """A constrained row's logits arrive masked (-inf where the grammar forbids): its top
+    logprobs list the allowed tokens only, fewer than asked where fewer are allowed (a -inf would
+    make the HTTP answer invalid JSON)."""
+    logits = torch.full((2, 50), float("-inf"))
+    logits[0, [7, 9]] = torch.tensor([1.0, 2.0])
+    logits[1, 3] = 0.5  # one forced token
+    params = SamplingParams(temperature=1.0, logprobs=True, top_logprobs=5, seed=3)
+    samples = new_sampler(seed=0).sample(logits, [row(params), row(params)])
+    assert [token for token, _ in samples[0].top_logprobs] == [9, 7]
+    assert samples[0].top_logprobs[0][1] == pytest.approx(math.log(math.e / (math.e + 1)), abs=1e-5)
+    assert samples[1].token_id == 3 and samples[1].logprob == 0.0 and samples[1].top_logprobs == [(3, 0.0)]
+
+
 @pytest.mark.parametrize(
     ("params", "needle"),
     [

@@ -15,7 +15,9 @@ ops; `ops.py` holds both and the one place where rows the kernels refuse go to P
 
 Logprobs are the log-softmax of the RAW logits: the model's own distribution, before penalties,
 temperature, logit bias and truncation change it. A constrained row's logits arrive already masked (see
-grammar.py), so its logprobs are of the constrained distribution.
+grammar.py), so its logprobs are of the constrained distribution, and its top logprobs hold only the
+tokens it allows: where it allows fewer than were asked for (one forced token), the list is shorter,
+never padded with tokens of probability 0 (-inf, which JSON cannot carry).
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from worker_service.native import NativeKernels
 from worker_service.sampling.kernels import SamplingKernels
 from worker_service.sampling.ops import CpuSampling, KernelSampling, TorchSampling
 from worker_service.sampling.rows import Sample, SampleRow
+
+
+NEGATIVE_INFINITY = float("-inf")
 
 
 def seed_for_step(seed: int, num_output_tokens: int) -> int:
@@ -135,6 +140,8 @@ class Sampler:
             count = rows[index].params.top_logprobs
             top = None
             if count:
-                top = list(zip(top_ids[slot, :count].tolist(), top_values[slot, :count].tolist()))
+                top = [(token, value) for token, value in zip(top_ids[slot, :count].tolist(),
+                                                              top_values[slot, :count].tolist())
+                       if value != NEGATIVE_INFINITY]
             samples[index] = Sample(token_id=ids[index], logprob=chosen[slot], top_logprobs=top)
         return samples
