@@ -52,7 +52,7 @@ class ChatFormat:
     """The gateway's chat conventions: its tool-call parser, whether its template renders
     tools itself, how outputs are split into reasoning and content (`think`, `harmony`; None:
     not), and the id of the calls' marker when it is one special token (the grammar names it
-    by id), as of the parser's other tags that are (`special_tags`)."""
+    by id), as of the parser's other tags and the reasoning tags that are (`special_tags`)."""
 
     tool_parser: ToolCallParser
     renders_tools: bool
@@ -81,9 +81,7 @@ class ChatFormat:
                              f"{reasoning or 'none'} and {parser.name} for this chat template; give both "
                              "harmony (or auto)")
         tags = {THINK: (OPEN, CLOSE), HARMONY: harmony.KEPT_MARKERS}.get(reasoning or "", ())
-        for tag in tags:
-            tokenizer.keep_special(tag)
-        special = tuple((tag, token_id) for tag in parser.inner_tags
+        special = tuple((tag, token_id) for tag in (*tags, *parser.inner_tags)
                         if (token_id := tokenizer.keep_special(tag)) is not None)
         reads = template_variables(template)
         if reads is not None and reasoning == THINK:

@@ -170,6 +170,11 @@ class ChatOutputSplitter:
         return text if self._tools is None else self._tools.feed(text)
 
 
+def prompt_opens_block(prompt_ids: list[int], tokenizer: Tokenizer) -> bool:
+    """Whether the rendered prompt ends inside an open `<think>` block (the output starts there)."""
+    return opens_inside_block(tokenizer.decode_all(prompt_ids[-PROMPT_TAIL_TOKENS:]))
+
+
 def output_splitter(plan: ChatPlan, prompt_ids: list[int], tokenizer: Tokenizer, chat: ChatFormat,
                     incremental_calls: bool) -> ChatOutputSplitter | None:
     """What splits a request's output into reasoning, content and calls, as `plan` says (None:
@@ -180,7 +185,6 @@ def output_splitter(plan: ChatPlan, prompt_ids: list[int], tokenizer: Tokenizer,
     if plan.split_reasoning and chat.reasoning == HARMONY:
         reasoning = HarmonySplitter(plan.parse_tools)
     elif plan.split_reasoning:
-        tail = tokenizer.decode_all(prompt_ids[-PROMPT_TAIL_TOKENS:])
-        reasoning = ReasoningSplitter(opens_inside_block(tail))
+        reasoning = ReasoningSplitter(prompt_opens_block(prompt_ids, tokenizer))
     tools = ToolCallSplitter(chat.tool_parser.with_tools(plan.tools), incremental_calls) if plan.parse_tools else None
     return ChatOutputSplitter(reasoning, tools)

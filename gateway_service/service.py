@@ -38,6 +38,7 @@ from gateway_service.metrics import API_EMBED, API_GRPC, API_GRPC_MANY, GatewayM
 from gateway_service.output import OutputAssembler
 from gateway_service.plain_lane import Sink, plain_lane
 from gateway_service.pooling_config import PoolingConfig
+from gateway_service.reasoning_constraint import checked_constraint
 from gateway_service.router_choice import RouterPool
 from gateway_service.router_stream import BareTokens
 from gateway_service.text_pool import TextPool
@@ -290,15 +291,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             request.max_tokens if request.HasField("max_tokens") else None, len(prompt_ids),
             info.model.context_len, self._config.default_max_tokens,
         )
-        constraint = plan.constraint or constraints.from_proto(request.constraint)
-        if constraint is not None:
-            try:
-                await self._require_constraints().check(constraint, caller.client)
-            except InvalidRequest as exc:
-                if plan.constraint is None:
-                    raise
-                # The tools' grammar failed: a parameters schema the grammar library refused.
-                raise InvalidRequest(f"tools: {exc.message}") from None
+        constraint = await checked_constraint(request, plan, self._require_chat(), self._require_constraints(),
+                                              prompt_ids, tokenizer, caller.client)
         # The router sees a unique id even when callers reuse theirs, or when the choices of one
         # HTTP request share it; logs keep the caller's.
         request_id = f"{caller.request_id}-{uuid.uuid4().hex[:12]}"
@@ -337,6 +331,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         raise GatewayError("the router's stream ended without a finish reason")
 
     # --- helpers ----------------------------------------------------------------------------
+
 
     def _require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:

@@ -1,8 +1,9 @@
 """A request's output constraint (structured output): what the gateway checks, the router carries
 and rank 0 enforces.
 
-One value for every kind: a JSON schema, a regular expression, a grammar, a list of choices or
-"any JSON object". It is hashable, so the grammar compiler caches by it (same text, same
+One value for every kind: a JSON schema, a regular expression, a grammar, a list of choices,
+"any JSON object", or llguidance's own grammar JSON (what the gateway makes of a constraint that
+follows a reasoning block, `grammar_compiler.after_reasoning`). It is hashable, so the grammar compiler caches by it (same text, same
 compiled grammar). On the wire it is `radixserve.v1.Constraint`; `to_proto` / `from_proto` are
 the only mapping. This module stays free of the grammar library, so the router can import it.
 """
@@ -26,6 +27,7 @@ class ConstraintKind(enum.Enum):
     GRAMMAR = "grammar"
     CHOICE = "choice"
     JSON_OBJECT = "json_object"
+    LLGUIDANCE = "llguidance"
 
 
 @dataclass(slots=True, frozen=True)
@@ -52,7 +54,8 @@ class Constraint:
         """
         name = f"constraint.{self.kind.value}"
         found = []
-        if self.kind in (ConstraintKind.JSON_SCHEMA, ConstraintKind.REGEX, ConstraintKind.GRAMMAR):
+        if self.kind in (ConstraintKind.JSON_SCHEMA, ConstraintKind.REGEX, ConstraintKind.GRAMMAR,
+                         ConstraintKind.LLGUIDANCE):
             if not self.text:
                 found.append(f"{name} is empty")
             elif len(self.text) > MAX_CONSTRAINT_CHARS:
@@ -65,6 +68,13 @@ class Constraint:
             else:
                 if not isinstance(schema, (dict, bool)):
                     found.append(f"{name} must be a JSON object, got {type(schema).__name__}")
+        if self.kind is ConstraintKind.LLGUIDANCE and self.text:
+            try:
+                grammars = json.loads(self.text).get("grammars")
+            except (ValueError, AttributeError):
+                grammars = None
+            if not isinstance(grammars, list) or not grammars:
+                found.append(f'{name} must be a JSON object with a non-empty list "grammars"')
         if self.kind is ConstraintKind.CHOICE:
             if not self.choices:
                 found.append(f"{name} needs at least one choice")

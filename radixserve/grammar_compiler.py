@@ -31,6 +31,8 @@ JSON_OBJECT_SCHEMA = '{"type": "object"}'
 # Error messages without the parser's state dump (which may quote the schema at length).
 LIMITS = llguidance.LLParserLimits(verbose_errors=False)
 SILENT = 0  # llguidance log level: errors come back as values, not as stderr warnings
+# The names `after_reasoning` gives its grammar and, where it has none, the constraint's.
+REASONING_FIRST, ANSWER = "radixserve_reasoning", "radixserve_answer"
 
 
 class InvalidConstraint(ValueError):
@@ -49,9 +51,27 @@ def grammar_of(constraint: Constraint) -> str:
             return llguidance.LLMatcher.grammar_from_regex(constraint.text)
         if kind is ConstraintKind.GRAMMAR:
             return llguidance.grammar_from("grammar", constraint.text)  # Lark, or GBNF converted
+        if kind is ConstraintKind.LLGUIDANCE:
+            return constraint.text
         return llguidance.grammar_from("choice", json.dumps(list(constraint.choices)))
     except ValueError as exc:
         raise InvalidConstraint(f"constraint.{kind.value}: {exc}") from exc
+
+
+def after_reasoning(constraint: Constraint, reasoning: str, rules: str) -> Constraint:
+    """`constraint` behind a reasoning part: the output is `reasoning` (a Lark expression over
+    `rules`, which define it) and then what `constraint` allows, as llguidance's own grammar JSON
+    (the constraint's grammars follow, the first referred to by name). Raises `InvalidConstraint`
+    where the constraint itself is not a grammar."""
+    grammar = grammar_of(constraint)
+    if grammar.lstrip().startswith("{"):
+        inner = json.loads(grammar)["grammars"]
+    else:
+        inner = [{"lark_grammar": grammar}]
+    first = inner[0].get("name") or ANSWER
+    inner = [{**inner[0], "name": first}, *inner[1:]]
+    outer = {"name": REASONING_FIRST, "lark_grammar": f"start: {reasoning} @{first}\n{rules}"}
+    return Constraint(ConstraintKind.LLGUIDANCE, text=json.dumps({"grammars": [outer, *inner]}))
 
 
 def build_matcher(tokenizer: llguidance.LLTokenizer, constraint: Constraint) -> llguidance.LLMatcher:

@@ -1,11 +1,16 @@
 """Reasoning output and template-rendered tools through a whole stack, with the openai client.
 
-The model folder is the tiny random model with SmolLM2's tokenizer and a chat template in the
-style of Qwen3's (written for this test): it renders `tools` itself, shows the `<tool_call>`
-layout, and closes an empty `<think>` block in the generation prompt when `enable_thinking` is
-false. The gateway detects from it the Hermes parser and the think split. A random model does
-not think on its own, so a regex constraint makes it write a thinking block and an answer: the
-split is what is under test.
+The model folder is the tiny random model with SmolLM2's tokenizer, `<think>` and `</think>` added
+as special tokens (the model's vocabulary has rows for them), and a chat template in the style of
+Qwen3's (written for this test): it renders `tools` itself, shows the `<tool_call>` layout, closes
+an empty `<think>` block in the generation prompt when `enable_thinking` is false, and opens one
+when `opened` is true. The gateway detects from it the Hermes parser and the think split.
+
+A random model does not think on its own: a logit bias on `<think>` makes it open the block, and a
+smaller one on `</think>` makes it close the block after some sampled tokens (none to a few dozen,
+by seed). The constraint (a regex, the tools' grammar) binds only the answer after the block, as
+rank 0 enforces it (`gateway_service.reasoning_constraint`): the split and that binding are under
+test, over several seeds, whatever each seed's thoughts are.
 """
 
 from __future__ import annotations
@@ -18,9 +23,10 @@ import jsonschema
 import openai
 import pytest
 
-from constrained_model import make_constrained_model
+from constrained_model import SMOLLM2_VOCAB_SIZE, with_smollm2_tokenizer
 from e2e.stack import LaunchedStack, launch
 from procs import ServiceProcesses
+from worker.tiny_models import make_tiny_llama
 
 MODEL = "tiny-thinker"
 TIMEOUT_S = 60.0
@@ -57,11 +63,17 @@ A call is written <tool_call>
 
 </think>
 
+{% elif opened is defined and opened %}<think>
 {% endif %}{% endif %}"""
 CHAT = [{"role": "user", "content": "What is two and two?"}]
-# What the constraint makes the model write: a thinking block, then the answer.
-THOUGHT = "<think>\n[a-z]{2,8}( [a-z]{2,8}){0,3}\n</think>\n\n[A-Z][a-z]{2,8}"
-SPLIT = {"guided_regex": THOUGHT}
+OPEN_ID, CLOSE_ID = SMOLLM2_VOCAB_SIZE, SMOLLM2_VOCAB_SIZE + 1  # <think>, </think>
+# Open the block at once (the only place the grammar allows it); close it after some tokens.
+THINK_BIAS = {str(OPEN_ID): 100, str(CLOSE_ID): 8}
+ANSWER = "[A-Z][a-z]{2,8}"
+SPLIT = {"guided_regex": ANSWER, "logit_bias": THINK_BIAS}
+SEEDS = range(1, 9)
+# Room for the longest thoughts a seed takes, so that every answer finishes.
+THINKING_MAX_TOKENS = 256
 LEVEL_SCHEMA = {"type": "object", "properties": {"level": {"type": "integer", "minimum": 0, "maximum": 9}},
                 "required": ["level"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "set_level", "parameters": LEVEL_SCHEMA}}]
@@ -69,7 +81,15 @@ TOOLS = [{"type": "function", "function": {"name": "set_level", "parameters": LE
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, smollm2_dir):
-    model_dir = make_constrained_model(tmp_path_factory.mktemp("thinker") / MODEL, smollm2_dir)
+    from transformers import AutoTokenizer
+
+    model_dir = tmp_path_factory.mktemp("thinker") / MODEL
+    make_tiny_llama(model_dir, vocab_size=SMOLLM2_VOCAB_SIZE + 2)
+    with_smollm2_tokenizer(model_dir, smollm2_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<think>", "</think>"]})
+    assert tokenizer.convert_tokens_to_ids(["<think>", "</think>"]) == [OPEN_ID, CLOSE_ID]
+    tokenizer.save_pretrained(str(model_dir))
     (model_dir / "chat_template.jinja").write_text(TEMPLATE)
     with ServiceProcesses() as procs:
         yield launch(procs, model_dir, tp=1, default_max_tokens=48, with_http=True)
@@ -86,35 +106,48 @@ def reasoning_of(message) -> str | None:
     return (message.model_extra or {}).get("reasoning_content")
 
 
-@pytest.mark.timeout(180)
-def test_thinking_goes_to_reasoning_content_streamed_and_not(api, stack) -> None:
-    fields = dict(model=MODEL, messages=CHAT, temperature=0, extra_body=SPLIT)
-    message = api.chat.completions.create(**fields).choices[0].message
-    reasoning, content = reasoning_of(message), message.content
-    assert re.fullmatch(r"\n[a-z]{2,8}( [a-z]{2,8}){0,3}\n", reasoning), reasoning
-    assert re.fullmatch(r"[A-Z][a-z]{2,8}", content), content
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("opened", [False, True])
+def test_thinking_goes_to_reasoning_content_and_the_constraint_binds_the_answer(api, opened) -> None:
+    """The model thinks (in a block it opens, or one the prompt opened) and then answers: the
+    reasoning is free text, the answer is what the regex allows, streamed as not."""
+    thought = []
+    for seed in SEEDS:
+        fields = dict(model=MODEL, messages=CHAT, temperature=1.0, seed=seed, max_tokens=THINKING_MAX_TOKENS,
+                      extra_body={**SPLIT, "chat_template_kwargs": {"opened": opened}})
+        choice = api.chat.completions.create(**fields).choices[0]
+        reasoning, content = reasoning_of(choice.message), choice.message.content
+        assert choice.finish_reason == "stop" and re.fullmatch(ANSWER, content), (seed, reasoning, content)
+        assert "think>" not in (reasoning or ""), reasoning
+        if reasoning:
+            thought.append((fields, reasoning, content))
+    assert thought, "no seed thought before answering"
+    fields, reasoning, content = thought[0]
     deltas = [c.choices[0].delta for c in api.chat.completions.create(**fields, stream=True) if c.choices]
     assert "".join(reasoning_of(d) or "" for d in deltas) == reasoning
     assert "".join(d.content or "" for d in deltas) == content
     assert any(reasoning_of(d) for d in deltas) and not any(reasoning_of(d) and d.content for d in deltas[:1])
-    # The whole text, unsplit, is what the model wrote: the split lost nothing.
-    raw = api.completions.create(model=MODEL, prompt=_chat_prompt(stack), temperature=0, extra_body=SPLIT)
-    assert raw.choices[0].text == f"<think>{reasoning}</think>\n\n{content}"
 
 
-def _chat_prompt(stack: LaunchedStack) -> list[int]:
-    """The rendered chat as token ids, from /tokenize."""
-    reply = httpx.post(f"{stack.http_base}/tokenize", json={"model": MODEL, "messages": CHAT}, timeout=TIMEOUT_S)
-    return reply.json()["tokens"]
+@pytest.mark.timeout(120)
+def test_a_model_that_does_not_think_answers_at_once(api) -> None:
+    message = api.chat.completions.create(model=MODEL, messages=CHAT, temperature=0,
+                                          extra_body={"guided_regex": ANSWER}).choices[0].message
+    assert reasoning_of(message) is None and re.fullmatch(ANSWER, message.content), message
 
 
 @pytest.mark.timeout(120)
 def test_enable_thinking_false_turns_the_split_off(api) -> None:
+    """The template closes an empty block itself; a block the model still writes is content, and
+    a constraint binds the output from its first token."""
+    message = api.chat.completions.create(
+        model=MODEL, messages=CHAT, temperature=0, max_tokens=8,
+        extra_body={"logit_bias": THINK_BIAS, "chat_template_kwargs": {"enable_thinking": False}}).choices[0].message
+    assert reasoning_of(message) is None and message.content.startswith("<think>"), message
     message = api.chat.completions.create(
         model=MODEL, messages=CHAT, temperature=0,
         extra_body={**SPLIT, "chat_template_kwargs": {"enable_thinking": False}}).choices[0].message
-    assert reasoning_of(message) is None
-    assert message.content.startswith("<think>\n") and "</think>\n\n" in message.content
+    assert reasoning_of(message) is None and re.fullmatch(ANSWER, message.content), message
 
 
 @pytest.mark.timeout(120)
@@ -123,14 +156,19 @@ def test_template_renders_the_tools_and_calls_validate(api, stack) -> None:
                         timeout=TIMEOUT_S).json()["tokens"]
     rendered = httpx.post(f"{stack.http_base}/detokenize", json={"tokens": tokens}, timeout=TIMEOUT_S).json()["prompt"]
     assert "# Tools" in rendered and '"name": "set_level"' in rendered  # the template's own words
-    for stream in (False, True):
+    for stream, seed in [(False, seed) for seed in SEEDS[:3]] + [(True, SEEDS[0])]:  # it thinks, then must call
         reply = api.chat.completions.create(model=MODEL, messages=CHAT, tools=TOOLS, tool_choice="required",
-                                            parallel_tool_calls=False, temperature=1.0, seed=3, stream=stream)
+                                            parallel_tool_calls=False, stream=stream, temperature=1.0, seed=seed,
+                                            max_tokens=THINKING_MAX_TOKENS, extra_body={"logit_bias": THINK_BIAS})
         if stream:
-            parts = [p for c in reply for p in c.choices[0].delta.tool_calls or ()]
+            chunks = [c.choices[0].delta for c in reply if c.choices]
+            parts = [p for delta in chunks for p in delta.tool_calls or ()]
             name, arguments = parts[0].function.name, "".join(p.function.arguments or "" for p in parts)
+            reasoning = "".join(reasoning_of(delta) or "" for delta in chunks)
         else:
             (call,) = reply.choices[0].message.tool_calls
             name, arguments = call.function.name, call.function.arguments
+            reasoning = reasoning_of(reply.choices[0].message)
+        assert "think>" not in (reasoning or ""), reasoning
         assert name == "set_level"
         jsonschema.validate(json.loads(arguments), LEVEL_SCHEMA)

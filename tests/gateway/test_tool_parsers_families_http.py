@@ -99,6 +99,25 @@ def _say(family) -> None:
     harness.script_all(token_ids + [EOS_TOKEN_ID])
 
 
+def _sent_constraint(harness: GatewayHarness):
+    from radixserve.constraints import Constraint, ConstraintKind
+
+    sent = harness.all_requests()[-1].constraint
+    kind = sent.WhichOneof("kind")
+    return Constraint(ConstraintKind(kind), text=getattr(sent, kind))
+
+
+def _tool_grammar(harness: GatewayHarness, spec: Family) -> str:
+    """The tools' grammar the last request carried: behind the reasoning block (llguidance's own
+    grammar JSON, the tools' grammar second) for a family that thinks, else as it is."""
+    constraint = _sent_constraint(harness)
+    if spec.reasoning is None:
+        return constraint.text
+    grammars = json.loads(constraint.text)["grammars"]
+    assert "<think>" in grammars[0]["lark_grammar"] or "<[" in grammars[0]["lark_grammar"]
+    return grammars[1]["lark_grammar"]
+
+
 def _no_tags(*texts: str | None) -> None:
     for text in texts:
         assert "<" not in (text or ""), text
@@ -119,9 +138,8 @@ def test_a_call_whole_and_streamed(family, api) -> None:
     assert (choice.message.model_extra or {}).get("reasoning_content") == spec.reasoning
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"location": "Paris"}
-    sent = harness.all_requests()[-1]
-    assert sent.constraint.grammar.startswith("start: TEXT")  # auto: text, or text then valid calls
-    assert "get_weather" in tokenizer.decode_all(sent.prompt_token_ids)
+    assert _tool_grammar(harness, spec).startswith("start: TEXT")  # auto: text, or text then valid calls
+    assert "get_weather" in tokenizer.decode_all(harness.all_requests()[-1].prompt_token_ids)
     _say(family)
     chunks = list(api.chat.completions.create(model=MODEL, messages=CHAT, tools=[WEATHER], stream=True))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
@@ -146,10 +164,9 @@ def test_a_required_call_is_constrained_by_the_familys_grammar(family, api, smol
     """`required` and a named function send a grammar of calls only; what the model writes under it
     (here the family's own rendering of the call) is accepted token by token and read back."""
     from gateway_service.tool_parsers import PARSERS
-    from radixserve.constraints import Constraint, ConstraintKind
     from radixserve.grammar_compiler import GrammarCompiler
 
-    name, _, tokenizer, harness = family
+    name, spec, tokenizer, harness = family
     written = PARSERS[name]().render_calls([("get_weather", {"location": "Paris"})])
     token_ids = tokenizer.hf.encode(written, add_special_tokens=False)
     compiler = GrammarCompiler.from_hf(tokenizer.hf, cache_size=4, vocab_size=len(tokenizer.hf))
@@ -159,9 +176,8 @@ def test_a_required_call_is_constrained_by_the_familys_grammar(family, api, smol
         (call,) = reply.choices[0].message.tool_calls
         assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"location": "Paris"}
         assert reply.choices[0].finish_reason == "tool_calls" and not reply.choices[0].message.content
-        grammar = harness.all_requests()[-1].constraint.grammar
-        assert not grammar.startswith("start: TEXT")  # calls only
-        matcher = compiler.matcher(Constraint(ConstraintKind.GRAMMAR, text=grammar))
+        assert not _tool_grammar(harness, spec).startswith("start: TEXT")  # calls only
+        matcher = compiler.matcher(_sent_constraint(harness))
         assert matcher.consume_tokens(token_ids) and matcher.is_accepting()
-        assert not compiler.matcher(Constraint(ConstraintKind.GRAMMAR, text=grammar)).consume_tokens(
+        assert not compiler.matcher(_sent_constraint(harness)).consume_tokens(
             tokenizer.hf.encode("It is sunny.", add_special_tokens=False))

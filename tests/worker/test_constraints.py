@@ -21,6 +21,7 @@ from transformers import AutoTokenizer
 
 from constrained_model import make_constrained_model
 from radixserve.constraints import Constraint, ConstraintKind
+from radixserve.grammar_compiler import JSON_OPTIONS
 from radixserve.sampling import SamplingParams
 from worker.executor_fakes import entry, error_of, new_request, task
 from worker_service.executor import Executor
@@ -161,6 +162,23 @@ def test_sampled_outputs_satisfy_their_constraints(generator, tokenizer) -> None
     assert all(re.fullmatch(REGEX, text) for text in texts[constraints[-2]])
     outputs = texts[constraints[-1]]
     assert set(outputs) <= set(CHOICES) and len(set(outputs)) > 1
+
+
+def test_llguidances_own_grammar_is_enforced_with_its_named_grammars(generator, tokenizer) -> None:
+    """The `llguidance` kind (what the gateway sends for a constraint behind a reasoning block):
+    a Lark start that refers to a JSON schema by name."""
+    grammars = {"grammars": [{"name": "answer", "lark_grammar": 'start: "Level: " @ranges\n'},
+                             {"name": "ranges", "json_schema": {**SCHEMAS["ranges"], "x-guidance": JSON_OPTIONS}}]}
+    constraint = Constraint(ConstraintKind.LLGUIDANCE, json.dumps(grammars))
+    assert not constraint.problems()
+    runs = generator.run(tokenizer.encode("Answer:"), [constraint] * 8, [SamplingParams(temperature=1.0)] * 8)
+    for run in runs:
+        text = text_of(tokenizer, run)
+        assert run.finished and text.startswith("Level: "), text
+        jsonschema.validate(json.loads(text.removeprefix("Level: ")), SCHEMAS["ranges"])
+    for text in ("not json", "[]", '{"grammars": []}', '{"grammar": [{}]}'):
+        assert Constraint(ConstraintKind.LLGUIDANCE, text).problems() == [
+            'constraint.llguidance must be a JSON object with a non-empty list "grammars"'], text
 
 
 @pytest.mark.timeout(120)
