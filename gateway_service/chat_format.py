@@ -4,9 +4,9 @@ the reasoning split, decided once per gateway (`ChatFormat`) and checked once pe
 
 tool_choice: `none` renders no tools and parses no calls; `auto` (the default with tools)
 renders them, parses calls, and constrains a call the model starts (`tool_grammar`);
-`required` and a named function constrain the whole output to calls (of that function). A
-family without a grammar (harmony) has its calls parsed under `auto`, not constrained, and
-refuses `required` and a named function, which only a grammar could enforce.
+`required` and a named function constrain the whole output to calls (of that function).
+Harmony's calls under `auto` are parsed, not constrained; a required one is constrained after
+the model's analysis (`harmony_grammar`).
 
 Harmony (gpt-oss) is one format for reasoning and calls (`harmony_splitter`): both parsers are
 harmony or neither. `auto` on one side follows `harmony` on the other; a template that writes
@@ -24,6 +24,7 @@ from jinja2 import meta
 
 from gateway_service import harmony
 from gateway_service.errors import InvalidRequest
+from gateway_service.harmony_grammar import harmony_call_grammar
 from gateway_service.reasoning import AUTO, CLOSE, HARMONY, OPEN, THINK, detect_reasoning
 from gateway_service.tagged_arguments import UnsupportedArguments
 from gateway_service.tokenizer import Tokenizer
@@ -221,13 +222,10 @@ def plan_chat(request: generation_pb2.GenerateRequest, chat: ChatFormat, max_cha
         raise InvalidRequest("give either tools or a structured-output constraint (response_format, "
                              "guided_*), not both; or set tool_choice to none")
     required = named is not None or mode == Mode.TOOL_CHOICE_MODE_REQUIRED
-    if not chat.tool_parser.constrained:
-        if required:
-            asked = f"naming the function {named!r}" if named is not None else "'required'"
-            raise InvalidRequest(f"tool_choice {asked} cannot be enforced for this model: its tool calls are "
-                                 f"written in the {chat.tool_parser.name} format, which the tool grammar does not "
-                                 "cover; use tool_choice 'auto' (calls parsed, not constrained) or 'none'")
-        return ChatPlan(tuple(request.tools), kwargs, None, True, split_reasoning)
+    if isinstance(chat.tool_parser, HarmonyParser):  # a required call is constrained, auto ones parsed
+        grammar = harmony_call_grammar(tools, dict(chat.special_tags)) if required else None
+        constraint = None if grammar is None else Constraint(ConstraintKind.GRAMMAR, text=grammar)
+        return ChatPlan(tuple(request.tools), kwargs, constraint, True, split_reasoning)
     parallel = request.parallel_tool_calls if request.HasField("parallel_tool_calls") else True
     # A named function renders all the tools (the model sees its whole toolbox); it may call only
     # that one.

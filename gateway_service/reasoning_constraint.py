@@ -8,7 +8,8 @@ token, so the model could not think first. Instead the output may start with one
 the prompt already opened the block, starts inside it, and the constraint binds what follows
 (`grammar_compiler.after_reasoning`). So a model that does not think goes straight to the
 constrained answer, and one that thinks is constrained from `</think>` on. The tags are written as
-their tokens where they are special tokens (`tool_grammar_layouts.Lark`).
+their tokens where they are special tokens (`tool_grammar_layouts.Lark`). gpt-oss's harmony
+format has its own: the constraint binds the final message (`harmony_grammar`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from gateway_service.chat_format import ChatFormat, ChatPlan
 from gateway_service.chat_output import prompt_opens_block
 from gateway_service.constraint_check import ConstraintChecker
 from gateway_service.errors import InvalidRequest
-from gateway_service.reasoning import CLOSE, OPEN, THINK
+from gateway_service.harmony_grammar import harmony_answer
+from gateway_service.reasoning import CLOSE, HARMONY, OPEN, THINK
 from gateway_service.tokenizer import Tokenizer
 from gateway_service.tool_grammar_layouts import Lark
 from radixserve import constraints
@@ -45,6 +47,10 @@ async def checked_constraint(request: generation_pb2.GenerateRequest, plan: Chat
         raise InvalidRequest(f"tools: {exc.message}") from None
     if plan.split_reasoning and chat.reasoning == THINK:
         constraint = reasoning_then(constraint, dict(chat.special_tags), prompt_opens_block(prompt_ids, tokenizer))
+        await checker.check(constraint, client)
+    elif plan.split_reasoning and chat.reasoning == HARMONY and plan.constraint is None:
+        # gpt-oss: the final message's body (a required call's grammar is harmony already)
+        constraint = harmony_answer(constraint, dict(chat.special_tags))
         await checker.check(constraint, client)
     return constraint
 

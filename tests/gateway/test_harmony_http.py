@@ -2,7 +2,8 @@
 them added, and a chat template that writes harmony), fake routers answering scripted token ids
 (on Generate calls, and on the Stream call's plain-token lane), the HTTP API through the openai
 client and the gRPC API: reasoning, content and calls split out, whole and streamed alike, with
-no marker in anything reported."""
+no marker in anything reported; a required call and a structured answer constrained after the
+analysis."""
 
 from __future__ import annotations
 
@@ -136,15 +137,51 @@ def test_cut_by_max_tokens_inside_the_analysis(harness, api, harmony_tokenizer) 
     assert reasoning and "The user wants the weather.".startswith(reasoning)
 
 
-def test_constrained_tool_choice_is_refused_naming_harmony(harness, api) -> None:
-    before = len(harness.all_requests())
+def _sent_constraint(harness: GatewayHarness):
+    from radixserve.constraints import Constraint, ConstraintKind
+
+    sent = harness.all_requests()[-1].constraint
+    kind = sent.WhichOneof("kind")
+    return Constraint(ConstraintKind(kind), text=getattr(sent, kind))
+
+
+def _accepts(tokenizer: Tokenizer, constraint, text: str) -> bool:
+    from radixserve.grammar_compiler import GrammarCompiler
+
+    compiler = GrammarCompiler.from_hf(tokenizer.hf, cache_size=2, vocab_size=len(tokenizer.hf))
+    matcher = compiler.matcher(constraint)
+    return bool(matcher.consume_tokens(tokenizer.hf.encode(text, add_special_tokens=False))) and matcher.is_accepting()
+
+
+def test_a_required_call_is_constrained_after_the_analysis(harness, api, harmony_tokenizer) -> None:
+    """`required` and a named function send harmony's call grammar, which lets the model think in
+    its analysis channel first and accepts what it then writes (the end of turn is the EOS)."""
+    call = CALL.replace('{"location":"Paris"}', '{"location": "Paris"}')
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        with pytest.raises(openai.BadRequestError, match="harmony format"):
-            api.chat.completions.create(model=MODEL, messages=CHAT, tools=[WEATHER], tool_choice=choice)
+        _say(harness, harmony_tokenizer, call)
+        reply = api.chat.completions.create(model=MODEL, messages=CHAT, tools=[WEATHER], tool_choice=choice)
+        (made,) = reply.choices[0].message.tool_calls
+        assert made.function.name == "get_weather" and json.loads(made.function.arguments) == {"location": "Paris"}
+        constraint = _sent_constraint(harness)
+        assert _accepts(harmony_tokenizer, constraint, call.removesuffix(harmony.CALL))
+        assert not _accepts(harmony_tokenizer, constraint, ANSWER.removesuffix(harmony.RETURN))  # no answer
     with pytest.raises(openai.BadRequestError, match="enable_thinking"):  # the split cannot be turned off
         api.chat.completions.create(model=MODEL, messages=CHAT,
                                     extra_body={"chat_template_kwargs": {"enable_thinking": False}})
-    assert len(harness.all_requests()) == before
+
+
+def test_response_format_binds_the_final_message(harness, api, harmony_tokenizer) -> None:
+    schema = {"type": "object", "properties": {"sunny": {"type": "boolean"}}, "required": ["sunny"]}
+    answer = ANALYSIS + '<|channel|>final<|message|>{"sunny": true}'
+    _say(harness, harmony_tokenizer, answer + harmony.RETURN)
+    reply = api.chat.completions.create(model=MODEL, messages=CHAT, response_format={
+        "type": "json_schema", "json_schema": {"name": "weather", "schema": schema}})
+    message = reply.choices[0].message
+    assert json.loads(message.content) == {"sunny": True}
+    assert message.model_extra["reasoning_content"] == "The user wants the weather."
+    constraint = _sent_constraint(harness)
+    assert constraint.kind.value == "llguidance" and _accepts(harmony_tokenizer, constraint, answer)
+    assert not _accepts(harmony_tokenizer, constraint, '{"sunny": true}')  # no final message's header
 
 
 def test_grpc_carries_the_same_split(harness, harmony_tokenizer) -> None:

@@ -297,11 +297,12 @@ def test_every_tool_choice_is_constrained(name) -> None:
         assert plan.constraint.text.startswith("start: " if choice.mode != pb.TOOL_CHOICE_MODE_AUTO else "start: TEXT")
 
 
-def test_harmony_refuses_a_required_call_naming_its_format() -> None:
+def test_harmony_constrains_a_required_call_and_parses_auto_ones() -> None:
     chat = ChatFormat(PARSERS["harmony"](), True, "harmony")
     tool = pb.Tool(name="get_time", parameters='{"type": "object"}')
+    chat_turns = [pb.ChatMessage(role="user", content="Time?")]
     for choice in (pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_REQUIRED), pb.ToolChoice(function_name="get_time")):
-        request = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="Time?")], tools=[tool],
-                                     tool_choice=choice)
-        with pytest.raises(InvalidRequest, match="harmony format"):
-            plan_chat(request, chat, 100_000)
+        plan = plan_chat(pb.GenerateRequest(messages=chat_turns, tools=[tool], tool_choice=choice), chat, 100_000)
+        assert plan.parse_tools and "commentary to=functions.get_time " in plan.constraint.text
+    auto = plan_chat(pb.GenerateRequest(messages=chat_turns, tools=[tool]), chat, 100_000)
+    assert auto.parse_tools and auto.constraint is None
