@@ -32,7 +32,7 @@ from router_service.core.request import FinishReason, Request
 from router_service.core.scheduler import Scheduler
 from router_service.core.stats import SchedulerStats
 from router_service.core.step_costs import StepCosts
-from router_service.errors import InvalidRequest, QueueFull, RouterError, WorkersUnavailable
+from router_service.errors import ConstraintFailed, InvalidRequest, QueueFull, RouterError, WorkersUnavailable
 from router_service.events import EventSink, StreamEvent
 from router_service.lookahead import InFlightStep
 from router_service.metrics import RouterMetrics
@@ -295,8 +295,17 @@ class Engine:
         scheduler.observe_step(plan, seconds)  # what drafts cost (core/speculation.py)
         self._last_result_at = now
         scheduler.complete(plan, token_ids, num_accepted)
+        # Rare: read once per step, not per token.
+        failures = {failure.request_id: failure.message for failure in result.constraint_failures} \
+            if result.constraint_failures else None
         for entry, token, num_output in zip(sampling, tokens, num_outputs):
             request = entry.request
+            if failures is not None and request.request_id in failures:
+                scheduler.cancel(request)  # still running: it ends now, its pages given back
+                self._send(request, StreamEvent(error=ConstraintFailed(
+                    f"constraint: the output could not follow it past output token {request.num_output} "
+                    f"({failures[request.request_id]})")))
+                continue
             # A step yields the accepted drafts and the sampled token, up to a stop; a stale
             # entry (`complete` skipped it) yields nothing.
             num_new = request.num_output - num_output

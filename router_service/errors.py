@@ -18,3 +18,8 @@ class QueueFull(RouterError):
 
 class WorkersUnavailable(RouterError):
     """The worker group is not connected, or failed while the request was in flight."""
+
+
+class ConstraintFailed(InvalidRequest):
+    """Rank 0 could not keep the request's output within its constraint (the grammar library's
+    per-step limits, or a token it could not take): the output so far does not follow it."""

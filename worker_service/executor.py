@@ -195,6 +195,8 @@ class Executor:
             if state.matcher is not None:  # back to the accepted tokens, then the sampled one
                 state.matcher.sync(group[count].output_ids)
                 state.matcher.advance(final.token_id)
+                if (error := state.matcher.error()) is not None:
+                    result.constraint_failures.add(request_id=entry.request_id, message=error)
             token = add(request_id=entry.request_id, token_id=final.token_id, num_accepted_drafts=count)
             if final.logprob is not None:
                 _add_logprobs(token, final)

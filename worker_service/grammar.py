@@ -14,8 +14,10 @@ the rows after it are never used and get a copy of its mask). The executor then 
 matcher back to the accepted tokens (`sync`) and advances it over the sampled one.
 
 EOS is in the mask exactly when the constraint is complete (the matcher knows the model's EOS
-ids). A matcher that errs (the library's per-step limits, or a token it cannot take, as after
-`ignore_eos` ran past the end) allows only EOS from then on, so its request ends.
+ids). A matcher that errs (the library's per-step limits, or a token it cannot take) allows only
+EOS from then on, and the executor reports it (`RequestMatcher.error`, the task result's
+`constraint_failures`), so that its request ends with an error, never as an output that
+followed the constraint.
 """
 
 from __future__ import annotations
@@ -69,6 +71,11 @@ class RequestMatcher:
     def advance(self, token_id: int) -> None:
         """Consume the token just sampled."""
         self._consume([token_id])
+
+    def error(self) -> str | None:
+        """Why the matcher erred (the output no longer follows the constraint); None while it
+        has not."""
+        return self.matcher.get_error().strip() or "the constraint failed" if self.matcher.is_error() else None
 
     def _consume(self, token_ids: list[int]) -> None:
         # A stopped matcher (complete, or erred) takes nothing more, not even the EOS that

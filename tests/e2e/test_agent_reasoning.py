@@ -172,3 +172,19 @@ def test_template_renders_the_tools_and_calls_validate(api, stack) -> None:
         assert "think>" not in (reasoning or ""), reasoning
         assert name == "set_level"
         jsonschema.validate(json.loads(arguments), LEVEL_SCHEMA)
+
+
+@pytest.mark.timeout(120)
+def test_a_constraint_rank_0_cannot_follow_is_an_error_never_a_finished_output(api) -> None:
+    """A regex that spells a special token's text: the grammar library offers that token, then
+    cannot take it (llguidance 1.x), so rank 0's matcher errs. The request ends with a 400 naming
+    the constraint, where it ended as "stop" with an output the regex does not match."""
+    try:
+        message = api.chat.completions.create(
+            model=MODEL, messages=CHAT, temperature=0, max_tokens=16,
+            extra_body={"guided_regex": "<think>[a-z]{3}", "chat_template_kwargs": {"enable_thinking": False}},
+        ).choices[0].message
+    except openai.BadRequestError as exc:
+        assert "constraint: the output could not follow it" in str(exc)
+    else:  # a library that can follow it: then the output matches
+        assert re.fullmatch("<think>[a-z]{3}", message.content), message

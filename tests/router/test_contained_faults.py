@@ -80,3 +80,39 @@ def test_a_rejected_task_fails_its_requests_only_and_the_cache_survives(monkeypa
             assert stats.num_pages_free + stats.num_pages_evictable == stats.num_pages_total
 
     asyncio.run(scenario())
+
+
+@pytest.mark.timeout(60)
+def test_a_constraint_that_fails_on_rank_0_ends_its_request_with_an_error(monkeypatch) -> None:
+    """Rank 0 reports a request whose constraint its matcher could no longer follow: the router
+    ends that request with INVALID_ARGUMENT naming the failure (never as a finished output), frees
+    its pages, and the others in the step go on."""
+    run_task = FakeWorker.run_task
+    failed_steps = []
+
+    def fail_the_constrained(self: FakeWorker, task):
+        reply = run_task(self, task)
+        broken = [token.request_id for token in reply.tokens if token.request_id.startswith("broken")]
+        if broken and self.rank == 0:  # the id the workers know it by
+            failed_steps.append(task.task_id)
+            reply.constraint_failures.add(request_id=broken[0], message="a token the grammar could not take")
+        return reply
+
+    monkeypatch.setattr(FakeWorker, "run_task", fail_the_constrained)
+
+    async def scenario() -> None:
+        async with running_router([64]) as h:
+            neighbour = asyncio.ensure_future(collect(h.stub, generate_request([3, 4, 5], 30)))
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await collect(h.stub, generate_request([6, 7, 8], 30, request_id="broken"), timeout_s=10)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "could not follow it" in caught.value.details()
+            assert "a token the grammar could not take" in caught.value.details()
+            tokens, _, _ = await neighbour
+            assert tokens == expected_tokens([3, 4, 5], 30, eos_every=0)
+            assert failed_steps
+            stats = await h.stub.GetStats(router_pb2.GetStatsRequest(), timeout=5)
+            assert stats.num_running == stats.num_waiting == 0
+            assert stats.num_pages_free + stats.num_pages_evictable == stats.num_pages_total
+
+    asyncio.run(scenario())
