@@ -14,7 +14,7 @@ format has its own: the constraint binds the final message (`harmony_grammar`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from gateway_service.chat_format import ChatFormat, ChatPlan
 from gateway_service.chat_output import prompt_opens_block
@@ -31,13 +31,15 @@ from radixserve.v1 import generation_pb2
 
 
 async def checked_constraint(request: generation_pb2.GenerateRequest, plan: ChatPlan, chat: ChatFormat,
-                             checker: ConstraintChecker, prompt_ids: list[int], tokenizer: Tokenizer,
-                             client: str) -> Constraint | None:
+                             require_checker: Callable[[], ConstraintChecker], prompt_ids: list[int],
+                             tokenizer: Tokenizer, client: str) -> Constraint | None:
     """The request's constraint (the tools' grammar, or its own), compiled once to check it;
-    behind the reasoning block where the output is split at <think>."""
+    behind the reasoning block where the output is split at <think>. The checker is asked for
+    only where there is a constraint."""
     constraint = plan.constraint or constraints.from_proto(request.constraint)
     if constraint is None:
         return None
+    checker = require_checker()
     try:
         await checker.check(constraint, client)
     except InvalidRequest as exc:

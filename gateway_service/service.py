@@ -291,7 +291,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             request.max_tokens if request.HasField("max_tokens") else None, len(prompt_ids),
             info.model.context_len, self._config.default_max_tokens,
         )
-        constraint = await checked_constraint(request, plan, self._require_chat(), self._require_constraints(),
+        constraint = await checked_constraint(request, plan, self._require_chat(), self._require_constraints,
                                               prompt_ids, tokenizer, caller.client)
         # The router sees a unique id even when callers reuse theirs, or when the choices of one
         # HTTP request share it; logs keep the caller's.
