@@ -13,7 +13,7 @@ a constraint binds that answer or that call, never the markup around it.
 
 The end of the output (`<|return|>` after the answer, `<|call|>` after a call: the model's ends
 of sequence) comes once the constraint is complete. Markers are written as their tokens where
-they are special tokens, as in every released gpt-oss tokenizer (`tool_grammar_layouts.Lark`).
+they are special tokens, as in every released gpt-oss tokenizer (`lark_writer.Lark`).
 `tool_choice: "auto"` is not constrained: calls are parsed from whatever the model writes.
 """
 
@@ -23,9 +23,9 @@ import json
 from collections.abc import Mapping, Sequence
 
 from gateway_service.harmony import ANALYSIS, CHANNEL, CONSTRAIN, END, FUNCTIONS, MARKERS, MESSAGE, START
-from gateway_service.tool_grammar_layouts import Lark, literal
+from gateway_service.lark_writer import Lark, literal
 from radixserve.constraints import Constraint
-from radixserve.grammar_compiler import JSON_OPTIONS, after_reasoning
+from radixserve.grammar_compiler import after_reasoning
 from radixserve.v1 import generation_pb2
 
 FINAL = "final"
@@ -54,8 +54,7 @@ def harmony_call_grammar(tools: Sequence[generation_pb2.Tool], special: Mapping[
     thinking = _thinking(lark)
     calls = []
     for tool in tools:
-        schema = json.loads(tool.parameters) if tool.parameters else {"type": "object"}
-        arguments = lark.rule(f"%json {json.dumps({'x-guidance': JSON_OPTIONS, **schema})}")
+        arguments = lark.json_value(json.loads(tool.parameters) if tool.parameters else {"type": "object"})
         calls.append(lark.rule(
             f"{lark.tag(CHANNEL)} {literal(f'commentary to={FUNCTIONS}{tool.name} ')} {lark.tag(CONSTRAIN)} "
             f"{literal('json')} {lark.tag(MESSAGE)} {arguments}"))

@@ -20,7 +20,8 @@ import json
 from collections.abc import Mapping, Sequence
 
 from gateway_service.tool_parser_base import ToolCallParser
-from gateway_service.tool_grammar_layouts import LAYOUTS, layout_calls, literal, regex_escape
+from gateway_service.lark_writer import literal, regex_escape
+from gateway_service.tool_grammar_layouts import LAYOUTS, layout_calls
 from gateway_service.tool_parsers import HermesParser, Llama3JsonParser, MistralParser
 from radixserve.grammar_compiler import JSON_OPTIONS
 from radixserve.v1 import generation_pb2

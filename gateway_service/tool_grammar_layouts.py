@@ -17,6 +17,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from gateway_service.lark_writer import Lark, literal
 from gateway_service.tagged_arguments import Argument, ToolArguments, arguments_by_tool
 from gateway_service.tool_call_stream import (
     DEEPSEEK_CALL_BEGIN,
@@ -29,69 +30,10 @@ from gateway_service.tool_call_stream import (
 from gateway_service.tool_parser_base import ToolCallParser
 from gateway_service.tool_parsers_sections import DeepSeekV3Parser, DeepSeekV31Parser, KimiK2Parser
 from gateway_service.tool_parsers_tagged import Glm45Parser, MiniMaxM2Parser, Qwen3CoderParser
-from radixserve.grammar_compiler import JSON_OPTIONS
 from radixserve.v1 import generation_pb2
 
 # An argument's name where the schema gives none (an open object): what the parsers read as one.
 OPEN_KEY = r"[A-Za-z0-9_.$-]+"
-
-
-def regex_escape(text: str) -> str:
-    """`text` as a literal inside a Lark `/regex/` (llguidance's syntax: `\\<` would be a word start)."""
-    return "".join(_ESCAPES.get(char, "\\" + char if char in _REGEX_SPECIAL else char) for char in text)
-
-
-_REGEX_SPECIAL = frozenset("\\.^$|?*+()[]{}/")
-_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
-
-
-def literal(text: str) -> str:
-    """`text` as a Lark string literal."""
-    return json.dumps(text, ensure_ascii=False)
-
-
-class Lark:
-    """A grammar being written: numbered rules and lexemes, and the tags' spelling."""
-
-    def __init__(self, special: Mapping[str, int]) -> None:
-        self.special = special
-        self.lines: list[str] = []
-
-    def tag(self, text: str) -> str:
-        return f"<[{self.special[text]}]>" if text in self.special else literal(text)
-
-    def rule(self, body: str) -> str:
-        name = f"r{len(self.lines)}"
-        self.lines.append(f"{name}: {body}")
-        return name
-
-    def json_value(self, schema: dict) -> str:
-        return self.rule(f"%json {json.dumps({'x-guidance': JSON_OPTIONS, **schema})}")
-
-    def text_then(self, close: Sequence[str], excluded: Sequence[str], low: int = 0, high: int | None = None,
-                  pattern: str | None = None) -> str:
-        """Text of `low` to `high` characters (or matching `pattern`) that holds none of `excluded`,
-        then `close` (tags and text): the text part of `close` before its first special token is in
-        the text's lexeme."""
-        first_special = next((i for i, piece in enumerate(close) if piece in self.special), len(close))
-        spelled = "".join(close[:first_special])
-        rest = " ".join(self.tag(piece) for piece in close[first_special:])
-        optional = not spelled and pattern is None and low == 0
-        if high == 0 and optional:  # only the empty text
-            return rest
-        if pattern is None:  # an empty text is no lexeme: one ended by a special token is optional instead
-            low = max(low, 1) if optional else low
-            pattern = ".*" if (low, high) == (0, None) else f".{{{low},{'' if high is None else high}}}"
-        name = f"T{len(self.lines)}"
-        lexeme = f"/(?s:{pattern}){regex_escape(spelled)}/"
-        if excluded:  # a closing tag may only end it (where it is spelled in the lexeme)
-            tags = "|".join(regex_escape(tag) for tag in excluded)
-            lexeme += f" & ~/(?s:.*)({tags})(?s:{'.+' if spelled else '.*'})/"
-        self.lines.append(f"{name}: {lexeme}")
-        return f"{name}{'?' if optional else ''} {rest}".strip()
-
-    def text(self) -> str:
-        return "\n".join(self.lines) + "\n"
 
 
 def layout_calls(parser: ToolCallParser, tools: Sequence[generation_pb2.Tool], parallel: bool,
