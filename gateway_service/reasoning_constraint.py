@@ -8,8 +8,8 @@ token, so the model could not think first. Instead the output may start with one
 the prompt already opened the block, starts inside it, and the constraint binds what follows
 (`grammar_compiler.after_reasoning`). So a model that does not think goes straight to the
 constrained answer, and one that thinks is constrained from `</think>` on. The tags are written as
-their tokens where they are special tokens (`lark_writer.Lark`). gpt-oss's harmony
-format has its own: the constraint binds the final message (`harmony_grammar`).
+their tokens where they are special tokens (`lark_writer.Lark`). gpt-oss's harmony format has its
+own rule: the constraint binds the final message (`harmony_grammar`).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from gateway_service.chat_output import prompt_opens_block
 from gateway_service.constraint_check import ConstraintChecker
 from gateway_service.errors import InvalidRequest
 from gateway_service.harmony_grammar import harmony_answer
+from gateway_service.lark_writer import Lark
 from gateway_service.reasoning import CLOSE, HARMONY, OPEN, THINK
 from gateway_service.tokenizer import Tokenizer
-from gateway_service.lark_writer import Lark
 from radixserve import constraints
 from radixserve.constraints import Constraint
 from radixserve.grammar_compiler import after_reasoning
