@@ -64,9 +64,25 @@ class TaggedBlockParser(BlockParser):
             bound._tools = {}
         return bound
 
+    # A call in a block (groups: its name, its arguments' text) and an argument (its key, its value).
+    _CALL: re.Pattern
+    _PAIR: re.Pattern
+
+    def _read_block(self, body: str) -> list[ParsedCall]:
+        return read_sequence(self._CALL, body, self._read_call)
+
     def _read_open_block(self, body: str) -> list[ParsedCall]:
         """The calls closed so far in a block still being written."""
-        return []
+        return read_sequence(self._CALL, body, self._read_call, whole=False)
+
+    def _read_call(self, match: re.Match) -> ParsedCall:
+        name, arguments = match.groups()
+        return self._arguments_call(name, read_sequence(
+            self._PAIR, arguments, lambda pair: (pair.group(1), self._value_text(pair.group(2)))))
+
+    def _value_text(self, written: str) -> str:
+        """A value's text as the layout writes it, less what the layout puts around it."""
+        return written
 
     def partial_calls(self, text: str) -> list[PartialCall]:
         calls: list[ParsedCall] = []
@@ -107,8 +123,10 @@ class Glm45Parser(TaggedBlockParser):
     _PAIR = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
     def _read_block(self, body: str) -> list[ParsedCall]:
-        name, pairs = self._CALL.fullmatch(body).groups()
-        return [self._arguments_call(name, read_sequence(self._PAIR, pairs, lambda match: match.groups()))]
+        return [self._read_call(self._CALL.fullmatch(body))]
+
+    def _read_open_block(self, body: str) -> list[ParsedCall]:
+        return []
 
     def render_calls(self, calls: list[tuple[str, dict]]) -> str:
         return "\n".join(
@@ -126,18 +144,8 @@ class MiniMaxM2Parser(TaggedBlockParser):
     closing = "</minimax:tool_call>"
     cue = marker
     inner_tags = (closing,)
-    _INVOKE = re.compile(r'\s*<invoke name="([^"]*)">(.*?)</invoke>', re.S)
-    _PARAMETER = re.compile(r'\s*<parameter name="([^"]*)">(.*?)</parameter>', re.S)
-
-    def _read_block(self, body: str) -> list[ParsedCall]:
-        return read_sequence(self._INVOKE, body, self._read_invoke)
-
-    def _read_open_block(self, body: str) -> list[ParsedCall]:
-        return read_sequence(self._INVOKE, body, self._read_invoke, whole=False)
-
-    def _read_invoke(self, match: re.Match) -> ParsedCall:
-        name, parameters = match.groups()
-        return self._arguments_call(name, read_sequence(self._PARAMETER, parameters, lambda m: m.groups()))
+    _CALL = re.compile(r'\s*<invoke name="([^"]*)">(.*?)</invoke>', re.S)
+    _PAIR = re.compile(r'\s*<parameter name="([^"]*)">(.*?)</parameter>', re.S)
 
     def render_calls(self, calls: list[tuple[str, dict]]) -> str:
         invokes = "".join(
@@ -155,20 +163,11 @@ class Qwen3CoderParser(TaggedBlockParser):
     closing = "</tool_call>"
     cue = "<function="
     inner_tags = (closing,)
-    _FUNCTION = re.compile(r"\s*<function=([^>]*)>(.*?)</function>", re.S)
-    _PARAMETER = re.compile(r"\s*<parameter=([^>]*)>(.*?)</parameter>", re.S)
+    _CALL = re.compile(r"\s*<function=([^>]*)>(.*?)</function>", re.S)
+    _PAIR = re.compile(r"\s*<parameter=([^>]*)>(.*?)</parameter>", re.S)
 
-    def _read_block(self, body: str) -> list[ParsedCall]:
-        return read_sequence(self._FUNCTION, body, self._read_function)
-
-    def _read_open_block(self, body: str) -> list[ParsedCall]:
-        return read_sequence(self._FUNCTION, body, self._read_function, whole=False)
-
-    def _read_function(self, match: re.Match) -> ParsedCall:
-        name, parameters = match.groups()
-        pairs = read_sequence(self._PARAMETER, parameters,
-                              lambda m: (m.group(1), m.group(2).removeprefix("\n").removesuffix("\n")))
-        return self._arguments_call(name, pairs)
+    def _value_text(self, written: str) -> str:
+        return written.removeprefix("\n").removesuffix("\n")
 
     def render_calls(self, calls: list[tuple[str, dict]]) -> str:
         return "\n".join(

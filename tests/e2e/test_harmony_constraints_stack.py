@@ -20,18 +20,12 @@ import pytest
 from constrained_model import SMOLLM2_VOCAB_SIZE, with_smollm2_tokenizer
 from e2e.stack import launch
 from gateway_service import harmony
+from harmony_chat import HARMONY_TEMPLATE
 from procs import ServiceProcesses
 from worker.tiny_models import make_tiny_llama
 
 MODEL = "tiny-harmony"
 TIMEOUT_S = 60.0
-TEMPLATE = (
-    "{%- if tools %}<|start|>developer<|message|># Tools{% for tool in tools %} {{ tool.function.name }}"
-    "{% endfor %}<|end|>{% endif %}"
-    "{%- for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}<|channel|>final{% endif %}"
-    "<|message|>{{ m.content }}<|end|>{%- endfor %}"
-    "{%- if add_generation_prompt %}<|start|>assistant{% endif %}"
-)
 CHAT = [{"role": "user", "content": "Is it sunny?"}]
 MARKER_IDS = {marker: SMOLLM2_VOCAB_SIZE + index for index, marker in enumerate(harmony.MARKERS)}
 # Close an analysis body after some sampled tokens.
@@ -59,7 +53,7 @@ def api(tmp_path_factory, smollm2_dir):
     tokenizer.add_special_tokens({"additional_special_tokens": list(harmony.MARKERS)})
     assert tokenizer.convert_tokens_to_ids(list(harmony.MARKERS)) == list(MARKER_IDS.values())
     tokenizer.save_pretrained(str(model_dir))
-    (model_dir / "chat_template.jinja").write_text(TEMPLATE)
+    (model_dir / "chat_template.jinja").write_text(HARMONY_TEMPLATE)
     with ServiceProcesses() as procs:
         stack = launch(procs, model_dir, tp=1, default_max_tokens=48, with_http=True)
         with openai.OpenAI(base_url=f"{stack.http_base}/v1", api_key="unused", max_retries=0,

@@ -15,6 +15,8 @@ from gateway_service.openai_api.app import TokenCheck
 from gateway_service.server import Gateway
 from gateway_service.tokenizer import Tokenizer
 from procs import free_port
+from radixserve import constraints
+from radixserve.constraints import Constraint
 from radixserve.v1 import generation_pb2, generation_pb2_grpc, router_pb2
 
 CONTEXT_LEN = 512
@@ -49,6 +51,10 @@ class GatewayHarness:
 
     def all_requests(self) -> list[router_pb2.RouterGenerateRequest]:
         return [r for router in self.routers for r in router.state.requests]
+
+    def sent_constraint(self) -> Constraint | None:
+        """The constraint the last request routed carried (None: none)."""
+        return constraints.from_proto(self.all_requests()[-1].constraint)
 
     def all_cancelled(self) -> list[str]:
         return [r for router in self.routers for r in router.state.cancelled]

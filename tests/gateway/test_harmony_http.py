@@ -19,18 +19,12 @@ from gateway.harness import EOS_TOKEN_ID, GatewayHarness, start_harness, stop_ha
 from gateway_service import harmony
 from gateway_service.chat_format import ChatFormat
 from gateway_service.tokenizer import Tokenizer
+from harmony_chat import HARMONY_TEMPLATE
 from radixserve.v1 import generation_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)
 MODEL = "fake-smollm2"
 TIMEOUT_S = 10.0
-TEMPLATE = (
-    "{%- if tools %}<|start|>developer<|message|># Tools{% for tool in tools %} {{ tool.function.name }}"
-    "{% endfor %}<|end|>{% endif %}"
-    "{%- for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}<|channel|>final{% endif %}"
-    "<|message|>{{ m.content }}<|end|>{%- endfor %}"
-    "{%- if add_generation_prompt %}<|start|>assistant{% endif %}"
-)
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {"location": {"type": "string"}}}}}
 CHAT = [{"role": "user", "content": "Weather in Paris?"}]
@@ -46,7 +40,7 @@ def harmony_tokenizer(smollm2_dir) -> Tokenizer:
 
     hf = AutoTokenizer.from_pretrained(str(smollm2_dir))
     hf.add_special_tokens({"additional_special_tokens": list(harmony.MARKERS)})
-    hf.chat_template = TEMPLATE
+    hf.chat_template = HARMONY_TEMPLATE
     return Tokenizer(hf)
 
 
@@ -137,14 +131,6 @@ def test_cut_by_max_tokens_inside_the_analysis(harness, api, harmony_tokenizer) 
     assert reasoning and "The user wants the weather.".startswith(reasoning)
 
 
-def _sent_constraint(harness: GatewayHarness):
-    from radixserve.constraints import Constraint, ConstraintKind
-
-    sent = harness.all_requests()[-1].constraint
-    kind = sent.WhichOneof("kind")
-    return Constraint(ConstraintKind(kind), text=getattr(sent, kind))
-
-
 def _accepts(tokenizer: Tokenizer, constraint, text: str) -> bool:
     from radixserve.grammar_compiler import GrammarCompiler
 
@@ -162,7 +148,7 @@ def test_a_required_call_is_constrained_after_the_analysis(harness, api, harmony
         reply = api.chat.completions.create(model=MODEL, messages=CHAT, tools=[WEATHER], tool_choice=choice)
         (made,) = reply.choices[0].message.tool_calls
         assert made.function.name == "get_weather" and json.loads(made.function.arguments) == {"location": "Paris"}
-        constraint = _sent_constraint(harness)
+        constraint = harness.sent_constraint()
         assert _accepts(harmony_tokenizer, constraint, call.removesuffix(harmony.CALL))
         assert not _accepts(harmony_tokenizer, constraint, ANSWER.removesuffix(harmony.RETURN))  # no answer
     with pytest.raises(openai.BadRequestError, match="enable_thinking"):  # the split cannot be turned off
@@ -179,7 +165,7 @@ def test_response_format_binds_the_final_message(harness, api, harmony_tokenizer
     message = reply.choices[0].message
     assert json.loads(message.content) == {"sunny": True}
     assert message.model_extra["reasoning_content"] == "The user wants the weather."
-    constraint = _sent_constraint(harness)
+    constraint = harness.sent_constraint()
     assert constraint.kind.value == "llguidance" and _accepts(harmony_tokenizer, constraint, answer)
     assert not _accepts(harmony_tokenizer, constraint, '{"sunny": true}')  # no final message's header
 

@@ -123,9 +123,8 @@ def test_the_gateway_sends_the_answers_constraint_behind_the_block(thinking_gate
                 model="fake-smollm2", messages=[{"role": "user", "content": "Level?"}], response_format=schema,
                 extra_body={"chat_template_kwargs": kwargs}).choices[0].message
             assert message.content == answer, kwargs
-            sent = harness.all_requests()[-1].constraint
-            assert sent.WhichOneof("kind") == ("llguidance" if split else "json_schema"), kwargs
-            kind = sent.WhichOneof("kind")
-            matcher = compiler.matcher(Constraint(ConstraintKind(kind), text=getattr(sent, kind)))
+            sent = harness.sent_constraint()
+            assert sent.kind is (ConstraintKind.LLGUIDANCE if split else ConstraintKind.JSON_SCHEMA), kwargs
+            matcher = compiler.matcher(sent)
             assert matcher.consume_tokens(tokenizer.hf.encode(thinking + answer, add_special_tokens=False))
             assert matcher.is_accepting(), kwargs

@@ -99,18 +99,10 @@ def _say(family) -> None:
     harness.script_all(token_ids + [EOS_TOKEN_ID])
 
 
-def _sent_constraint(harness: GatewayHarness):
-    from radixserve.constraints import Constraint, ConstraintKind
-
-    sent = harness.all_requests()[-1].constraint
-    kind = sent.WhichOneof("kind")
-    return Constraint(ConstraintKind(kind), text=getattr(sent, kind))
-
-
 def _tool_grammar(harness: GatewayHarness, spec: Family) -> str:
     """The tools' grammar the last request carried: behind the reasoning block (llguidance's own
     grammar JSON, the tools' grammar second) for a family that thinks, else as it is."""
-    constraint = _sent_constraint(harness)
+    constraint = harness.sent_constraint()
     if spec.reasoning is None:
         return constraint.text
     grammars = json.loads(constraint.text)["grammars"]
@@ -177,7 +169,7 @@ def test_a_required_call_is_constrained_by_the_familys_grammar(family, api, smol
         assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"location": "Paris"}
         assert reply.choices[0].finish_reason == "tool_calls" and not reply.choices[0].message.content
         assert not _tool_grammar(harness, spec).startswith("start: TEXT")  # calls only
-        matcher = compiler.matcher(_sent_constraint(harness))
+        matcher = compiler.matcher(harness.sent_constraint())
         assert matcher.consume_tokens(token_ids) and matcher.is_accepting()
-        assert not compiler.matcher(_sent_constraint(harness)).consume_tokens(
+        assert not compiler.matcher(harness.sent_constraint()).consume_tokens(
             tokenizer.hf.encode("It is sunny.", add_special_tokens=False))
